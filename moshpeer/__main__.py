@@ -1,0 +1,3 @@
+from moshpeer.cli.main import main
+
+raise SystemExit(main())
