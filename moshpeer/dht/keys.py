@@ -1,0 +1,30 @@
+"""Names of every DHT key moshpeer uses, in one place.
+
+A run's keys all start with its run id, so runs that share a DHT (one bootstrap node can serve
+several) never see each other's records. Other layers add their keys here (progress, averaging),
+so a reader can see at a glance what a run stores in the DHT.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moshpeer.errors import UserError
+
+# Run ids appear in keys, logs and file names: keep them short and shell-safe.
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return `run_id` unchanged if it is a usable run id, else raise `UserError`."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise UserError(
+            f"invalid run id {run_id!r}: use 1-64 characters from letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )
+    return run_id
+
+
+def peers_key(run_id: str) -> str:
+    """Key of the run's membership dictionary: one signed `PeerRecord` per peer, subkey = owner's public key."""
+    return f"{run_id}_peers"

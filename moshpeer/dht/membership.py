@@ -1,0 +1,99 @@
+"""Swarm membership: publish, list and withdraw peer records under the run's key.
+
+Each peer owns one entry of the run's dictionary `peers_key(run_id)`: subkey = its `[owner:...]`
+public-key marker, value = its `PeerRecord`, signed by hivemind's RSASignatureValidator. An entry
+lives until its expiration time; the owner re-publishes it every heartbeat with a later one. A
+peer that leaves on purpose publishes `leaving=True` (it cannot delete: a DHT entry only yields to
+one that expires later), and readers drop leaving records at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import List, Optional
+
+from hivemind.utils import get_dht_time
+
+from moshpeer.dht.keys import peers_key
+from moshpeer.dht.node import SwarmDHT
+from moshpeer.dht.records import ROLES, PeerRecord
+from moshpeer.dht.validation import RecordRejected, parse_owned_entry
+from moshpeer.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+def publish_record(
+    dht: SwarmDHT, run_id: str, record: PeerRecord, expiration: float, *, timeout: Optional[float] = None
+) -> bool:
+    """Store or refresh this peer's record for `expiration` seconds from now; True if some node accepted it.
+
+    The record must be about this DHT's own identity: it is stored under, and signed with, that key.
+    """
+    if record.peer_id != dht.identity.peer_id:
+        raise ValueError(f"record is about {record.peer_id}, but this DHT's identity is {dht.identity.peer_id}")
+    future = dht.store(
+        peers_key(run_id),
+        record.to_wire(),
+        expiration_time=get_dht_time() + expiration,
+        subkey=dht.owner_subkey,
+        return_future=True,
+    )
+    try:
+        return bool(future.result(timeout=timeout))
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return False
+
+
+def withdraw(
+    dht: SwarmDHT, run_id: str, record: PeerRecord, expiration: float, *, timeout: Optional[float] = None
+) -> bool:
+    """Mark this peer's record as leaving, so readers stop counting it immediately.
+
+    Pass the same `expiration` as the heartbeats: the DHT keeps whichever version of an entry
+    expires last, so the leaving version must not expire earlier than the last live one.
+    """
+    leaving = record.updated(leaving=True, updated_at=get_dht_time())
+    return publish_record(dht, run_id, leaving, expiration, timeout=timeout)
+
+
+def list_peers(
+    dht: SwarmDHT,
+    run_id: str,
+    *,
+    include_leaving: bool = False,
+    any_protocol: bool = False,
+    timeout: Optional[float] = None,
+) -> List[PeerRecord]:
+    """Live peers of the run, as the swarm reports them now, sorted by role then peer id.
+
+    Entries that fail validation are dropped (everything from the network is untrusted), as are
+    leaving peers and peers of another protocol generation unless asked for.
+    """
+    future = dht.get(peers_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"listing peers of run {run_id!r} took longer than {timeout} s") from None
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    records = []
+    for subkey, entry in found.value.items():
+        try:
+            record = parse_owned_entry(subkey, entry.value, PeerRecord)
+        except RecordRejected as e:
+            logger.debug(f"ignoring an invalid peer record in run {run_id!r}: {e.reason}")
+            continue
+        if entry.expiration_time <= now:
+            continue
+        if record.leaving and not include_leaving:
+            continue
+        if record.protocol != PROTOCOL_VERSION and not any_protocol:
+            continue
+        records.append(record)
+    records.sort(key=lambda r: (ROLES.index(r.role), r.peer_id))
+    return records

@@ -1,0 +1,230 @@
+"""Starting (or joining) the swarm's hivemind DHT, with every failure the user can fix as a `UserError`.
+
+`start_dht` checks its inputs before starting anything (multiaddrs, listen ports, identity file),
+then starts a `SwarmDHT` (a `hivemind.DHT` in its own process, which runs a p2pd child) and, if
+initial peers are given, retries until one of them answers or `connect_timeout` runs out.
+
+Process hygiene: the DHT process leads its own process group, which its p2pd child joins. Signals
+sent to the terminal's or the launcher's process group (Ctrl-C, `kill -- -PGID`) therefore reach
+only the main process, which stays in charge of an orderly shutdown (it needs the DHT alive to
+withdraw its record). If the main process dies without shutting down (SIGKILL, crash), a watchdog
+thread in the DHT process notices that it was orphaned and takes its whole group, p2pd included,
+down with it; `SwarmDHT.kill` and an atexit hook do the same from the main process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from typing import Callable, Optional, Sequence
+
+import hivemind
+
+from moshpeer.dht.identity import Identity
+from moshpeer.dht.keys import peers_key, validate_run_id
+from moshpeer.dht.maddrs import check_ports_free, parse_initial_peers, parse_listen_maddrs
+from moshpeer.dht.records import PeerRecord
+from moshpeer.dht.validation import OwnedRecordValidator
+from moshpeer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+DEFAULT_CONNECT_TIMEOUT = 30.0
+# How often the DHT process checks that its parent is still alive.
+_ORPHAN_POLL_SECONDS = 0.5
+# Pause between attempts to reach initial peers that are not up yet.
+_RETRY_PAUSE_SECONDS = 1.0
+
+
+class StartCancelled(Exception):
+    """`start_dht` gave up because its caller asked to stop (e.g. SIGTERM while connecting)."""
+
+
+class SwarmDHT(hivemind.DHT):
+    """A `hivemind.DHT` that knows its `Identity` and cleans up after itself (see module docstring).
+
+    Use `start_dht` to create one; the constructor takes hivemind.DHT's arguments plus `identity`.
+    """
+
+    def __init__(self, *args, identity: Identity, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.identity = identity
+        self._creator_pid = os.getpid()
+
+    @property
+    def owner_subkey(self) -> bytes:
+        """Subkey under which this peer's owned (signed) records are stored."""
+        return self.identity.owner_subkey
+
+    def run(self) -> None:
+        # Runs in the forked DHT process, before p2pd is spawned, so p2pd joins this group.
+        os.setpgid(0, 0)
+        threading.Thread(
+            target=_exit_when_orphaned, args=(os.getppid(),), name="moshpeer-orphan-watchdog", daemon=True
+        ).start()
+        super().run()
+
+    def kill(self) -> None:
+        """SIGKILL the DHT process and its p2pd, wherever they are; safe to call more than once."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the DHT process leads its group: pgid == its pid
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._creator_pid == os.getpid():
+            self.join(timeout=1.0)  # reap it, so no zombie is left behind
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Graceful shutdown (p2pd terminated by hivemind), then kill whatever is left of the group."""
+        if self.is_alive():
+            self.shutdown_timeout = timeout
+            try:
+                self.shutdown()
+            except (OSError, ValueError):  # pipe already closed by an earlier shutdown
+                pass
+        self.kill()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """In the DHT process: when the main process is gone, terminate this process group (p2pd included)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_ORPHAN_POLL_SECONDS)
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(3.0)  # only reached if SIGTERM did not end this process
+    os.killpg(0, signal.SIGKILL)
+
+
+def _stop_at_exit(dht_ref: "weakref.ReferenceType[SwarmDHT]") -> None:
+    dht = dht_ref()
+    if dht is not None and dht._creator_pid == os.getpid():
+        dht.stop(timeout=1.0)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+    announce_maddrs: Sequence[str] = (),
+    identity_path: Optional[str] = None,
+    identity: Optional[Identity] = None,
+    client_mode: bool = False,
+    run_ids: Sequence[str] = (),
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    should_stop: Optional[Callable[[], bool]] = None,
+    **dht_kwargs,
+) -> SwarmDHT:
+    """Start a DHT node and, with `initial_peers`, join their swarm; return it once it is ready.
+
+    :param initial_peers: multiaddrs of running peers, each ending in /p2p/<peer id>; empty = new swarm
+    :param host_maddrs: where to listen; announce_maddrs: addresses to advertise instead (NAT, proxies)
+    :param identity_path: persistent identity file (created if missing), so a restart keeps the peer id;
+        `identity` passes an already loaded one; with neither, the peer gets a fresh identity
+    :param client_mode: do not accept incoming DHT requests (for peers that cannot be reached)
+    :param run_ids: runs whose peer records this node schema-checks (signatures are always checked)
+    :param connect_timeout: how long to keep trying to reach `initial_peers`
+    :param should_stop: polled between attempts; returning True raises `StartCancelled`
+    :param dht_kwargs: passed on to hivemind.DHT / DHTNode / P2P
+    :raises UserError: malformed multiaddr, port in use, bad identity file, unreachable initial peers
+    """
+    initial_peers = parse_initial_peers(initial_peers)
+    host_maddrs = parse_listen_maddrs(host_maddrs)
+    announce_maddrs = parse_listen_maddrs(announce_maddrs, announce=True)
+    run_ids = [validate_run_id(run_id) for run_id in run_ids]
+    if client_mode and not initial_peers:
+        raise UserError("a client-mode peer cannot start a new swarm: give --initial-peers")
+    check_ports_free(host_maddrs)
+
+    persistent = identity_path is not None
+    if identity is None:
+        identity = Identity.load_or_create(identity_path) if persistent else Identity.generate()
+    validators = [
+        identity.signature_validator(),
+        OwnedRecordValidator({peers_key(run_id): PeerRecord for run_id in run_ids}),
+    ]
+
+    key_dir = None
+    if identity.path is None:
+        # p2pd reads its key from a file: give it a private temporary one, removed once p2pd has read it.
+        key_dir = tempfile.mkdtemp(prefix="moshpeer-identity-")
+        key_path = os.path.join(key_dir, "identity.key")
+        with open(os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(identity.to_file_bytes())
+    else:
+        key_path = identity.path
+
+    deadline = time.monotonic() + connect_timeout
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            dht = SwarmDHT(
+                initial_peers=initial_peers or None,
+                identity=identity,
+                start=False,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce_maddrs or None,
+                identity_path=key_path,
+                # A fresh key cannot be in use; a persistent one is checked (hivemind asks the swarm).
+                check_if_identity_free=persistent,
+                client_mode=client_mode,
+                record_validators=validators,
+                startup_timeout=max(remaining, 5.0),
+                shutdown_timeout=2.0,
+                **dht_kwargs,
+            )
+            dht.run_in_background(await_ready=False)
+            try:
+                dht.wait_until_ready(timeout=max(remaining, 5.0) + 15.0)
+            except BaseException as e:
+                dht.stop(timeout=1.0)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                _raise_user_error_unless_unreachable(e, has_initial_peers=bool(initial_peers))
+                if should_stop is not None and should_stop():
+                    raise StartCancelled() from None
+                if time.monotonic() + _RETRY_PAUSE_SECONDS >= deadline:
+                    raise UserError(
+                        f"cannot reach initial peers {' '.join(initial_peers)} after {connect_timeout:g} s"
+                    ) from None
+                logger.info(f"initial peers not reachable yet, retrying ({_first_line(e)})")
+                time.sleep(_RETRY_PAUSE_SECONDS)
+                continue
+            atexit.register(_stop_at_exit, weakref.ref(dht))
+            return dht
+    finally:
+        if key_dir is not None:
+            shutil.rmtree(key_dir, ignore_errors=True)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_peers: bool) -> None:
+    """Turn a DHT startup failure into a `UserError`, unless it means "initial peers not reachable yet"."""
+    text = str(error)
+    unreachable = (
+        "failed to connect to bootstrap peers" in text
+        or "none of the initial_peers responded" in text
+        or "Daemon failed to start in" in text  # p2pd still dialing an address that does not answer
+    )
+    if unreachable and has_initial_peers:
+        return
+    if "address already in use" in text:
+        raise UserError(f"a listen port is already in use ({_first_line(error)})") from None
+    if "already taken by another peer" in text:
+        raise UserError(
+            "this identity is already used by a running peer: stop it first, or use another --identity"
+        ) from None
+    if type(error).__name__ == "P2PDaemonError":
+        raise UserError(f"could not start p2pd: {_first_line(error)}") from None
+    raise error

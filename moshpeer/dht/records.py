@@ -1,0 +1,80 @@
+"""The peer record: what each peer says about itself in the run's membership dictionary.
+
+Records arrive from the network, so the schema is strict and bounded: exact types (no coercion of
+"3" to 3), finite numbers, short strings, short lists, no unknown fields. `PeerRecord.from_wire`
+is the one way to turn untrusted data into a record.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, List, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+Role = Literal["trainer", "aux", "bootstrap"]
+ROLES = ("trainer", "aux", "bootstrap")
+
+# Bounds that keep a record small (it is re-published every heartbeat and fetched by every peer).
+MAX_ADDRESSES = 16
+MAX_ADDRESS_CHARS = 256
+MAX_GRID_DIMS = 32
+MAX_GRID_COORD = 1 << 16
+MAX_GROUP_BITS = 64
+
+_PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58
+_Address = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ADDRESS_CHARS)]
+_Count = Annotated[int, Field(ge=0, le=2**62)]
+_Seconds = Annotated[float, Field(ge=0.0)]
+
+# Fields the owning peer may change while it runs; the rest are fixed when it starts.
+MUTABLE_FIELDS = frozenset(
+    {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second"}
+)
+
+
+class PeerRecord(BaseModel):
+    """One peer's entry in the run's membership dictionary (`keys.peers_key(run_id)`).
+
+    Stored under the owner's `[owner:<public key>]` subkey and signed with that key; `peer_id` must be
+    the libp2p peer id of that same key (see `validation.PeerRecordValidator`).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    peer_id: _PeerIdStr
+    role: Role
+    addresses: List[_Address] = Field(default_factory=list, max_length=MAX_ADDRESSES)
+    # Moshpit grid coordinates and/or hivemind-style group bits, filled in by the averaging layer.
+    grid: List[Annotated[int, Field(ge=0, lt=MAX_GRID_COORD)]] = Field(default_factory=list, max_length=MAX_GRID_DIMS)
+    group_bits: Annotated[str, StringConstraints(pattern=rf"^[01]{{0,{MAX_GROUP_BITS}}}$")] = ""
+    epoch: _Count = 0
+    step: _Count = 0
+    # Samples this peer has processed toward the current collaborative epoch (swarm progress).
+    samples_accumulated: _Count = 0
+    samples_per_second: _Seconds = 0.0
+    version: Annotated[str, StringConstraints(max_length=64)]
+    protocol: Annotated[int, Field(ge=0, le=2**31)]
+    started_at: _Seconds  # unix time the peer started, by its own clock
+    updated_at: _Seconds  # unix time of this publication, by the owner's clock: "last seen"
+    leaving: bool = False  # set by a peer that withdraws; readers drop it at once
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "PeerRecord":
+        """Validate an untrusted value from the DHT: strict types, no conversions. Raises ValueError."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a peer record must be a map, got {type(value).__name__}")
+        return cls.model_validate(value, strict=True)
+
+    def to_wire(self) -> dict:
+        """The msgpack-friendly dict stored in the DHT (floats stay floats, lists stay lists)."""
+        return self.model_dump(mode="python")
+
+    def updated(self, **fields: Any) -> "PeerRecord":
+        """A copy with `fields` changed, validated again (unlike `model_copy`)."""
+        data = self.model_dump(mode="python")
+        data.update(fields)
+        return PeerRecord.model_validate(data)
+
+    def seconds_since_update(self, now: float) -> float:
+        """How long ago the owner published this record (negative if its clock runs ahead of ours)."""
+        return now - self.updated_at
