@@ -194,7 +194,7 @@ def start_dht(
                     raise UserError(
                         f"cannot reach initial peers {' '.join(initial_peers)} after {connect_timeout:g} s"
                     ) from None
-                logger.info(f"initial peers not reachable yet, retrying ({_first_line(e)})")
+                logger.debug(f"initial peers not reachable yet, retrying ({_first_line(e)})")
                 time.sleep(_RETRY_PAUSE_SECONDS)
                 continue
             atexit.register(_stop_at_exit, weakref.ref(dht))

@@ -1,0 +1,170 @@
+"""Argument helpers and output conventions shared by the swarm subcommands (dht, join, status).
+
+Output conventions: human-readable messages go to stderr (through logging), the machine-readable
+readiness line is the only thing a peer prints on stdout: one JSON object, flushed at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Dict, List
+
+from moshpeer.dht import DEFAULT_HOST_MADDRS, Role
+from moshpeer.dht.maddrs import maddrs_for_port
+from moshpeer.errors import UserError
+from moshpeer.peer.daemon import PeerDaemon
+
+DEFAULT_CONNECT_TIMEOUT = 30.0
+DEFAULT_HEARTBEAT = 5.0
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def add_run_id_argument(parser: argparse.ArgumentParser, *, required: bool = True, default: str = None) -> None:
+    parser.add_argument(
+        "--run-id",
+        required=required,
+        default=default,
+        metavar="NAME",
+        help="name of the training run; peers of one run share it" + (f" (default: {default})" if default else ""),
+    )
+
+
+def add_initial_peers_argument(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        required=required,
+        metavar="MADDR",
+        help="multiaddrs of running peers, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm... (as printed by 'moshpeer dht')",
+    )
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
+    """Listening, announcing, identity and connection-timeout options of a long-running peer."""
+    group = parser.add_argument_group("network")
+    group.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        metavar="MADDR",
+        help=f"multiaddrs to listen on (default: {' '.join(DEFAULT_HOST_MADDRS)})",
+    )
+    group.add_argument("--port", type=int, metavar="N", help="listen on TCP port N of all interfaces")
+    group.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs other peers should use to reach this one (public address behind NAT or a proxy)",
+    )
+    group.add_argument(
+        "--identity",
+        metavar="PATH",
+        help="private key file that keeps this peer's id across restarts (created if missing)",
+    )
+    group.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        default=DEFAULT_CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"give up if no initial peer answers within this time (default: {DEFAULT_CONNECT_TIMEOUT:g})",
+    )
+
+
+def add_membership_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("membership")
+    group.add_argument(
+        "--heartbeat",
+        type=positive_float,
+        default=DEFAULT_HEARTBEAT,
+        metavar="SECONDS",
+        help=f"re-publish this peer's record this often (default: {DEFAULT_HEARTBEAT:g})",
+    )
+    group.add_argument(
+        "--expiration",
+        type=positive_float,
+        metavar="SECONDS",
+        help="a record vanishes this long after its last heartbeat (default: 3 heartbeats)",
+    )
+
+
+def host_maddrs_from_args(args: argparse.Namespace) -> List[str]:
+    """--host-maddrs, or --port on all interfaces, or the default (any free port on all interfaces)."""
+    if args.host_maddrs and args.port is not None:
+        raise UserError("give either --port or --host-maddrs, not both")
+    if args.port is not None:
+        return maddrs_for_port(args.port)
+    return list(args.host_maddrs or DEFAULT_HOST_MADDRS)
+
+
+def membership_timing_from_args(args: argparse.Namespace) -> Dict[str, float]:
+    expiration = args.expiration if args.expiration is not None else 3 * args.heartbeat
+    if expiration <= args.heartbeat:
+        raise UserError(f"--expiration ({expiration:g} s) must be longer than --heartbeat ({args.heartbeat:g} s)")
+    return {"heartbeat": args.heartbeat, "expiration": expiration}
+
+
+def configure_logging(verbose: bool) -> None:
+    """Keep the default output readable: hivemind's loggers at WARNING unless -v (then DEBUG)."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # hivemind's records go through the root handler, in our format
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    # Forked DHT processes inherit these settings; p2pd's output is logged (and filtered) through them.
+
+
+def join_command(maddrs: List[str], run_id: str) -> str:
+    """The ready-to-paste command that joins this swarm."""
+    return f"moshpeer join --initial-peers {' '.join(maddrs)} --run-id {run_id}"
+
+
+def print_ready_line(**fields: Any) -> None:
+    """Print the one machine-readable readiness line: {"event": "ready", ...} on stdout, flushed."""
+    sys.stdout.write(json.dumps({"event": "ready", **fields}, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = False) -> PeerDaemon:
+    """A `PeerDaemon` configured from the network and membership options."""
+    return PeerDaemon(
+        args.run_id,
+        role=role,
+        initial_peers=args.initial_peers,
+        host_maddrs=host_maddrs_from_args(args),
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity,
+        client_mode=client_mode,
+        connect_timeout=args.connect_timeout,
+        **membership_timing_from_args(args),
+    )
+
+
+def announce_ready(daemon: PeerDaemon, command: str) -> None:
+    """Tell humans (stderr) how to join, and scripts (stdout, one JSON line) that the peer is ready."""
+    joining = join_command(daemon.visible_maddrs, daemon.run_id)
+    log = logging.getLogger(f"moshpeer.cli.{command}")
+    log.info(f"peer {daemon.peer_id} listening on {' '.join(daemon.visible_maddrs)}")
+    log.info(f"to join this swarm, run:\n\n    {joining}\n")
+    print_ready_line(
+        command=command,
+        peer_id=daemon.peer_id,
+        maddrs=daemon.visible_maddrs,
+        run_id=daemon.run_id,
+        role=daemon.role,
+        pid=os.getpid(),
+        join_command=joining,
+    )

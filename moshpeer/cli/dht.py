@@ -1,0 +1,42 @@
+"""`moshpeer dht`: run a bootstrap / relay node that other peers join through.
+
+It takes part in the DHT like any peer (stores records, relays), publishes a `bootstrap` record
+in its run, prints its multiaddrs and a ready-to-paste `moshpeer join ...` line, and runs until
+SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moshpeer.cli.common import (
+    add_initial_peers_argument,
+    add_membership_arguments,
+    add_network_arguments,
+    add_run_id_argument,
+    announce_ready,
+    configure_logging,
+    make_daemon,
+)
+
+DEFAULT_RUN_ID = "demo"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "dht",
+        help="run a bootstrap / relay node for a swarm",
+        description="Run a bootstrap / relay node. Prints its multiaddrs and the command that joins the swarm; "
+        "runs until SIGINT or SIGTERM.",
+    )
+    add_run_id_argument(parser, required=False, default=DEFAULT_RUN_ID)
+    add_initial_peers_argument(parser)
+    add_network_arguments(parser)
+    add_membership_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose)
+    daemon = make_daemon(args, role="bootstrap")
+    return daemon.run(on_ready=lambda d: announce_ready(d, "dht"))

@@ -1,0 +1,364 @@
+"""`PeerDaemon`: the lifecycle of one peer process.
+
+start    start (or join) the DHT, publish this peer's record, start the heartbeat thread
+run      handle SIGINT / SIGTERM / SIGHUP, run the caller's work (or just wait) in the main thread
+shutdown a fixed sequence of steps, each bounded in time:
+           1. stop the heartbeat thread
+           2. withdraw the record (others stop counting this peer at once)
+           3. run shutdown hooks, newest first (later layers: checkpoint, hand over state, ...)
+           4. stop the DHT and its p2pd (graceful, then kill whatever is left of their process group)
+
+The training layer updates the record's mutable fields (step, epoch, samples, grid, ...) with
+`update_record`; the heartbeat thread re-publishes the record every `heartbeat` seconds with an
+expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself.
+
+A signal that arrives after a stop was already requested skips whatever is left: the DHT's
+process group is killed and the process exits at once (press Ctrl-C twice to leave immediately).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from hivemind.utils import get_dht_time
+
+from moshpeer.dht import (
+    DEFAULT_HOST_MADDRS,
+    MUTABLE_FIELDS,
+    PeerRecord,
+    Role,
+    StartCancelled,
+    SwarmDHT,
+    publish_record,
+    start_dht,
+    validate_run_id,
+    withdraw,
+)
+from moshpeer.dht.records import MAX_ADDRESSES
+from moshpeer.version import PROTOCOL_VERSION, __version__
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT = 5.0
+# Records live this many heartbeats: one lost heartbeat does not make a live peer vanish.
+EXPIRATION_HEARTBEATS = 3
+# The whole shutdown sequence fits in this budget, leaving margin for interpreter exit (< 5 s total).
+DEFAULT_SHUTDOWN_BUDGET = 3.5
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+Work = Callable[["PeerDaemon"], None]
+ShutdownHook = Callable[[], None]
+
+
+class PeerDaemon:
+    """One peer of run `run_id`: DHT membership, heartbeat, signals and an orderly shutdown.
+
+    Typical use (what `moshpeer join` does)::
+
+        daemon = PeerDaemon("my-run", initial_peers=[...])
+        daemon.add_shutdown_hook(save_checkpoint)         # optional
+        exit_code = daemon.run(work=train_loop)           # train_loop(daemon) checks daemon.stop_requested
+
+    :param heartbeat: seconds between re-publications of this peer's record
+    :param expiration: seconds a record lives without a heartbeat (default: 3 heartbeats)
+    :param connect_timeout: how long to keep trying to reach `initial_peers` at start
+    :param shutdown_budget: seconds the whole shutdown sequence may take before it cuts steps short
+    :param dht_kwargs: extra arguments for `moshpeer.dht.start_dht` / hivemind.DHT
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        role: Role = "trainer",
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        announce_maddrs: Sequence[str] = (),
+        identity_path: Optional[str] = None,
+        client_mode: bool = False,
+        heartbeat: float = DEFAULT_HEARTBEAT,
+        expiration: Optional[float] = None,
+        connect_timeout: float = 30.0,
+        shutdown_budget: float = DEFAULT_SHUTDOWN_BUDGET,
+        **dht_kwargs: Any,
+    ):
+        if heartbeat <= 0:
+            raise ValueError("heartbeat must be positive")
+        expiration = EXPIRATION_HEARTBEATS * heartbeat if expiration is None else expiration
+        if expiration <= heartbeat:
+            raise ValueError("expiration must be longer than the heartbeat, or live peers would flicker out")
+        self.run_id = validate_run_id(run_id)
+        self.role = role
+        self.heartbeat = heartbeat
+        self.expiration = expiration
+        self.shutdown_budget = shutdown_budget
+        self._dht_options = dict(
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs),
+            identity_path=identity_path,
+            client_mode=client_mode,
+            connect_timeout=connect_timeout,
+            **dht_kwargs,
+        )
+
+        self._dht: Optional[SwarmDHT] = None
+        self._record: Optional[PeerRecord] = None
+        self._record_lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._stop_reason = ""
+        self._wake_heartbeat = threading.Event()
+        self._heartbeat_stopped = threading.Event()
+        self._heartbeat_thread: Optional[threading.Thread] = None
+        self._shutdown_hooks: List[Tuple[str, ShutdownHook]] = []
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
+        self._visible_maddrs: List[str] = []
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def dht(self) -> SwarmDHT:
+        """The running DHT (for other layers: averaging, progress). Raises before `start`."""
+        if self._dht is None:
+            raise RuntimeError("PeerDaemon is not started")
+        return self._dht
+
+    @property
+    def started(self) -> bool:
+        return self._dht is not None
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.identity.peer_id
+
+    @property
+    def visible_maddrs(self) -> List[str]:
+        """Multiaddrs (with /p2p/<peer id>) under which other peers can reach this one."""
+        return list(self._visible_maddrs)
+
+    @property
+    def record(self) -> PeerRecord:
+        """The record as last published (or about to be)."""
+        with self._record_lock:
+            if self._record is None:
+                raise RuntimeError("PeerDaemon is not started")
+            return self._record
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a signal or `request_stop` asked this peer to stop; work loops must check it."""
+        return self._stop_event.is_set()
+
+    @property
+    def stop_reason(self) -> str:
+        return self._stop_reason
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the DHT, publish this peer's record and start heartbeating. Blocks until done.
+
+        :raises UserError: bad addresses, port in use, bad identity, unreachable initial peers
+        :raises StartCancelled: a stop was requested while still connecting
+        """
+        if self._dht is not None:
+            raise RuntimeError("PeerDaemon is already started")
+        self._dht = start_dht(run_ids=[self.run_id], should_stop=lambda: self.stop_requested, **self._dht_options)
+        self._visible_maddrs = [str(m) for m in self._dht.get_visible_maddrs()]
+        now = get_dht_time()
+        self._record = PeerRecord(
+            peer_id=self._dht.identity.peer_id,
+            role=self.role,
+            addresses=self._visible_maddrs[:MAX_ADDRESSES],
+            version=__version__,
+            protocol=PROTOCOL_VERSION,
+            started_at=now,
+            updated_at=now,
+        )
+        # Publish once before returning, so that whoever waits for "ready" finds the record.
+        if not self._publish():
+            logger.warning("could not publish this peer's record yet; the heartbeat will keep trying")
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="moshpeer-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+        logger.info(f"peer {self.peer_id} is in run {self.run_id!r} as {self.role}")
+
+    def update_record(self, *, publish_now: bool = False, **fields: Any) -> PeerRecord:
+        """Change mutable record fields (step, epoch, samples_accumulated, samples_per_second, grid,
+        group_bits, addresses); they go out with the next heartbeat, or at once with `publish_now`.
+
+        :raises ValueError: an unknown or immutable field, or a value the schema rejects
+        """
+        not_mutable = set(fields) - MUTABLE_FIELDS
+        if not_mutable:
+            raise ValueError(f"cannot update record fields {sorted(not_mutable)}; mutable: {sorted(MUTABLE_FIELDS)}")
+        with self._record_lock:
+            if self._record is None:
+                raise RuntimeError("PeerDaemon is not started")
+            self._record = self._record.updated(**fields)
+            record = self._record
+        if publish_now:
+            self._wake_heartbeat.set()
+        return record
+
+    def add_shutdown_hook(self, hook: ShutdownHook, name: Optional[str] = None) -> None:
+        """Run `hook()` during shutdown, after the record is withdrawn and while the DHT still runs.
+
+        Hooks run newest first (like atexit); an exception in one is logged and the others still run.
+        """
+        self._shutdown_hooks.append((name or getattr(hook, "__qualname__", repr(hook)), hook))
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Ask the peer to stop: `run` returns after the work notices and the shutdown sequence ends."""
+        if not self._stop_event.is_set():
+            self._stop_reason = reason
+            self._stop_event.set()
+
+    def wait_for_stop(self, timeout: Optional[float] = None) -> bool:
+        """Block until a stop is requested (True) or `timeout` passes (False)."""
+        return self._stop_event.wait(timeout)
+
+    def run(self, work: Optional[Work] = None, on_ready: Optional[Work] = None) -> int:
+        """Run this peer until a signal (or `request_stop`), then shut down; returns the exit code (0).
+
+        Call from the main thread. Starts the peer if needed, calls `on_ready(self)` once it is in the
+        swarm, then `work(self)` in this thread (it must return soon after `stop_requested` turns
+        True), or, without work, waits for a stop. Shutdown runs however work ends; an exception from
+        work propagates after it.
+        """
+        with self._signals_handled():
+            try:
+                if not self.started:
+                    try:
+                        self.start()
+                    except StartCancelled:
+                        logger.info(f"stopped while connecting ({self.stop_reason})")
+                        return 0
+                if not self.stop_requested and on_ready is not None:
+                    on_ready(self)
+                if work is not None:
+                    work(self)
+                else:
+                    self._stop_event.wait()
+                if self.stop_requested:
+                    logger.info(f"stopping: {self.stop_reason}")
+            finally:
+                self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        """The shutdown sequence (see module docstring); idempotent, bounded by `shutdown_budget`."""
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        self.request_stop(self._stop_reason or "shutdown")
+        deadline = time.monotonic() + self.shutdown_budget
+        steps = (
+            ("stop heartbeat", self._stop_heartbeat),
+            ("withdraw record", self._withdraw),
+            ("shutdown hooks", self._run_shutdown_hooks),
+            ("stop DHT", self._stop_dht),
+        )
+        for name, step in steps:
+            started = time.monotonic()
+            try:
+                step(deadline)
+            except Exception:
+                logger.exception(f"shutdown step {name!r} failed")
+            logger.debug(f"shutdown step {name!r} took {time.monotonic() - started:.3f} s")
+
+    def __enter__(self) -> "PeerDaemon":
+        if not self.started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _publish(self) -> bool:
+        with self._record_lock:
+            self._record = self._record.updated(updated_at=get_dht_time())
+            record = self._record
+        return publish_record(self.dht, self.run_id, record, self.expiration, timeout=self.heartbeat)
+
+    def _heartbeat_loop(self) -> None:
+        failing = False
+        while True:
+            self._wake_heartbeat.wait(self.heartbeat)
+            self._wake_heartbeat.clear()
+            if self._heartbeat_stopped.is_set():
+                return
+            try:
+                ok = self._publish()
+            except Exception as e:  # the DHT process died or its pipe closed: keep the thread alive
+                logger.debug("heartbeat failed", exc_info=True)
+                ok, error = False, e
+            else:
+                error = None
+            if not ok and not failing:
+                logger.warning(f"heartbeat could not publish this peer's record ({error or 'no node accepted it'})")
+            elif ok and failing:
+                logger.info("heartbeat publishes again")
+            failing = not ok
+
+    def _stop_heartbeat(self, deadline: float) -> None:
+        self._heartbeat_stopped.set()
+        self._wake_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+
+    def _withdraw(self, deadline: float) -> None:
+        if self._dht is None or self._record is None or not self._dht.is_alive():
+            return
+        timeout = max(0.1, min(1.5, deadline - time.monotonic()))
+        # The same expiration as the heartbeats: the leaving version must outlive every live one.
+        if not withdraw(self._dht, self.run_id, self.record, self.expiration, timeout=timeout):
+            logger.warning("could not withdraw this peer's record; it will expire by itself")
+
+    def _run_shutdown_hooks(self, deadline: float) -> None:
+        for name, hook in reversed(self._shutdown_hooks):
+            if time.monotonic() > deadline:
+                logger.warning(f"shutdown budget spent; skipping hook {name!r}")
+                continue
+            try:
+                hook()
+            except Exception:
+                logger.exception(f"shutdown hook {name!r} failed")
+
+    def _stop_dht(self, deadline: float) -> None:
+        if self._dht is not None:
+            self._dht.stop(timeout=max(0.2, min(2.0, deadline - time.monotonic())))
+
+    def _force_exit(self, signum: int) -> None:
+        """Second signal: kill the DHT's process group (p2pd included) and leave now."""
+        logger.warning(f"{signal.Signals(signum).name} again: exiting without finishing the shutdown")
+        if self._dht is not None:
+            self._dht.kill()
+        os._exit(128 + signum)
+
+    @contextmanager
+    def _signals_handled(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handle(signum: int, _frame: Any) -> None:
+            if self.stop_requested:
+                self._force_exit(signum)
+            self.request_stop(f"received {signal.Signals(signum).name}")
+
+        previous: Dict[int, Any] = {sig: signal.signal(sig, handle) for sig in _HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
