@@ -1,0 +1,143 @@
+"""The codec interface and registry.
+
+A codec turns one contiguous 1-D float32 chunk into a self-checking uint8 payload and back. The
+group all-reduce encodes what it sends in the reduce-scatter with `Compression.reduce_codec` and
+the averaged part it sends back in the all-gather with `Compression.gather_codec` (they differ for
+two-step schemes such as `int4-int8`). Decoding is fused with accumulation because the receiver
+always sums weighted contributions in fp32.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from moshpeer.errors import ProtocolError, UserError
+
+
+class Codec(abc.ABC):
+    """Encodes float32 chunks into uint8 payloads; every decode validates what it reads."""
+
+    name: str
+
+    @abc.abstractmethod
+    def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        """Encode a contiguous 1-D float32 tensor into a 1-D uint8 tensor (may alias `chunk`)."""
+
+    @abc.abstractmethod
+    def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        """`out += weight * decode(payload)`; raises ProtocolError if the payload does not match `out`."""
+
+    @abc.abstractmethod
+    def max_encoded_nbytes(self, numel: int) -> int:
+        """Upper bound of the payload size for `numel` values: receivers check it before allocating."""
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        out = torch.zeros(numel, dtype=torch.float32)
+        self.decode_accumulate(payload, out, 1.0)
+        return out
+
+
+class NoCompression(Codec):
+    """Raw float32: zero-copy encode (the payload is a byte view of the chunk)."""
+
+    name = "none"
+
+    def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        return chunk.contiguous().view(torch.uint8)
+
+    def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        if payload.numel() != out.numel() * 4:
+            raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {out.numel()} values")
+        values = payload.view(torch.float32)
+        if not torch.isfinite(values).all():
+            raise ProtocolError("non-finite values in payload")
+        out.add_(values, alpha=weight)
+
+    def max_encoded_nbytes(self, numel: int) -> int:
+        return numel * 4
+
+
+class HalfPrecision(Codec):
+    """fp16 or bf16: values cast to 16 bits; fp16 saturates at +-65504 rather than overflowing to inf."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+    def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        if self.dtype == torch.float16:
+            chunk = chunk.clamp(-65504.0, 65504.0)
+        return chunk.to(self.dtype).contiguous().view(torch.uint8)
+
+    def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        if payload.numel() != out.numel() * 2:
+            raise ProtocolError(f"{self.name} payload of {payload.numel()} bytes for {out.numel()} values")
+        values = payload.view(self.dtype)
+        if not torch.isfinite(values).all():
+            raise ProtocolError("non-finite values in payload")
+        out.add_(values.float(), alpha=weight)
+
+    def max_encoded_nbytes(self, numel: int) -> int:
+        return numel * 2
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What a group all-reduce uses: one codec per phase, and an optional sparsifier (ARC-Top-K)."""
+
+    name: str
+    reduce_codec: Codec
+    gather_codec: Codec
+    sparsifier: Optional[object] = None  # set by sparsifying schemes; averaging runs them around the all-reduce
+
+
+# name -> factory(argument or None). Other modules register here (quantization, ARC-Top-K).
+_REGISTRY: Dict[str, Callable[[Optional[str]], Compression]] = {}
+
+
+def register(name: str, factory: Callable[[Optional[str]], Compression]) -> None:
+    _REGISTRY[name] = factory
+
+
+def _single(codec: Codec) -> Callable[[Optional[str]], Compression]:
+    def factory(arg: Optional[str]) -> Compression:
+        if arg is not None:
+            raise UserError(f"compression {codec.name!r} takes no argument")
+        return Compression(codec.name, codec, codec)
+
+    return factory
+
+
+register("none", _single(NoCompression()))
+register("fp16", _single(HalfPrecision(torch.float16)))
+register("bf16", _single(HalfPrecision(torch.bfloat16)))
+
+
+def get_compression(spec: str) -> Compression:
+    """Look up a compression scheme by name, e.g. `none`, `int8`, `int4-int8`, `arc-topk:0.01`."""
+    _load_builtin_codecs()
+    name, _, arg = spec.partition(":")
+    if name not in _REGISTRY:
+        raise UserError(f"unknown compression {spec!r}; choose from {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](arg or None)
+
+
+def available() -> list:
+    _load_builtin_codecs()
+    return sorted(_REGISTRY)
+
+
+def _load_builtin_codecs() -> None:
+    # Imported lazily so that `codec` stays importable on its own; modules register on import.
+    import importlib
+
+    for module in ("moshpeer.compression.quantization", "moshpeer.compression.arc_topk"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
