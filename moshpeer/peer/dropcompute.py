@@ -148,6 +148,11 @@ def choose_threshold(
     No drop (tau None, speed-up 0) is always a candidate, so the result never estimates a loss;
     ties go to the larger tau (fewer dropped samples). `max_drop_rate` rules out thresholds that
     would drop more than that fraction of micro-batches.
+
+    With the logs of a single worker the answer is always no drop: nobody waits for a lone
+    worker, and by Wald's identity stopping on elapsed time leaves its expected samples per
+    second unchanged (E[time of k micro-batches] = E[k] * E[duration] for a stopping time k),
+    so any estimated gain would be the noise of the sample (large for heavy tails), not a gain.
     """
     taus = sorted(set(default_candidates(worker_logs) if candidates is None else candidates))
     if any(not (tau > 0 and math.isfinite(tau)) for tau in taus):
@@ -157,6 +162,8 @@ def choose_threshold(
         simulate_threshold(tau, worker_logs, overhead_s=overhead_s, min_micro_batches=min_micro_batches)
         for tau in taus
     ]
+    if len(worker_logs) < 2:
+        return ThresholdChoice(options[0], tuple(options))
     allowed = [o for o in options if max_drop_rate is None or o.drop_rate <= max_drop_rate]
     # max() keeps the first maximum; scanning from no-drop down through decreasing tau prefers less drop.
     ordered = [allowed[0]] + sorted(allowed[1:], key=lambda o: -(o.tau_s or 0.0))
@@ -283,9 +290,11 @@ class ComputeBudget:
 
     Args:
         seconds: the threshold tau, None for no limit, or "auto" to choose tau after a warm-up.
-        warmup_steps: "auto" only: complete steps to log before choosing tau.
+        warmup_steps: "auto" only: complete steps to log before choosing tau. The estimate is a
+            ratio of sums over the logged times: with heavy tails it needs tens of steps.
         num_workers: "auto" only: workers that synchronise each step. When `calibrate()` is given
-            no logs of other workers, this peer's own steps are resampled into that many workers.
+            no logs of other workers, this peer's own steps are resampled into that many workers;
+            with 1 (a lone worker) "auto" never drops (see `choose_threshold`).
         overhead_s: per-step time outside compute (averaging, optimizer), used in the simulation.
         candidates: thresholds "auto" may pick from (default: `default_candidates`).
         max_drop_rate: "auto" only: never pick a tau estimated to drop more than this fraction.
@@ -298,7 +307,7 @@ class ComputeBudget:
         self,
         seconds: BudgetSetting = None,
         *,
-        warmup_steps: int = 10,
+        warmup_steps: int = 20,
         num_workers: int = 1,
         overhead_s: float = 0.0,
         candidates: Optional[Sequence[float]] = None,

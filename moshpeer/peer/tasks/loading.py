@@ -73,7 +73,9 @@ def resolve_task_factory(spec: str) -> Callable[..., Any]:
             raise UserError(f"task module {target!r} has no attribute {attribute!r}{_suggestion(part, dir(obj))}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UserError(f"{attribute!r} in task module {target!r} is a {type(obj).__name__}, not a task factory")
+        raise UserError(
+            f"{attribute!r} in task module {target!r} is of type {type(obj).__name__}, not a callable task factory"
+        )
     return obj
 
 

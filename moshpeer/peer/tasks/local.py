@@ -41,6 +41,7 @@ def train_locally(
     eval_every: Optional[int] = None,
     target: Optional[float] = None,
     on_step: Optional[Callable[[int, float], None]] = None,
+    max_seconds: Optional[float] = None,
 ) -> LocalRun:
     """Train `task.model` in this process until `num_samples` samples have been computed.
 
@@ -53,6 +54,7 @@ def train_locally(
         eval_every: evaluate every this many steps (and always at the end).
         target: record in `samples_to_target` when the task metric first reaches this value.
         on_step: called with (step, mean loss) after every optimizer step.
+        max_seconds: also stop after this much training time (checked after each step).
     """
     global_batch_size = global_batch_size or task.target_batch_size
     micro_batch_size = micro_batch_size or task.batch_size
@@ -76,7 +78,10 @@ def train_locally(
         if reached and run.samples_to_target is None:
             run.samples_to_target = run.samples
 
-    while run.samples < num_samples:
+    def out_of_time() -> bool:
+        return max_seconds is not None and time.perf_counter() - start >= max_seconds
+
+    while run.samples < num_samples and not out_of_time():
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         with budget.step(planned) as step:
@@ -93,7 +98,7 @@ def train_locally(
         run.losses.append(loss_sum / max(step.samples, 1))
         if on_step is not None:
             on_step(run.steps, run.losses[-1])
-        if eval_every and run.steps % eval_every == 0 and run.samples < num_samples:
+        if eval_every and run.steps % eval_every == 0 and run.samples < num_samples and not out_of_time():
             evaluate()
     run.seconds = time.perf_counter() - start
     evaluate()
