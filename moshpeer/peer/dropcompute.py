@@ -68,7 +68,9 @@ class ThresholdChoice:
         return self.best.tau_s
 
 
-def computed_under_threshold(durations: StepLog, tau_s: Optional[float], min_micro_batches: int = 1) -> tuple[int, float]:
+def computed_under_threshold(
+    durations: StepLog, tau_s: Optional[float], min_micro_batches: int = 1
+) -> tuple[int, float]:
     """(micro-batches computed, compute time) of one logged step had tau applied.
 
     Micro-batch i (1-based) is computed iff i <= min_micro_batches or the step's elapsed time
@@ -154,6 +156,8 @@ def choose_threshold(
     second unchanged (E[time of k micro-batches] = E[k] * E[duration] for a stopping time k),
     so any estimated gain would be the noise of the sample (large for heavy tails), not a gain.
     """
+    if max_drop_rate is not None and not 0 <= max_drop_rate <= 1:
+        raise UserError(f"max_drop_rate must be in [0, 1], got {max_drop_rate}")
     taus = sorted(set(default_candidates(worker_logs) if candidates is None else candidates))
     if any(not (tau > 0 and math.isfinite(tau)) for tau in taus):
         raise UserError(f"DropCompute candidate thresholds must be positive and finite, got {taus}")
@@ -171,7 +175,9 @@ def choose_threshold(
     return ThresholdChoice(best, tuple(options))
 
 
-def resample_workers(step_log: Sequence[StepLog], num_workers: int, num_steps: int = 256, seed: int = 0) -> list[list[StepLog]]:
+def resample_workers(
+    step_log: Sequence[StepLog], num_workers: int, num_steps: int = 256, seed: int = 0
+) -> list[list[StepLog]]:
     """Synthetic logs of `num_workers` workers whose steps are drawn (with replacement) from one
     worker's logged steps: the estimate to use when only this peer's own times are known."""
     if not step_log:
@@ -318,10 +324,13 @@ class ComputeBudget:
     ):
         self.auto = seconds == "auto"
         if not self.auto and seconds is not None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 or not math.isfinite(seconds):
+            is_number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            if not (is_number and seconds > 0 and math.isfinite(seconds)):
                 raise UserError(f"compute budget must be a positive number of seconds, None or 'auto', got {seconds!r}")
         if warmup_steps < 1 or num_workers < 1 or min_micro_batches < 0 or overhead_s < 0:
-            raise UserError("ComputeBudget: warmup_steps and num_workers must be >= 1, min_micro_batches and overhead_s >= 0")
+            raise UserError(
+                "ComputeBudget: warmup_steps and num_workers must be >= 1, min_micro_batches and overhead_s >= 0"
+            )
         if max_drop_rate is not None and not 0 <= max_drop_rate <= 1:
             raise UserError(f"ComputeBudget: max_drop_rate must be in [0, 1], got {max_drop_rate}")
         self.tau_s: Optional[float] = None if self.auto or seconds is None else float(seconds)

@@ -148,7 +148,9 @@ def make_task(
             starts = indices * context + shift
             return torch.stack([train[start : start + window] for start in starts.tolist()]).long()
 
-        return IndexedBatches(num_windows, batch_size, make_batch, seed=seed, peer_index=peer_index, num_peers=num_peers)
+        return IndexedBatches(
+            num_windows, batch_size, make_batch, seed=seed, peer_index=peer_index, num_peers=num_peers
+        )
 
     def loss_fn(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(next(model.parameters()).device)

@@ -27,7 +27,7 @@ from torch import nn
 
 from moshpeer.errors import UserError
 
-LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, int]"]
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Evaluator = Callable[[nn.Module], Mapping[str, float]]
 BatchFactory = Callable[..., Iterator[Any]]
