@@ -1,0 +1,23 @@
+"""Moshpit averaging: grid groups via hivemind's matchmaking, and a fast loss-tolerant group all-reduce.
+
+See docs/averaging.md.
+"""
+
+from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
+from moshpeer.averaging.averager import MoshpitAverager
+from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.partition import Partition
+from moshpeer.averaging.report import PhaseStats, RoundReport
+
+__all__ = [
+    "AllReduceResult",
+    "DataPlane",
+    "FaultConfig",
+    "GroupAllReduce",
+    "GroupMember",
+    "MoshpitAverager",
+    "Partition",
+    "PhaseStats",
+    "RoundReport",
+]

@@ -28,3 +28,8 @@ def validate_run_id(run_id: str) -> str:
 def peers_key(run_id: str) -> str:
     """Key of the run's membership dictionary: one signed `PeerRecord` per peer, subkey = owner's public key."""
     return f"{run_id}_peers"
+
+
+def averaging_prefix(run_id: str) -> str:
+    """Prefix of the run's averaging group keys (`{prefix}.0b{group bits}`); hivemind forbids '.' in it."""
+    return f"{run_id.replace('.', '-')}_averaging"

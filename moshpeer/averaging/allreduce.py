@@ -1,0 +1,474 @@
+"""One group all-reduce on the direct-TCP data plane: reduce-scatter then all-gather, chunked and pipelined.
+
+Threads (all blocking sockets, which release the GIL in send/recv; torch ops release it too):
+
+- one sender per other member j, on its own outgoing connection: first the chunks of part j
+  (this peer's contribution, encoded with the reduce codec), then an END_REDUCE marker, then the
+  chunks of this peer's own part as each one is finalized (averaged), then END_GATHER;
+- one receiver per other member i, on the connection i opened to us (handed over by `DataPlane`):
+  REDUCE chunks are decoded and accumulated in fp32 into `others_sum` as they arrive; GATHER chunks
+  (i's averaged part) are decoded and written into the flat vector.
+
+A chunk of our part is finalized as soon as every other member either delivered it or is known to
+send nothing more (END_REDUCE, connection closed, protocol violation), or at the reduce deadline.
+Finalization uses the unbiased estimator of `estimator.py`; members that sent nothing in the whole
+round are "departed" and leave the weights. The gather sender of a chunk starts right after its
+finalization, so reduce-scatter and all-gather overlap. A receiver that never gets an averaged
+chunk keeps its own value for it. Every wait is bounded by the round's absolute deadlines.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from moshpeer.averaging import wire
+from moshpeer.averaging.dataplane import DataPlane, _close
+from moshpeer.averaging.estimator import combine_unbiased
+from moshpeer.averaging.faults import ChunkFaults, FaultConfig
+from moshpeer.averaging.partition import Partition
+from moshpeer.averaging.report import PhaseStats
+from moshpeer.compression.codec import Compression
+from moshpeer.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+CONNECT_RETRIES = 5
+_DONE = float("inf")
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """A member as the data plane sees it: where to connect, and its averaging weight."""
+
+    host: str
+    port: int
+    weight: float
+
+
+@dataclass
+class AllReduceResult:
+    reduce: PhaseStats
+    gather: PhaseStats
+    departed: List[int]
+    rejected_messages: int
+    rejected_connections: int
+    missing_chunks: List[Tuple[int, int]]  # (part, chunk) averaged chunks this peer never received
+    reduce_scatter_s: float
+    all_gather_s: float
+    total_s: float
+
+
+class GroupAllReduce:
+    """Average `flat` (1-D contiguous fp32, modified in place) with the group; `run()` blocks until done.
+
+    :param plane: this peer's data-plane server (already listening at members[my_index])
+    :param tag: 8-byte tag of this all-reduce (see `wire.allreduce_tag`); secret: the group secret
+    :param deadline: absolute `time.monotonic()` by which everything ends; reduce_deadline: by which
+        owners stop waiting for contributions (defaults to 60% of the way to `deadline`)
+    """
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        flat: torch.Tensor,
+        *,
+        members: Sequence[GroupMember],
+        my_index: int,
+        tag: bytes,
+        secret: bytes,
+        compression: Compression,
+        chunk_numel: int,
+        deadline: float,
+        reduce_deadline: Optional[float] = None,
+        faults: Optional[FaultConfig] = None,
+    ):
+        if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("flat must be a contiguous 1-D float32 tensor")
+        self.plane, self.flat, self.members = plane, flat, list(members)
+        self.my_index, self.group_size = my_index, len(self.members)
+        self.tag, self.secret = tag, secret
+        self.compression, self.faults = compression, faults
+        self.deadline = deadline
+        now = time.monotonic()
+        self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
+        self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
+        self.weights = [float(m.weight) for m in self.members]
+        self.others = [i for i in range(self.group_size) if i != my_index]
+
+        me = my_index
+        self.num_my_chunks = self.partition.num_chunks(me)
+        start, end = self.partition.part_range(me)
+        self.others_sum = torch.zeros(end - start, dtype=torch.float32)  # S in estimator.py, per value
+        # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
+        self.chunk_locks = [threading.Lock() for _ in range(self.num_my_chunks)]
+        self.arrived_from = [bytearray(self.group_size) for _ in range(self.num_my_chunks)]
+        self.arrived_weight = [0.0] * self.num_my_chunks
+        self.finalized = [False] * self.num_my_chunks
+
+        self.cond = threading.Condition()
+        # Guarded by cond:
+        self.finalized_count = 0
+        self.sent_any = bytearray(self.group_size)  # sender delivered at least one valid REDUCE chunk
+        self.reduce_finished = bytearray(self.group_size)  # sender will send no more REDUCE chunks
+        self.gather_finished = bytearray(self.group_size)
+        self.gather_received = [bytearray(self.partition.num_chunks(j)) for j in range(self.group_size)]
+        self.sent_progress = [0.0] * self.group_size  # how many REDUCE chunks our sender to j is past
+        self.senders_done = 0
+        self.departed: List[int] = []
+        self.reduce, self.gather = PhaseStats(), PhaseStats()
+        self.rejected_messages = 0
+        self.fault_counter = [0]
+        self._sockets: List[socket.socket] = []
+        self._threads: List[threading.Thread] = []
+        self._closing = False
+        self._reduce_done_at: Optional[float] = None
+
+    # ---- public -------------------------------------------------------------------------------
+
+    def run(self) -> AllReduceResult:
+        started = time.monotonic()
+        rejected_before = self.plane.rejected_connections
+        self.reduce.chunks_expected = self.num_my_chunks * len(self.others)
+        self.gather.chunks_expected = sum(self.partition.num_chunks(j) for j in self.others)
+        if self.num_my_chunks == 0 or not self.others:
+            self._force_finalize_all()
+        self.plane.register(self.tag, self)
+        try:
+            for j in self.others:
+                thread = threading.Thread(target=self._sender, args=(j,), name=f"moshpeer-send-{j}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            with self.cond:
+                self._wait(lambda: self.finalized_count == self.num_my_chunks, self.reduce_deadline)
+            self._force_finalize_all()  # no-op unless the reduce deadline passed
+            with self.cond:
+                self._wait(self._everything_done, self.deadline)
+        finally:
+            self.plane.unregister(self.tag)
+            self._teardown()
+        finished = time.monotonic()
+        reduce_done = self._reduce_done_at or finished
+        missing = [
+            (j, c) for j in self.others for c, got in enumerate(self.gather_received[j]) if not got
+        ]
+        self.gather.chunks_lost = len(missing)
+        self.reduce.chunks_lost = self.reduce.chunks_expected - self.reduce.chunks_received
+        self.reduce.seconds, self.gather.seconds = reduce_done - started, finished - reduce_done
+        return AllReduceResult(
+            reduce=self.reduce,
+            gather=self.gather,
+            departed=sorted(self.departed),
+            rejected_messages=self.rejected_messages,
+            rejected_connections=self.plane.rejected_connections - rejected_before,
+            missing_chunks=missing,
+            reduce_scatter_s=reduce_done - started,
+            all_gather_s=finished - reduce_done,
+            total_s=finished - started,
+        )
+
+    # ---- waiting ------------------------------------------------------------------------------
+
+    def _wait(self, predicate, deadline: float) -> bool:
+        """With self.cond held: wait until predicate() or the deadline; returns predicate()."""
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.cond.wait(min(remaining, 1.0))
+        return True
+
+    def _everything_done(self) -> bool:
+        if self.finalized_count < self.num_my_chunks or self.senders_done < len(self.others):
+            return False
+        return all(self.gather_finished[j] or all(self.gather_received[j]) for j in self.others)
+
+    # ---- finalization (owner side) ------------------------------------------------------------
+
+    def _finalize_ready_chunks(self, chunks) -> None:
+        """Finalize each chunk in `chunks` whose every other member delivered it or finished the phase."""
+        for c in chunks:
+            with self.chunk_locks[c]:
+                if self.finalized[c]:
+                    continue
+                with self.cond:
+                    ready = all(self.arrived_from[c][i] or self.reduce_finished[i] for i in self.others)
+                if ready:
+                    self._finalize_locked(c)
+
+    def _force_finalize_all(self) -> None:
+        for c in range(self.num_my_chunks):
+            with self.chunk_locks[c]:
+                if not self.finalized[c]:
+                    self._finalize_locked(c)
+
+    def _finalize_locked(self, c: int) -> None:
+        """With chunk lock c held: write the estimate of chunk c's average into the flat vector."""
+        me = self.my_index
+        with self.cond:
+            # "Departed" is decided once per member and never revised within the round, so every chunk
+            # of the part is estimated with the same set of weights.
+            for i in self.others:
+                if not self.sent_any[i] and i not in self.departed:
+                    self.departed.append(i)
+            present = [i for i in self.others if i not in self.departed]
+        start, end = self.partition.chunk_range(me, c)
+        part_start = self.partition.part_starts[me]
+        combine_unbiased(
+            self.flat[start:end],
+            self.weights[me],
+            self.others_sum[start - part_start : end - part_start],
+            self.arrived_weight[c],
+            sum(self.weights[i] for i in present),
+        )
+        self.finalized[c] = True
+        with self.cond:
+            self.finalized_count += 1
+            if self.finalized_count == self.num_my_chunks:
+                self._reduce_done_at = time.monotonic()
+            self.cond.notify_all()
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    def _connect(self, j: int) -> Optional[socket.socket]:
+        member = self.members[j]
+        for attempt in range(CONNECT_RETRIES):
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0 or self._closing:
+                return None
+            try:
+                sock = socket.create_connection((member.host, member.port), timeout=min(remaining, 5.0))
+                wire.tune_socket(sock)
+                sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
+                challenge = bytearray(wire.CHALLENGE.size)
+                wire.recv_exactly(sock, memoryview(challenge))
+                nonce = wire.parse_challenge(bytes(challenge))
+                sock.sendall(wire.pack_hello(self.secret, nonce, self.tag, self.my_index, j))
+                return sock
+            except (OSError, ConnectionError, ProtocolError) as e:
+                logger.debug(f"connect to member {j} failed ({e}); attempt {attempt + 1}")
+                time.sleep(0.05 * (attempt + 1))
+        return None
+
+    def _sender(self, j: int) -> None:
+        sock = None
+        try:
+            sock = self._connect(j)
+            if sock is None:
+                logger.warning(f"could not reach group member {j} at {self.members[j].host}:{self.members[j].port}")
+                return
+            with self.cond:
+                if self._closing:
+                    _close(sock)
+                    return
+                self._sockets.append(sock)
+            self._send_reduce(sock, j)
+            self._send_gather(sock, j)
+        except (OSError, ConnectionError) as e:
+            logger.debug(f"sending to member {j} stopped: {e}")
+        finally:
+            with self.cond:
+                self.sent_progress[j] = _DONE
+                self.senders_done += 1
+                self.cond.notify_all()
+
+    def _make_faults(self, j: int, phase: str) -> Optional[ChunkFaults]:
+        if self.faults is None:
+            return None
+        stream_seed = int.from_bytes(self.tag[:4], "big") * 64 + self.my_index * 8 + j * 2 + (phase == "gather")
+        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter)
+
+    def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec) -> bool:
+        """Encode and send one chunk (unless faults drop it); False once this peer is silenced."""
+        if faults is not None:
+            if faults.silenced():
+                return False
+            drop, delay = faults.before_chunk()
+            if delay > 0:
+                time.sleep(delay)
+            if drop:
+                stats.chunks_dropped_by_faults += 1
+                return True
+        start, end = self.partition.chunk_range(part, chunk)
+        payload = codec.encode(self.flat[start:end], seed=(int.from_bytes(self.tag[:4], "big") ^ (part << 20) ^ chunk))
+        data = memoryview(payload.numpy())
+        sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
+        wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
+        stats.chunks_sent += 1
+        stats.bytes_sent += wire.HEADER.size + len(data)
+        self.fault_counter[0] += 1
+        return True
+
+    def _send_marker(self, sock, faults, phase: int) -> None:
+        if faults is not None and faults.silenced():
+            return
+        sock.sendall(wire.pack_header(phase, 0, 0, 0, self.tag))
+
+    def _send_reduce(self, sock, j: int) -> None:
+        faults = self._make_faults(j, "reduce")
+        codec = self.compression.reduce_codec
+        for c in range(self.partition.num_chunks(j)):
+            if time.monotonic() > self.reduce_deadline:
+                break
+            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec)
+            with self.cond:
+                self.sent_progress[j] = c + 1
+                self.cond.notify_all()
+            if not ok:
+                return
+        with self.cond:
+            self.sent_progress[j] = _DONE
+            self.cond.notify_all()
+        self._send_marker(sock, faults, wire.PHASE_END_REDUCE)
+
+    def _send_gather(self, sock, j: int) -> None:
+        faults = self._make_faults(j, "gather")
+        codec = self.compression.gather_codec
+        for c in range(self.num_my_chunks):
+            with self.cond:
+                if not self._wait(lambda: self.finalized[c], self.deadline):
+                    return
+            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec):
+                return
+        self._send_marker(sock, faults, wire.PHASE_END_GATHER)
+
+    # ---- receiving ----------------------------------------------------------------------------
+
+    def serve_inbound(self, i: int, sock: socket.socket) -> None:
+        """Called by DataPlane (in its connection thread) with an authenticated connection from member i."""
+        with self.cond:
+            if self._closing or self.reduce_finished[i] and self.gather_finished[i]:
+                _close(sock)
+                return
+            self._sockets.append(sock)
+            self._threads.append(threading.current_thread())
+        try:
+            self._receive(i, sock)
+        except (OSError, ConnectionError) as e:
+            logger.debug(f"connection from member {i} ended: {e}")
+        except ProtocolError as e:
+            self._reject(i, str(e))
+        finally:
+            with self.cond:
+                self.reduce_finished[i] = self.gather_finished[i] = 1
+                self.cond.notify_all()
+            self._finalize_ready_chunks(range(self.num_my_chunks))
+
+    def _reject(self, i: int, why: str) -> None:
+        with self.cond:
+            self.rejected_messages += 1
+        logger.warning(f"data plane: rejected a message from member {i}: {why}")
+
+    def _receive(self, i: int, sock: socket.socket) -> None:
+        reduce_codec, gather_codec = self.compression.reduce_codec, self.compression.gather_codec
+        chunk_numel = self.partition.chunk_numel
+        max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
+        header = bytearray(wire.HEADER.size)
+        header_view = memoryview(header)
+        payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
+        payload_view = memoryview(payload_buffer.numpy())
+        scratch = torch.empty(chunk_numel, dtype=torch.float32)
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            sock.settimeout(remaining)
+            wire.recv_exactly(sock, header_view)
+            # A bad header desynchronizes the stream: the connection is dropped (ProtocolError).
+            phase, part, chunk, payload_len, tag = wire.parse_header(header)
+            if tag != self.tag:
+                raise ProtocolError("chunk of another round")
+            if payload_len > max_payload:
+                raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit {max_payload}")
+            if phase == wire.PHASE_END_REDUCE or phase == wire.PHASE_END_GATHER:
+                if payload_len:
+                    raise ProtocolError("end marker with a payload")
+                with self.cond:
+                    if phase == wire.PHASE_END_REDUCE:
+                        self.reduce_finished[i] = 1
+                    else:
+                        self.gather_finished[i] = 1
+                    self.cond.notify_all()
+                if phase == wire.PHASE_END_REDUCE:
+                    self._finalize_ready_chunks(range(self.num_my_chunks))
+                continue
+            wire.recv_exactly(sock, payload_view[:payload_len])
+            payload = payload_buffer[:payload_len]
+            if phase == wire.PHASE_REDUCE:
+                self.reduce.bytes_received += wire.HEADER.size + payload_len
+                self._on_reduce_chunk(i, part, chunk, payload, reduce_codec)
+            else:
+                self.gather.bytes_received += wire.HEADER.size + payload_len
+                self._on_gather_chunk(i, part, chunk, payload, gather_codec, scratch)
+
+    def _on_reduce_chunk(self, i: int, part: int, chunk: int, payload: torch.Tensor, codec) -> None:
+        me = self.my_index
+        if part != me or not 0 <= chunk < self.num_my_chunks:
+            return self._reject(i, f"reduce chunk ({part}, {chunk}) is not ours")
+        start, end = self.partition.chunk_range(me, chunk)
+        if payload.numel() > codec.max_encoded_nbytes(end - start):
+            return self._reject(i, f"reduce chunk {chunk}: {payload.numel()} bytes for {end - start} values")
+        part_start = self.partition.part_starts[me]
+        with self.chunk_locks[chunk]:
+            if self.finalized[chunk]:
+                return self._reject(i, f"reduce chunk {chunk} arrived after its deadline")
+            if self.arrived_from[chunk][i]:
+                return self._reject(i, f"duplicate reduce chunk {chunk}")
+            with self.cond:
+                departed = i in self.departed
+            if departed:
+                return self._reject(i, f"reduce chunk {chunk} from a member already counted as departed")
+            try:
+                codec.decode_accumulate(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
+            except ProtocolError as e:
+                return self._reject(i, f"reduce chunk {chunk}: {e}")
+            self.arrived_from[chunk][i] = 1
+            self.arrived_weight[chunk] += self.weights[i]
+            with self.cond:
+                self.reduce.chunks_received += 1
+                self.sent_any[i] = 1
+        self._finalize_ready_chunks((chunk,))
+
+    def _on_gather_chunk(self, i: int, part: int, chunk: int, payload, codec, scratch: torch.Tensor) -> None:
+        if part != i or not 0 <= chunk < len(self.gather_received[i]):
+            return self._reject(i, f"gather chunk ({part}, {chunk}) does not belong to member {i}")
+        start, end = self.partition.chunk_range(part, chunk)
+        if payload.numel() > codec.max_encoded_nbytes(end - start):
+            return self._reject(i, f"gather chunk {chunk}: {payload.numel()} bytes for {end - start} values")
+        if self.gather_received[i][chunk]:
+            return self._reject(i, f"duplicate gather chunk {chunk}")
+        decoded = scratch[: end - start]
+        decoded.zero_()
+        try:
+            codec.decode_accumulate(payload, decoded, 1.0)
+        except ProtocolError as e:
+            return self._reject(i, f"gather chunk {chunk}: {e}")
+        with self.cond:
+            # Our own contribution to this chunk must have left before we overwrite it.
+            if not self._wait(lambda: self.sent_progress[i] > chunk, self.deadline):
+                return
+        self.flat[start:end].copy_(decoded)
+        with self.cond:
+            self.gather_received[i][chunk] = 1
+            self.gather.chunks_received += 1
+            self.cond.notify_all()
+
+    # ---- teardown -----------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        with self.cond:
+            self._closing = True
+            sockets = list(self._sockets)
+            self.cond.notify_all()
+        for sock in sockets:
+            _close(sock)
+        current = threading.current_thread()
+        for thread in list(self._threads):
+            if thread is not current:
+                thread.join(timeout=1.0)

@@ -1,0 +1,407 @@
+"""`MoshpitAverager`: Moshpit rounds (grid groups via hivemind's matchmaking) over moshpeer's own data plane.
+
+Control plane: the averager owns a hivemind `Matchmaking` (and through it a `GroupKeyManager`,
+whose group bits are Moshpit's grid coordinates) and serves its `rpc_join_group` on a P2P replica
+of the DHT's daemon. Both run on a private asyncio loop in a background thread. Each member's
+`data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce) travels
+inside matchmaking over libp2p's encrypted channel; the group secret is a hash of the group id and
+all nonces.
+
+Data plane: `GroupAllReduce` (direct TCP, see allreduce.py), run in the thread that calls `step()`.
+After every assembled group the key manager shifts an index drawn from an RNG seeded by the group
+id into the group bits, so the next round's group mixes different peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
+
+import msgpack
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+from moshpeer.averaging import wire
+from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
+from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.report import RoundReport
+from moshpeer.compression.codec import get_compression
+from moshpeer.dht.keys import averaging_prefix, validate_run_id
+from moshpeer.errors import ProtocolError, UserError
+from moshpeer.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger is rejected
+NONCE_BYTES = 16
+
+
+@dataclass
+class _StepRequest:
+    """What hivemind's Matchmaking reads from a step (a light stand-in for its multiprocess StepControl)."""
+
+    data_for_gather: bytes
+    scheduled_time: float
+    deadline: float
+    weight: float
+
+    def get_timeout(self) -> float:
+        return max(0.0, self.deadline - get_dht_time())
+
+
+@dataclass(frozen=True)
+class _MemberInfo:
+    host: str
+    port: int
+    weight: float
+    nonce: bytes
+
+
+def _pack_member_info(host: str, port: int, weight: float, nonce: bytes) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce})
+
+
+def _parse_member_info(data: bytes) -> _MemberInfo:
+    """Validate one member's gathered metadata (untrusted: it came from another peer)."""
+    if not isinstance(data, bytes) or len(data) > MAX_GATHERED_BYTES:
+        raise ProtocolError("gathered metadata missing or too large")
+    try:
+        info = msgpack.unpackb(data, raw=False, max_bin_len=MAX_GATHERED_BYTES, max_str_len=MAX_GATHERED_BYTES)
+    except Exception as e:
+        raise ProtocolError(f"undecodable gathered metadata: {e}") from None
+    if not isinstance(info, dict) or info.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("gathered metadata of another protocol version")
+    host, port, weight, nonce = info.get("host"), info.get("port"), info.get("weight"), info.get("nonce")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise ProtocolError("bad data-plane host")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ProtocolError("bad data-plane port")
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ProtocolError("bad weight")
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        raise ProtocolError("bad nonce")
+    return _MemberInfo(host, port, float(weight), nonce)
+
+
+def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
+    """Peers only group with peers that average the same shapes with the same codec and chunking."""
+    h = hashlib.blake2b(digest_size=20, person=b"moshpeer-schema")
+    h.update(f"v{PROTOCOL_VERSION}|{compression}|{chunk_numel}".encode())
+    for t in tensors:
+        h.update(f"|{tuple(t.shape)}:{t.dtype}".encode())
+    return h.digest()
+
+
+class MoshpitAverager(ServicerBase):
+    """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
+
+    :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
+    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param run_id: run whose peers to average with (group keys live under it)
+    :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
+        group worth averaging with
+    :param grid_bits: initial group bits = grid coordinates. An int picks that many random bits; a string
+        of '0'/'1' sets them; None (default) = no bits: one pool, groups formed at random every round
+        (suits a few to hundreds of peers). A full grid of g^M peers with log2(g)*(M-1) bits reaches the
+        exact mean in M rounds.
+    :param compression: codec spec (`moshpeer.compression.get_compression`)
+    :param chunk_bytes: fp32 bytes per chunk on the wire (before compression)
+    :param matchmaking_time: how long a peer waits for others to join its group
+    :param request_timeout: matchmaking request timeout (default: matchmaking_time / 2)
+    :param round_timeout: absolute budget of the data plane of one round (reduce-scatter ends at 60% of it)
+    :param faults: fault injection for this peer's outgoing chunks (default: from $MOSHPEER_FAULTS, else none)
+    :param host: address of the data-plane listener, announced to group mates
+    :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
+    :param start: start the background loop now (else call `start()`)
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        dht,
+        run_id: str,
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        grid_bits: Union[int, str, None] = None,
+        compression: str = "none",
+        chunk_bytes: int = 1 << 20,
+        matchmaking_time: float = 3.0,
+        request_timeout: Optional[float] = None,
+        round_timeout: float = 30.0,
+        faults: Optional[FaultConfig] = None,
+        host: str = "127.0.0.1",
+        client_mode: bool = False,
+        start: bool = True,
+    ):
+        validate_run_id(run_id)
+        if not tensors:
+            raise UserError("MoshpitAverager needs at least one tensor")
+        if any(not t.is_floating_point() for t in tensors):
+            raise UserError("MoshpitAverager averages floating-point tensors only")
+        if target_group_size < 2 or min_group_size < 2 or min_group_size > target_group_size:
+            raise UserError("need 2 <= min_group_size <= target_group_size")
+        if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
+            raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.tensors: List[torch.Tensor] = list(tensors)
+        self.dht, self.run_id = dht, run_id
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.compression_spec = compression
+        self.compression = get_compression(compression)
+        self.chunk_numel = max(chunk_bytes // 4, 16)
+        self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
+        self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
+        self.faults = faults if faults is not None else FaultConfig.from_env()
+        self.client_mode = client_mode
+        self.prefix = averaging_prefix(run_id)
+        self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
+        self._initial_bits = self._initial_group_bits(grid_bits)
+        self._schema_hash = schema_hash(self.tensors, compression, self.chunk_numel)
+        self._numel = sum(t.numel() for t in self.tensors)
+
+        self._plane = DataPlane(host)
+        self._lock_tensors = threading.RLock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ready = threading.Event()
+        self._startup_error: Optional[BaseException] = None
+        self._matchmaking: Optional[Matchmaking] = None
+        self._p2p = None
+        self.peer_id = None
+        self.rounds_done = 0
+        if start:
+            self.start()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def _initial_group_bits(self, grid_bits: Union[int, str, None]) -> str:
+        if grid_bits is None:
+            return ""
+        if isinstance(grid_bits, str):
+            if any(bit not in "01" for bit in grid_bits):
+                raise UserError(f"grid_bits must be a string of 0/1, got {grid_bits!r}")
+            return grid_bits
+        if grid_bits < 0:
+            raise UserError("grid_bits must be non-negative")
+        return "".join(str(b) for b in torch.randint(0, 2, (grid_bits,)).tolist())
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the background matchmaking loop and wait until it serves requests."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run_loop, name="moshpeer-averager-loop", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise UserError(f"averager did not start within {timeout:g} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def _run_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._setup())
+        except BaseException as e:
+            self._startup_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        loop.run_forever()
+        loop.run_until_complete(self._teardown())
+        loop.close()
+
+    async def _setup(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        self.peer_id = self._p2p.peer_id
+        if not self.client_mode:
+            await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
+        self._matchmaking = Matchmaking(
+            self._p2p,
+            self._schema_hash,
+            self.dht,
+            servicer_type=MoshpitAverager,
+            prefix=self.prefix,
+            target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size,
+            min_matchmaking_time=self.matchmaking_time,
+            request_timeout=self.request_timeout,
+            client_mode=self.client_mode,
+            initial_group_bits=self._initial_bits,
+        )
+
+    async def _teardown(self) -> None:
+        if not self.client_mode and self._p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+
+    def shutdown(self) -> None:
+        """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it)."""
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+        self._plane.close()
+
+    def __enter__(self) -> "MoshpitAverager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def group_bits(self) -> str:
+        """Current group bits (the key is `{prefix}.0b{bits}`)."""
+        if self._matchmaking is None:
+            return self._initial_bits
+        return self._matchmaking.group_key_manager.group_bits
+
+    @property
+    def coordinates(self) -> Tuple[int, ...]:
+        """Grid coordinates: the group bits read as base-g digits (log2(g) bits per axis)."""
+        bits, k = self.group_bits, self._bits_per_axis
+        return tuple(int(bits[i : i + k], 2) for i in range(0, len(bits) - len(bits) % k, k))
+
+    @property
+    def data_address(self) -> Tuple[str, int]:
+        return self._plane.address
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[List[torch.Tensor]]:
+        """Hold the averaged tensors (no round writes to them while the context is open)."""
+        with self._lock_tensors:
+            yield self.tensors
+
+    # ---- matchmaking RPC ----------------------------------------------------------------------
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """Another peer asks us to lead its group: hivemind's matchmaking decides."""
+        async for response in self._matchmaking.rpc_join_group(request, context):
+            yield response
+
+    # ---- one round ----------------------------------------------------------------------------
+
+    def step(self, weight: float = 1.0, timeout: Optional[float] = None) -> RoundReport:
+        """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
+
+        :param weight: this peer's weight (e.g. samples contributed); >= 0
+        :param timeout: how long to look for a group (default: 3 x matchmaking_time); the data plane then
+            has `round_timeout` on top
+        """
+        if not math.isfinite(weight) or weight < 0:
+            raise UserError(f"weight must be finite and >= 0, got {weight}")
+        if self._loop is None or not self._ready.is_set():
+            raise UserError("averager is not started")
+        timeout = timeout if timeout is not None else 3 * self.matchmaking_time
+        started = time.monotonic()
+        nonce = os.urandom(NONCE_BYTES)
+        host, port = self._plane.address
+        request = _StepRequest(
+            data_for_gather=_pack_member_info(host, port, float(weight), nonce),
+            scheduled_time=get_dht_time() + self.matchmaking_time,
+            deadline=get_dht_time() + max(timeout, self.matchmaking_time),
+            weight=float(weight),
+        )
+        bits_before = self.group_bits
+        future = asyncio.run_coroutine_threadsafe(self._look_for_group(request), self._loop)
+        try:
+            group = future.result(timeout + self.round_timeout)
+        except Exception as e:
+            future.cancel()
+            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+            group = None
+        matchmaking_s = time.monotonic() - started
+        report = RoundReport(ok=False, group_bits=bits_before, coordinates=self.coordinates, weight=float(weight),
+                             matchmaking_s=matchmaking_s, compression=self.compression_spec)
+        if group is None:
+            report.error = "no group found"
+            return report
+        report.group_id, report.group_size = group.group_id.hex(), group.group_size
+        report.my_index = group.peer_ids.index(self.peer_id)
+        try:
+            members = [_parse_member_info(data) for data in group.gathered]
+        except ProtocolError as e:
+            report.error = f"bad group metadata: {e}"
+            logger.warning(f"round {report.group_id[:8]}: {report.error}")
+            return report
+        logger.info(
+            f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
+            f"my index {report.my_index}"
+        )
+        self._average_with_group(group, members, report)
+        report.group_bits, report.coordinates = self.group_bits, self.coordinates
+        self.rounds_done += 1
+        return report
+
+    async def _look_for_group(self, request: _StepRequest) -> Optional[GroupInfo]:
+        return await self._matchmaking.look_for_group(request)
+
+    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
+        secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        with self._lock_tensors:
+            flat, write_back = self._flatten()
+            deadline = time.monotonic() + self.round_timeout
+            allreduce = GroupAllReduce(
+                self._plane,
+                flat,
+                members=[GroupMember(m.host, m.port, m.weight) for m in members],
+                my_index=report.my_index,
+                tag=wire.allreduce_tag(group.group_id, 0),
+                secret=secret,
+                compression=self.compression,
+                chunk_numel=self.chunk_numel,
+                deadline=deadline,
+                faults=self.faults,
+            )
+            result = allreduce.run()
+            write_back()
+        report.ok = True
+        report.reduce, report.gather = result.reduce, result.gather
+        report.departed = result.departed
+        report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
+        report.missing_chunks = result.missing_chunks
+        report.reduce_scatter_s, report.all_gather_s, report.total_s = (
+            result.reduce_scatter_s, result.all_gather_s, result.total_s)
+        expected = result.reduce.chunks_expected + result.gather.chunks_expected
+        lost = result.reduce.chunks_lost + result.gather.chunks_lost
+        report.lost_fraction = lost / expected if expected else 0.0
+        if lost or result.departed or result.rejected_messages or result.rejected_connections:
+            logger.warning(
+                f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
+                f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
+                f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
+                f"{result.rejected_connections} connections"
+            )
+
+    def _flatten(self):
+        """A flat fp32 view of the tensors (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
+        tensors = self.tensors
+        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
+                and tensors[0].device.type == "cpu":
+            return tensors[0].view(-1), lambda: None
+        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+
+        def write_back() -> None:
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.data.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+        return flat, write_back

@@ -1,0 +1,128 @@
+"""The data-plane server: one listening TCP socket per averager, shared by all of its rounds.
+
+Every incoming connection gets a random challenge; the connecting member must answer with an HMAC
+keyed by the group secret (see `wire`). The server hands an authenticated connection to the
+all-reduce session it names (by tag); anything else (wrong magic or version, unknown tag, bad MAC,
+impossible indices, silence) is closed and counted in `rejected_connections`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+from moshpeer.averaging import wire
+from moshpeer.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+# How long a connecting member may take to say hello, and how long the server waits for the
+# session it names to be registered (members finish matchmaking a few milliseconds apart).
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class DataPlane:
+    """Listens on (host, port); `register(session)` makes a session reachable for its round."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(256)
+        self.address: Tuple[str, int] = (host, self._listener.getsockname()[1])
+        self._sessions: Dict[bytes, object] = {}
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self.rejected_connections = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
+        self._thread.start()
+
+    # -- sessions --
+
+    def register(self, tag: bytes, session) -> None:
+        with self._cond:
+            self._sessions[tag] = session
+            self._cond.notify_all()
+
+    def unregister(self, tag: bytes) -> None:
+        with self._cond:
+            self._sessions.pop(tag, None)
+
+    def count_rejected(self, why: str, peer=None) -> None:
+        with self._lock:
+            self.rejected_connections += 1
+        logger.warning(f"data plane: rejected connection from {peer}: {why}")
+
+    # -- serving --
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)
+                continue
+            threading.Thread(target=self._handle, args=(conn, peer), name="moshpeer-dataplane-conn",
+                             daemon=True).start()
+
+    def _handle(self, conn: socket.socket, peer) -> None:
+        try:
+            wire.tune_socket(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            challenge_msg = wire.new_challenge()
+            conn.sendall(challenge_msg)
+            hello = bytearray(wire.HELLO.size)
+            wire.recv_exactly(conn, memoryview(hello))
+            tag, sender, receiver, mac = wire.parse_hello(bytes(hello))
+            session = self._wait_for_session(tag, time.monotonic() + HANDSHAKE_TIMEOUT)
+            if session is None:
+                raise ProtocolError("unknown or finished round")
+            challenge = wire.parse_challenge(challenge_msg)
+            expected = wire.hello_mac(session.secret, challenge, tag, sender, receiver)
+            if not hmac.compare_digest(expected, mac):
+                raise ProtocolError("authentication failed (wrong group secret)")
+            if receiver != session.my_index or not 0 <= sender < session.group_size or sender == receiver:
+                raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
+        except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
+            self.count_rejected(str(e) or type(e).__name__, peer)
+            _close(conn)
+            return
+        session.serve_inbound(sender, conn)  # returns when the round is over; the session closes conn
+
+    def _wait_for_session(self, tag: bytes, deadline: float):
+        with self._cond:
+            while tag not in self._sessions:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                self._cond.wait(remaining)
+            return self._sessions[tag]
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=2.0)
+
+
+def _close(sock: Optional[socket.socket]) -> None:
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,114 @@
+"""Fault injection inside the real transport: dropped, delayed and burst-lost chunks, a peer that goes silent.
+
+The sender consults a `ChunkFaults` before every chunk it puts on the wire. With `faults=None`
+(the default) the transport never builds one, so normal runs pay nothing. Decisions come from a
+seeded RNG per (round, destination, phase), so a test can replay a run exactly.
+
+Environment (used when an averager is built without an explicit `faults`): MOSHPEER_FAULTS holds
+comma-separated `key=value` pairs with FaultConfig's field names, e.g.
+`MOSHPEER_FAULTS=drop_prob=0.1,delay_s=0.002,phases=reduce`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+from moshpeer.errors import UserError
+
+PHASES = ("reduce", "gather")
+ENV_VAR = "MOSHPEER_FAULTS"
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """What to inject into this peer's outgoing chunks.
+
+    :param drop_prob: probability that a chunk is silently not sent (i.i.d. per chunk)
+    :param delay_s: fixed delay before each chunk; jitter_s: plus a uniform random delay in [0, jitter_s]
+    :param burst_prob: per-chunk probability that a loss burst starts; burst_len chunks are then dropped
+    :param stop_after_chunks: after this many chunks sent in a round, the peer goes silent (no more chunks,
+        no end-of-phase markers) until the round ends, like a peer that hangs
+    :param phases: which phases the faults apply to ("reduce", "gather")
+    :param seed: base seed of the fault RNG
+    """
+
+    drop_prob: float = 0.0
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    burst_prob: float = 0.0
+    burst_len: int = 0
+    stop_after_chunks: Optional[int] = None
+    phases: Tuple[str, ...] = PHASES
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("drop_prob", "burst_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise UserError(f"fault {name} must be within [0, 1], got {value}")
+        if self.delay_s < 0 or self.jitter_s < 0 or self.burst_len < 0:
+            raise UserError("fault delays and burst length must be non-negative")
+        if self.stop_after_chunks is not None and self.stop_after_chunks < 0:
+            raise UserError("stop_after_chunks must be non-negative")
+        phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
+        if any(phase not in PHASES for phase in phases):
+            raise UserError(f"fault phases must be among {PHASES}, got {phases}")
+        object.__setattr__(self, "phases", phases)
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultConfig":
+        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (CLI / environment syntax)."""
+        kinds = {f.name: f for f in fields(cls)}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key not in kinds:
+                raise UserError(f"bad fault setting {item!r}; known keys: {', '.join(kinds)}")
+            try:
+                if key == "phases":
+                    values[key] = tuple(raw.split("+"))
+                elif key in ("burst_len", "seed", "stop_after_chunks"):
+                    values[key] = int(raw)
+                else:
+                    values[key] = float(raw)
+            except ValueError:
+                raise UserError(f"bad value for fault {key}: {raw!r}") from None
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls) -> Optional["FaultConfig"]:
+        text = os.environ.get(ENV_VAR, "").strip()
+        return cls.parse(text) if text else None
+
+
+class ChunkFaults:
+    """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop."""
+
+    def __init__(self, config: FaultConfig, phase: str, stream_seed: int, shared_counter: list):
+        self.config = config
+        self.active = phase in config.phases
+        self.rng = random.Random(config.seed * 1_000_003 + stream_seed)
+        self.burst_left = 0
+        self.sent_in_round = shared_counter  # [count], shared by every connection of this peer in the round
+
+    def silenced(self) -> bool:
+        """True once this peer has sent `stop_after_chunks` chunks in the round: it sends nothing more."""
+        limit = self.config.stop_after_chunks
+        return limit is not None and self.sent_in_round[0] >= limit
+
+    def before_chunk(self) -> Tuple[bool, float]:
+        """(drop this chunk?, seconds to wait before sending it)."""
+        if not self.active:
+            return False, 0.0
+        cfg = self.config
+        delay = cfg.delay_s + (self.rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)
+        if self.burst_left > 0:
+            self.burst_left -= 1
+            return True, delay
+        if cfg.burst_prob and self.rng.random() < cfg.burst_prob:
+            self.burst_left = max(cfg.burst_len - 1, 0)
+            return True, delay
+        return (cfg.drop_prob > 0 and self.rng.random() < cfg.drop_prob), delay

@@ -1,0 +1,71 @@
+"""What one averaging round did: `RoundReport`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+
+@dataclass
+class PhaseStats:
+    """Counters of one phase (reduce-scatter or all-gather) seen from one peer."""
+
+    chunks_sent: int = 0
+    chunks_received: int = 0
+    chunks_expected: int = 0  # chunks this peer should have received in this phase
+    chunks_lost: int = 0  # expected but never usable (not sent, late, rejected)
+    chunks_dropped_by_faults: int = 0  # injected: this peer did not send them
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RoundReport:
+    """Outcome of one `MoshpitAverager.step()`.
+
+    `ok` is False when no group was found (tensors unchanged) or the round failed before the data
+    plane started. A round that lost data is still ok=True: see `lost_fraction` and the counters.
+    """
+
+    ok: bool
+    group_id: str = ""  # hex
+    group_size: int = 1
+    my_index: int = -1
+    group_bits: str = ""
+    coordinates: Tuple[int, ...] = ()
+    weight: float = 1.0
+    matchmaking_s: float = 0.0
+    reduce_scatter_s: float = 0.0
+    all_gather_s: float = 0.0
+    total_s: float = 0.0  # data plane only (matchmaking excluded)
+    reduce: PhaseStats = field(default_factory=PhaseStats)
+    gather: PhaseStats = field(default_factory=PhaseStats)
+    departed: List[int] = field(default_factory=list)  # group indices that sent nothing in the round
+    missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
+    rejected_connections: int = 0  # strangers / failed authentication during the round
+    rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates
+    lost_fraction: float = 0.0  # lost / expected chunks, both phases together
+    compression: str = "none"
+    error: Optional[str] = None
+    loss_budget: Optional[float] = None
+    loss_phase: Optional[str] = None
+
+    @property
+    def chunks_lost(self) -> int:
+        return self.reduce.chunks_lost + self.gather.chunks_lost
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.reduce.bytes_sent + self.gather.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.reduce.bytes_received + self.gather.bytes_received
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
