@@ -1,7 +1,9 @@
-"""`moshpeer join`: run a peer of a training run until SIGINT or SIGTERM.
+"""`moshpeer join`: run a training peer of a run until it finishes, or until SIGINT or SIGTERM.
 
 With `--initial-peers` it joins their swarm; without, it starts a new swarm and prints how others
-join. Either way it prints one JSON readiness line on stdout once it is in the swarm.
+join. Either way it prints one JSON readiness line on stdout once it is in the swarm, then trains
+the task (`--task`, default: the built-in digits classifier) and prints one JSON line per
+collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the peer in the swarm.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ from moshpeer.cli.common import (
     announce_ready,
     configure_logging,
     make_daemon,
+    positive_float,
 )
+from moshpeer.errors import UserError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "join",
         help="join (or start) a training run as a peer",
-        description="Join the swarm of a training run (or start a new one without --initial-peers). "
-        "Runs until SIGINT or SIGTERM, then withdraws from the swarm and exits.",
+        description="Join the swarm of a training run (or start a new one without --initial-peers) and train "
+        "its task. Runs until training ends or SIGINT / SIGTERM, then withdraws from the swarm and exits.",
     )
     add_initial_peers_argument(parser)
     add_run_id_argument(parser)
@@ -41,10 +45,96 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_network_arguments(parser)
     add_membership_arguments(parser)
+    add_training_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training flags of `moshpeer join` (also passed through by `moshpeer demo`)."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--task", default="digits", metavar="SPEC",
+                       help="built-in task name, package.module:make_task or path/to/file.py:make_task (default: digits)")
+    group.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="keyword argument for the task factory (repeatable)")
+    group.add_argument("--no-train", action="store_true", help="only stay in the swarm, do not train")
+    group.add_argument("--target-batch-size", type=_positive_int, metavar="N",
+                       help="samples the swarm gathers per collaborative epoch (default: the task's)")
+    group.add_argument("--batch-size", type=_positive_int, metavar="N",
+                       help="micro-batch size of this peer (default: the task's)")
+    group.add_argument("--averaging", choices=("gradients", "parameters"), default="gradients",
+                       help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
+    group.add_argument("--compression", default="none", metavar="CODEC",
+                       help="codec for averaging: none, fp16, bf16, ... (default: none)")
+    group.add_argument("--group-size", type=_positive_int, default=4, metavar="N",
+                       help="target Moshpit group size (default: 4)")
+    group.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none",
+                       help="DropCompute: stop computing an epoch's micro-batches after this long (default: none)")
+    group.add_argument("--max-epochs", type=_positive_int, metavar="N", help="stop after N collaborative epochs")
+    group.add_argument("--max-seconds", type=positive_float, metavar="S", help="stop training after S seconds")
+    group.add_argument("--target-metric", type=float, metavar="X",
+                       help="stop once the task's metric reaches X (e.g. 0.95 accuracy)")
+    group.add_argument("--eval-every", type=_positive_int, default=1, metavar="N",
+                       help="evaluate every N epochs (default: 1)")
+    group.add_argument("--min-peers", type=_positive_int, default=1, metavar="N",
+                       help="wait up to --wait-peers seconds for N trainers before training (default: 1)")
+    group.add_argument("--wait-peers", type=positive_float, default=60.0, metavar="S",
+                       help="how long to wait for --min-peers (default: 60)")
+    group.add_argument("--matchmaking-time", type=positive_float, default=1.0, metavar="S",
+                       help="how long to look for an averaging group (default: 1)")
+    group.add_argument("--round-timeout", type=positive_float, default=10.0, metavar="S",
+                       help="deadline of one averaging round after matchmaking (default: 10)")
+    group.add_argument("--seed", type=int, metavar="N", help="data shuffle seed (default: from the peer id)")
+    group.add_argument("--straggler", metavar="SPEC",
+                       help="inject compute delays per micro-batch, e.g. lognormal:mean_s=0.05,sigma=1.5 (testing)")
+    group.add_argument("--state-rate", type=positive_float, metavar="BYTES_PER_S",
+                       help="throttle this peer's state donations (testing)")
+    group.add_argument("--progress-bar", action="store_true", help="show a progress bar for state downloads")
+
+
+def trainer_config_from_args(args: argparse.Namespace):
+    """A `TrainerConfig` from the training flags."""
+    from moshpeer.peer.dropcompute import parse_compute_budget, parse_straggler
+    from moshpeer.peer.trainer import TrainerConfig
+
+    if args.role == "aux" and args.compute_budget not in ("none", None):
+        raise UserError("an aux peer computes nothing: --compute-budget does not apply")
+    return TrainerConfig(
+        target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
+        compression=args.compression, group_size=max(args.group_size, 2),
+        compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
+        max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
+        min_peers=args.min_peers, wait_peers_timeout=args.wait_peers, matchmaking_time=args.matchmaking_time,
+        round_timeout=args.round_timeout, seed=args.seed,
+        straggler=parse_straggler(args.straggler) if args.straggler else None,
+        state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    if args.no_train:
+        daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
+        return daemon.run(on_ready=lambda d: announce_ready(d, "join"))
+    config = trainer_config_from_args(args)  # bad flags fail before anything starts
+    from moshpeer.peer.tasks import load_task, parse_task_kwargs
+
+    task_kwargs = parse_task_kwargs(args.task_arg)
     daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
-    return daemon.run(on_ready=lambda d: announce_ready(d, "join"))
+
+    def train(daemon) -> None:
+        from moshpeer.peer.trainer import run_training
+
+        task = load_task(args.task, **task_kwargs)
+        run_training(daemon, task, config)
+
+    return daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join"))

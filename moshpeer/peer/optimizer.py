@@ -1,0 +1,613 @@
+"""`CollaborativeOptimizer`: a torch optimizer whose steps are taken by a whole swarm.
+
+    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), run_id="my-run",
+                                 target_batch_size=4096, batch_size_per_step=32,
+                                 initial_peers=["/ip4/.../p2p/Qm..."])
+    for batch in data:
+        loss = loss_fn(model, batch); loss.backward()
+        opt.step(); opt.zero_grad()          # local accumulation; a swarm step when the swarm is ready
+
+It *is* a `torch.optim.Optimizer` (its `param_groups` and `state` are the wrapped optimizer's),
+so LR schedulers and `transformers.Trainer(optimizers=(opt, scheduler))` work unchanged.
+
+averaging="gradients" (large-batch training across the swarm)
+  `step()` adds the current gradients, weighted by the samples they came from, to an accumulator.
+  The collaborative epoch ends when this peer has computed its share of `target_batch_size`
+  (target / live trainers), or the swarm as a whole reports the target reached, or the DropCompute
+  budget for the epoch is spent. Then the peer averages its mean gradient with a Moshpit group,
+  weighted by samples, and every peer applies the same averaged gradient with the wrapped
+  optimizer. When the swarm is larger than one group, groups receive different averages; the
+  Moshpit SGD recipe keeps peers together by averaging the parameters in the same round (they
+  travel with the gradients), and `last_round.param_spread` reports how far this peer's
+  parameters were from its group's mean before that.
+averaging="parameters" (Moshpit SGD / local SGD)
+  every `step()` is a local optimizer step; at the end of each collaborative epoch the peer
+  averages its parameters and the optimizer's per-parameter statistics (e.g. Adam's moments).
+
+Epochs: every peer publishes (epoch, samples) in its signed DHT record (`SwarmProgress`). A peer
+whose epoch is behind the swarm's by more than `max_epoch_lag` downloads the state of the most
+advanced donor (`state_sync`) instead of averaging stale gradients. A peer that finds no group
+(alone, or everyone else timed out) steps on its own gradients: training never stops for lack of
+peers. Every wait is bounded (matchmaking time, round timeout, download timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from moshpeer.dht import SwarmDHT, start_dht, validate_run_id
+from moshpeer.errors import UserError
+from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
+from moshpeer.peer.progress import ProgressSnapshot, RecordPublisher, SwarmProgress
+from moshpeer.peer.state_sync import (
+    DownloadedState,
+    StateDownloadFailed,
+    StateServer,
+    download_state,
+    serialize_state,
+)
+
+logger = logging.getLogger(__name__)
+
+AVERAGING_MODES = ("gradients", "parameters")
+
+
+@dataclass
+class CollaborativeRound:
+    """What one collaborative epoch did, as seen by this peer (also printed as JSON by the trainer)."""
+
+    epoch: int  # the epoch this round finished (the peer is at epoch + 1 afterwards)
+    samples: int  # samples this peer contributed
+    ok: bool  # averaged with a group (False: stepped alone)
+    group_size: int = 1
+    chunks_lost: int = 0
+    lost_fraction: float = 0.0
+    matchmaking_s: float = 0.0
+    averaging_s: float = 0.0
+    param_spread: Optional[float] = None  # ||params - group mean|| / ||group mean|| before the round
+    stopped_by_budget: bool = False
+    swarm_samples: int = 0
+    num_trainers: int = 0
+    error: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CollaborativeOptimizer(torch.optim.Optimizer):
+    """Wraps a local optimizer so that a swarm of peers trains one model; see the module docstring.
+
+    :param optimizer: the local optimizer over the model's parameters (Adam, SGD, ...)
+    :param run_id: the training run; peers of one run share it
+    :param target_batch_size: samples the swarm gathers per collaborative epoch
+    :param batch_size_per_step: samples behind one `step()` call when `step(batch_size=...)` is not given
+    :param daemon: a started `PeerDaemon` (membership, heartbeat); or
+    :param dht: a running `SwarmDHT` (this optimizer then publishes its own record); or
+    :param initial_peers: multiaddrs of a swarm; this optimizer starts its own DHT node
+    :param averaging: "gradients" or "parameters"
+    :param compression: codec name for averaging ("none", "fp16", ...)
+    :param group_size: target Moshpit group size
+    :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
+    :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
+    :param average_parameters: gradients mode: also average parameters each round ("auto": only
+        when the swarm has more trainers than `group_size`, where groups would drift apart)
+    :param matchmaking_time, round_timeout: averaging deadlines (seconds)
+    :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
+    :param serve_state: run a state donor for newcomers
+    :param should_stop: polled while waiting; True abandons a round (for prompt shutdown)
+    :param averager_kwargs: more arguments for `MoshpitAverager` (faults, chunk_bytes, ...)
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: Optional[int] = None,
+        daemon: Any = None,
+        dht: Optional[SwarmDHT] = None,
+        initial_peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        averaging: str = "gradients",
+        compression: str = "none",
+        group_size: int = 4,
+        min_group_size: int = 2,
+        compute_budget: BudgetSetting = None,
+        role: str = "trainer",
+        average_parameters: Union[bool, str] = "auto",
+        average_optimizer_state: bool = True,
+        matchmaking_time: float = 1.0,
+        round_timeout: float = 10.0,
+        max_epoch_lag: int = 1,
+        serve_state: bool = True,
+        state_download_timeout: float = 60.0,
+        state_bytes_per_second: Optional[float] = None,
+        progress_refresh: float = 0.3,
+        show_progress: bool = False,
+        should_stop: Optional[Callable[[], bool]] = None,
+        model: Optional[torch.nn.Module] = None,
+        averager_kwargs: Optional[Dict[str, Any]] = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if averaging not in AVERAGING_MODES:
+            raise UserError(f"averaging must be one of {AVERAGING_MODES}, got {averaging!r}")
+        if role not in ("trainer", "aux"):
+            raise UserError(f"role must be 'trainer' or 'aux', got {role!r}")
+        if target_batch_size < 1 or (batch_size_per_step is not None and batch_size_per_step < 1):
+            raise UserError("target_batch_size and batch_size_per_step must be positive")
+        if group_size < 2:
+            raise UserError(f"group size must be at least 2, got {group_size}")
+        self.inner = optimizer
+        self.run_id = validate_run_id(run_id)
+        self.target_batch_size = int(target_batch_size)
+        self.batch_size_per_step = batch_size_per_step
+        self.averaging = averaging
+        self.compression = compression
+        self.group_size = group_size
+        self.role = role
+        self.average_parameters = average_parameters
+        self.average_optimizer_state = average_optimizer_state
+        self.matchmaking_time = matchmaking_time
+        self.round_timeout = round_timeout
+        self.max_epoch_lag = max_epoch_lag
+        self.state_download_timeout = state_download_timeout
+        self.show_progress = show_progress
+        self.model = model
+        self._should_stop = should_stop or (lambda: False)
+
+        # torch.optim.Optimizer's own machinery, without its __init__ (param_groups live in `inner`).
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+
+        self.params: List[torch.nn.Parameter] = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.params:
+            raise UserError("the wrapped optimizer has no parameters")
+        self.local_epoch = 0
+        self.local_steps = 0
+        self.samples_accumulated = 0  # this epoch, this peer
+        self.total_samples = 0
+        self.rounds: List[CollaborativeRound] = []
+        self.downloads: List[DownloadedState] = []
+        self.lock = threading.RLock()  # held while the state changes (state server reads under it)
+        self._grad_accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self._speed = _SpeedMeter()
+        # "auto" simulates a synchronous group of `group_size` workers from this peer's own times.
+        self.budget = ComputeBudget(compute_budget, num_workers=group_size) if compute_budget is not None else None
+        self._budget_step: Optional[BudgetedStep] = None
+        self._begin_budget_step()
+
+        # ---- membership: daemon, bare DHT, or our own DHT node ----
+        self._own_dht: Optional[SwarmDHT] = None
+        self._publisher: Optional[RecordPublisher] = None
+        self.daemon = daemon
+        if daemon is not None:
+            self.dht = daemon.dht
+            own_record, publish, on_refresh = (lambda: daemon.record), (lambda **f: daemon.update_record(
+                publish_now=True, **f)), None
+        else:
+            if dht is None:
+                if not initial_peers:
+                    raise UserError("give the optimizer daemon=, dht= or initial_peers=")
+                dht = self._own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id],
+                                                host_maddrs=[f"/ip4/{host}/tcp/0"])
+            self.dht = dht
+            self._publisher = RecordPublisher(dht, run_id, role=role)
+            self._publisher.publish()
+            own_record, publish, on_refresh = (lambda: self._publisher.record), self._publisher.update, \
+                self._publisher.refresh_if_stale
+        self.peer_id = self.dht.identity.peer_id
+        self.progress = SwarmProgress(self.dht, run_id, target_batch_size=self.target_batch_size,
+                                      own_record=own_record, publish=publish, refresh_interval=progress_refresh,
+                                      on_refresh=on_refresh)
+
+        # ---- averaging: one Moshpit averager over a fixed set of buffers ----
+        self._averaged = self._averaged_buffers()
+        from moshpeer.averaging import MoshpitAverager  # peer > averaging: allowed, imported late (heavy)
+
+        self.averager = MoshpitAverager(
+            [self._flat], dht=self.dht, run_id=f"{run_id}.{averaging}", target_group_size=group_size,
+            min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
+            round_timeout=round_timeout, host=host, **(averager_kwargs or {}))
+
+        # ---- state donor ----
+        self._state_cache: Optional[tuple] = None
+        self.state_server: Optional[StateServer] = None
+        if serve_state:
+            self.state_server = StateServer(self._serialized_state, run_id=run_id, host=host,
+                                            bytes_per_second=state_bytes_per_second)
+            self._advertised_at = 0.0
+            self._advertise()
+        self._report_progress(force=True)
+
+    # ---- torch.optim.Optimizer surface --------------------------------------------------------
+
+    @property
+    def param_groups(self) -> List[dict]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[dict]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Dict[Any, Any]) -> None:
+        self.inner.state = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = self.inner.state_dict()
+        state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps}
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        collaborative = state_dict.pop("collaborative", None)
+        self.inner.load_state_dict(state_dict)
+        if collaborative:
+            self.local_epoch = int(collaborative.get("epoch", self.local_epoch))
+            self.local_steps = int(collaborative.get("steps", self.local_steps))
+
+    def __repr__(self) -> str:
+        return f"CollaborativeOptimizer({self.inner!r}, run_id={self.run_id!r}, averaging={self.averaging!r})"
+
+    # ---- training -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, batch_size: Optional[int] = None) -> Any:
+        """Account for the gradients in `.grad` (computed from `batch_size` samples); a collaborative
+        step happens inside when the epoch is over. Returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.role == "aux":
+            self.wait_and_average()
+            return loss
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        if batch_size is None:
+            raise UserError("pass step(batch_size=...) or set batch_size_per_step")
+        with self.lock:
+            if self.averaging == "gradients":
+                for acc, p in zip(self._grad_accumulators, self.params):
+                    if p.grad is not None:
+                        acc.add_(p.grad, alpha=float(batch_size))
+            else:
+                self.inner.step()
+                self.local_steps += 1
+            self.samples_accumulated += int(batch_size)
+            self.total_samples += int(batch_size)
+        self._speed.add(batch_size)
+        self._record_micro_batch(batch_size)
+        self._report_progress()
+        if self.epoch_is_over():
+            self.collaborative_step()
+        return loss
+
+    def epoch_is_over(self) -> bool:
+        """Whether this peer should average now: its share is done, the swarm reached the target,
+        or the DropCompute budget for this epoch is spent."""
+        if self._budget_step is not None and not self._budget_step.should_continue():
+            return True
+        snapshot = self.progress.snapshot()
+        if snapshot.ready:
+            return True
+        return self.samples_accumulated >= self.share(snapshot)
+
+    def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
+        """This peer's share of the target batch: target / live trainers, rounded up."""
+        snapshot = snapshot or self.progress.snapshot()
+        return math.ceil(self.target_batch_size / max(snapshot.num_trainers, 1))
+
+    def collaborative_step(self) -> CollaborativeRound:
+        """End this peer's epoch now: catch up if behind, else average and step (alone if no group)."""
+        snapshot = self.progress.snapshot()
+        stopped_by_budget = False
+        if self._budget_step is not None:
+            stopped_by_budget = self._budget_step.finish().stopped_by_budget
+        if snapshot.global_epoch > self.local_epoch + self.max_epoch_lag:
+            # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
+            downloaded = self.catch_up(min_epoch=snapshot.global_epoch - self.max_epoch_lag)
+            if downloaded is not None:
+                caught = CollaborativeRound(epoch=downloaded.epoch, samples=0, ok=False, error="caught up",
+                                            swarm_samples=snapshot.samples_accumulated,
+                                            num_trainers=snapshot.num_trainers)
+                self.rounds.append(caught)
+                return caught
+        round_ = CollaborativeRound(epoch=self.local_epoch, samples=self.samples_accumulated, ok=False,
+                                    stopped_by_budget=stopped_by_budget, swarm_samples=snapshot.samples_accumulated,
+                                    num_trainers=snapshot.num_trainers)
+        with_params = self._average_params_now(snapshot)
+        with self.lock:
+            self._fill_averaged_buffers(with_params)
+        alone = snapshot.num_trainers + snapshot.num_aux <= 1
+        # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
+        report = None if alone else self._run_round(weight=float(self.samples_accumulated))
+        with self.lock:
+            if report is not None and getattr(report, "ok", False):
+                round_.ok = True
+                round_.group_size = int(report.group_size)
+                round_.chunks_lost = int(report.chunks_lost)
+                round_.lost_fraction = float(report.lost_fraction)
+                round_.matchmaking_s = float(report.matchmaking_s)
+                round_.averaging_s = float(report.total_s)
+                round_.param_spread = self._apply_averaged(with_params)
+            else:
+                round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
+                                                      else "abandoned")
+                self._apply_local()
+            self._finish_epoch()
+        self.rounds.append(round_)
+        return round_
+
+    def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
+        """Aux peers: wait (bounded) until the swarm's epoch is ready, then average with weight 0."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.round_timeout * 3)
+        while time.monotonic() < deadline and not self._should_stop():
+            snapshot = self.progress.snapshot()
+            if snapshot.global_epoch > self.local_epoch + self.max_epoch_lag:
+                self.catch_up(min_epoch=snapshot.global_epoch - self.max_epoch_lag)
+                return None
+            if snapshot.ready or snapshot.global_epoch > self.local_epoch:
+                return self.collaborative_step()
+            self.progress.wait_for_refresh(timeout=1.0)
+        return None
+
+    def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
+        """Download the state of the most advanced donor and adopt it; None if no donor delivered."""
+        try:
+            downloaded = download_state(self.dht, self.run_id, exclude=(self.peer_id,), min_epoch=min_epoch,
+                                        timeout=self.state_download_timeout, show_progress=self.show_progress,
+                                        validate=self._check_state_fits)
+        except StateDownloadFailed as e:
+            logger.warning(f"could not catch up: {e}; training on from epoch {self.local_epoch}")
+            return None
+        with self.lock:
+            self.load_collaborative_state(downloaded.state)
+        self.downloads.append(downloaded)
+        logger.info(f"caught up: epoch {downloaded.epoch} from {downloaded.donor[-8:]} "
+                    f"({downloaded.nbytes} bytes in {downloaded.seconds:.2f} s)")
+        self._report_progress(force=True)
+        return downloaded
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def collaborative_state(self) -> Dict[str, Any]:
+        """Everything a newcomer needs: parameters (and buffers), optimizer state, epoch."""
+        with self.lock:
+            if self.model is not None:
+                model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            else:
+                model_state = {str(i): p.detach().clone() for i, p in enumerate(self.params)}
+            return {"format": 1, "epoch": self.local_epoch, "steps": self.local_steps, "model": model_state,
+                    "optimizer": self.inner.state_dict(), "has_model": self.model is not None}
+
+    def load_collaborative_state(self, state: Dict[str, Any]) -> None:
+        """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
+        self._check_state_fits(state)
+        with self.lock, torch.no_grad():
+            if state["has_model"]:
+                self.model.load_state_dict(state["model"])
+            else:
+                for i, p in enumerate(self.params):
+                    p.copy_(state["model"][str(i)])
+            self.inner.load_state_dict(state["optimizer"])
+            self.local_epoch = int(state["epoch"])
+            self.local_steps = int(state["steps"])
+            self._reset_accumulators()
+
+    def _check_state_fits(self, state: Dict[str, Any]) -> None:
+        if state.get("format") != 1 or not isinstance(state.get("epoch"), int):
+            raise ValueError("unknown state format")
+        if bool(state.get("has_model")) != (self.model is not None):
+            raise ValueError("state was saved with a different layout (model vs parameter list)")
+        ours = self.model.state_dict() if self.model is not None else {str(i): p for i, p in enumerate(self.params)}
+        theirs = state["model"]
+        if set(ours) != set(theirs):
+            raise ValueError("state has different parameter names")
+        for name, tensor in ours.items():
+            other = theirs[name]
+            if not isinstance(other, torch.Tensor) or other.shape != tensor.shape or other.dtype != tensor.dtype:
+                raise ValueError(f"state tensor {name} does not match the model")
+            if other.is_floating_point() and not torch.isfinite(other).all():
+                raise ValueError(f"state tensor {name} has non-finite values")
+
+    def _serialized_state(self) -> tuple:
+        with self.lock:
+            if self._state_cache is None or self._state_cache[0] != (self.local_epoch, self.local_steps):
+                self._state_cache = ((self.local_epoch, self.local_steps),
+                                     serialize_state(self.collaborative_state()))
+            return self.local_epoch, self._state_cache[1]
+
+    def _advertise(self) -> None:
+        if self.state_server is not None and self.role == "trainer":
+            self.state_server.advertise(self.dht, self.local_epoch)
+            self._advertised_at = time.monotonic()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _averaged_buffers(self) -> List[torch.Tensor]:
+        """The averager's tensors, as views of one flat fp32 buffer (the averager then works on it
+        without copying). gradients: [grads..., params...]; parameters: [params..., optimizer stats...]."""
+        sizes = [p.numel() for p in self.params] * 2
+        self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
+        views = list(torch.split(self._flat, sizes))
+        shapes = [p.shape for p in self.params] * 2
+        return [view.view(shape) for view, shape in zip(views, shapes)]
+
+    def _average_params_now(self, snapshot: ProgressSnapshot) -> bool:
+        if self.averaging == "parameters":
+            return True
+        if self.average_parameters == "auto":
+            return snapshot.num_trainers > self.group_size
+        return bool(self.average_parameters)
+
+    def _fill_averaged_buffers(self, with_params: bool) -> None:
+        n = len(self.params)
+        if self.averaging == "gradients":
+            scale = 1.0 / max(self.samples_accumulated, 1)
+            for buf, acc in zip(self._averaged[:n], self._grad_accumulators):
+                buf.copy_(acc).mul_(scale)
+            for buf, p in zip(self._averaged[n:], self.params):
+                buf.copy_(p.detach())  # sent even when not averaged: a fixed tensor list; see _apply
+        else:
+            for buf, p in zip(self._averaged[:n], self.params):
+                buf.copy_(p.detach())
+            stats = self._optimizer_statistics()
+            for buf, p in zip(self._averaged[n:], self.params):
+                stat = stats.get(p)
+                buf.copy_(stat) if stat is not None else buf.zero_()
+
+    def _optimizer_statistics(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
+        """One averaged statistic per parameter: Adam's second moment / SGD's momentum, if present."""
+        if not self.average_optimizer_state:
+            return {}
+        found = {}
+        for p in self.params:
+            state = self.inner.state.get(p, {})
+            for name in ("exp_avg_sq", "momentum_buffer", "square_avg", "sum"):
+                if isinstance(state.get(name), torch.Tensor) and state[name].shape == p.shape:
+                    found[p] = state[name]
+                    break
+        return found
+
+    def _run_round(self, weight: float) -> Any:
+        """Run one averaging round in a helper thread; abandon it if a stop is requested."""
+        result: Dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                result["report"] = self.averager.step(weight=weight, timeout=2 * self.matchmaking_time)
+            except Exception as e:
+                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
+                result["error"] = e
+
+        thread = threading.Thread(target=target, name="moshpeer-round", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 2 * self.matchmaking_time + self.round_timeout + 5.0
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+            if self._should_stop() or time.monotonic() > deadline:
+                return None
+        return result.get("report")
+
+    def _apply_averaged(self, with_params: bool) -> Optional[float]:
+        n = len(self.params)
+        spread = None
+        if self.averaging == "gradients":
+            if with_params:
+                spread = self._param_spread(self._averaged[n:])
+                for p, avg in zip(self.params, self._averaged[n:]):
+                    p.copy_(avg)
+            for p, avg in zip(self.params, self._averaged[:n]):
+                p.grad = avg.to(device=p.device, dtype=p.dtype).clone()
+            self.inner.step()
+            self.local_steps += 1
+        else:
+            spread = self._param_spread(self._averaged[:n])
+            for p, avg in zip(self.params, self._averaged[:n]):
+                p.copy_(avg)
+            for p, buf in zip(self.params, self._averaged[n:]):
+                stat = self._optimizer_statistics().get(p)
+                if stat is not None:
+                    stat.copy_(buf.clamp_min(0) if self.inner.state[p].get("exp_avg_sq") is stat else buf)
+        return spread
+
+    def _apply_local(self) -> None:
+        if self.averaging == "gradients" and self.samples_accumulated > 0:
+            scale = 1.0 / self.samples_accumulated
+            for p, acc in zip(self.params, self._grad_accumulators):
+                p.grad = (acc * scale).to(dtype=p.dtype)
+            self.inner.step()
+            self.local_steps += 1
+
+    def _param_spread(self, averaged: Sequence[torch.Tensor]) -> float:
+        diff = sum(float((p.detach().float() - a).pow(2).sum()) for p, a in zip(self.params, averaged))
+        norm = sum(float(a.pow(2).sum()) for a in averaged)
+        return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
+
+    def _finish_epoch(self) -> None:
+        self.local_epoch += 1
+        self._reset_accumulators()
+        if self.averaging == "gradients":
+            self.inner.zero_grad(set_to_none=True)
+        self._report_progress(force=True)
+        self._advertise()
+
+    def _reset_accumulators(self) -> None:
+        for acc in self._grad_accumulators:
+            acc.zero_()
+        self.samples_accumulated = 0
+        self._begin_budget_step()
+
+    def _record_micro_batch(self, batch_size: int) -> None:
+        if self._budget_step is not None:
+            self._budget_step.record(batch_size)
+
+    def _begin_budget_step(self) -> None:
+        """The DropCompute clock of an epoch starts when the previous epoch ended."""
+        self._budget_step = self.budget.begin_step(None) if self.budget is not None else None
+
+    def _report_progress(self, force: bool = False) -> None:
+        self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
+                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+        if self.state_server is not None and time.monotonic() - getattr(self, "_advertised_at", 0.0) > 5.0:
+            self._advertise()
+
+    def shutdown(self) -> None:
+        """Stop the averager, state server, progress thread and (if it is ours) the DHT. Idempotent."""
+        for name, stop in (("state server", getattr(self.state_server, "shutdown", None)),
+                           ("progress", self.progress.shutdown),
+                           ("averager", self.averager.shutdown),
+                           ("record", getattr(self._publisher, "withdraw", None) if self._own_dht else None),
+                           ("dht", getattr(self._own_dht, "stop", None))):
+            if stop is None:
+                continue
+            try:
+                stop()
+            except Exception:
+                logger.debug(f"shutting down {name} failed", exc_info=True)
+        self.state_server = None
+        self._own_dht = None
+
+
+class _SpeedMeter:
+    """Samples per second over a sliding window of recent micro-batches."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._events: List[tuple] = []
+
+    def add(self, samples: int) -> None:
+        now = time.monotonic()
+        self._events.append((now, samples))
+        cutoff = now - self.window_s
+        while self._events and self._events[0][0] < cutoff:
+            self._events.pop(0)
+
+    def rate(self) -> float:
+        if len(self._events) < 2:
+            return 0.0
+        span = self._events[-1][0] - self._events[0][0]
+        return sum(s for _, s in self._events[1:]) / span if span > 0 else 0.0

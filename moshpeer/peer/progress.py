@@ -1,0 +1,246 @@
+"""Swarm progress: how many samples the swarm has gathered toward the current collaborative epoch.
+
+Every peer publishes its own progress in its signed peer record (`epoch`, `samples_accumulated`
+for that epoch, `samples_per_second`) and reads everyone else's from the run's membership
+dictionary. From those records each peer derives the same view:
+
+- the collaborative epoch is the largest epoch any live trainer reports (a peer that is behind
+  it must catch up by downloading state, not average stale gradients);
+- the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
+  the optimizer compares with `target_batch_size`;
+- the estimated time to the target comes from the summed `samples_per_second`.
+
+Reading the DHT costs a round trip, so a background thread refreshes the view every
+`refresh_interval` seconds; the training loop only reads the cached `ProgressSnapshot`, with this
+peer's own numbers always taken from local state (the DHT copy of them lags).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+from hivemind.utils import get_dht_time
+
+from moshpeer.dht import PeerRecord, SwarmDHT, list_peers, publish_record
+from moshpeer.version import PROTOCOL_VERSION, __version__
+
+logger = logging.getLogger(__name__)
+
+# Publish progress at most this often (each publication is a DHT store).
+MIN_PUBLISH_INTERVAL = 0.2
+
+Publish = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """The swarm's progress as this peer sees it at `fetched_at` (monotonic seconds)."""
+
+    global_epoch: int
+    samples_accumulated: int  # by trainers at `global_epoch`, this peer included
+    target_batch_size: int
+    num_trainers: int  # live trainers, this peer included if it trains
+    num_aux: int
+    samples_per_second: float  # sum over live trainers
+    fetched_at: float
+    peers: Tuple[PeerRecord, ...] = field(default=(), repr=False)
+
+    @property
+    def ready(self) -> bool:
+        """The swarm has gathered the target batch for `global_epoch`."""
+        return self.samples_accumulated >= self.target_batch_size
+
+    @property
+    def eta_s(self) -> float:
+        """Estimated seconds until the target batch is gathered (0 if ready, inf if nobody computes)."""
+        missing = self.target_batch_size - self.samples_accumulated
+        if missing <= 0:
+            return 0.0
+        return missing / self.samples_per_second if self.samples_per_second > 0 else float("inf")
+
+    def to_json(self) -> dict:
+        return {
+            "global_epoch": self.global_epoch,
+            "samples_accumulated": self.samples_accumulated,
+            "target_batch_size": self.target_batch_size,
+            "num_trainers": self.num_trainers,
+            "num_aux": self.num_aux,
+            "samples_per_second": round(self.samples_per_second, 2),
+        }
+
+
+def summarize(
+    records: Tuple[PeerRecord, ...],
+    *,
+    own: Optional[PeerRecord],
+    target_batch_size: int,
+    now: float,
+) -> ProgressSnapshot:
+    """The swarm view from peer records; `own` (this peer's live local record) replaces its DHT copy."""
+    by_id = {record.peer_id: record for record in records}
+    if own is not None:
+        by_id[own.peer_id] = own
+    trainers = [r for r in by_id.values() if r.role == "trainer"]
+    aux = [r for r in by_id.values() if r.role == "aux"]
+    epoch_sources = trainers or aux
+    global_epoch = max((r.epoch for r in epoch_sources), default=own.epoch if own is not None else 0)
+    samples = sum(r.samples_accumulated for r in trainers if r.epoch == global_epoch)
+    speed = sum(r.samples_per_second for r in trainers)
+    return ProgressSnapshot(
+        global_epoch=global_epoch,
+        samples_accumulated=samples,
+        target_batch_size=target_batch_size,
+        num_trainers=len(trainers),
+        num_aux=len(aux),
+        samples_per_second=speed,
+        fetched_at=now,
+        peers=tuple(sorted(by_id.values(), key=lambda r: r.peer_id)),
+    )
+
+
+class RecordPublisher:
+    """Publishes this peer's record straight to a DHT, for optimizers used without a `PeerDaemon`.
+
+    A `PeerDaemon` already heartbeats its record; use `daemon.update_record` there instead. This
+    class re-publishes on every `update` (throttled by the caller) and from `SwarmProgress`'s
+    refresh thread, so the record never expires while the peer lives.
+    """
+
+    def __init__(self, dht: SwarmDHT, run_id: str, *, role: str = "trainer", expiration: float = 15.0):
+        now = get_dht_time()
+        self.dht, self.run_id, self.expiration = dht, run_id, expiration
+        self._lock = threading.Lock()
+        self.record = PeerRecord(
+            peer_id=dht.identity.peer_id,
+            role=role,
+            addresses=[str(m) for m in dht.get_visible_maddrs()][:16],
+            version=__version__,
+            protocol=PROTOCOL_VERSION,
+            started_at=now,
+            updated_at=now,
+        )
+        self._last_publish = 0.0
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self.record = self.record.updated(**fields)
+        self.publish()
+
+    def publish(self) -> None:
+        with self._lock:
+            self.record = self.record.updated(updated_at=get_dht_time())
+            record = self.record
+        self._last_publish = time.monotonic()
+        try:
+            publish_record(self.dht, self.run_id, record, self.expiration, timeout=2.0)
+        except Exception as e:  # the DHT went away (shutdown): progress is best effort
+            logger.debug(f"could not publish progress: {e}")
+
+    def refresh_if_stale(self) -> None:
+        if time.monotonic() - self._last_publish > self.expiration / 3:
+            self.publish()
+
+    def withdraw(self) -> None:
+        with self._lock:
+            record = self.record.updated(leaving=True, updated_at=get_dht_time())
+        try:
+            publish_record(self.dht, self.run_id, record, self.expiration, timeout=1.0)
+        except Exception:
+            pass
+
+
+class SwarmProgress:
+    """This peer's view of swarm progress, refreshed in the background; see the module docstring.
+
+    :param own_record: returns this peer's current record (local, not the DHT copy)
+    :param publish: `publish(**fields)` sends this peer's progress fields out (throttled here)
+    :param on_refresh: called in the refresh thread after every fetch (e.g. re-publish heartbeats)
+    """
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        run_id: str,
+        *,
+        target_batch_size: int,
+        own_record: Callable[[], PeerRecord],
+        publish: Publish,
+        refresh_interval: float = 0.5,
+        on_refresh: Optional[Callable[[], None]] = None,
+    ):
+        self.dht, self.run_id = dht, run_id
+        self.target_batch_size = target_batch_size
+        self.refresh_interval = refresh_interval
+        self._own_record = own_record
+        self._publish = publish
+        self._on_refresh = on_refresh
+        self._records: Tuple[PeerRecord, ...] = ()
+        self._lock = threading.Lock()
+        self._fetched = threading.Condition(self._lock)
+        self._fetch_count = 0
+        self._last_publish = 0.0
+        self._last_published_epoch = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh_loop, name="moshpeer-progress", daemon=True)
+        self._thread.start()
+
+    # ---- local progress -------------------------------------------------------------------------
+
+    def report(self, *, epoch: int, samples_accumulated: int, samples_per_second: float, step: int,
+               force: bool = False) -> None:
+        """Publish this peer's progress; throttled to one DHT store per MIN_PUBLISH_INTERVAL unless
+        the epoch changed or `force`."""
+        now = time.monotonic()
+        if not force and epoch == self._last_published_epoch and now - self._last_publish < MIN_PUBLISH_INTERVAL:
+            return
+        self._last_publish, self._last_published_epoch = now, epoch
+        self._publish(epoch=epoch, samples_accumulated=samples_accumulated,
+                      samples_per_second=float(max(samples_per_second, 0.0)), step=step)
+
+    # ---- swarm view -----------------------------------------------------------------------------
+
+    def snapshot(self) -> ProgressSnapshot:
+        """The latest view (DHT records from the last refresh, this peer's own numbers live)."""
+        with self._lock:
+            records = self._records
+        return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
+                         now=time.monotonic())
+
+    def wait_for_refresh(self, timeout: float) -> bool:
+        """Block until the next background fetch completes (True) or `timeout` passes (False)."""
+        with self._fetched:
+            seen = self._fetch_count
+            return self._fetched.wait_for(lambda: self._fetch_count > seen, timeout=timeout)
+
+    def refresh_now(self, timeout: float = 2.0) -> ProgressSnapshot:
+        """Fetch the records synchronously (e.g. before deciding to download state)."""
+        self._fetch(timeout)
+        return self.snapshot()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+    def _fetch(self, timeout: float) -> None:
+        try:
+            records = tuple(list_peers(self.dht, self.run_id, timeout=timeout))
+        except Exception as e:  # timeouts, DHT shutting down: keep the previous view
+            logger.debug(f"progress refresh failed: {e}")
+            return
+        with self._fetched:
+            self._records = records
+            self._fetch_count += 1
+            self._fetched.notify_all()
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_interval):
+            self._fetch(timeout=max(self.refresh_interval * 4, 2.0))
+            if self._on_refresh is not None:
+                try:
+                    self._on_refresh()
+                except Exception:
+                    logger.debug("progress on_refresh hook failed", exc_info=True)
