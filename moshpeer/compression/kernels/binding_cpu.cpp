@@ -1,0 +1,69 @@
+// Thin torch binding of the CPU kernels: argument checks, threading with at::parallel_for, op registration.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "quant_cpu.h"
+
+namespace {
+
+// Enough values per task that thread hand-off costs little next to the work.
+const int64_t kGrainValues = 1 << 16;
+
+void check_args(const at::Tensor& scales, const at::Tensor& codes, int64_t numel, int64_t bits, int64_t block) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(numel < (int64_t(1) << 32), "at most 2^32 - 1 values per call");
+  const int64_t blocks = (numel + block - 1) / block;
+  const int64_t code_bytes = bits == 8 ? numel : (numel + 1) / 2;
+  TORCH_CHECK(scales.device().is_cpu() && codes.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks,
+              "scales must be a contiguous float32 tensor with one value per block");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == code_bytes,
+              "codes must be a contiguous uint8 tensor of the encoded size");
+}
+
+bool quantize(const at::Tensor& x, at::Tensor scales, at::Tensor codes, int64_t bits, int64_t block,
+              bool stochastic, int64_t key) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "x must be a contiguous 1-D float32 CPU tensor");
+  const int64_t numel = x.numel();
+  check_args(scales, codes, numel, bits, block);
+  const float* xp = x.data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  const int64_t blocks = scales.numel();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainValues / block), [&](int64_t begin, int64_t end) {
+    if (!moshpeer::quantize_blocks_cpu(xp, numel, (int)bits, block, stochastic, (uint32_t)key, begin, end, sp, cp))
+      finite = false;
+  });
+  return finite.load();
+}
+
+void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits,
+                           int64_t block, double weight) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "out must be a contiguous 1-D float32 CPU tensor");
+  const int64_t numel = out.numel();
+  check_args(scales, codes, numel, bits, block);
+  const float* sp = scales.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const float w = (float)weight;
+  at::parallel_for(0, scales.numel(), std::max<int64_t>(1, kGrainValues / block), [&](int64_t begin, int64_t end) {
+    moshpeer::dequantize_accumulate_blocks_cpu(sp, cp, op, numel, (int)bits, block, w, begin, end);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moshpeer_cpu, m) {
+  m.def("quantize(Tensor x, Tensor(a!) scales, Tensor(b!) codes, int bits, int block, bool stochastic, int key) -> bool",
+        &quantize);
+  m.def("dequantize_accumulate(Tensor scales, Tensor codes, Tensor(a!) out, int bits, int block, float weight) -> ()",
+        &dequantize_accumulate);
+}

@@ -1,0 +1,58 @@
+// Thin torch binding of the CUDA kernels: argument checks, device guard and stream, op registration.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "quant_cuda.h"
+
+namespace {
+
+void check_args(const at::Tensor& scales, const at::Tensor& codes, int64_t numel, int64_t bits, int64_t block) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(numel < (int64_t(1) << 32), "at most 2^32 - 1 values per call");
+  const int64_t blocks = (numel + block - 1) / block;
+  const int64_t code_bytes = bits == 8 ? numel : (numel + 1) / 2;
+  TORCH_CHECK(scales.is_cuda() && codes.is_cuda(), "CUDA tensors expected");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks,
+              "scales must be a contiguous float32 tensor with one value per block");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == code_bytes,
+              "codes must be a contiguous uint8 tensor of the encoded size");
+}
+
+bool quantize(const at::Tensor& x, at::Tensor scales, at::Tensor codes, int64_t bits, int64_t block,
+              bool stochastic, int64_t key) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "x must be a contiguous 1-D float32 CUDA tensor");
+  check_args(scales, codes, x.numel(), bits, block);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor flag = at::zeros({1}, x.options().dtype(at::kInt));
+  cudaError_t status = moshpeer::quantize_cuda(
+      x.data_ptr<float>(), x.numel(), (int)bits, block, stochastic, (uint32_t)key, scales.data_ptr<float>(),
+      codes.data_ptr<uint8_t>(), flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(status == cudaSuccess, "quantize kernel launch failed: ", cudaGetErrorString(status));
+  return flag.item<int>() == 0;
+}
+
+void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits,
+                           int64_t block, double weight) {
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "out must be a contiguous 1-D float32 CUDA tensor");
+  check_args(scales, codes, out.numel(), bits, block);
+  c10::cuda::CUDAGuard guard(out.device());
+  cudaError_t status = moshpeer::dequantize_accumulate_cuda(
+      scales.data_ptr<float>(), codes.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), (int)bits, block,
+      (float)weight, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(status == cudaSuccess, "dequantize kernel launch failed: ", cudaGetErrorString(status));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moshpeer_cuda, m) {
+  m.def("quantize(Tensor x, Tensor(a!) scales, Tensor(b!) codes, int bits, int block, bool stochastic, int key) -> bool",
+        &quantize);
+  m.def("dequantize_accumulate(Tensor scales, Tensor codes, Tensor(a!) out, int bits, int block, float weight) -> ()",
+        &dequantize_accumulate);
+}

@@ -1,0 +1,19 @@
+// CUDA quantization kernels: host-side launchers on raw pointers. No torch headers, so plain nvcc compiles
+// quant_cuda.cu; binding_cuda.cpp adapts torch tensors to these calls.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace moshpeer {
+
+// Quantize numel float32 values (see quant_cpu.h for the layout). Sets *nonfinite_flag (device memory, zeroed
+// by the caller) to 1 if any value is NaN or inf. Returns the launch status.
+cudaError_t quantize_cuda(const float* x, int64_t numel, int bits, int64_t block, bool stochastic, uint32_t key,
+                          float* scales, uint8_t* codes, int* nonfinite_flag, cudaStream_t stream);
+
+// out[i] += code_i * float32(scale_b * weight). Returns the launch status.
+cudaError_t dequantize_accumulate_cuda(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits,
+                                       int64_t block, float weight, cudaStream_t stream);
+
+}  // namespace moshpeer

@@ -1,0 +1,129 @@
+"""Pure-torch reference of the quantization kernels: the definition every backend must match bit for bit.
+
+The function, for a float32 vector `x` cut into blocks of `block` values (the last block may be short):
+
+    absmax_b = max_i |x_i|                       over the block (NaN/inf -> the encoder refuses the input)
+    scale_b  = absmax_b / qmax                   (float32 division; qmax = 127 for int8, 7 for int4)
+    inv_b    = qmax / absmax_b                   (float32 division)
+    if inv_b is not finite (absmax_b == 0 or below qmax / FLT_MAX): scale_b = inv_b = 0 (all codes 0)
+    y_i      = x_i * inv_b                       (one float32 multiplication)
+    nearest:    q_i = round_half_even(y_i)
+    stochastic: q_i = sign(y_i) * (floor(|y_i|) + [u_i < |y_i| - floor(|y_i|)]),  u_i = h(i ^ key) >> 8, scaled by 2^-24
+    q_i      = clamp(q_i, -qmax, qmax)
+
+and decoding with weight `w` (a float32):  out_i = out_i + q_i * float32(scale_b * w)  (two roundings, no FMA).
+
+Every operation is a single IEEE float32 operation or an exact integer one, so C++, CUDA and this file agree
+bit for bit as long as no compiler fuses multiply and add (the builds pass -ffp-contract=off / use __fmul_rn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+QMAX = {8: 127, 4: 7}
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for values in [0, 2^32) held in int64 (or Python ints) without signed overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def hash32(x):
+    """A 32-bit integer mixer (the "lowbias32" constants); works on Python ints and int64 tensors alike.
+
+    Used as a counter-based RNG: u_i = hash32(i ^ key). Must match `mp_hash32` in quant_math.h.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def rng_key(seed: int) -> int:
+    """Derive the 32-bit stream key from a 64-bit seed (Python side, shared by every backend)."""
+    seed &= (1 << 64) - 1
+    return hash32(hash32((seed & MASK32) ^ 0x9E3779B9) ^ (seed >> 32))
+
+
+def uniform24(numel: int, key: int, device=None) -> torch.Tensor:
+    """The stochastic-rounding thresholds u_i = hash32(i ^ key) >> 8 as an int64 tensor in [0, 2^24)."""
+    index = torch.arange(numel, dtype=torch.int64, device=device)
+    return hash32(index ^ key) >> 8
+
+
+def num_blocks(numel: int, block: int) -> int:
+    return (numel + block - 1) // block
+
+
+def quantize(x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, bits: int, block: int,
+             stochastic: bool, key: int) -> bool:
+    """Quantize float32 contiguous 1-D `x` into `scales` (float32, one per block) and `codes` (uint8).
+
+    int8: one code byte per value. int4: value 2j in the low nibble of byte j, value 2j+1 in the high one
+    (a final odd value leaves the high nibble 0). Returns False (outputs unspecified) on non-finite input.
+    """
+    numel = x.numel()
+    if numel == 0:
+        return True
+    qmax = QMAX[bits]
+    nb = num_blocks(numel, block)
+    padded = torch.nn.functional.pad(x, (0, nb * block - numel)).view(nb, block)
+    absmax = padded.abs().amax(dim=1)
+    if not bool(torch.isfinite(absmax).all()):
+        return False
+    qmax_t = torch.tensor(float(qmax), dtype=torch.float32, device=x.device)
+    scale = absmax / qmax_t
+    inv = qmax_t / absmax
+    zero = ~torch.isfinite(inv)
+    scale = scale.masked_fill(zero, 0.0)
+    inv = inv.masked_fill(zero, 0.0)
+    y = (padded * inv[:, None]).reshape(-1)[:numel]
+    if stochastic:
+        mag = y.abs()
+        low = torch.floor(mag)
+        frac = mag - low
+        u = uniform24(numel, key, device=x.device).to(torch.float32)
+        up = (u < frac * 16777216.0).to(torch.float32)
+        q = torch.copysign(low + up, y)
+    else:
+        q = torch.round(y)
+    q = q.clamp(-qmax, qmax).to(torch.int16)  # only ever active for stochastic rounding (see quant_math.h)
+    scales.copy_(scale)
+    if bits == 8:
+        codes.copy_(q.to(torch.int8).view(torch.uint8))
+    else:
+        nib = (q & 0xF).to(torch.uint8)
+        if numel % 2:
+            nib = torch.cat([nib, nib.new_zeros(1)])
+        codes.copy_(nib[0::2] | (nib[1::2] << 4))
+    return True
+
+
+def unpack_codes(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The signed integer codes (int16) of `numel` values."""
+    if bits == 8:
+        return codes.view(torch.int8).to(torch.int16)
+    lo = (codes & 0xF).to(torch.int16)
+    hi = (codes >> 4).to(torch.int16)
+    nib = torch.stack([lo, hi], dim=1).reshape(-1)[:numel]
+    return nib - ((nib & 0x8) << 1)  # sign-extend 4 bits
+
+
+def dequantize_accumulate(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, bits: int, block: int,
+                          weight: float) -> None:
+    """out += q * float32(scale * weight), block by block (inputs already validated)."""
+    numel = out.numel()
+    if numel == 0:
+        return
+    nb = num_blocks(numel, block)
+    w = torch.tensor(weight, dtype=torch.float32, device=out.device)
+    scaled = scales * w
+    q = unpack_codes(codes, bits, numel).to(torch.float32)
+    q = torch.nn.functional.pad(q, (0, nb * block - numel)).view(nb, block)
+    values = (q * scaled[:, None]).reshape(-1)[:numel]
+    out.add_(values)
