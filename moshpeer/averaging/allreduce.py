@@ -262,6 +262,7 @@ class GroupAllReduce:
             sock = self._connect(j)
             if sock is None:
                 logger.warning(f"could not reach group member {j} at {self.members[j].host}:{self.members[j].port}")
+                self._give_up_on(j)
                 return
             with self.cond:
                 if self._closing:
@@ -272,11 +273,22 @@ class GroupAllReduce:
             self._send_gather(sock, j)
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")
+            with self.cond:
+                nothing_from_j = not self.sent_any[j] and not any(self.gather_received[j])
+            if nothing_from_j and not self._closing:
+                self._give_up_on(j)  # it dropped our connection before taking part: it is not in this round
         finally:
             with self.cond:
                 self.sent_progress[j] = _DONE
                 self.senders_done += 1
                 self.cond.notify_all()
+
+    def _give_up_on(self, j: int) -> None:
+        """Member j is not in this round (unreachable, or it refused our hello): expect nothing from it."""
+        with self.cond:
+            self.reduce_finished[j] = self.gather_finished[j] = 1
+            self.cond.notify_all()
+        self._finalize_ready_chunks(range(self.num_my_chunks))
 
     def _make_faults(self, j: int, phase: str) -> Optional[ChunkFaults]:
         if self.faults is None:

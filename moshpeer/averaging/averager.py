@@ -301,14 +301,14 @@ class MoshpitAverager(ServicerBase):
         """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
-        :param timeout: how long to look for a group (default: 3 x matchmaking_time); the data plane then
+        :param timeout: how long to look for a group (default: 5 x matchmaking_time); the data plane then
             has `round_timeout` on top
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
         if self._loop is None or not self._ready.is_set():
             raise UserError("averager is not started")
-        timeout = timeout if timeout is not None else 3 * self.matchmaking_time
+        timeout = timeout if timeout is not None else 5 * self.matchmaking_time
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
         host, port = self._plane.address

@@ -1,0 +1,149 @@
+"""Test helper: a swarm of `averaging_worker.py` processes driven over stdin (see that file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from swarm import SWARM_TAG, tagged_processes
+
+WORKER = Path(__file__).with_name("averaging_worker.py")
+READY_TIMEOUT = 90.0
+
+
+class Worker:
+    """One worker process; `send` a command, `read_event` its answers (each with a deadline)."""
+
+    def __init__(self, index: int, args: Sequence[str], env: dict):
+        self.index = index
+        self.popen = subprocess.Popen(
+            [sys.executable, str(WORKER), "--index", str(index), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, start_new_session=True, text=True, bufsize=1,
+        )
+        self.lines: List[dict] = []
+        self.stderr_lines: List[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self.ready: Optional[dict] = None
+
+    def _read_stdout(self) -> None:
+        for raw in self.popen.stdout:
+            if raw.startswith("{"):
+                with self._cond:
+                    self.lines.append(json.loads(raw))
+                    self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _read_stderr(self) -> None:
+        for raw in self.popen.stderr:
+            with self._cond:
+                self.stderr_lines.append(raw.rstrip("\n"))
+                self._cond.notify_all()
+
+    def send(self, **command) -> None:
+        self.popen.stdin.write(json.dumps(command) + "\n")
+        self.popen.stdin.flush()
+
+    def read_event(self, event: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for k, line in enumerate(self.lines):
+                    if line.get("event") == event:
+                        return self.lines.pop(k)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.popen.poll() is not None:
+                    tail = "\n".join(self.stderr_lines[-20:])
+                    raise AssertionError(f"worker {self.index}: no {event!r} within {timeout} s "
+                                         f"(rc={self.popen.poll()})\n{tail}")
+                self._cond.wait(min(remaining, 0.5))
+
+    def wait_stderr(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.stderr_lines:
+                    if needle in line:
+                        return line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"worker {self.index}: no stderr line with {needle!r} in {timeout} s")
+                self._cond.wait(min(remaining, 0.5))
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait()
+
+
+class AveragingSwarm:
+    """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit."""
+
+    def __init__(self, n: int, *args: str, per_worker_args=None):
+        self.tag = uuid.uuid4().hex
+        repo = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_TAG: self.tag,
+               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        self.workers: List[Worker] = []
+        try:
+            extra = (per_worker_args or (lambda k: []))
+            first = Worker(0, [*args, *extra(0)], env)
+            self.workers.append(first)
+            boot = first.read_event("ready", READY_TIMEOUT)
+            first.ready = boot
+            for k in range(1, n):
+                self.workers.append(Worker(k, [*args, *extra(k), "--initial-peers", *boot["maddrs"]], env))
+            for worker in self.workers[1:]:
+                worker.ready = worker.read_event("ready", READY_TIMEOUT)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "AveragingSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def all(self, event: str, timeout: float, workers=None, **command) -> List[dict]:
+        """Send `command` to every worker (or `workers`) at once, then collect one `event` from each."""
+        workers = self.workers if workers is None else workers
+        for worker in workers:
+            worker.send(**command)
+        deadline = time.monotonic() + timeout
+        return [worker.read_event(event, max(0.1, deadline - time.monotonic())) for worker in workers]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.popen.poll() is None:
+                try:
+                    worker.send(cmd="exit")
+                except (BrokenPipeError, OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + 8.0
+        for worker in self.workers:
+            try:
+                worker.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.popen.kill()
+                worker.popen.wait()
+        for _ in range(100):
+            leftovers = tagged_processes(SWARM_TAG, self.tag)
+            if not leftovers:
+                return
+            for info in leftovers:
+                try:
+                    os.kill(info.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            time.sleep(0.05)
