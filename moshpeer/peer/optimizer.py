@@ -575,11 +575,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if self.state_server is not None and time.monotonic() - getattr(self, "_advertised_at", 0.0) > 5.0:
             self._advertise()
 
-    def shutdown(self) -> None:
-        """Stop the averager, state server, progress thread and (if it is ours) the DHT. Idempotent."""
+    def shutdown(self, close_averager: bool = True) -> None:
+        """Stop the averager, state server, progress thread and (if it is ours) the DHT. Idempotent.
+
+        `close_averager=False` leaves the averager's background loop to die with the process: stopping
+        its event loop while hivemind's P2P replica still has pending tasks prints asyncio tracebacks,
+        which a process about to exit can do without.
+        """
+        self._close_averager = close_averager
         for name, stop in (("state server", getattr(self.state_server, "shutdown", None)),
                            ("progress", self.progress.shutdown),
-                           ("averager", self.averager.shutdown),
+                           ("averager", self._shutdown_averager),
                            ("record", getattr(self._publisher, "withdraw", None) if self._own_dht else None),
                            ("dht", getattr(self._own_dht, "stop", None))):
             if stop is None:
@@ -590,6 +596,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 logger.debug(f"shutting down {name} failed", exc_info=True)
         self.state_server = None
         self._own_dht = None
+
+    def _shutdown_averager(self) -> None:
+        if self._close_averager:
+            self.averager.shutdown()
 
 
 class _SpeedMeter:

@@ -101,7 +101,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         should_stop=lambda: daemon.stop_requested, averager_kwargs=config.averager_kwargs,
         host=_loopback_or_any(daemon),
     )
-    daemon.add_shutdown_hook(optimizer.shutdown, name="collaborative optimizer")
+    # The process exits right after the daemon's shutdown: see CollaborativeOptimizer.shutdown.
+    daemon.add_shutdown_hook(lambda: optimizer.shutdown(close_averager=False), name="collaborative optimizer")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
