@@ -1,0 +1,144 @@
+"""MoshpitAverager in real multi-process swarms on 127.0.0.1 (one worker process per peer, many rounds each)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from averaging_stats import mean_within_bound, owner_pull
+from averaging_swarm import AveragingSwarm
+from averaging_worker import peer_values
+from moshpeer.averaging import Partition
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def exact_mean(seed: int, n: int, numel: int) -> torch.Tensor:
+    return torch.stack([peer_values(seed, k, numel) for k in range(n)]).mean(0)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096) -> None:
+    with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
+                        "--min-group-size", str(group), "--matchmaking-time", "1.5",
+                        per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
+        swarm.all("set", 30, cmd="set", seed=7)
+        for _ in range(rounds):
+            reports = swarm.all("report", 60, cmd="step")
+            assert all(r["ok"] and r["group_size"] == group for r in reports), reports
+            assert all(r["lost_fraction"] == 0 for r in reports)
+        exact = exact_mean(7, n, numel)
+        for answer in swarm.all("values", 30, cmd="values"):
+            assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+
+
+def test_exact_mean_8_peers_groups_of_2_after_3_rounds():
+    # Grid 2x2x2: the 2 group bits are the coordinates on the axes not averaged this round.
+    run_grid(8, 2, lambda k: format(k >> 1, "02b"), rounds=3)
+
+
+@pytest.mark.slow
+def test_exact_mean_16_peers_groups_of_4_after_2_rounds():
+    # Grid 4x4: 2 group bits = the coordinate on the other axis.
+    run_grid(16, 4, lambda k: format(k >> 2, "02b"), rounds=2)
+
+
+# ---- one 4-peer swarm (one group of 4) for the loss tests -----------------------------------------
+
+NUMEL, CHUNK_BYTES, PEERS = 4096, 256, 4  # 64 values per chunk, 16 chunks per part
+
+
+@pytest.fixture(scope="module")
+def lossy_swarm():
+    with AveragingSwarm(PEERS, "--numel", str(NUMEL), "--target-group-size", "4", "--min-group-size", "4",
+                        "--chunk-bytes", str(CHUNK_BYTES), "--matchmaking-time", "1.0") as swarm:
+        yield swarm
+
+
+def test_unbiased_under_random_reduce_loss(lossy_swarm):
+    """10% of contributions lost at random: the owner's estimate does not lean toward its own value."""
+    partition = Partition(NUMEL, PEERS, CHUNK_BYTES // 4)
+    pulls, lost = [], 0
+    for seed in range(100, 114):
+        lossy_swarm.all("set", 30, cmd="set", seed=seed)
+        reports = lossy_swarm.all("report", 60, cmd="step", faults=f"drop_prob=0.1,phases=reduce,seed={seed}")
+        assert all(r["ok"] and r["group_size"] == PEERS for r in reports), [(r["ok"], r["error"], r["group_size"], r["wall_s"]) for r in reports]
+        lost += sum(r["reduce"]["chunks_lost"] for r in reports)
+        values = [torch.tensor(a["values"]) for a in lossy_swarm.all("values", 30, cmd="values")]
+        for v in values[1:]:
+            assert torch.equal(v, values[0])  # no gather loss: everyone holds the owners' estimates
+        exact = exact_mean(seed, PEERS, NUMEL)
+        owner_of_part = {r["my_index"]: k for k, r in enumerate(reports)}
+        errors, offsets = [], []
+        for part in range(PEERS):
+            lo, hi = partition.part_range(part)
+            own = peer_values(seed, owner_of_part[part], NUMEL)
+            errors.append(float((values[0][lo:hi] - exact[lo:hi]).mean()))
+            offsets.append(float((own[lo:hi] - exact[lo:hi]).mean()))
+        pulls.append(owner_pull(errors, offsets))
+    assert lost > 0  # the injection really dropped chunks
+    mean, bound = mean_within_bound(pulls)
+    assert mean <= bound, (mean, bound, pulls)
+
+
+def test_bounded_drift_under_gather_loss(lossy_swarm):
+    """10% of averaged chunks lost: peers keep their own value there, and the spread does not grow."""
+    spreads = []
+    lossy_swarm.all("set", 30, cmd="set", seed=200)
+    for seed in range(201, 217):
+        lossy_swarm.all("added", 30, cmd="add", seed=seed, scale=1.0)  # new "gradients" every round
+        reports = lossy_swarm.all("report", 60, cmd="step", faults=f"drop_prob=0.1,phases=gather,seed={seed}")
+        assert all(r["ok"] for r in reports), [(r["ok"], r["error"], r["group_size"], r["wall_s"], r["matchmaking_s"], r["gather"], r["reduce"]) for r in reports]
+        assert sum(r["gather"]["chunks_lost"] for r in reports) == sum(len(r["missing_chunks"]) for r in reports)
+        values = torch.stack([torch.tensor(a["values"]) for a in lossy_swarm.all("values", 30, cmd="values")])
+        spreads.append(float(values.std(0).mean()))
+    first, second = statistics.mean(spreads[:8]), statistics.mean(spreads[8:])
+    assert max(spreads) < 3.0, spreads  # one round of fresh noise has spread ~1.3
+    assert second <= 2.0 * first + 0.05, spreads
+
+
+# ---- a peer killed mid-round ------------------------------------------------------------------------
+
+
+def test_sigkilled_peer_mid_round():
+    numel, chunk_bytes, round_timeout = 65536, 4096, 20.0
+    with AveragingSwarm(4, "--numel", str(numel), "--target-group-size", "4", "--min-group-size", "4",
+                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", "1.0",
+                        "--round-timeout", str(round_timeout)) as swarm:
+        victim, survivors = swarm.workers[3], swarm.workers[:3]
+        for worker in survivors:
+            worker.send(cmd="step")
+        victim.send(cmd="step", faults="delay_s=0.3")  # slow sender: the round is surely still running
+        victim.wait_stderr("assembled", timeout=60)
+        killed_at = time.monotonic()
+        victim.kill()
+        reports = [w.read_event("report", round_timeout + 30) for w in survivors]
+        assert time.monotonic() - killed_at < round_timeout + 5
+        victim_index = ({0, 1, 2, 3} - {r["my_index"] for r in reports}).pop()
+        for r in reports:
+            assert r["ok"] and r["group_size"] == 4
+            assert r["total_s"] <= round_timeout + 2
+            assert r["lost_fraction"] > 0 and r["reduce"]["chunks_lost"] > 0
+            assert any(part == victim_index for part, _ in r["missing_chunks"])
+        for w in survivors:
+            w.wait_stderr("lost", timeout=10)  # the warning line
+        values = [torch.tensor(a["values"]) for a in swarm.all("values", 30, workers=survivors, cmd="values")]
+        partition = Partition(numel, 4, chunk_bytes // 4)
+        compared = 0
+        for part in range(4):
+            for chunk in range(partition.num_chunks(part)):
+                lo, hi = partition.chunk_range(part, chunk)
+                holders = [v for v, r in zip(values, reports)
+                           if r["my_index"] == part or [part, chunk] not in r["missing_chunks"]]
+                if part == victim_index:
+                    assert len(holders) <= 1 or all(torch.equal(h[lo:hi], holders[0][lo:hi]) for h in holders)
+                for h in holders[1:]:
+                    assert torch.equal(h[lo:hi], holders[0][lo:hi]), (part, chunk)
+                    compared += 1
+        assert compared > 0
