@@ -76,7 +76,8 @@ class BlockQuantizer(Codec):
     def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         """Quantize `chunk` (any float dtype and layout; read as a flat float32 vector) into a payload.
 
-        Raises ValueError if the chunk holds NaN or inf.
+        Raises ValueError if the chunk holds NaN, inf, or a magnitude above 2^120 * qmax (about 1e37), which a
+        decoder would refuse (see MAX_SCALE).
         """
         x = chunk.reshape(-1)
         x = (x if x.dtype == torch.float32 else x.to(torch.float32)).contiguous()
@@ -91,6 +92,8 @@ class BlockQuantizer(Codec):
         backend = backend_for(x.device)
         if not backend.quantize(x, scales, codes, self.bits, self.block, self.stochastic, reference.rng_key(seed)):
             raise ValueError(f"{self.name}: cannot encode non-finite values (NaN or inf)")
+        if scales.numel() and float(scales.max()) > MAX_SCALE:
+            raise ValueError(f"{self.name}: cannot encode values above {MAX_SCALE * reference.QMAX[self.bits]:.3g}")
         return payload
 
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
