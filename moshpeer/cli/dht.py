@@ -16,6 +16,7 @@ from moshpeer.cli.common import (
     add_run_id_argument,
     announce_ready,
     configure_logging,
+    exit_now,
     make_daemon,
 )
 
@@ -39,4 +40,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     daemon = make_daemon(args, role="bootstrap")
-    return daemon.run(on_ready=lambda d: announce_ready(d, "dht"))
+    exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "dht")))

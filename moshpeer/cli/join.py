@@ -9,6 +9,8 @@ collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the p
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
@@ -17,6 +19,7 @@ from moshpeer.cli.common import (
     add_run_id_argument,
     announce_ready,
     configure_logging,
+    exit_now,
     make_daemon,
     positive_float,
 )
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     if args.no_train:
         daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
-        return daemon.run(on_ready=lambda d: announce_ready(d, "join"))
+        exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "join")))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
     from moshpeer.peer.tasks import load_task, parse_task_kwargs
 
@@ -132,9 +135,33 @@ def run(args: argparse.Namespace) -> int:
     daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
 
     def train(daemon) -> None:
-        from moshpeer.peer.trainer import run_training
+        # Training runs in a worker thread so that a stop (SIGTERM) is honoured at once, even while
+        # the task loads or the averager starts: the main thread then goes on with the bounded
+        # shutdown and the worker (a daemon thread) ends with the process.
+        failure: list = []
 
-        task = load_task(args.task, **task_kwargs)
-        run_training(daemon, task, config)
+        def work() -> None:
+            from moshpeer.peer.trainer import run_training
+
+            try:
+                task = load_task(args.task, **task_kwargs)
+                if not daemon.stop_requested:
+                    run_training(daemon, task, config)
+            except UserError as e:
+                failure.append(e)
+            except Exception as e:
+                if daemon.stop_requested:  # the swarm was torn down under a stopping worker
+                    logging.getLogger(__name__).debug("training stopped with an error", exc_info=True)
+                else:
+                    failure.append(e)
+
+        worker = threading.Thread(target=work, name="moshpeer-training", daemon=True)
+        worker.start()
+        while worker.is_alive() and not daemon.stop_requested:
+            worker.join(timeout=0.1)
+        if worker.is_alive():
+            worker.join(timeout=0.5)  # a moment to finish the current micro-batch and print its lines
+        if failure:
+            raise failure[0]
 
     return daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join"))

@@ -14,7 +14,13 @@ from typing import Any, Dict, List
 
 from hivemind.utils import get_dht_time
 
-from moshpeer.cli.common import add_initial_peers_argument, add_run_id_argument, configure_logging, positive_float
+from moshpeer.cli.common import (
+    add_initial_peers_argument,
+    add_run_id_argument,
+    configure_logging,
+    exit_now,
+    positive_float,
+)
 from moshpeer.dht import PeerRecord, list_peers, start_dht
 from moshpeer.errors import UserError
 
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"run_id": args.run_id, "peers": [peer_as_json(peer, now) for peer in peers]}, indent=2))
     else:
         print_table(args.run_id, peers, now)
-    return 0
+    exit_now(0)
 
 
 def short_peer_id(peer_id: str) -> str:

@@ -67,6 +67,10 @@ class SwarmDHT(hivemind.DHT):
     def run(self) -> None:
         # Runs in the forked DHT process, before p2pd is spawned, so p2pd joins this group.
         os.setpgid(0, 0)
+        # The fork copied the main process's Python signal handlers (PeerDaemon's): this process must
+        # simply die on SIGTERM / SIGHUP. (hivemind makes it ignore SIGINT: Ctrl-C is the main's job.)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
         threading.Thread(
             target=_exit_when_orphaned, args=(os.getppid(),), name="moshpeer-orphan-watchdog", daemon=True
         ).start()

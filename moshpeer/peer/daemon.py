@@ -51,6 +51,8 @@ EXPIRATION_HEARTBEATS = 3
 # The whole shutdown sequence fits in this budget, leaving margin for interpreter exit (< 5 s total).
 DEFAULT_SHUTDOWN_BUDGET = 3.5
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How often an idle main thread wakes up so that pending signal handlers run (see _idle_until_stopped).
+_SIGNAL_CHECK_SECONDS = 0.1
 
 Work = Callable[["PeerDaemon"], None]
 ShutdownHook = Callable[[], None]
@@ -231,6 +233,9 @@ class PeerDaemon:
         swarm, then `work(self)` in this thread (it must return soon after `stop_requested` turns
         True), or, without work, waits for a stop. Shutdown runs however work ends; an exception from
         work propagates after it.
+
+        Signal handlers run in the main thread between Python bytecodes, so `work` should not block
+        in one call for long (use timeouts on waits) or the stop request is noticed late.
         """
         with self._signals_handled():
             try:
@@ -245,7 +250,7 @@ class PeerDaemon:
                 if work is not None:
                     work(self)
                 else:
-                    self._stop_event.wait()
+                    self._idle_until_stopped()
                 if self.stop_requested:
                     logger.info(f"stopping: {self.stop_reason}")
             finally:
@@ -289,6 +294,13 @@ class PeerDaemon:
             self._record = self._record.updated(updated_at=get_dht_time())
             record = self._record
         return publish_record(self.dht, self.run_id, record, self.expiration, timeout=self.heartbeat)
+
+    def _idle_until_stopped(self) -> None:
+        # Python runs signal handlers in the main thread, between bytecodes. A signal the kernel
+        # delivers to another thread (heartbeat, hivemind's) does not interrupt a main thread blocked
+        # in an untimed wait, so the handler would only run whenever that wait ends: wake up often.
+        while not self._stop_event.wait(_SIGNAL_CHECK_SECONDS):
+            pass
 
     def _heartbeat_loop(self) -> None:
         failing = False

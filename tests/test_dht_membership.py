@@ -1,0 +1,158 @@
+"""Membership through real DHT nodes (hivemind + p2pd) in the test process: publish, list, withdraw,
+forgery attempts by another identity, persistent identities, and the PeerDaemon lifecycle."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from moshpeer.dht import Identity, PeerRecord, list_peers, peers_key, publish_record, withdraw
+from moshpeer.errors import UserError
+from moshpeer.peer.daemon import PeerDaemon
+from moshpeer.version import PROTOCOL_VERSION, __version__
+from swarm import LOOPBACK
+
+pytestmark = pytest.mark.timeout(90)
+
+RUN = "membership-run"
+
+
+def maddrs(dht) -> list:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+def own_record(dht, **fields) -> PeerRecord:
+    now = get_dht_time()
+    base = dict(
+        peer_id=dht.identity.peer_id,
+        role="trainer",
+        addresses=maddrs(dht),
+        version=__version__,
+        protocol=PROTOCOL_VERSION,
+        started_at=now,
+        updated_at=now,
+    )
+    return PeerRecord(**{**base, **fields})
+
+
+def wait_for(condition, timeout: float, interval: float = 0.1):
+    """Poll `condition()` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def ids(records) -> set:
+    return {record.peer_id for record in records}
+
+
+def test_publish_list_withdraw(dht_node):
+    boot = dht_node(run_ids=[RUN])
+    alice = dht_node(initial_peers=maddrs(boot), run_ids=[RUN])
+    bob = dht_node(initial_peers=maddrs(boot), run_ids=[RUN], client_mode=True)
+    assert alice.peer_id.to_base58() == alice.identity.peer_id, "p2pd must run with the signing identity"
+
+    records = {dht: own_record(dht) for dht in (alice, bob)}
+    for dht, record in records.items():
+        assert publish_record(dht, RUN, record, expiration=30)
+    expected = {alice.identity.peer_id, bob.identity.peer_id}
+    for reader in (boot, alice, bob):
+        assert ids(list_peers(reader, RUN)) == expected
+    assert list_peers(boot, "another-run") == []
+
+    assert withdraw(bob, RUN, records[bob], expiration=30)
+    assert ids(list_peers(boot, RUN)) == {alice.identity.peer_id}, "a withdrawn peer stops counting at once"
+    leaving = [r for r in list_peers(boot, RUN, include_leaving=True) if r.leaving]
+    assert ids(leaving) == {bob.identity.peer_id}
+
+
+def test_record_expires_without_heartbeat(dht_node):
+    boot = dht_node(run_ids=[RUN])
+    alice = dht_node(initial_peers=maddrs(boot), run_ids=[RUN])
+    assert publish_record(alice, RUN, own_record(alice), expiration=1.5)
+    assert ids(list_peers(boot, RUN)) == {alice.identity.peer_id}
+    wait_for(lambda: not list_peers(boot, RUN), timeout=6)
+
+
+def test_another_identity_cannot_overwrite_a_record(dht_node):
+    boot = dht_node(run_ids=[RUN])
+    alice = dht_node(initial_peers=maddrs(boot), run_ids=[RUN])
+    mallory = dht_node(initial_peers=maddrs(boot), run_ids=[RUN])
+    genuine = own_record(alice)
+    assert publish_record(alice, RUN, genuine, expiration=60)
+    key = peers_key(RUN)
+    forged = genuine.updated(step=999, role="aux").to_wire()
+
+    # 1. Mallory stores a changed copy under Alice's subkey: her signer cannot sign it for Alice.
+    mallory.store(key, forged, get_dht_time() + 120, subkey=alice.owner_subkey)
+    # 2. Mallory publishes a record about Alice under her own (validly signed) subkey.
+    mallory.store(key, forged, get_dht_time() + 120, subkey=mallory.owner_subkey)
+    # 3. Mallory replaces the whole dictionary with a plain value.
+    mallory.store(key, forged, get_dht_time() + 120)
+    # 4. A node without any validators (plain hivemind) writes under Alice's subkey.
+    rogue = hivemind.DHT(initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], start=True)
+    try:
+        assert not rogue.store(key, forged, get_dht_time() + 120, subkey=alice.owner_subkey, exclude_self=True)
+    finally:
+        rogue.shutdown()
+
+    observer = dht_node(initial_peers=maddrs(boot), run_ids=[RUN], client_mode=True)
+    for reader in (observer, boot, alice):
+        assert list_peers(reader, RUN) == [genuine], "the genuine record stands, nothing forged is listed"
+
+
+def test_persistent_identity_keeps_peer_id_and_cannot_run_twice(dht_node, tmp_path):
+    boot = dht_node()
+    path = str(tmp_path / "peer.key")
+    first = dht_node(initial_peers=maddrs(boot), identity_path=path)
+    peer_id = first.peer_id.to_base58()
+    assert peer_id == Identity.load(path).peer_id
+    with pytest.raises(UserError, match="already used by a running peer"):
+        dht_node(initial_peers=maddrs(boot), identity_path=path)
+    first.stop()
+    restarted = dht_node(initial_peers=maddrs(boot), identity_path=path)
+    assert restarted.peer_id.to_base58() == peer_id
+
+
+def test_unreachable_initial_peers_give_up_after_the_timeout(dht_node):
+    missing = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id}"
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"cannot reach initial peers .* after 2 s"):
+        dht_node(initial_peers=[missing], connect_timeout=2)
+    assert time.monotonic() - started < 10
+
+
+def test_daemon_heartbeats_updates_and_shuts_down_in_order(dht_node):
+    boot = dht_node(run_ids=[RUN])
+    daemon = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], heartbeat=0.5, expiration=2.0)
+    calls = []
+    daemon.add_shutdown_hook(lambda: calls.append(("first", ids(list_peers(boot, RUN)))), name="first")
+    daemon.add_shutdown_hook(lambda: calls.append(("second", daemon.dht.is_alive())), name="second")
+    daemon.start()
+    try:
+        assert ids(list_peers(boot, RUN)) == {daemon.peer_id}, "the record is out when start() returns"
+        daemon.update_record(step=5, epoch=2, samples_accumulated=640, samples_per_second=128.0, grid=[1, 0])
+        updated = wait_for(lambda: [r for r in list_peers(boot, RUN) if r.step == 5], timeout=5)[0]
+        assert (updated.epoch, updated.samples_accumulated, updated.grid) == (2, 640, [1, 0])
+        # Heartbeats keep a record alive well past its 2 s expiration.
+        first_seen = updated.updated_at
+        wait_for(lambda: list_peers(boot, RUN)[0].updated_at > first_seen + 2.5, timeout=8)
+        with pytest.raises(ValueError, match="cannot update record fields"):
+            daemon.update_record(peer_id="someone-else")
+        with pytest.raises(ValueError):
+            daemon.update_record(step=-1)
+    finally:
+        dht_pid = daemon.dht.pid
+        daemon.shutdown()
+    # Hooks run newest first, after the withdrawal, while the DHT still runs.
+    assert calls == [("second", True), ("first", set())]
+    assert not daemon.dht.is_alive() and daemon.dht.pid == dht_pid
+    assert list_peers(boot, RUN) == []
