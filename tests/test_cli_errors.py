@@ -71,7 +71,9 @@ CASES = {
         lambda c: (*JOIN, "--identity", str(c.garbage_key)),
         lambda c: f"identity file {c.garbage_key} is not a valid private key",
     ),
-    "identity path is a directory": Case("join", lambda c: (*JOIN, "--identity", str(c.tmp)), lambda c: "is a directory"),
+    "identity path is a directory": Case(
+        "join", lambda c: (*JOIN, "--identity", str(c.tmp)), lambda c: "is a directory"
+    ),
     "identity in a missing directory": Case(
         "join", lambda c: (*JOIN, "--identity", str(c.tmp / "nope" / "peer.key")), lambda c: "does not exist"
     ),

@@ -40,7 +40,8 @@ def test_join_and_status_with_four_peers(swarm):
     run = "four-peers"
     boot = swarm.bootstrap(run, "--heartbeat", "1")
     # Four peers start at once; one cannot accept connections (client mode), yet joins and shows up.
-    common = ("--initial-peers", *boot.maddrs, "--run-id", run, "--host-maddrs", LOOPBACK, "--heartbeat", "1", *NO_TRAIN)
+    common = ("--initial-peers", *boot.maddrs, "--run-id", run, "--host-maddrs", LOOPBACK, "--heartbeat", "1")
+    common += NO_TRAIN
     peers = [swarm.spawn("join", *common) for _ in range(3)] + [swarm.spawn("join", *common, "--client-mode")]
     for peer in peers:
         ready = peer.wait_ready()

@@ -184,7 +184,9 @@ def test_record_updates_are_validated(alice):
 
 def signed_record(identity: Identity, value, subkey: bytes, run_id: str = RUN, expiration: float = 30.0) -> DHTRecord:
     """What a peer using `identity` would send: validators sign, then the DHT ships the record."""
-    composite = CompositeValidator([identity.signature_validator(), OwnedRecordValidator({peers_key(run_id): PeerRecord})])
+    composite = CompositeValidator(
+        [identity.signature_validator(), OwnedRecordValidator({peers_key(run_id): PeerRecord})]
+    )
     record = DHTRecord(key_id(peers_key(run_id)), serialize(subkey), serialize(value), get_dht_time() + expiration)
     return dataclasses.replace(record, value=composite.sign_value(record))
 
@@ -192,7 +194,8 @@ def signed_record(identity: Identity, value, subkey: bytes, run_id: str = RUN, e
 @pytest.fixture
 def receiver() -> CompositeValidator:
     """A third peer's validators: the ones every moshpeer DHT node runs."""
-    return CompositeValidator([Identity.generate().signature_validator(), OwnedRecordValidator({peers_key(RUN): PeerRecord})])
+    validators = [Identity.generate().signature_validator(), OwnedRecordValidator({peers_key(RUN): PeerRecord})]
+    return CompositeValidator(validators)
 
 
 def test_genuine_record_is_accepted(alice, receiver):

@@ -53,7 +53,8 @@ def parse_listen_maddrs(texts: Iterable[str], *, announce: bool = False) -> List
         names = _protocol_names(maddr)
         if not any(transport in names for transport in _TRANSPORTS):
             raise UserError(f"{what} {text!r} has no /tcp/ or /udp/ port")
-        if announce and any(transport in names and maddr.value_for_protocol(transport) == "0" for transport in _TRANSPORTS):
+        ports = [maddr.value_for_protocol(transport) for transport in _TRANSPORTS if transport in names]
+        if announce and "0" in ports:
             raise UserError(f"{what} {text!r} must name an explicit port, not 0")
         maddrs.append(str(maddr))
     return maddrs
