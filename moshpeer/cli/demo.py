@@ -223,6 +223,15 @@ class Demo:
             json.dump(summary, f, indent=2)
         return {"plot": plot_path, "summary": summary_path}
 
+    def wait_peers_exit(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for view in self.peers:
+            if view.done is not None:
+                try:
+                    view.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
     def stop_all(self, grace: float = 6.0) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -285,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
                     time.sleep(0.25)
                     live.update(demo.table())
         demo.stop_reason = "peers finished" if demo.finished() else "demo time limit"
+        demo.wait_peers_exit(timeout=10.0)  # finished peers leave the swarm by themselves
     except KeyboardInterrupt:
         demo.stop_reason = "interrupted"
         console.print("interrupted: stopping every peer")

@@ -1,0 +1,30 @@
+"""`moshpeer demo --peers 2`: a short run through the real CLI writes the loss plot and the summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_demo_two_peers_writes_plot_and_summary(swarm, tmp_path):
+    out = tmp_path / "demo"
+    result = swarm.run("demo", "--peers", "2", "--run-id", "demo-test", "--max-seconds", "60", "--max-epochs", "6",
+                       "--target-metric", "0.999", "--out", str(out), "--no-live", timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    final = json.loads(result.stdout.strip().splitlines()[-1])
+    assert final["event"] == "demo_done" and final["stop_reason"] == "peers finished"
+
+    png = (out / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peers"] == 2 and len(summary["per_peer"]) == 2
+    for peer in summary["per_peer"]:
+        assert peer["reason"] == "max_epochs" and peer["epochs"] == 6
+        assert [h["epoch"] for h in peer["history"]] == list(range(1, 7))
+        losses = [h["loss"] for h in peer["history"]]
+        assert losses[-1] < losses[0], losses  # it trained
+        assert peer["exit_code"] == 0
