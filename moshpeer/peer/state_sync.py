@@ -166,6 +166,7 @@ class StateServer:
                 raise ProtocolError("request for another run")
             epoch, data = self.source()
             digest = hashlib.sha256(data).hexdigest()
+            logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
             header = {"ok": True, "epoch": int(epoch), "total_bytes": len(data), "sha256": digest,
                       "chunk_bytes": self.chunk_bytes}
             _send_frame(sock, msgpack.packb(header))
