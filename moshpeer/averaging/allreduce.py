@@ -34,7 +34,7 @@ from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
-from moshpeer.compression.codec import Compression
+from moshpeer.compression.codec import Compression, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -455,10 +455,8 @@ class GroupAllReduce:
             return self._reject(i, f"gather chunk {chunk}: {payload.numel()} bytes for {end - start} values")
         if self.gather_received[i][chunk]:
             return self._reject(i, f"duplicate gather chunk {chunk}")
-        decoded = scratch[: end - start]
-        decoded.zero_()
         try:
-            codec.decode_accumulate(payload, decoded, 1.0)
+            decoded = self._decode_gather(codec, payload, scratch[: end - start])
         except ProtocolError as e:
             return self._reject(i, f"gather chunk {chunk}: {e}")
         with self.cond:
@@ -470,6 +468,21 @@ class GroupAllReduce:
             self.gather_received[i][chunk] = 1
             self.gather.chunks_received += 1
             self.cond.notify_all()
+
+    @staticmethod
+    def _decode_gather(codec, payload: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """The averaged values of a gather chunk, validated (raises ProtocolError), not yet written anywhere."""
+        if isinstance(codec, NoCompression):
+            # Fast path: the payload already holds the float32 values; validate them in place (no copy).
+            if payload.numel() != scratch.numel() * 4:
+                raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {scratch.numel()} values")
+            values = payload.view(torch.float32)
+            if not all_finite(values):
+                raise ProtocolError("non-finite values in payload")
+            return values
+        scratch.zero_()
+        codec.decode_accumulate(payload, scratch, 1.0)
+        return scratch
 
     # ---- teardown -----------------------------------------------------------------------------
 
