@@ -164,4 +164,4 @@ def run(args: argparse.Namespace) -> int:
         if failure:
             raise failure[0]
 
-    return daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join"))
+    exit_now(daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join")))
