@@ -126,12 +126,15 @@ class ChecksummingSink:
         self._position = os.lseek(fd, 0, os.SEEK_CUR)
         self._writeback_from = self._position
         self._writeback = _start_writeback
+        self._closed = False
         self.crc32 = 0
         self.nbytes = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = len(view)
+        if self._closed:
+            return size  # the write was given up; the temp file is being deleted
         if size >= _PARALLEL_CRC_MIN:
             pending: Future = self._helper_pool().submit(zlib.crc32, view, self.crc32)
             try:
@@ -149,6 +152,8 @@ class ChecksummingSink:
         """Nothing is buffered here; durability is the caller's fsync."""
 
     def close(self) -> None:
+        """Stop writing: later `write` calls are ignored (see `write`)."""
+        self._closed = True
         if self._helper is not None:
             self._helper.shutdown(wait=True)
             self._helper = None
@@ -211,7 +216,17 @@ def serialize_state(state: Any, sink: ChecksummingSink) -> None:
             logger.debug("torch internals changed; checkpoints use torch.save (slower)")
             _fast_serializer = False
         else:
-            torch.serialization._save(state, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+            try:
+                torch.serialization._save(state, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+            except BaseException:
+                # Unless told it is finished, the writer completes the archive in its C++
+                # destructor; after a failure mid-record that throws inside a destructor and
+                # aborts the process. Finishing it here marks it finished even if this throws.
+                try:
+                    writer.write_end_of_file()
+                except Exception:
+                    pass
+                raise
             writer.write_end_of_file()
             return
     torch.save(state, sink)
