@@ -315,6 +315,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return True
         return self.samples_accumulated >= self.share(snapshot)
 
+    def wait_for_peers(self, min_trainers: int, timeout: float) -> int:
+        """Block until at least `min_trainers` trainers (this one included) are visible, or `timeout`
+        passes, or a stop is requested; returns how many are visible. Peers started together call it
+        so that nobody races ahead alone before the others show up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            visible = self.progress.refresh_now().num_trainers
+            if visible >= min_trainers or time.monotonic() >= deadline or self._should_stop():
+                return visible
+            self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+
     def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This peer's share of the target batch: target / live trainers, rounded up."""
         snapshot = snapshot or self.progress.snapshot()

@@ -189,14 +189,10 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
     """Wait (bounded) until `min_peers` trainers are visible, so peers started together begin together."""
     if config.min_peers <= 1:
         return
-    deadline = time.monotonic() + config.wait_peers_timeout
-    while not daemon.stop_requested and time.monotonic() < deadline:
-        if optimizer.progress.refresh_now().num_trainers >= config.min_peers:
-            return
-        optimizer.progress.wait_for_refresh(timeout=0.5)
-    if not daemon.stop_requested:
-        logger.warning(f"only {optimizer.progress.snapshot().num_trainers} of {config.min_peers} trainers showed up "
-                       f"within {config.wait_peers_timeout:g} s; training anyway")
+    visible = optimizer.wait_for_peers(config.min_peers, config.wait_peers_timeout)
+    if visible < config.min_peers and not daemon.stop_requested:
+        logger.warning(f"only {visible} of {config.min_peers} trainers showed up within "
+                       f"{config.wait_peers_timeout:g} s; training anyway")
 
 
 def _loopback_or_any(daemon: Any) -> str:
