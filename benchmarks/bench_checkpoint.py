@@ -1,0 +1,298 @@
+"""Checkpoint benchmark: write cost against torch.save, training throughput with periodic
+background checkpoints on and off, and SIGTERM-to-exit latency of a training process.
+
+    python benchmarks/bench_checkpoint.py [--dir DIR] [--reps 3] [--width 4096 --depth 6]
+
+1. Write time. A ~100M-parameter model (a stack of Linear layers) after one Adam step (so
+   exp_avg / exp_avg_sq exist), ~1.2 GB of state. In the same run and directory, median of
+   --reps: `torch.save(state, path)` (no fsync: the anchor the target is stated against),
+   `torch.save` + fsync (what durability costs plain torch.save), `CheckpointStore.save`
+   (atomic, checksummed, fsynced, old checkpoint pruned), `save_async` (time the caller is
+   blocked, and time until durable), and `load_latest` (verify + load). Before each timed
+   operation the page cache is flushed (os.sync) so one operation's writeback does not land in
+   the next one's time.
+2. Throughput. A smaller model's training loop (steps/s) with a background checkpoint about
+   every second of training against none, interleaved runs, median ratio. Checkpoints every
+   second are far denser than in real training (minutes apart), so this bounds the overhead.
+3. SIGTERM-to-exit. tests/preemption_trainer.py trains the ~100M model; SIGTERM arrives after a
+   few steps; the time until the process has exited, having written its final checkpoint.
+
+Prints a table, then one line holding a JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from moshpeer.peer.checkpoint import CheckpointStore, Parts, capture_rng_state  # noqa: E402
+
+TRAINER = REPO / "tests" / "preemption_trainer.py"
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type holding `path` (from /proc/mounts; "unknown" elsewhere)."""
+    best, fstype = "", "unknown"
+    try:
+        resolved = str(path.resolve())
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1]
+                if resolved.startswith(mount_point.rstrip("/") + "/") or resolved == mount_point:
+                    if len(mount_point) >= len(best):
+                        best, fstype = mount_point, fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def model_and_adam(width: int, depth: int) -> tuple:
+    torch.manual_seed(0)
+    model = mlp(width, depth)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(4, width)).pow(2).mean().backward()
+    optimizer.step()  # creates exp_avg / exp_avg_sq
+    return model, optimizer
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    return {
+        Parts.MODEL: model.state_dict(),
+        Parts.OPTIMIZER: optimizer.state_dict(),
+        Parts.RNG: capture_rng_state(),
+        Parts.COLLABORATIVE: {"epoch": step // 10, "samples": step * 64},
+    }
+
+
+def timed(operation: Callable[[], object], prepare: Callable[[], None]) -> float:
+    prepare()
+    os.sync()
+    started = time.perf_counter()
+    operation()
+    return time.perf_counter() - started
+
+
+def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str, float]:
+    model, optimizer = model_and_adam(width, depth)
+    params = sum(p.numel() for p in model.parameters())
+    state = training_state(model, optimizer, step=1)
+    plain = directory / "plain.pt"
+    store = CheckpointStore(directory / "store", keep_last=1)
+    results: Dict[str, List[float]] = {k: [] for k in ("torch", "torch_fsync", "store", "async_block", "async_total")}
+    loads: List[float] = []
+
+    def remove_plain() -> None:
+        if plain.exists():
+            plain.unlink()
+
+    def torch_save_fsync() -> None:
+        torch.save(state, plain)
+        fd = os.open(plain, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def settle() -> None:
+        remove_plain()
+        store.wait()  # the pruning of the previous checkpoint is not this operation's cost
+
+    for rep in range(reps):
+        results["torch"].append(timed(lambda: torch.save(state, plain), remove_plain))
+        results["torch_fsync"].append(timed(torch_save_fsync, remove_plain))
+        results["store"].append(timed(lambda: store.save(state, step=rep, epoch=0), settle))
+        settle()
+        os.sync()
+        started = time.perf_counter()
+        handle = store.save_async(state, step=rep, epoch=0)
+        results["async_block"].append(time.perf_counter() - started)
+        handle.result()
+        results["async_total"].append(time.perf_counter() - started)
+        settle()
+        started = time.perf_counter()
+        loaded = store.load_latest()
+        loads.append(time.perf_counter() - started)
+        del loaded
+    size = store.stats.last_size
+    store.close()
+    remove_plain()
+    median = {name: statistics.median(values) for name, values in results.items()}
+    return {
+        "params": params,
+        "state_bytes": size,
+        "torch_save_s": median["torch"],
+        "torch_save_fsync_s": median["torch_fsync"],
+        "save_s": median["store"],
+        "save_ratio": median["store"] / median["torch"],
+        "save_async_blocking_s": median["async_block"],
+        "save_async_total_s": median["async_total"],
+        "load_s": statistics.median(loads),
+        "samples": {name: [round(v, 3) for v in values] for name, values in results.items()},
+    }
+
+
+def bench_throughput(directory: Path, reps: int, width: int = 1024, depth: int = 8, batch: int = 64) -> dict:
+    model, optimizer = model_and_adam(width, depth)
+    inputs, targets = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step() -> None:
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    started = time.perf_counter()
+    for _ in range(5):
+        step()
+    step_s = (time.perf_counter() - started) / 5
+    interval = max(2, round(1.0 / step_s))  # a checkpoint about every second of training
+    steps = 2 * interval  # ~2 s per run, checkpoints at 1/2 and 3/2 of an interval
+    store = CheckpointStore(directory / "throughput", keep_last=2)
+
+    def run(checkpoints: bool) -> float:
+        store.wait()
+        os.sync()
+        started = time.perf_counter()
+        for i in range(1, steps + 1):
+            step()
+            if checkpoints and i % interval == interval // 2:
+                store.save_async(training_state(model, optimizer, i), step=i, epoch=0)
+        store.wait()  # a write still running is part of this run's cost
+        return steps / (time.perf_counter() - started)
+
+    on, off = [], []
+    for _ in range(reps):
+        off.append(run(False))
+        on.append(run(True))
+    skipped = store.stats.skipped_busy
+    size = store.stats.last_size
+    store.close()
+    ratios = [a / b for a, b in zip(on, off)]
+    return {
+        "throughput_on": statistics.median(on),
+        "throughput_off": statistics.median(off),
+        "throughput_ratio": statistics.median(ratios),
+        "throughput_params": sum(p.numel() for p in model.parameters()),
+        "throughput_state_bytes": size,
+        "checkpoint_every_steps": interval,
+        "checkpoint_every_s": interval * step_s,
+        "steps_per_run": steps,
+        "checkpoints_skipped_busy": skipped,
+        "ratios": [round(r, 3) for r in ratios],
+    }
+
+
+def bench_sigterm(directory: Path, width: int, depth: int, reps: int, grace: float) -> dict:
+    latencies, remaining = [], []
+    for rep in range(reps):
+        run_dir = directory / f"sigterm-{rep}"
+        command = [
+            sys.executable, str(TRAINER), "--dir", str(run_dir), "--width", str(width), "--depth", str(depth),
+            "--batch", "8", "--threads", str(torch.get_num_threads()), "--grace", str(grace),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        events = []
+        sent = None
+        for line in proc.stdout:
+            event = json.loads(line)
+            events.append(event)
+            if sent is None and event["event"] == "step" and event["step"] >= 2:
+                sent = time.perf_counter()
+                proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
+        exited = time.perf_counter()
+        final = [e for e in events if e["event"] == "checkpoint"]
+        if code != 0 or not final or sent is None:
+            raise RuntimeError(f"trainer did not exit cleanly (code {code}); last events {events[-3:]}")
+        latencies.append(exited - sent)
+        remaining.append(final[-1]["remaining"])
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "sigterm_exit_s": statistics.median(latencies),
+        "sigterm_grace_s": grace,
+        "sigterm_samples": [round(v, 3) for v in latencies],
+        "sigterm_remaining_at_checkpoint_s": statistics.median(remaining),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", help="where to write (default: a temporary folder under the current directory)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=6, help="6 x 4096^2 layers: ~100M parameters")
+    parser.add_argument("--grace", type=float, default=20.0)
+    parser.add_argument("--skip-sigterm", action="store_true")
+    args = parser.parse_args()
+
+    base = Path(args.dir) if args.dir else Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=base))
+    fstype = filesystem_of(directory)
+    load_before = os.getloadavg()
+    print(f"writing to {directory} ({fstype}); {os.cpu_count()} CPUs, load average {load_before[0]:.2f}")
+    if fstype in ("tmpfs", "ramfs"):
+        print("warning: this directory is in memory; fsync costs nothing here, pass --dir on a real disk")
+    try:
+        results = {"fs": fstype, "cpus": os.cpu_count(), "torch": torch.__version__}
+        results.update(bench_write(directory, args.width, args.depth, args.reps))
+        results.update(bench_throughput(directory, args.reps))
+        if not args.skip_sigterm:
+            results.update(bench_sigterm(directory, args.width, args.depth, args.reps, args.grace))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    results["load_average"] = [round(x, 2) for x in (load_before[0], os.getloadavg()[0])]
+
+    gb = results["state_bytes"] / 1e9
+    rows = [
+        (f"state: {results['params'] / 1e6:.1f}M params + Adam", f"{gb:.2f} GB", ""),
+        ("torch.save (anchor)", f"{results['torch_save_s']:.3f} s", f"{gb / results['torch_save_s']:.2f} GB/s"),
+        ("torch.save + fsync", f"{results['torch_save_fsync_s']:.3f} s", ""),
+        ("CheckpointStore.save", f"{results['save_s']:.3f} s", f"{results['save_ratio']:.2f}x torch.save"),
+        ("save_async: caller blocked", f"{results['save_async_blocking_s']:.3f} s", "snapshot (memcpy)"),
+        ("save_async: until durable", f"{results['save_async_total_s']:.3f} s", ""),
+        ("load_latest (verify + load)", f"{results['load_s']:.3f} s", ""),
+        (
+            f"training, {results['throughput_params'] / 1e6:.1f}M params: steps/s off / on",
+            f"{results['throughput_off']:.2f} / {results['throughput_on']:.2f}",
+            f"ratio {results['throughput_ratio']:.3f} (checkpoint every {results['checkpoint_every_s']:.2f} s)",
+        ),
+    ]
+    if "sigterm_exit_s" in results:
+        rows.append(
+            ("SIGTERM -> exit, checkpoint written", f"{results['sigterm_exit_s']:.2f} s", f"grace {args.grace:g} s")
+        )
+    width = max(len(r[0]) for r in rows)
+    print()
+    for label, value, note in rows:
+        print(f"  {label:<{width}}  {value:>12}  {note}")
+    print(f"  ({platform.node()}, {results['fs']}, load average {results['load_average']})")
+    print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
