@@ -34,10 +34,10 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from moshpeer.averaging import wire
-from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
+from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
-from moshpeer.averaging.report import RoundReport
+from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
@@ -354,23 +354,41 @@ class MoshpitAverager(ServicerBase):
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
-        with self._lock_tensors:
-            flat, write_back = self._flatten()
-            deadline = time.monotonic() + self.round_timeout
+        group_members = [GroupMember(m.host, m.port, m.weight) for m in members]
+        deadline = time.monotonic() + self.round_timeout
+        results: List[AllReduceResult] = []
+
+        def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
+            """Average one contiguous fp32 vector with this group (the `sequence`-th all-reduce of the round)."""
             allreduce = GroupAllReduce(
                 self._plane,
                 flat,
-                members=[GroupMember(m.host, m.port, m.weight) for m in members],
+                members=group_members,
                 my_index=report.my_index,
-                tag=wire.allreduce_tag(group.group_id, 0),
+                tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
                 faults=self.faults,
             )
-            result = allreduce.run()
+            results.append(allreduce.run())
+            return flat
+
+        with self._lock_tensors:
+            flat, write_back = self._flatten()
+            sparsifier = self.compression.sparsifier
+            if sparsifier is None:
+                dense_allreduce_blocking(flat)
+            else:
+                # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group.
+                async def dense_allreduce(t: torch.Tensor) -> torch.Tensor:
+                    return dense_allreduce_blocking(t.detach().to(torch.float32).contiguous().clone())
+
+                seed = int.from_bytes(group.group_id[:8], "big") & 0x7FFFFFFF
+                flat.copy_(asyncio.run(sparsifier.allreduce(flat, seed, dense_allreduce)))
             write_back()
+        result = _merge_results(results)
         report.ok = True
         report.reduce, report.gather = result.reduce, result.gather
         report.departed = result.departed
@@ -405,3 +423,28 @@ class MoshpitAverager(ServicerBase):
                 offset += n
 
         return flat, write_back
+
+
+def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
+    """One round may run several all-reduces (ARC-Top-K): add their counters up."""
+    if len(results) == 1:
+        return results[0]
+
+    def add(phases: List[PhaseStats]) -> PhaseStats:
+        total = PhaseStats()
+        for phase in phases:
+            for name, value in vars(phase).items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+    return AllReduceResult(
+        reduce=add([r.reduce for r in results]),
+        gather=add([r.gather for r in results]),
+        departed=sorted({i for r in results for i in r.departed}),
+        rejected_messages=sum(r.rejected_messages for r in results),
+        rejected_connections=sum(r.rejected_connections for r in results),
+        missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
+        reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
+        all_gather_s=sum(r.all_gather_s for r in results),
+        total_s=sum(r.total_s for r in results),
+    )

@@ -1,0 +1,310 @@
+"""Group all-reduce benchmark: moshpeer vs hivemind's DecentralizedAverager vs torch.distributed gloo.
+
+    python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 5]
+                                         [--compression none[,fp16,...]] [--drop 0.0]
+
+Every system runs `--peers` processes on this machine averaging one float32 tensor of `--numel`
+values (one group of all peers). Per round we take the slowest peer's time (a round is over when
+the last peer is done), then the median over `--rounds` timed rounds after one warm-up round.
+
+What is timed (matchmaking is excluded for both swarm systems and reported separately):
+- moshpeer: `RoundReport.total_s`, the data plane from the moment the group is known (connect,
+  authenticate, reduce-scatter, all-gather, write-back) until `step()` has the averaged values.
+- hivemind: `step(wait=False, require_trigger=True)`; once the control reaches AWAITING_TRIGGER
+  (group assembled) the clock starts, `allow_allreduce()`, and it stops when the result is ready.
+- gloo: `dist.all_reduce(SUM)` + divide by the peer count, after a barrier.
+Relative error: ||result - exact mean|| / ||exact mean||, exact mean computed in float64 by each peer.
+Ends with one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+# ---- shared by the workers -----------------------------------------------------------------------
+
+
+def peer_values(rank: int, numel: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=gen) + rank
+
+
+def exact_mean(peers: int, numel: int):
+    import torch
+
+    total = torch.zeros(numel, dtype=torch.float64)
+    for rank in range(peers):
+        total += peer_values(rank, numel).double()
+    return total / peers
+
+
+def rel_err(result, exact) -> float:
+    return float((result.double() - exact).norm() / exact.norm())
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def wait_for_exit() -> None:
+    sys.stdin.readline()  # the orchestrator says when everyone is done
+
+
+# ---- workers --------------------------------------------------------------------------------------
+
+
+def moshpeer_worker(args) -> None:
+    import torch  # noqa: F401
+
+    from moshpeer.averaging import FaultConfig, MoshpitAverager
+    from moshpeer.dht import start_dht
+
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    initial = peer_values(args.rank, args.numel)
+    exact = exact_mean(args.peers, args.numel)
+    tensor = initial.clone()
+    faults = FaultConfig(drop_prob=args.drop, seed=args.rank) if args.drop > 0 else None
+    averager = MoshpitAverager([tensor], dht=dht, run_id="bench", target_group_size=args.peers,
+                               min_group_size=args.peers, compression=args.compression,
+                               matchmaking_time=args.matchmaking_time, round_timeout=60.0, faults=faults)
+    emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+    for round_index in range(args.rounds + 1):
+        with averager.get_tensors():
+            tensor.copy_(initial)
+        report = averager.step(timeout=60)
+        emit(event="round", round=round_index, ok=report.ok, group_size=report.group_size, seconds=report.total_s,
+             matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
+             all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
+             rel_err=rel_err(tensor, exact))
+    emit(event="done")
+    wait_for_exit()
+    averager.shutdown()
+    dht.stop()
+
+
+def hivemind_worker(args) -> None:
+    import hivemind
+    from hivemind.averaging.control import AveragingStage
+
+    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    initial = peer_values(args.rank, args.numel)
+    exact = exact_mean(args.peers, args.numel)
+    tensor = initial.clone()
+    averager = hivemind.DecentralizedAverager(
+        [tensor], dht=dht, prefix="bench", target_group_size=args.peers, min_group_size=args.peers,
+        min_matchmaking_time=args.matchmaking_time, request_timeout=args.matchmaking_time / 2, start=True,
+    )
+    emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+    for round_index in range(args.rounds + 1):
+        with averager.get_tensors() as (averaged,):
+            averaged.copy_(initial)
+        started = time.monotonic()
+        control = averager.step(wait=False, require_trigger=True, timeout=60)
+        while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+            time.sleep(0.001)
+        matched = time.monotonic()
+        control.allow_allreduce()
+        ok = True
+        try:
+            control.result(timeout=120)
+        except Exception:
+            ok = False
+        finished = time.monotonic()
+        with averager.get_tensors() as (averaged,):
+            err = rel_err(averaged, exact)
+        emit(event="round", round=round_index, ok=ok, seconds=finished - matched, matchmaking_s=matched - started,
+             rel_err=err)
+    emit(event="done")
+    wait_for_exit()
+    averager.shutdown()
+    dht.shutdown()
+
+
+def gloo_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.peers)
+    initial = peer_values(args.rank, args.numel)
+    exact = exact_mean(args.peers, args.numel)
+    tensor = initial.clone()
+    emit(event="ready", maddrs=[])
+    for round_index in range(args.rounds + 1):
+        tensor.copy_(initial)
+        dist.barrier()
+        started = time.monotonic()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor.div_(args.peers)
+        finished = time.monotonic()
+        emit(event="round", round=round_index, ok=True, seconds=finished - started, rel_err=rel_err(tensor, exact),
+             bytes_sent=None)
+    emit(event="done")
+    dist.destroy_process_group()
+
+
+WORKERS = {"moshpeer": moshpeer_worker, "hivemind": hivemind_worker, "gloo": gloo_worker}
+
+
+# ---- orchestration --------------------------------------------------------------------------------
+
+
+def _read_json(proc, event: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited (rc={proc.poll()}) before {event!r}")
+        if line.startswith("{"):
+            message = json.loads(line)
+            if message.get("event") == event:
+                return message
+    raise RuntimeError(f"no {event!r} within {timeout} s")
+
+
+def run_system(system: str, args, compression: str = "none") -> List[List[dict]]:
+    """Run `peers` workers of `system`; returns rounds[round][peer] (timed rounds only)."""
+    base = [sys.executable, os.path.abspath(__file__), "--role", system, "--peers", str(args.peers),
+            "--numel", str(args.numel), "--rounds", str(args.rounds), "--compression", compression,
+            "--drop", str(args.drop if system == "moshpeer" else 0.0),
+            "--matchmaking-time", str(args.matchmaking_time)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    procs = []
+    spawn = lambda rank, extra: subprocess.Popen(  # noqa: E731
+        [*base, "--rank", str(rank), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        if system == "gloo":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            procs = [spawn(rank, ["--port", str(port)]) for rank in range(args.peers)]
+            for proc in procs:
+                _read_json(proc, "ready", 120)
+        else:
+            procs.append(spawn(0, []))
+            maddrs = _read_json(procs[0], "ready", 120)["maddrs"]
+            procs += [spawn(rank, ["--initial-peers", *maddrs]) for rank in range(1, args.peers)]
+            for proc in procs[1:]:
+                _read_json(proc, "ready", 120)
+        per_peer = []
+        for proc in procs:
+            rounds = []
+            while True:
+                message = _read_json(proc, "round", 600) if len(rounds) <= args.rounds else None
+                if message is None:
+                    break
+                rounds.append(message)
+            per_peer.append(rounds)
+        for proc in procs:
+            _read_json(proc, "done", 60)
+        return [[per_peer[p][r] for p in range(args.peers)] for r in range(1, args.rounds + 1)]  # skip warm-up
+    finally:
+        for proc in procs:
+            try:
+                proc.stdin.write("exit\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def summarize(rounds: List[List[dict]]) -> Dict[str, float]:
+    """Median over rounds of the slowest peer; worst relative error of any peer in any round."""
+    def median_of(key: str, reduce=max):
+        values = [reduce(p[key] for p in r) for r in rounds if all(p.get(key) is not None for p in r)]
+        return statistics.median(values) if values else float("nan")
+
+    return {
+        "seconds": median_of("seconds"),
+        "matchmaking_s": median_of("matchmaking_s") if "matchmaking_s" in rounds[0][0] else float("nan"),
+        "reduce_scatter_s": median_of("reduce_scatter_s") if "reduce_scatter_s" in rounds[0][0] else float("nan"),
+        "all_gather_s": median_of("all_gather_s") if "all_gather_s" in rounds[0][0] else float("nan"),
+        "bytes_sent": median_of("bytes_sent", reduce=statistics.mean) if rounds[0][0].get("bytes_sent") else float("nan"),
+        "rel_err": max(p["rel_err"] for r in rounds for p in r),
+        "all_ok": all(p["ok"] for r in rounds for p in r),
+        "rounds": len(rounds),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--numel", type=int, default=16_777_216)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--compression", default="none", help="moshpeer codec(s), comma-separated")
+    parser.add_argument("--drop", type=float, default=0.0, help="moshpeer per-chunk drop probability")
+    parser.add_argument("--matchmaking-time", type=float, default=1.5)
+    parser.add_argument("--systems", default="moshpeer,hivemind,gloo")
+    parser.add_argument("--role", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        WORKERS[args.role](args)
+        return 0
+
+    systems = args.systems.split(",")
+    results: Dict[str, Dict[str, float]] = {}
+    for codec in args.compression.split(",") if "moshpeer" in systems else []:
+        results[f"moshpeer[{codec}]"] = summarize(run_system("moshpeer", args, codec))
+    for system in ("hivemind", "gloo"):
+        if system in systems:
+            results[system] = summarize(run_system(system, args))
+
+    mb = args.numel * 4 / 1e6
+    print(f"\n{args.peers} peers, {args.numel} float32 values ({mb:.0f} MB), median of {args.rounds} rounds, "
+          f"slowest peer per round; drop={args.drop} (moshpeer only)")
+    print(f"{'system':<22}{'round s':>9}{'matchmaking s':>15}{'reduce-sc s':>12}{'all-gath s':>11}"
+          f"{'MB sent/peer':>14}{'rel err':>11}{'ok':>4}")
+    for name, r in results.items():
+        print(f"{name:<22}{r['seconds']:>9.3f}{r['matchmaking_s']:>15.3f}{r['reduce_scatter_s']:>12.3f}"
+              f"{r['all_gather_s']:>11.3f}{r['bytes_sent'] / 1e6:>14.1f}{r['rel_err']:>11.2e}{str(r['all_ok'])[0]:>4}")
+
+    primary = results.get(f"moshpeer[{args.compression.split(',')[0]}]", {})
+    figures = {
+        "peers": args.peers,
+        "numel": args.numel,
+        "compression": args.compression.split(",")[0],
+        "drop": args.drop,
+        "moshpeer_s": primary.get("seconds"),
+        "moshpeer_matchmaking_s": primary.get("matchmaking_s"),
+        "moshpeer_rel_err": primary.get("rel_err"),
+        "hivemind_s": results.get("hivemind", {}).get("seconds"),
+        "hivemind_matchmaking_s": results.get("hivemind", {}).get("matchmaking_s"),
+        "hivemind_rel_err": results.get("hivemind", {}).get("rel_err"),
+        "gloo_s": results.get("gloo", {}).get("seconds"),
+        "gloo_rel_err": results.get("gloo", {}).get("rel_err"),
+        "bytes_sent_per_peer": {name: r["bytes_sent"] for name, r in results.items() if name.startswith("moshpeer")},
+        "seconds_per_codec": {name: r["seconds"] for name, r in results.items() if name.startswith("moshpeer")},
+    }
+    if figures["moshpeer_s"] and figures["hivemind_s"]:
+        figures["speedup_vs_hivemind"] = figures["hivemind_s"] / figures["moshpeer_s"]
+    if figures["moshpeer_s"] and figures["gloo_s"]:
+        figures["ratio_vs_gloo"] = figures["moshpeer_s"] / figures["gloo_s"]
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
