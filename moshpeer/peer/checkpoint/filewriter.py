@@ -277,6 +277,10 @@ def write_checkpoint_file(
         unlink_quietly(temp)
         raise
     os.close(fd)
-    os.replace(temp, path)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        unlink_quietly(temp)
+        raise
     fsync_directory(path.parent)
     return header_size + sink.nbytes

@@ -240,7 +240,9 @@ def _size_or_zero(path: Path) -> int:
         return 0
 
 
-def list_checkpoints(directory: PathLike, *, verify: bool = True, in_flight: Optional[Path] = None) -> List[CheckpointInfo]:
+def list_checkpoints(
+    directory: PathLike, *, verify: bool = True, in_flight: Optional[Path] = None
+) -> List[CheckpointInfo]:
     """Every checkpoint-like file in `directory`, oldest first, then temp and misnamed files.
 
     Raises `UserError` if the directory does not exist or cannot be read.
@@ -256,10 +258,12 @@ def list_checkpoints(directory: PathLike, *, verify: bool = True, in_flight: Opt
         raise UserError(f"cannot read checkpoint directory {directory}: permission denied") from None
     infos = [inspect_file(path, verify=verify) for _, path in listing.checkpoints]
     for path in listing.temp_files:
-        reason = "being written" if in_flight is not None and path.name == in_flight.name + TEMP_SUFFIX else None
-        infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason or "leftover temp file of an interrupted write"))
+        being_written = in_flight is not None and path.name == in_flight.name + TEMP_SUFFIX
+        reason = "being written" if being_written else "leftover temp file of an interrupted write"
+        infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason))
     for path in listing.misnamed:
-        infos.append(CheckpointInfo(path, _size_or_zero(path), False, "name is not ckpt-<seq>-epoch<E>-step<S>.mpck: ignored"))
+        reason = "name is not ckpt-<seq>-epoch<E>-step<S>.mpck: ignored"
+        infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason))
     return infos
 
 
@@ -433,7 +437,9 @@ class CheckpointStore:
         if self._closed:
             return
         if not self.wait(timeout=timeout):
-            logger.warning("closing the checkpoint store with background work unfinished (an unfinished write stays a temp file)")
+            logger.warning(
+                "closing the checkpoint store with background work unfinished (an unfinished write stays a temp file)"
+            )
         self._closed = True
         self._snapshots.release()
         if self._lock_fd is not None:
