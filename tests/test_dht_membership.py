@@ -156,3 +156,15 @@ def test_daemon_heartbeats_updates_and_shuts_down_in_order(dht_node):
     assert calls == [("second", True), ("first", set())]
     assert not daemon.dht.is_alive() and daemon.dht.pid == dht_pid
     assert list_peers(boot, RUN) == []
+
+
+def test_daemon_stops_when_its_dht_process_dies(dht_node):
+    boot = dht_node(run_ids=[RUN])
+    daemon = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], heartbeat=0.3, expiration=1.0)
+    daemon.start()
+    try:
+        daemon.dht.kill()  # as if the OOM killer took the DHT process and p2pd
+        assert daemon.wait_for_stop(timeout=5), "a peer without its DHT must stop, not linger"
+        assert "DHT process died" in daemon.stop_reason
+    finally:
+        daemon.shutdown()

@@ -245,12 +245,13 @@ class PeerDaemon:
                     except StartCancelled:
                         logger.info(f"stopped while connecting ({self.stop_reason})")
                         return 0
-                if not self.stop_requested and on_ready is not None:
-                    on_ready(self)
-                if work is not None:
-                    work(self)
-                else:
-                    self._idle_until_stopped()
+                if not self.stop_requested:
+                    if on_ready is not None:
+                        on_ready(self)
+                    if work is not None:
+                        work(self)
+                    else:
+                        self._idle_until_stopped()
                 if self.stop_requested:
                     logger.info(f"stopping: {self.stop_reason}")
             finally:
@@ -308,6 +309,11 @@ class PeerDaemon:
             self._wake_heartbeat.wait(self.heartbeat)
             self._wake_heartbeat.clear()
             if self._heartbeat_stopped.is_set():
+                return
+            if not self.dht.is_alive():
+                # Without its DHT process this peer can neither be seen nor see the swarm: stop.
+                logger.error("the DHT process died; stopping this peer")
+                self.request_stop("the DHT process died")
                 return
             try:
                 ok = self._publish()
