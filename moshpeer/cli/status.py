@@ -21,11 +21,9 @@ from moshpeer.cli.common import (
     exit_now,
     positive_float,
 )
-from moshpeer.dht import PeerRecord, list_peers, start_dht
+from moshpeer.dht import DEFAULT_HOST_MADDRS, PeerRecord, list_peers, start_dht
 from moshpeer.errors import UserError
 
-# A client-mode node only dials out; it need not listen anywhere but loopback.
-_STATUS_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 # An empty answer right after joining can mean "not found yet": ask again within this time.
 _EMPTY_RETRY_SECONDS = 2.0
 
@@ -53,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     dht = start_dht(
         initial_peers=args.initial_peers,
-        host_maddrs=_STATUS_HOST_MADDRS,
+        # Same listen addresses as a peer: libp2p reuses its listening ports to dial out, so a
+        # loopback-only node could depend on fallbacks to reach peers on other machines.
+        host_maddrs=DEFAULT_HOST_MADDRS,
         client_mode=True,
         run_ids=[args.run_id],
         connect_timeout=args.timeout,
