@@ -306,9 +306,8 @@ class Swarm:
     def spawn(self, *args: str, name: Optional[str] = None) -> Proc:
         """Start `python -m moshpeer *args`; returns at once (use wait_ready / wait_for_line / wait_exit)."""
         self._counter += 1
-        proc = Proc(
-            args, name=name or f"{args[0]}{self._counter}", swarm_tag=self.tag, env=self.env, cwd=self.cwd
-        )
+        command = next((arg for arg in args if not arg.startswith("-")), "moshpeer")
+        proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env=self.env, cwd=self.cwd)
         self.procs.append(proc)
         return proc
 
