@@ -15,6 +15,7 @@ down with it; `SwarmDHT.kill` and an atexit hook do the same from the main proce
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -216,6 +217,10 @@ def _first_line(error: BaseException) -> str:
 def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_peers: bool) -> None:
     """Turn a DHT startup failure into a `UserError`, unless it means "initial peers not reachable yet"."""
     text = str(error)
+    if isinstance(error, concurrent.futures.TimeoutError):  # the DHT process never reported back
+        if has_initial_peers:
+            return
+        raise UserError("the DHT did not start in time (is the machine overloaded?)") from None
     unreachable = (
         "failed to connect to bootstrap peers" in text
         or "none of the initial_peers responded" in text
