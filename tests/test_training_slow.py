@@ -24,7 +24,10 @@ def test_four_peers_gradient_mode_within_one_point_of_single_process(swarm):
     for peer in peers:
         assert peer.wait_exit(30) == 0, peer.describe()
     for peer in peers:
-        assert all(e["samples"] == TARGET_BATCH // 4 for e in events(peer, "epoch"))
+        # Every epoch is this peer's share of the global batch, except the few where it fell behind
+        # (a round it missed on a loaded machine) and caught up by downloading state instead.
+        odd = [e for e in events(peer, "epoch") if e["samples"] != TARGET_BATCH // 4]
+        assert all(e["error"] == "caught up" for e in odd) and len(odd) <= epochs // 10, odd
     single = train_locally(load_task("digits"), num_samples=epochs * TARGET_BATCH, global_batch_size=TARGET_BATCH)
     reference = single.metrics["accuracy"]
     for summary in done:

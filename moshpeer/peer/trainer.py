@@ -118,6 +118,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                   "params_digest": params_digest(model), "failed_donors": [d for d, _ in downloaded.failed_donors],
                   "time": round(time.monotonic() - started, 3)})
 
+    train_started = time.monotonic()  # after waiting for peers and catching up: time spent training
+    emit({"event": "started", "epoch": optimizer.local_epoch, "time": round(train_started - started, 3)})
     seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
     stream = task.open_batches(micro, seed=seed) if config.role == "trainer" else None
     metrics: Dict[str, float] = {}
@@ -152,6 +154,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         emit({
             "event": "epoch", "epoch": optimizer.local_epoch, "previous_epoch": epoch_before,
             "time": round(time.monotonic() - started, 3),
+            "train_time": round(time.monotonic() - train_started, 3),
             "loss": round(loss_sum / loss_count, 5) if loss_count else None,
             "metric": metrics.get(task.metric) if evaluate else None,
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,

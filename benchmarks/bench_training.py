@@ -1,0 +1,321 @@
+"""Collaborative training on digits: moshpeer vs hivemind.Optimizer vs a single process.
+
+Same model (the built-in digits MLP), same global batch (256), same micro-batch (32), same sample
+budget (epochs x 256), 4 peers as real processes on 127.0.0.1:
+
+- moshpeer: `moshpeer join` peers (gradient averaging, group of 4) behind a `moshpeer dht` bootstrap;
+- hivemind: `hivemind.Optimizer` peers (this file run with --hivemind-worker), configured for a small
+  local swarm (short matchmaking and timeouts, no offloading or delayed updates; printed below);
+- single: one process, `train_locally`, same global batch and samples.
+
+Reports wall time to the target accuracy (first evaluation at or above it; every peer evaluates after
+every epoch) and final accuracy. `--straggler` slows one peer with heavy-tailed delays per micro-batch
+and adds a moshpeer run with a DropCompute budget, to compare step times with and without it.
+
+    python benchmarks/bench_training.py [--epochs 40] [--target 0.95] [--straggler]
+
+Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+GLOBAL_BATCH, MICRO_BATCH = 256, 32
+HIVEMIND_SETTINGS = dict(
+    matchmaking_time=1.0,  # hivemind's default is 15 s (internet); a local swarm assembles in well under 1 s
+    averaging_timeout=10.0,  # default 60 s
+    allreduce_timeout=10.0,
+    next_chunk_timeout=5.0,
+    load_state_timeout=30.0,
+    average_state_every=1,
+    use_local_updates=False,  # large-batch training, like moshpeer's gradient mode
+    delay_optimizer_step=False,
+    delay_grad_averaging=False,
+    offload_optimizer=False,
+    reuse_grad_buffers=False,
+    verbose=False,
+)
+HIVEMIND_TRACKER = dict(min_refresh_period=0.2, max_refresh_period=1.0, default_refresh_period=0.5)
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+class Child:
+    """A child process whose stdout JSON lines are collected in a thread."""
+
+    def __init__(self, argv: List[str], env: Dict[str, str]):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=str(REPO), start_new_session=True)
+        self.events: List[dict] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                event["received_at"] = time.time()  # one clock for every process of a system
+                with self.cond:
+                    self.events.append(event)
+                    self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_event(self, kind: str, timeout: float) -> Optional[dict]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for event in self.events:
+                    if event.get("event") == kind:
+                        return event
+                if self.proc.poll() is not None and not any(e.get("event") == kind for e in self.events):
+                    if time.monotonic() > deadline or self.proc.stdout.closed:
+                        return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.cond.wait(min(remaining, 0.5))
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def env() -> Dict[str, str]:
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+
+
+def time_to_target(peers: List["Child"], target: float) -> Optional[float]:
+    """Wall time from the first peer starting to train until any peer first evaluates at/above `target`."""
+    starts = [e["received_at"] for p in peers for e in p.events if e.get("event") == "started"]
+    reached = [e["received_at"] for p in peers for e in p.events
+               if e.get("event") == "epoch" and e.get("metric") is not None and e["metric"] >= target]
+    if not starts or not reached:
+        return None
+    return min(reached) - min(starts)
+
+
+def summarize(peers: List[Child], target: float, time_key: str) -> dict:
+    done = [p.wait_event("done", 0) for p in peers]
+    finals = [d["metrics"]["accuracy"] for d in done if d]
+    epochs = [[e for e in p.events if e.get("event") == "epoch"] for p in peers]
+    step_times = [b[time_key] - a[time_key] for eps in epochs for a, b in zip(eps, eps[1:])]
+    return {
+        "time_to_target_s": time_to_target(peers, target),
+        "final_acc": sum(finals) / len(finals) if finals else None,
+        "peers_finished": len(finals),
+        "train_s": max((d["seconds"] for d in done if d), default=None),
+        "mean_step_s": sum(step_times) / len(step_times) if step_times else None,
+    }
+
+
+# ---- moshpeer -----------------------------------------------------------------------------------
+
+
+def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str) -> dict:
+    e = env()
+    run_id = f"bench-{tag}-{os.getpid()}"
+    boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
+                  "--heartbeat", "1"], e)
+    children = [boot]
+    try:
+        ready = boot.wait_event("ready", 60)
+        if ready is None:
+            raise RuntimeError("bootstrap did not start")
+        peers = []
+        for i in range(args.peers):
+            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
+                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.peers),
+                    "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
+                    "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
+                    "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
+            if budget:
+                argv += ["--compute-budget", budget]
+            if straggler and i == 0:
+                argv += ["--straggler", straggler]
+            peers.append(Child(argv, e))
+        children += peers
+        for peer in peers:
+            peer.wait_event("done", args.timeout)
+        return summarize(peers, args.target, "train_time")
+    finally:
+        for child in children:
+            child.stop()
+
+
+# ---- hivemind -----------------------------------------------------------------------------------
+
+
+def run_hivemind(args, *, straggler: Optional[str]) -> dict:
+    e = env()
+    first = Child([sys.executable, __file__, "--hivemind-worker", "--index", "0", *_worker_args(args, straggler, 0)], e)
+    children = [first]
+    try:
+        ready = first.wait_event("ready", 60)
+        if ready is None:
+            raise RuntimeError("first hivemind peer did not start")
+        for i in range(1, args.peers):
+            children.append(Child([sys.executable, __file__, "--hivemind-worker", "--index", str(i),
+                                   "--initial-peers", *ready["maddrs"], *_worker_args(args, straggler, i)], e))
+        for child in children:
+            child.wait_event("done", args.timeout)
+        return summarize(children, args.target, "train_time")
+    finally:
+        for child in children:
+            child.stop()
+
+
+def _worker_args(args, straggler: Optional[str], index: int) -> List[str]:
+    out = ["--epochs", str(args.epochs), "--peers", str(args.peers), "--matchmaking-time", str(args.matchmaking_time)]
+    if straggler and index == 0:
+        out += ["--straggler-spec", straggler]
+    return out
+
+
+def hivemind_worker(args) -> int:
+    """One hivemind.Optimizer peer on digits; prints JSON lines like `moshpeer join`."""
+    import hivemind
+    import torch
+
+    from moshpeer.peer.dropcompute import parse_straggler
+    from moshpeer.peer.tasks import load_task
+
+    task = load_task("digits")
+    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[LOOPBACK], start=True)
+    print(json.dumps({"event": "ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
+    settings = {**HIVEMIND_SETTINGS, "matchmaking_time": args.matchmaking_time}
+    opt = hivemind.Optimizer(dht=dht, run_id="bench-hivemind", target_batch_size=GLOBAL_BATCH,
+                             batch_size_per_step=MICRO_BATCH, params=task.model.parameters(),
+                             optimizer=lambda params: task.make_optimizer(params),
+                             tracker_opts=HIVEMIND_TRACKER, **settings)
+    # Start together, as moshpeer's --min-peers does: wait until every peer's tracker shows up.
+    deadline = time.monotonic() + 60
+    while opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline:
+        time.sleep(0.2)
+    straggler = parse_straggler(args.straggler_spec) if args.straggler_spec else None
+    print(json.dumps({"event": "started", "epoch": opt.local_epoch}), flush=True)
+    stream = task.open_batches(MICRO_BATCH, seed=args.index)
+    started = time.monotonic()
+    epoch = opt.local_epoch
+    while opt.local_epoch < args.epochs and time.monotonic() - started < args.timeout:
+        if straggler is not None:
+            straggler()
+        loss, count = task.loss(task.model, next(stream))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.local_epoch != epoch:
+            epoch = opt.local_epoch
+            metric = task.metrics(task.model)["accuracy"]
+            print(json.dumps({"event": "epoch", "epoch": epoch, "metric": metric,
+                              "train_time": round(time.monotonic() - started, 3)}), flush=True)
+    metrics = task.metrics(task.model)
+    print(json.dumps({"event": "done", "metrics": metrics, "seconds": time.monotonic() - started,
+                      "epochs": opt.local_epoch}), flush=True)
+    opt.shutdown()
+    dht.shutdown()
+    return 0
+
+
+# ---- single process -----------------------------------------------------------------------------
+
+
+def run_single(args) -> dict:
+    from moshpeer.peer.tasks import load_task, train_locally
+
+    task = load_task("digits")
+    run = train_locally(task, num_samples=args.epochs * GLOBAL_BATCH, global_batch_size=GLOBAL_BATCH,
+                        micro_batch_size=MICRO_BATCH, eval_every=1, target=args.target)
+    to_target = None
+    if run.samples_to_target is not None:  # evaluations are excluded from run.seconds: scale by samples
+        to_target = run.seconds * run.samples_to_target / max(run.samples, 1)
+    return {"time_to_target_s": to_target, "final_acc": run.metrics["accuracy"], "train_s": run.seconds}
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=40, help="collaborative epochs (sample budget / 256)")
+    parser.add_argument("--target", type=float, default=0.95, help="target test accuracy")
+    parser.add_argument("--matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=400.0, help="per system")
+    parser.add_argument("--straggler", action="store_true", help="slow one peer with heavy-tailed delays")
+    parser.add_argument("--straggler-spec", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", default="0.25", help="DropCompute budget (s) for the --straggler comparison")
+    parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hivemind_worker:
+        return hivemind_worker(args)
+
+    straggler = "lognormal:mean_s=0.05,sigma=1.5,seed=7" if args.straggler else None
+    print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
+          f"target_acc={args.target} straggler={straggler}")
+    print(f"hivemind.Optimizer settings: {HIVEMIND_SETTINGS | {'matchmaking_time': args.matchmaking_time}} "
+          f"tracker_opts={HIVEMIND_TRACKER}")
+    results = {"single": run_single(args)}
+    results["moshpeer"] = run_moshpeer(args, straggler=straggler, budget=None, tag="plain")
+    if args.straggler:
+        results["moshpeer_dropcompute"] = run_moshpeer(args, straggler=straggler, budget=args.budget, tag="budget")
+    if not args.skip_hivemind:
+        results["hivemind"] = run_hivemind(args, straggler=straggler)
+
+    print(f"\n{'system':<22}{'to target (s)':>15}{'final acc':>11}{'mean step (s)':>15}{'train (s)':>11}")
+    for name, r in results.items():
+        def fmt(value, spec):
+            return format(value, spec) if value is not None else "-"
+        print(f"{name:<22}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
+              f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}")
+
+    moshpeer, hive = results["moshpeer"], results.get("hivemind", {})
+    figures = {
+        "moshpeer_s": moshpeer["time_to_target_s"], "hivemind_s": hive.get("time_to_target_s"),
+        "moshpeer_acc": moshpeer["final_acc"], "hivemind_acc": hive.get("final_acc"),
+        "single_acc": results["single"]["final_acc"],
+        "speedup_vs_hivemind": (hive["time_to_target_s"] / moshpeer["time_to_target_s"]
+                                if hive.get("time_to_target_s") and moshpeer["time_to_target_s"] else None),
+        "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
+        "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
+    }
+    if args.straggler:
+        budgeted = results["moshpeer_dropcompute"]
+        figures["dropcompute_step_s"] = budgeted["mean_step_s"]
+        figures["dropcompute_acc"] = budgeted["final_acc"]
+        figures["dropcompute_step_speedup"] = (moshpeer["mean_step_s"] / budgeted["mean_step_s"]
+                                               if moshpeer["mean_step_s"] and budgeted["mean_step_s"] else None)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
