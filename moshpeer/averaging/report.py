@@ -65,7 +65,8 @@ class RoundReport:
         return self.reduce.bytes_received + self.gather.bytes_received
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "chunks_lost": self.chunks_lost}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
