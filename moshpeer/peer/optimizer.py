@@ -97,8 +97,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param group_size: target Moshpit group size
     :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
     :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
-    :param average_parameters: gradients mode: also average parameters each round ("auto": only
-        when the swarm has more trainers than `group_size`, where groups would drift apart)
+    :param average_parameters: gradients mode: also adopt the group's average parameters each round
+        ("auto": always without compression; with a lossy codec only when the swarm has more
+        trainers than `group_size`, where groups would drift apart)
     :param matchmaking_time, round_timeout: averaging deadlines (seconds)
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
@@ -471,7 +472,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if self.averaging == "parameters":
             return True
         if self.average_parameters == "auto":
-            return snapshot.num_trainers > self.group_size
+            # The parameters travel in every round anyway (one fixed buffer). Adopting their average
+            # re-syncs peers that once stepped alone; with a lossy codec it would also add codec
+            # noise to the weights, so then only when groups drift apart (swarm larger than a group).
+            return self.compression == "none" or snapshot.num_trainers > self.group_size
         return bool(self.average_parameters)
 
     def _fill_averaged_buffers(self, with_params: bool) -> None:

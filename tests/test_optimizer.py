@@ -1,0 +1,173 @@
+"""CollaborativeOptimizer in one process: the torch.optim.Optimizer surface, sample-weighted accumulation
+for a lone peer, and state download (including a donor that lies about its checksum)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+
+import msgpack
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from moshpeer.peer import state_sync
+from moshpeer.peer.optimizer import CollaborativeOptimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def batches(n: int, size: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 8, generator=generator), torch.randint(0, 3, (size,), generator=generator))
+            for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def collaborative(model, dht, run_id, **kwargs) -> CollaborativeOptimizer:
+    kwargs.setdefault("target_batch_size", 64)
+    return CollaborativeOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), run_id=run_id, dht=dht,
+                                  model=model, matchmaking_time=0.5, round_timeout=5.0, progress_refresh=0.2,
+                                  **kwargs)
+
+
+def test_lone_peer_steps_on_the_sample_weighted_mean_gradient(dht_node):
+    dht = dht_node(run_ids=["lone"])
+    model, reference = make_model(), make_model()
+    opt = collaborative(model, dht, "lone", batch_size_per_step=16)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    try:
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is opt.inner.param_groups
+        data = batches(8, 16)
+        # Micro-batches of unequal size: the mean must weight each by its samples.
+        sizes = [16, 16, 8, 24] * 2
+        for batch, size in zip(data, sizes):
+            loss_of(model, (batch[0][:size] if size <= 16 else torch.cat([batch[0], batch[0][: size - 16]]),
+                            batch[1][:size] if size <= 16 else torch.cat([batch[1], batch[1][: size - 16]]))
+                    ).backward()
+            opt.step(batch_size=size)
+            opt.zero_grad()
+        assert opt.local_epoch == 2 and [r.error for r in opt.rounds] == ["alone", "alone"]
+        assert [r.samples for r in opt.rounds] == [64, 64]
+
+        for epoch in range(2):
+            ref_opt.zero_grad()
+            total = 0
+            for batch, size in list(zip(data, sizes))[epoch * 4 : epoch * 4 + 4]:
+                x = batch[0][:size] if size <= 16 else torch.cat([batch[0], batch[0][: size - 16]])
+                y = batch[1][:size] if size <= 16 else torch.cat([batch[1], batch[1][: size - 16]])
+                (loss_of(reference, (x, y)) * size).backward()
+                total += size
+            for p in reference.parameters():
+                p.grad /= total
+            ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    finally:
+        opt.shutdown()
+
+
+def test_scheduler_and_state_dict_pass_through(dht_node):
+    dht = dht_node(run_ids=["surface"])
+    model = make_model()
+    opt = collaborative(model, dht, "surface", batch_size_per_step=32)
+    try:
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for batch in batches(2, 32):
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        assert opt.inner.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+        state = opt.state_dict()
+        assert state["collaborative"]["epoch"] == 1 and state["state"]
+        other_dht = dht_node(run_ids=["surface2"])  # one averager per DHT node and run
+        fresh = collaborative(make_model(), other_dht, "surface2", batch_size_per_step=32, serve_state=False)
+        try:
+            fresh.load_state_dict(state)
+            assert fresh.local_epoch == 1
+            assert fresh.inner.param_groups[0]["lr"] == pytest.approx(opt.inner.param_groups[0]["lr"])
+        finally:
+            fresh.shutdown()
+    finally:
+        opt.shutdown()
+
+
+class LyingDonor:
+    """A donor that speaks the protocol but sends bytes that do not match its announced checksum."""
+
+    def __init__(self, payload: bytes):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.payload = payload
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                state_sync._recv_msgpack(conn)
+                self.requests += 1
+                corrupted = bytearray(self.payload)
+                corrupted[len(corrupted) // 2] ^= 0xFF
+                header = {"ok": True, "epoch": 10**6, "total_bytes": len(self.payload), "chunk_bytes": 1 << 20,
+                          "sha256": hashlib.sha256(self.payload).hexdigest()}
+                state_sync._send_frame(conn, msgpack.packb(header))
+                state_sync._send_frame(conn, bytes(corrupted))
+
+
+def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
+    run = "sync"
+    boot = dht_node(run_ids=[run])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    donor_dht = dht_node(initial_peers=maddrs, run_ids=[run])
+    liar_dht = dht_node(initial_peers=maddrs, run_ids=[run])
+    newcomer_dht = dht_node(initial_peers=maddrs, run_ids=[run])
+
+    donor_model = make_model(seed=0)
+    # Two trainers in the run: each one's share of the 128-sample target is 64 samples (two steps).
+    donor = collaborative(donor_model, donor_dht, run, batch_size_per_step=32, target_batch_size=128)
+    newcomer = collaborative(make_model(seed=5), newcomer_dht, run, batch_size_per_step=32, target_batch_size=128,
+                             serve_state=False)
+    newcomer.progress.refresh_now()
+    assert donor.wait_for_peers(2, timeout=30) == 2
+    try:
+        for batch in batches(6, 32):  # three epochs on the donor
+            loss_of(donor_model, batch).backward()
+            donor.step()
+            donor.zero_grad()
+        assert donor.local_epoch == 3
+        donor._advertise()
+        # The liar claims a far later epoch, so it is asked first.
+        liar = LyingDonor(donor._serialized_state()[1])
+        offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 10**6,
+                 "protocol": state_sync.STATE_PROTOCOL}
+        assert liar_dht.store(state_sync.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
+                              subkey=liar_dht.owner_subkey)
+
+        downloaded = newcomer.catch_up()
+        assert downloaded is not None and liar.requests == 1
+        assert downloaded.donor == donor_dht.identity.peer_id
+        assert [peer for peer, _ in downloaded.failed_donors] == [liar_dht.identity.peer_id]
+        assert "checksum" in downloaded.failed_donors[0][1]
+        assert newcomer.local_epoch == 3
+        for p, q in zip(newcomer.model.parameters(), donor_model.parameters()):
+            assert torch.equal(p, q)
+        assert newcomer.inner.state_dict()["state"][0]["step"] == donor.inner.state_dict()["state"][0]["step"]
+    finally:
+        newcomer.shutdown()
+        donor.shutdown()
