@@ -120,7 +120,11 @@ def time_to_target(peers: List["Child"], target: float) -> Optional[float]:
     return min(reached) - min(starts)
 
 
-def summarize(peers: List[Child], target: float, time_key: str) -> dict:
+ALL_EVENTS: Dict[str, List[List[dict]]] = {}
+
+
+def summarize(peers: List[Child], target: float, time_key: str, name: str = "") -> dict:
+    ALL_EVENTS[name] = [p.events for p in peers]
     done = [p.wait_event("done", 0) for p in peers]
     finals = [d["metrics"]["accuracy"] for d in done if d]
     epochs = [[e for e in p.events if e.get("event") == "epoch"] for p in peers]
@@ -162,7 +166,7 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
         children += peers
         for peer in peers:
             peer.wait_event("done", args.timeout)
-        return summarize(peers, args.target, "train_time")
+        return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")
     finally:
         for child in children:
             child.stop()
@@ -184,7 +188,7 @@ def run_hivemind(args, *, straggler: Optional[str]) -> dict:
                                    "--initial-peers", *ready["maddrs"], *_worker_args(args, straggler, i)], e))
         for child in children:
             child.wait_event("done", args.timeout)
-        return summarize(children, args.target, "train_time")
+        return summarize(children, args.target, "train_time", "hivemind")
     finally:
         for child in children:
             child.stop()
@@ -271,6 +275,7 @@ def main() -> int:
     parser.add_argument("--straggler-spec", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", default="0.25", help="DropCompute budget (s) for the --straggler comparison")
     parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--events-out", metavar="PATH", help="write every peer's JSON events here (debugging)")
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -313,6 +318,9 @@ def main() -> int:
         figures["dropcompute_acc"] = budgeted["final_acc"]
         figures["dropcompute_step_speedup"] = (moshpeer["mean_step_s"] / budgeted["mean_step_s"]
                                                if moshpeer["mean_step_s"] and budgeted["mean_step_s"] else None)
+    if args.events_out:
+        with open(args.events_out, "w") as f:
+            json.dump(ALL_EVENTS, f)
     print(json.dumps(figures))
     return 0
 

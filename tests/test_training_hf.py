@@ -12,7 +12,7 @@ from swarm import REPO_ROOT
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ~1-3 min: two Trainer processes
 
 
 def test_hf_trainer_two_peers(swarm):
