@@ -1,7 +1,7 @@
 """Group all-reduce benchmark: moshpeer vs hivemind's DecentralizedAverager vs torch.distributed gloo.
 
-    python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 5]
-                                         [--compression none[,fp16,...]] [--drop 0.0]
+    python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 7]
+                                         [--compression none[,fp16,...]] [--drop 0.0] [--torch-threads 1]
 
 Every system runs `--peers` processes on this machine averaging one float32 tensor of `--numel`
 values (one group of all peers). Per round we take the slowest peer's time (a round is over when
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -85,8 +86,13 @@ def moshpeer_worker(args) -> None:
     for round_index in range(args.rounds + 1):
         with averager.get_tensors():
             tensor.copy_(initial)
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
         report = averager.step(timeout=60)
+        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        ended_at = time.time()
         emit(event="round", round=round_index, ok=report.ok, group_size=report.group_size, seconds=report.total_s,
+             started_at=ended_at - report.total_s, ended_at=ended_at,
+             cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime, cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime,
              matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
              all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
              rel_err=rel_err(tensor, exact))
@@ -181,7 +187,7 @@ def run_system(system: str, args, compression: str = "none") -> List[List[dict]]
     base = [sys.executable, os.path.abspath(__file__), "--role", system, "--peers", str(args.peers),
             "--numel", str(args.numel), "--rounds", str(args.rounds), "--compression", compression,
             "--drop", str(args.drop if system == "moshpeer" else 0.0),
-            "--matchmaking-time", str(args.matchmaking_time)]
+            "--matchmaking-time", str(args.matchmaking_time), "--torch-threads", str(args.torch_threads)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     procs = []
     spawn = lambda rank, extra: subprocess.Popen(  # noqa: E731
@@ -241,6 +247,11 @@ def summarize(rounds: List[List[dict]]) -> Dict[str, float]:
         "all_gather_s": median_of("all_gather_s") if "all_gather_s" in rounds[0][0] else float("nan"),
         "bytes_sent": median_of("bytes_sent", reduce=statistics.mean) if rounds[0][0].get("bytes_sent") else float("nan"),
         "rel_err": max(p["rel_err"] for r in rounds for p in r),
+        # Spread of the instants the peers learned their group (included in the slowest peer's time).
+        "start_skew_s": statistics.median(max(p["started_at"] for p in r) - min(p["started_at"] for p in r)
+                                          for r in rounds) if "started_at" in rounds[0][0] else float("nan"),
+        "cpu_s": statistics.median(statistics.mean(p["cpu_user_s"] + p["cpu_sys_s"] for p in r)
+                                   for r in rounds) if "cpu_user_s" in rounds[0][0] else float("nan"),
         "all_ok": all(p["ok"] for r in rounds for p in r),
         "rounds": len(rounds),
     }
@@ -250,17 +261,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--numel", type=int, default=16_777_216)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up round)")
     parser.add_argument("--compression", default="none", help="moshpeer codec(s), comma-separated")
     parser.add_argument("--drop", type=float, default=0.0, help="moshpeer per-chunk drop probability")
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--systems", default="moshpeer,hivemind,gloo")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads in every worker of every system (1: no OpenMP spinning "
+                             "on top of the communication threads; the same for all systems)")
     parser.add_argument("--role", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
         WORKERS[args.role](args)
         return 0
 
@@ -302,6 +319,12 @@ def main() -> int:
         figures["speedup_vs_hivemind"] = figures["hivemind_s"] / figures["moshpeer_s"]
     if figures["moshpeer_s"] and figures["gloo_s"]:
         figures["ratio_vs_gloo"] = figures["moshpeer_s"] / figures["gloo_s"]
+    for name, r in results.items():
+        if name.startswith("moshpeer"):
+            print(f"{name}: peers learned the group {r['start_skew_s']:.3f} s apart (median); CPU per peer per "
+                  f"step {r['cpu_s']:.3f} s (user+sys, matchmaking included)")
+    figures["moshpeer_start_skew_s"] = primary.get("start_skew_s")
+    figures["moshpeer_cpu_per_peer_s"] = primary.get("cpu_s")
     print(json.dumps(figures))
     return 0
 
