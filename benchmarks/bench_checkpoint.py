@@ -86,11 +86,13 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int
     }
 
 
-def timed(operation: Callable[[], object], prepare: Callable[[], None]) -> float:
+def timed(operation: Callable[[], object], prepare: Callable[[], None], cpu: List[float]) -> float:
+    """Wall time of `operation`; its CPU time (all threads of this process) is appended to `cpu`."""
     prepare()
     os.sync()
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     operation()
+    cpu.append(time.process_time() - started_cpu)
     return time.perf_counter() - started
 
 
@@ -102,6 +104,7 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
     store = CheckpointStore(directory / "store", keep_last=1)
     results: Dict[str, List[float]] = {k: [] for k in ("torch", "torch_fsync", "store", "async_block", "async_total")}
     loads: List[float] = []
+    cpu: Dict[str, List[float]] = {"torch": [], "store": [], "unused": []}
 
     def remove_plain() -> None:
         if plain.exists():
@@ -118,9 +121,9 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
         store.wait()  # the pruning of the previous checkpoint is not this operation's cost
 
     for rep in range(reps):
-        results["torch"].append(timed(lambda: torch.save(state, plain), remove_plain))
-        results["torch_fsync"].append(timed(torch_save_fsync, remove_plain))
-        results["store"].append(timed(lambda: store.save(state, step=rep, epoch=0), settle))
+        results["torch"].append(timed(lambda: torch.save(state, plain), remove_plain, cpu["torch"]))
+        results["torch_fsync"].append(timed(torch_save_fsync, remove_plain, cpu["unused"]))
+        results["store"].append(timed(lambda: store.save(state, step=rep, epoch=0), settle, cpu["store"]))
         settle()
         os.sync()
         started = time.perf_counter()
@@ -147,6 +150,9 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
         "save_async_blocking_s": median["async_block"],
         "save_async_total_s": median["async_total"],
         "load_s": statistics.median(loads),
+        # CPU time of the process (less sensitive than wall time to other load on the machine).
+        "torch_save_cpu_s": statistics.median(cpu["torch"]),
+        "save_cpu_s": statistics.median(cpu["store"]),
         "samples": {name: [round(v, 3) for v in values] for name, values in results.items()},
     }
 
@@ -272,6 +278,11 @@ def main() -> int:
         ("torch.save (anchor)", f"{results['torch_save_s']:.3f} s", f"{gb / results['torch_save_s']:.2f} GB/s"),
         ("torch.save + fsync", f"{results['torch_save_fsync_s']:.3f} s", ""),
         ("CheckpointStore.save", f"{results['save_s']:.3f} s", f"{results['save_ratio']:.2f}x torch.save"),
+        (
+            "CPU time: torch.save / store.save",
+            f"{results['torch_save_cpu_s']:.2f} / {results['save_cpu_s']:.2f}",
+            "s, all threads of the process",
+        ),
         ("save_async: caller blocked", f"{results['save_async_blocking_s']:.3f} s", "snapshot (memcpy)"),
         ("save_async: until durable", f"{results['save_async_total_s']:.3f} s", ""),
         ("load_latest (verify + load)", f"{results['load_s']:.3f} s", ""),

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +12,6 @@ from moshpeer.cli.main import main
 from moshpeer.peer.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(120)
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -62,20 +58,13 @@ def test_inspect_table(checkpoint_dir, capsys):
     assert "leftover temp file" in out
 
 
-def test_inspect_missing_directory_is_one_line_and_nonzero(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "moshpeer", "checkpoint", "inspect", str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=100,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def test_inspect_missing_directory_is_one_line_and_nonzero(tmp_path, capsys):
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
         f"moshpeer checkpoint: error: checkpoint directory {tmp_path / 'nope'} does not exist"
     ]
-    assert result.stdout == ""
+    assert captured.out == ""
 
 
 def test_inspect_a_file_instead_of_a_directory(tmp_path, capsys):
