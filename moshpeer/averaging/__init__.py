@@ -7,6 +7,7 @@ from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupM
 from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats, RoundReport
 
@@ -16,6 +17,7 @@ __all__ = [
     "FaultConfig",
     "GroupAllReduce",
     "GroupMember",
+    "LossBudget",
     "MoshpitAverager",
     "Partition",
     "PhaseStats",

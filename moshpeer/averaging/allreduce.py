@@ -20,6 +20,7 @@ chunk keeps its own value for it. Every wait is bounded by the round's absolute 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -72,6 +73,8 @@ class GroupAllReduce:
     :param tag: 8-byte tag of this all-reduce (see `wire.allreduce_tag`); secret: the group secret
     :param deadline: absolute `time.monotonic()` by which everything ends; reduce_deadline: by which
         owners stop waiting for contributions (defaults to 60% of the way to `deadline`)
+    :param loss_budget: DBLP budget P: stop waiting once at most this fraction of a phase's chunks is missing
+        (0 = wait for everything until the deadlines)
     """
 
     def __init__(
@@ -88,13 +91,16 @@ class GroupAllReduce:
         deadline: float,
         reduce_deadline: Optional[float] = None,
         faults: Optional[FaultConfig] = None,
+        loss_budget: float = 0.0,
     ):
+        if not 0.0 <= loss_budget < 1.0:
+            raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
         if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("flat must be a contiguous 1-D float32 tensor")
         self.plane, self.flat, self.members = plane, flat, list(members)
         self.my_index, self.group_size = my_index, len(self.members)
         self.tag, self.secret = tag, secret
-        self.compression, self.faults = compression, faults
+        self.compression, self.faults, self.loss_budget = compression, faults, loss_budget
         self.deadline = deadline
         now = time.monotonic()
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
@@ -146,10 +152,10 @@ class GroupAllReduce:
                 self._threads.append(thread)
                 thread.start()
             with self.cond:
-                self._wait(lambda: self.finalized_count == self.num_my_chunks, self.reduce_deadline)
-            self._force_finalize_all()  # no-op unless the reduce deadline passed
+                self._wait(self._reduce_done_or_within_budget, self.reduce_deadline)
+            self._force_finalize_all()  # no-op unless the reduce deadline passed or the budget allowed stopping
             with self.cond:
-                self._wait(self._everything_done, self.deadline)
+                self._wait(self._gather_done_or_within_budget, self.deadline)
         finally:
             self.plane.unregister(self.tag)
             self._teardown()
@@ -183,6 +189,20 @@ class GroupAllReduce:
                 return False
             self.cond.wait(min(remaining, 1.0))
         return True
+
+    def _within_budget(self, stats: PhaseStats) -> bool:
+        """Loss budget P (DBLP): enough of the phase arrived that the rest may be reconstructed."""
+        if self.loss_budget <= 0:
+            return False
+        return stats.chunks_received >= math.ceil((1.0 - self.loss_budget) * stats.chunks_expected)
+
+    def _reduce_done_or_within_budget(self) -> bool:
+        return self.finalized_count == self.num_my_chunks or self._within_budget(self.reduce)
+
+    def _gather_done_or_within_budget(self) -> bool:
+        if self._everything_done():
+            return True
+        return self.senders_done == len(self.others) and self._within_budget(self.gather)
 
     def _everything_done(self) -> bool:
         if self.finalized_count < self.num_my_chunks or self.senders_done < len(self.others):
@@ -445,6 +465,8 @@ class GroupAllReduce:
             with self.cond:
                 self.reduce.chunks_received += 1
                 self.sent_any[i] = 1
+                if self.loss_budget > 0:
+                    self.cond.notify_all()  # the main thread checks the budget
         self._finalize_ready_chunks((chunk,))
 
     def _on_gather_chunk(self, i: int, part: int, chunk: int, payload, codec, scratch: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
@@ -126,6 +127,8 @@ class MoshpitAverager(ServicerBase):
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
+    :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_epoch(
+        grad_norm)` each collaborative epoch) or a fixed fraction; None/0 = wait for everything until the deadline
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class MoshpitAverager(ServicerBase):
         host: str = "127.0.0.1",
         client_mode: bool = False,
         start: bool = True,
+        loss_budget: Union[LossBudget, float, None] = None,
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -166,6 +170,9 @@ class MoshpitAverager(ServicerBase):
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.faults = faults if faults is not None else FaultConfig.from_env()
         self.client_mode = client_mode
+        if loss_budget is None or isinstance(loss_budget, (int, float)):
+            loss_budget = LossBudget.fixed(float(loss_budget or 0.0))
+        self.loss_budget: LossBudget = loss_budget
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
         self._initial_bits = self._initial_group_bits(grid_bits)
@@ -354,6 +361,7 @@ class MoshpitAverager(ServicerBase):
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        report.loss_budget, report.loss_phase = self.loss_budget.budget, self.loss_budget.phase
         group_members = [GroupMember(m.host, m.port, m.weight) for m in members]
         deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
@@ -371,6 +379,7 @@ class MoshpitAverager(ServicerBase):
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
                 faults=self.faults,
+                loss_budget=report.loss_budget or 0.0,
             )
             results.append(allreduce.run())
             return flat

@@ -1,0 +1,88 @@
+"""Loss budget (DBLP): the phase signal, and rounds that end at the budget instead of the deadline."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, GroupMember, wire
+from moshpeer.averaging.loss_budget import CRITICAL, NORMAL, LossBudget
+from moshpeer.compression import get_compression
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_phase_signal_switches_the_budget():
+    budget = LossBudget(p_low=0.02, p_high=0.42, eta=0.5)
+    assert budget.phase == CRITICAL and budget.budget == 0.02  # training starts critical
+    script = [
+        (10.0, CRITICAL),  # first epoch
+        (9.0, NORMAL),     # -10%
+        (8.5, NORMAL),
+        (4.0, CRITICAL),   # -53%: critical phase
+        (3.9, NORMAL),
+        (6.0, CRITICAL),   # +54%
+        (float("nan"), CRITICAL),
+    ]
+    for norm, phase in script:
+        assert budget.on_epoch(norm) == phase, norm
+        assert budget.budget == (0.02 if phase == CRITICAL else 0.42)
+
+
+def test_fixed_budget_never_changes():
+    budget = LossBudget.fixed(0.0)
+    for norm in (1.0, 100.0, 0.01):
+        budget.on_epoch(norm)
+        assert budget.budget == 0.0
+
+
+def _round(loss_budget: float, slow_delay: float = 0.15):
+    """4 members in threads; member 3 sends every chunk `slow_delay` late (a lossy, retransmitting link)."""
+    n, numel, chunk = 4, 4096, 64
+    planes = [DataPlane() for _ in range(n)]
+    members = [GroupMember(*p.address, 1.0) for p in planes]
+    tensors = [torch.randn(numel) + k for k in range(n)]
+    group_id = os.urandom(20)
+    results = [None] * n
+
+    def run(k: int) -> None:
+        results[k] = GroupAllReduce(
+            planes[k], tensors[k], members=members, my_index=k, tag=wire.allreduce_tag(group_id, 0),
+            secret=b"s" * 32, compression=get_compression("none"), chunk_numel=chunk,
+            deadline=time.monotonic() + 8.0, loss_budget=loss_budget,
+            faults=FaultConfig(delay_s=slow_delay) if k == 3 else None,
+        ).run()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for p in planes:
+        p.close()
+    return results, tensors
+
+
+def test_round_ends_at_the_budget_not_the_deadline():
+    baseline, _ = _round(loss_budget=0.0)
+    budgeted, tensors = _round(loss_budget=0.42)
+    fast_baseline = max(r.total_s for r in baseline[:3])
+    fast_budgeted = max(r.total_s for r in budgeted[:3])
+    assert fast_baseline > 1.5  # waits for the slow member's 16 chunks
+    assert fast_budgeted < fast_baseline / 3
+    for r in budgeted[:3]:
+        assert r.reduce.chunks_lost > 0  # the budget accepted the loss and reports it
+    # The fast members hold identical values on every chunk of a fast owner that they all received.
+    compared = 0
+    for part in range(3):
+        for chunk in range(16):
+            if any((part, chunk) in r.missing_chunks for r in budgeted[:3]):
+                continue
+            lo, hi = part * 1024 + chunk * 64, part * 1024 + (chunk + 1) * 64
+            assert torch.equal(tensors[0][lo:hi], tensors[1][lo:hi]) and torch.equal(tensors[1][lo:hi], tensors[2][lo:hi])
+            compared += 1
+    assert compared > 0
