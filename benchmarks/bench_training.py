@@ -217,9 +217,15 @@ def hivemind_worker(args) -> int:
                              batch_size_per_step=MICRO_BATCH, params=task.model.parameters(),
                              optimizer=lambda params: task.make_optimizer(params),
                              tracker_opts=HIVEMIND_TRACKER, **settings)
-    # Start together, as moshpeer's --min-peers does: wait until every peer's tracker shows up.
-    deadline = time.monotonic() + 60
-    while opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline:
+    # Start together, as moshpeer's --min-peers does: a barrier of DHT entries, one per worker.
+    from hivemind.utils import get_dht_time
+
+    dht.store("bench-barrier", True, expiration_time=get_dht_time() + 600, subkey=args.index)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        found = dht.get("bench-barrier", latest=True)
+        if found is not None and isinstance(found.value, dict) and len(found.value) >= args.peers:
+            break
         time.sleep(0.2)
     straggler = parse_straggler(args.straggler_spec) if args.straggler_spec else None
     print(json.dumps({"event": "started", "epoch": opt.local_epoch}), flush=True)
