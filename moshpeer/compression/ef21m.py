@@ -1,0 +1,93 @@
+"""EF21M: error feedback with momentum around an all-reduce compatible compressor (ARC-Top-K).
+
+Per peer i, with gradient g_i, momentum eta and compressor C (docs/compression.md has the sources):
+
+    h_i   <- (1 - eta) h_i + eta g_i          momentum of the local gradient (h_i = g_i on the first step)
+    c_i    = C(h_i - e_i)                      only the selected rows of the difference travel
+    e_i   <- e_i + c_i                         what the group knows of h_i
+    e_bar <- e_bar + mean_i c_i                the group's estimate of mean_i h_i: the update direction
+    x     <- x - lr * e_bar                    (done by the caller's optimizer)
+
+With ARC-Top-K, C selects the same rows S on every member, so mean_i c_i is exactly the all-reduce of the
+selected rows and C is contractive on the averaged difference. The state (h_i, e_i, e_bar) is part of the peer's
+training state: `state_dict` / `load_state_dict` put it in checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from moshpeer.compression.arc_topk import ArcTopK, DenseAllReduce
+from moshpeer.errors import UserError
+
+STATE_VERSION = 1
+
+
+class EF21M:
+    """Error-feedback state of one peer for a flat vector of `numel` values.
+
+    `warmup_steps` first steps all-reduce the difference densely (the ARC-Top-K authors warm up with dense steps).
+    """
+
+    def __init__(self, numel: int, sparsifier: ArcTopK, momentum: float = 0.1, warmup_steps: int = 0,
+                 device: Optional[torch.device] = None):
+        if not 0.0 < momentum <= 1.0:
+            raise ValueError(f"momentum (eta) must be in (0, 1], got {momentum}")
+        self.numel = int(numel)
+        self.sparsifier = sparsifier
+        self.momentum = float(momentum)
+        self.warmup_steps = int(warmup_steps)
+        self.steps = 0
+        self.h = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.e = torch.zeros_like(self.h)
+        self.e_bar = torch.zeros_like(self.h)
+
+    async def step(self, grad: torch.Tensor, seed: int, dense_allreduce: DenseAllReduce) -> torch.Tensor:
+        """Fold `grad` in, run one compressed all-reduce, and return the update direction e_bar (a view).
+
+        Every member of the group must call it together with the same `seed` (see ArcTopK.allreduce).
+        """
+        grad = grad.reshape(-1).to(self.h.device, torch.float32)
+        if grad.numel() != self.numel:
+            raise ValueError(f"gradient has {grad.numel()} values; this state holds {self.numel}")
+        if self.steps == 0:
+            self.h.copy_(grad)
+        else:
+            self.h.mul_(1.0 - self.momentum).add_(grad, alpha=self.momentum)
+        delta = self.h - self.e
+        if self.steps < self.warmup_steps:
+            own, average = delta, await dense_allreduce(delta)
+        else:
+            result = await self.sparsifier.allreduce_selected(delta, seed, dense_allreduce)
+            own, average = self.sparsifier.mask(delta, result.rows), result.average
+        self.e.add_(own)
+        self.e_bar.add_(average.reshape(-1).to(self.e_bar.device))
+        self.steps += 1
+        return self.e_bar
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Tensors and counters to checkpoint (clones: later steps do not change a saved state)."""
+        return {"version": STATE_VERSION, "steps": self.steps, "momentum": self.momentum,
+                "h": self.h.clone(), "e": self.e.clone(), "e_bar": self.e_bar.clone()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a `state_dict`; raises UserError if it does not fit this state (version, sizes, values)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise UserError(f"EF21M state: unknown version {state.get('version') if isinstance(state, dict) else None}")
+        tensors = {}
+        for name in ("h", "e", "e_bar"):
+            value = state.get(name)
+            if not isinstance(value, torch.Tensor) or value.numel() != self.numel:
+                raise UserError(f"EF21M state: {name!r} must be a tensor of {self.numel} values")
+            if not bool(torch.isfinite(value).all()):
+                raise UserError(f"EF21M state: {name!r} holds non-finite values")
+            tensors[name] = value
+        steps = state.get("steps")
+        if not isinstance(steps, int) or steps < 0:
+            raise UserError("EF21M state: 'steps' must be a non-negative integer")
+        for name, value in tensors.items():
+            getattr(self, name).copy_(value.reshape(-1))
+        self.steps = steps
+        self.momentum = float(state.get("momentum", self.momentum))
