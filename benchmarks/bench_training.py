@@ -46,6 +46,9 @@ HIVEMIND_SETTINGS = dict(
     offload_optimizer=False,
     reuse_grad_buffers=False,
     verbose=False,
+    # hivemind warns that request_timeout (default 3 s) must be below matchmaking_time, or matchmaking
+    # can deadlock; with 1 s matchmaking we saw every round time out at averaging_timeout without it.
+    averager_opts=dict(request_timeout=0.5),
 )
 HIVEMIND_TRACKER = dict(min_refresh_period=0.2, max_refresh_period=1.0, default_refresh_period=0.5)
 
