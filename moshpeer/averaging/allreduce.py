@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import select
 import socket
 import threading
 import time
@@ -41,6 +42,8 @@ from moshpeer.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 CONNECT_RETRIES = 5
+# While a sender waits for chunks to be finalized, how often it checks that its peer is still there.
+PEER_CHECK_SECONDS = 0.05
 _DONE = float("inf")
 
 
@@ -270,6 +273,7 @@ class GroupAllReduce:
                 wire.recv_exactly(sock, memoryview(challenge))
                 nonce = wire.parse_challenge(bytes(challenge))
                 sock.sendall(wire.pack_hello(self.secret, nonce, self.tag, self.my_index, j))
+                wire.block_until(sock, self.deadline)
                 return sock
             except (OSError, ConnectionError, ProtocolError) as e:
                 logger.debug(f"connect to member {j} failed ({e}); attempt {attempt + 1}")
@@ -293,15 +297,27 @@ class GroupAllReduce:
             self._send_gather(sock, j)
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")
-            with self.cond:
-                nothing_from_j = not self.sent_any[j] and not any(self.gather_received[j])
-            if nothing_from_j and not self._closing:
-                self._give_up_on(j)  # it dropped our connection before taking part: it is not in this round
+            if not self._closing:
+                self._give_up_on(j)  # our connection to j broke: j died or left the round, expect nothing more
         finally:
             with self.cond:
                 self.sent_progress[j] = _DONE
                 self.senders_done += 1
                 self.cond.notify_all()
+
+    def _wait_finalized_watching(self, sock: socket.socket, j: int, c: int) -> bool:
+        """Wait for chunk c of our part to be finalized; meanwhile notice if member j's end of our connection
+        closed (it never sends on it, so readable means EOF or reset: j is gone). False = stop sending."""
+        while True:
+            with self.cond:
+                if self._wait(lambda: self.finalized[c], min(self.deadline, time.monotonic() + PEER_CHECK_SECONDS)):
+                    return True
+                if time.monotonic() >= self.deadline or self._closing:
+                    return False
+            if _peer_closed(sock):
+                logger.debug(f"member {j} closed its connection: it left the round")
+                self._give_up_on(j)
+                return False
 
     def _give_up_on(self, j: int) -> None:
         """Member j is not in this round (unreachable, or it refused our hello): expect nothing from it."""
@@ -330,7 +346,6 @@ class GroupAllReduce:
         start, end = self.partition.chunk_range(part, chunk)
         payload = codec.encode(self.flat[start:end], seed=(int.from_bytes(self.tag[:4], "big") ^ (part << 20) ^ chunk))
         data = memoryview(payload.numpy())
-        sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
         wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
         stats.bytes_sent += wire.HEADER.size + len(data)
@@ -363,9 +378,8 @@ class GroupAllReduce:
         faults = self._make_faults(j, "gather")
         codec = self.compression.gather_codec
         for c in range(self.num_my_chunks):
-            with self.cond:
-                if not self._wait(lambda: self.finalized[c], self.deadline):
-                    return
+            if not self._wait_finalized_watching(sock, j, c):
+                return
             if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec):
                 return
         self._send_marker(sock, faults, wire.PHASE_END_GATHER)
@@ -406,11 +420,10 @@ class GroupAllReduce:
         payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
         payload_view = memoryview(payload_buffer.numpy())
         scratch = torch.empty(chunk_numel, dtype=torch.float32)
+        wire.block_until(sock, self.deadline)
         while True:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= self.deadline:
                 return
-            sock.settimeout(remaining)
             wire.recv_exactly(sock, header_view)
             # A bad header desynchronizes the stream: the connection is dropped (ProtocolError).
             phase, part, chunk, payload_len, tag = wire.parse_header(header)
@@ -519,3 +532,14 @@ class GroupAllReduce:
         for thread in list(self._threads):
             if thread is not current:
                 thread.join(timeout=1.0)
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """True if the other end closed or reset `sock` (checked without blocking or consuming data)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True

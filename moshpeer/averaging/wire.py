@@ -96,10 +96,15 @@ def parse_header(data) -> tuple:
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`; raises ConnectionError on EOF (and socket.timeout from the socket)."""
+    """Fill `view` from `sock`; raises ConnectionError on EOF (and socket.timeout / OSError from the socket).
+
+    On a blocking socket (see `block_until`) MSG_WAITALL lets the kernel fill the whole buffer in one
+    call: one GIL release per chunk instead of one per arriving TCP segment.
+    """
     got, size = 0, len(view)
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        n = sock.recv_into(view[got:], size - got, flags)
         if n == 0:
             raise ConnectionError("connection closed")
         got += n
@@ -124,3 +129,18 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         except OSError:
             pass
+
+
+def block_until(sock: socket.socket, deadline: float) -> None:
+    """Make `sock` blocking, with kernel send/receive timeouts that expire at `deadline` (time.monotonic()).
+
+    Blocking calls let the kernel move a whole chunk per syscall; the kernel timeouts keep every call
+    bounded by the round's deadline (a call that runs into it fails with OSError / returns short).
+    """
+    import time
+
+    remaining = max(deadline - time.monotonic(), 0.001)
+    timeval = struct.pack("ll", int(remaining), int((remaining % 1) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
