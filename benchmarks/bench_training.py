@@ -282,6 +282,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=400.0, help="per system")
     parser.add_argument("--straggler", action="store_true", help="slow one peer with heavy-tailed delays")
     parser.add_argument("--straggler-spec", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--straggler-mean", type=float, default=0.2,
+                        help="mean injected delay per micro-batch of the straggler (s), lognormal sigma 1.5")
     parser.add_argument("--budget", default="0.25", help="DropCompute budget (s) for the --straggler comparison")
     parser.add_argument("--skip-hivemind", action="store_true")
     parser.add_argument("--events-out", metavar="PATH", help="write every peer's JSON events here (debugging)")
@@ -292,7 +294,7 @@ def main() -> int:
     if args.hivemind_worker:
         return hivemind_worker(args)
 
-    straggler = "lognormal:mean_s=0.05,sigma=1.5,seed=7" if args.straggler else None
+    straggler = f"lognormal:mean_s={args.straggler_mean},sigma=1.5,seed=7" if args.straggler else None
     print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"target_acc={args.target} straggler={straggler}")
     print(f"hivemind.Optimizer settings: {HIVEMIND_SETTINGS | {'matchmaking_time': args.matchmaking_time}} "
