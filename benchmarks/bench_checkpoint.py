@@ -11,9 +11,10 @@ background checkpoints on and off, and SIGTERM-to-exit latency of a training pro
    blocked, and time until durable), and `load_latest` (verify + load). Before each timed
    operation the page cache is flushed (os.sync) so one operation's writeback does not land in
    the next one's time.
-2. Throughput. A smaller model's training loop (steps/s) with a background checkpoint about
-   every second of training against none, interleaved runs, median ratio. Checkpoints every
-   second are far denser than in real training (minutes apart), so this bounds the overhead.
+2. Throughput. A smaller model's training loop (steps/s, ~100 MB of state) with a background
+   checkpoint every --checkpoint-every seconds of training (default 1) against none,
+   interleaved runs, median ratio. A checkpoint every second is far denser than in real
+   training (minutes apart), so this bounds the overhead from above.
 3. SIGTERM-to-exit. tests/preemption_trainer.py trains the ~100M model; SIGTERM arrives after a
    few steps; the time until the process has exited, having written its final checkpoint.
 
@@ -147,6 +148,9 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
         "torch_save_fsync_s": median["torch_fsync"],
         "save_s": median["store"],
         "save_ratio": median["store"] / median["torch"],
+        # Fastest of the repetitions: closer to an idle machine when other work shares it.
+        "torch_save_min_s": min(results["torch"]),
+        "save_min_s": min(results["store"]),
         "save_async_blocking_s": median["async_block"],
         "save_async_total_s": median["async_total"],
         "load_s": statistics.median(loads),
@@ -157,7 +161,9 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
     }
 
 
-def bench_throughput(directory: Path, reps: int, width: int = 1024, depth: int = 8, batch: int = 64) -> dict:
+def bench_throughput(
+    directory: Path, reps: int, every_s: float, width: int = 1024, depth: int = 8, batch: int = 64
+) -> dict:
     model, optimizer = model_and_adam(width, depth)
     inputs, targets = torch.randn(batch, width), torch.randn(batch, width)
 
@@ -173,8 +179,11 @@ def bench_throughput(directory: Path, reps: int, width: int = 1024, depth: int =
     for _ in range(5):
         step()
     step_s = (time.perf_counter() - started) / 5
-    interval = max(2, round(1.0 / step_s))  # a checkpoint about every second of training
-    steps = 2 * interval  # ~2 s per run, checkpoints at 1/2 and 3/2 of an interval
+    interval = max(4, round(every_s / step_s))  # steps between checkpoints
+    steps = 2 * interval
+    # Checkpoints at 1/4 and 5/4 of an interval: the last write has 3/4 of an interval to finish
+    # before the run ends (whatever it has left then is waited for, and counted).
+    offset = interval // 4
     store = CheckpointStore(directory / "throughput", keep_last=2)
 
     def run(checkpoints: bool) -> float:
@@ -183,7 +192,7 @@ def bench_throughput(directory: Path, reps: int, width: int = 1024, depth: int =
         started = time.perf_counter()
         for i in range(1, steps + 1):
             step()
-            if checkpoints and i % interval == interval // 2:
+            if checkpoints and i % interval == offset:
                 store.save_async(training_state(model, optimizer, i), step=i, epoch=0)
         store.wait()  # a write still running is part of this run's cost
         return steps / (time.perf_counter() - started)
@@ -255,6 +264,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=6, help="6 x 4096^2 layers: ~100M parameters")
     parser.add_argument("--grace", type=float, default=20.0)
+    parser.add_argument(
+        "--checkpoint-every", type=float, default=1.0, metavar="SECONDS", help="throughput test: checkpoint interval"
+    )
     parser.add_argument("--skip-sigterm", action="store_true")
     args = parser.parse_args()
 
@@ -269,7 +281,7 @@ def main() -> int:
     try:
         results = {"fs": fstype, "cpus": os.cpu_count(), "torch": torch.__version__}
         results.update(bench_write(directory, args.width, args.depth, args.reps))
-        results.update(bench_throughput(directory, args.reps))
+        results.update(bench_throughput(directory, args.reps, args.checkpoint_every))
         if not args.skip_sigterm:
             results.update(bench_sigterm(directory, args.width, args.depth, args.reps, args.grace))
     finally:
@@ -282,6 +294,11 @@ def main() -> int:
         ("torch.save (anchor)", f"{results['torch_save_s']:.3f} s", f"{gb / results['torch_save_s']:.2f} GB/s"),
         ("torch.save + fsync", f"{results['torch_save_fsync_s']:.3f} s", ""),
         ("CheckpointStore.save", f"{results['save_s']:.3f} s", f"{results['save_ratio']:.2f}x torch.save"),
+        (
+            "fastest run: torch.save / store.save",
+            f"{results['torch_save_min_s']:.2f} / {results['save_min_s']:.2f}",
+            f"s, {results['save_min_s'] / results['torch_save_min_s']:.2f}x",
+        ),
         (
             "CPU time: torch.save / store.save",
             f"{results['torch_save_cpu_s']:.2f} / {results['save_cpu_s']:.2f}",
