@@ -137,7 +137,8 @@ class StateServer:
         on_served: Optional[Callable[[Dict[str, Any]], None]] = None,
     ):
         self.source, self.run_id = source, run_id
-        self.chunk_bytes = chunk_bytes
+        # A throttled transfer sends small chunks (about 20 per second), so the rate holds within a second.
+        self.chunk_bytes = chunk_bytes if not bytes_per_second else min(chunk_bytes, max(4096, int(bytes_per_second / 20)))
         self.bytes_per_second = bytes_per_second
         self.on_served = on_served
         self.served = 0
@@ -174,12 +175,12 @@ class StateServer:
             started = time.monotonic()
             for offset in range(0, len(data), self.chunk_bytes):
                 chunk = view[offset : offset + self.chunk_bytes]
-                _send_frame(sock, bytes(chunk))
                 if self.bytes_per_second:
                     # Throttle: never run ahead of the configured rate.
-                    ahead = (offset + len(chunk)) / self.bytes_per_second - (time.monotonic() - started)
+                    ahead = offset / self.bytes_per_second - (time.monotonic() - started)
                     if ahead > 0:
                         time.sleep(ahead)
+                _send_frame(sock, bytes(chunk))
             self.served += 1
             if self.on_served is not None:
                 self.on_served({"epoch": int(epoch), "sha256": digest, "bytes": len(data)})
