@@ -43,7 +43,7 @@ def test_late_joiner_downloads_state_and_survives_a_dying_donor(swarm):
 
     loaded = wait_event(newcomer, "state_loaded", timeout=90)
     assert loaded["donor"] == survivor.peer_id
-    assert loaded["failed_donors"] == [first_id]
+    assert first_id in loaded["failed_donors"], loaded
     assert loaded["epoch"] >= 3
 
     # After the download, the newcomer's parameters are exactly the donor's at that epoch.
