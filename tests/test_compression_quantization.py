@@ -112,6 +112,18 @@ def test_wire_size(spec, ratio):
     assert codec.encode(torch.randn(n)).numel() == codec.max_encoded_nbytes(n)
 
 
+def test_encode_into_a_reused_buffer():
+    codec = BlockQuantizer(4, 64, stochastic=True)
+    x = torch.randn(777)
+    buffer = torch.full((codec.max_encoded_nbytes(777) + 10,), 0xAB, dtype=torch.uint8)
+    payload = codec.encode(x, seed=4, out=buffer)
+    assert payload.data_ptr() == buffer.data_ptr()
+    assert torch.equal(payload, codec.encode(x, seed=4))
+    for bad in (buffer[:20], buffer[1:], torch.zeros(2000, dtype=torch.int8), buffer.view(1, -1)):
+        with pytest.raises(ValueError):
+            codec.encode(x, out=bad)
+
+
 def test_decode_into_misaligned_payload_and_weight():
     """A payload sliced out of a receive buffer at an odd offset still decodes (scales copied when misaligned)."""
     codec = BlockQuantizer(8)

@@ -73,8 +73,13 @@ class BlockQuantizer(Codec):
     def max_encoded_nbytes(self, numel: int) -> int:
         return HEADER_NBYTES + 4 * reference.num_blocks(numel, self.block) + self.code_nbytes(numel)
 
-    def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+    def encode(self, chunk: torch.Tensor, *, seed: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Quantize `chunk` (any float dtype and layout; read as a flat float32 vector) into a payload.
+
+        `out` (an extension of the Codec interface): a contiguous 1-D uint8 buffer of at least
+        `max_encoded_nbytes(numel)` bytes on the chunk's device to write into; the payload is then a view of its
+        start. Reusing send buffers saves the page faults of a fresh allocation (about a third of the encode time
+        for 64M values on a 2-core machine).
 
         Raises ValueError if the chunk holds NaN, inf, or a magnitude above 2^120 * qmax (about 1e37), which a
         decoder would refuse (see MAX_SCALE).
@@ -84,7 +89,15 @@ class BlockQuantizer(Codec):
         numel = x.numel()
         if numel > MAX_NUMEL:
             raise ValueError(f"at most {MAX_NUMEL} values per payload, got {numel}")
-        payload = torch.empty(self.max_encoded_nbytes(numel), dtype=torch.uint8, device=x.device)
+        nbytes = self.max_encoded_nbytes(numel)
+        if out is None:
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        else:
+            if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() < nbytes:
+                raise ValueError(f"out must be a contiguous 1-D uint8 tensor of at least {nbytes} bytes")
+            if out.device != x.device or out.storage_offset() % 4:
+                raise ValueError("out must be on the chunk's device and 4-byte aligned")
+            payload = out[:nbytes]
         flags = FLAG_STOCHASTIC if self.stochastic else 0
         header = HEADER.pack(MAGIC, VERSION, self.bits, self.block, flags, 0, numel)
         payload[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
