@@ -156,7 +156,8 @@ def load_backend(kind: str) -> Backend:
         try:
             backend = _build(kind)
         except Exception as e:  # compiler missing, compile error, no CUDA: all mean "not available"
-            _failed[kind] = f"{kind} kernels unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+            last_line = (str(e).strip().splitlines() or [""])[-1]
+            _failed[kind] = f"{kind} kernels unavailable: {type(e).__name__}: {last_line}"
             raise KernelUnavailable(_failed[kind]) from e
         _loaded[kind] = backend
         return backend
