@@ -193,6 +193,25 @@ def test_odd_sizes_and_one_row():
         assert results[0].rows.numel() == sparsifier.num_selected(numel)
 
 
+def test_allreduce_inplace_keeps_unselected_rows():
+    sparsifier = ArcTopK(0.1, row_len=8, rank=2)
+    vectors = [torch.randn(203) for _ in range(3)]
+    originals = [v.clone() for v in vectors]
+    group = InProcessGroup(3)
+
+    async def main():
+        return await asyncio.gather(*[sparsifier.allreduce_inplace(v, 9, group.allreduce) for v in vectors])
+
+    results = asyncio.run(main())
+    mean = torch.stack(originals).mean(dim=0)
+    selected = torch.zeros(203, dtype=torch.bool)
+    for row in results[0].rows.tolist():
+        selected[row * 8:(row + 1) * 8] = True
+    for v, original in zip(vectors, originals):
+        assert torch.allclose(v[selected], mean[selected], atol=1e-6)
+        assert torch.equal(v[~selected], original[~selected])
+
+
 # --- EF21M -----------------------------------------------------------------------------------------------------
 
 

@@ -169,6 +169,22 @@ class ArcTopK:
         return ArcTopKResult(average, idx, self.row_len)
 
 
+    async def allreduce_inplace(self, flat: torch.Tensor, seed: int, dense_allreduce: DenseAllReduce) -> ArcTopKResult:
+        """Replace the selected rows of `flat` (contiguous) by their group average; leave the other rows as they are.
+
+        For averaging values that must not be zeroed (parameters); `allreduce` returns the compressed average with
+        zeros outside the selected rows (for gradients and EF21M differences).
+        """
+        result = await self.allreduce_selected(flat, seed, dense_allreduce)
+        view = flat.view(-1)
+        numel = view.numel()
+        for row in result.rows.tolist():  # k rows: a short loop; the last one may be partial
+            start = row * self.row_len
+            end = min(start + self.row_len, numel)
+            view[start:end].copy_(result.average[start:end])
+        return result
+
+
 def _factory(arg: Optional[str]) -> Compression:
     if not arg:
         raise UserError("arc-topk needs a density, e.g. arc-topk:0.01")
