@@ -344,7 +344,9 @@ class GroupAllReduce:
                 stats.chunks_dropped_by_faults += 1
                 return True
         start, end = self.partition.chunk_range(part, chunk)
-        payload = codec.encode(self.flat[start:end], seed=(int.from_bytes(self.tag[:4], "big") ^ (part << 20) ^ chunk))
+        # The sender's index is in the seed: members sharing rounding noise would not average it out.
+        seed = int.from_bytes(self.tag[:4], "big") ^ (self.my_index << 40) ^ (part << 20) ^ chunk
+        payload = codec.encode(self.flat[start:end], seed=seed)
         data = memoryview(payload.numpy())
         wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
