@@ -61,14 +61,26 @@ def lossy_swarm():
         yield swarm
 
 
+def step_in_full_group(swarm: AveragingSwarm, faults: str, reset=None, attempts: int = 3) -> list:
+    """One round in which all PEERS met. hivemind's matchmaking occasionally lets a follower give up
+    while its leader still counts it (seen under heavy CPU load); the loss tests are about the data
+    plane, so such a round is repeated from the same state (at most `attempts` times)."""
+    for _ in range(attempts):
+        if reset is not None:
+            reset()
+        reports = swarm.all("report", 60, cmd="step", faults=faults)
+        if all(r["ok"] and r["group_size"] == PEERS for r in reports):
+            return reports
+    raise AssertionError([(r["ok"], r["error"], r["group_size"], r["wall_s"]) for r in reports])
+
+
 def test_unbiased_under_random_reduce_loss(lossy_swarm):
     """10% of contributions lost at random: the owner's estimate does not lean toward its own value."""
     partition = Partition(NUMEL, PEERS, CHUNK_BYTES // 4)
     pulls, lost = [], 0
     for seed in range(100, 114):
-        lossy_swarm.all("set", 30, cmd="set", seed=seed)
-        reports = lossy_swarm.all("report", 60, cmd="step", faults=f"drop_prob=0.1,phases=reduce,seed={seed}")
-        assert all(r["ok"] and r["group_size"] == PEERS for r in reports), [(r["ok"], r["error"], r["group_size"], r["wall_s"]) for r in reports]
+        reports = step_in_full_group(lossy_swarm, f"drop_prob=0.1,phases=reduce,seed={seed}",
+                                     reset=lambda: lossy_swarm.all("set", 30, cmd="set", seed=seed))
         lost += sum(r["reduce"]["chunks_lost"] for r in reports)
         values = [torch.tensor(a["values"]) for a in lossy_swarm.all("values", 30, cmd="values")]
         for v in values[1:]:
@@ -93,8 +105,7 @@ def test_bounded_drift_under_gather_loss(lossy_swarm):
     lossy_swarm.all("set", 30, cmd="set", seed=200)
     for seed in range(201, 217):
         lossy_swarm.all("added", 30, cmd="add", seed=seed, scale=1.0)  # new "gradients" every round
-        reports = lossy_swarm.all("report", 60, cmd="step", faults=f"drop_prob=0.1,phases=gather,seed={seed}")
-        assert all(r["ok"] for r in reports), [(r["ok"], r["error"], r["group_size"], r["wall_s"], r["matchmaking_s"], r["gather"], r["reduce"]) for r in reports]
+        reports = step_in_full_group(lossy_swarm, f"drop_prob=0.1,phases=gather,seed={seed}")
         assert sum(r["gather"]["chunks_lost"] for r in reports) == sum(len(r["missing_chunks"]) for r in reports)
         values = torch.stack([torch.tensor(a["values"]) for a in lossy_swarm.all("values", 30, cmd="values")])
         spreads.append(float(values.std(0).mean()))
