@@ -121,18 +121,34 @@ def bench_write(directory: Path, width: int, depth: int, reps: int) -> Dict[str,
         remove_plain()
         store.wait()  # the pruning of the previous checkpoint is not this operation's cost
 
-    for rep in range(reps):
+    def plain_save() -> None:
         results["torch"].append(timed(lambda: torch.save(state, plain), remove_plain, cpu["torch"]))
+
+    def plain_save_fsync() -> None:
         results["torch_fsync"].append(timed(torch_save_fsync, remove_plain, cpu["unused"]))
-        results["store"].append(timed(lambda: store.save(state, step=rep, epoch=0), settle, cpu["store"]))
+
+    def store_save() -> None:
+        results["store"].append(timed(lambda: store.save(state, step=1, epoch=0), settle, cpu["store"]))
+
+    def store_save_async() -> None:
         settle()
         os.sync()
         started = time.perf_counter()
-        handle = store.save_async(state, step=rep, epoch=0)
+        handle = store.save_async(state, step=1, epoch=0)
         results["async_block"].append(time.perf_counter() - started)
         handle.result()
         results["async_total"].append(time.perf_counter() - started)
-        settle()
+
+    # The order rotates from one repetition to the next, so that no method always pays for what
+    # the previous one left behind (dirty pages, freed memory).
+    methods = [plain_save, store_save, plain_save_fsync, store_save_async]
+    for rep in range(reps):
+        for method in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
+            method()
+    settle()
+    # Loads last: freeing a loaded GB-sized state slows whatever runs next.
+    for _ in range(reps):
+        os.sync()
         started = time.perf_counter()
         loaded = store.load_latest()
         loads.append(time.perf_counter() - started)
@@ -186,6 +202,8 @@ def bench_throughput(
     offset = interval // 4
     store = CheckpointStore(directory / "throughput", keep_last=2)
 
+    end_waits: List[float] = []
+
     def run(checkpoints: bool) -> float:
         store.wait()
         os.sync()
@@ -194,7 +212,10 @@ def bench_throughput(
             step()
             if checkpoints and i % interval == offset:
                 store.save_async(training_state(model, optimizer, i), step=i, epoch=0)
-        store.wait()  # a write still running is part of this run's cost
+        if checkpoints:
+            waited = time.perf_counter()
+            store.wait()  # a write still running is part of this run's cost
+            end_waits.append(time.perf_counter() - waited)
         return steps / (time.perf_counter() - started)
 
     on, off = [], []
@@ -215,6 +236,7 @@ def bench_throughput(
         "checkpoint_every_s": interval * step_s,
         "steps_per_run": steps,
         "checkpoints_skipped_busy": skipped,
+        "throughput_end_wait_s": statistics.median(end_waits),  # included in the "on" time
         "ratios": [round(r, 3) for r in ratios],
     }
 
