@@ -170,6 +170,25 @@ def test_leftover_temp_and_misnamed_files_are_skipped_and_cleaned(tmp_path, capl
     assert not temp.exists() and path.name.startswith("ckpt-00000002-")
 
 
+def test_temp_file_of_a_live_writer_is_not_called_leftover(tmp_path):
+    import subprocess
+
+    with CheckpointStore(tmp_path) as store:
+        store.save(big_state(1.0, megabytes=1), step=1, epoch=0)
+    temp = tmp_path / "ckpt-00000002-epoch0-step2.mpck.tmp"
+    temp.write_bytes(b"partial")
+    other_writer = subprocess.Popen(["sleep", "60"])  # stands in for a peer that holds the lock
+    try:
+        (tmp_path / ".moshpeer-checkpoints.lock").write_text(f"{other_writer.pid}\n")
+        rows = {info.name: info for info in list_checkpoints(tmp_path)}
+        assert f"pid {other_writer.pid} is writing here" in rows[temp.name].reason
+    finally:
+        other_writer.kill()
+        other_writer.wait()
+    rows = {info.name: info for info in list_checkpoints(tmp_path)}
+    assert rows[temp.name].reason == "leftover temp file of an interrupted write"
+
+
 def test_unknown_format_version_is_refused_not_skipped(tmp_path):
     with CheckpointStore(tmp_path) as store:
         store.save(big_state(1.0, megabytes=1), step=1, epoch=0)

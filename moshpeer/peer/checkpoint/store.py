@@ -233,6 +233,33 @@ def inspect_file(path: PathLike, *, verify: bool = True) -> CheckpointInfo:
     return CheckpointInfo(path, size, True, None, meta)
 
 
+def active_writer_pid(directory: Path) -> Optional[int]:
+    """The pid of another live process that holds this directory's writer lock, if any.
+
+    Read from the lock file without locking (a reader must never make a writer's lock attempt
+    fail). A dead writer's pid may have been reused, so this only serves to word messages.
+    """
+    try:
+        pid = int((directory / LOCK_FILE_NAME).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid  # alive, owned by someone else
+    return pid
+
+
+def _temp_file_reason(writer_pid: Optional[int]) -> str:
+    if writer_pid is not None:
+        return f"being written (or left by an interrupted write); pid {writer_pid} is writing here"
+    return "leftover temp file of an interrupted write"
+
+
 def _size_or_zero(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -257,9 +284,10 @@ def list_checkpoints(
     except PermissionError:
         raise UserError(f"cannot read checkpoint directory {directory}: permission denied") from None
     infos = [inspect_file(path, verify=verify) for _, path in listing.checkpoints]
+    writer_pid = active_writer_pid(directory) if listing.temp_files else None
     for path in listing.temp_files:
         being_written = in_flight is not None and path.name == in_flight.name + TEMP_SUFFIX
-        reason = "being written" if being_written else "leftover temp file of an interrupted write"
+        reason = "being written" if being_written else _temp_file_reason(writer_pid)
         infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason))
     for path in listing.misnamed:
         reason = "name is not ckpt-<seq>-epoch<E>-step<S>.mpck: ignored"
@@ -468,9 +496,10 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         in_flight = self.in_flight
+        writer_pid = active_writer_pid(self.directory) if listing.temp_files else None
         for temp in listing.temp_files:
             if in_flight is None or temp.name != in_flight.path.name + TEMP_SUFFIX:
-                logger.warning(f"ignoring {temp.name}: leftover temp file of an interrupted write")
+                logger.warning(f"ignoring {temp.name}: {_temp_file_reason(writer_pid)}")
         for path in listing.misnamed:
             logger.warning(f"ignoring {path.name}: not a checkpoint name (ckpt-<seq>-epoch<E>-step<S>.mpck)")
         for _, path in reversed(listing.checkpoints):
