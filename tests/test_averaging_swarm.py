@@ -24,18 +24,29 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm())
 
 
-def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096) -> None:
-    with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
-                        "--min-group-size", str(group), "--matchmaking-time", "1.5",
-                        per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
-        swarm.all("set", 30, cmd="set", seed=7)
-        for _ in range(rounds):
-            reports = swarm.all("report", 60, cmd="step")
-            assert all(r["ok"] and r["group_size"] == group for r in reports), reports
-            assert all(r["lost_fraction"] == 0 for r in reports)
-        exact = exact_mean(7, n, numel)
-        for answer in swarm.all("values", 30, cmd="values"):
-            assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096, attempts: int = 2) -> None:
+    """The grid reaches the exact mean only if every round formed its groups. hivemind's matchmaking
+    occasionally leaves a member out under heavy CPU load (a follower times out while its leader still
+    counts it); then the whole run is repeated on a fresh swarm, at most `attempts` times."""
+    for attempt in range(attempts):
+        with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
+                            "--min-group-size", str(group), "--matchmaking-time", "1.5",
+                            per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
+            swarm.all("set", 30, cmd="set", seed=7)
+            grid_formed = True
+            for _ in range(rounds):
+                reports = swarm.all("report", 60, cmd="step")
+                grid_formed = all(r["ok"] and r["group_size"] == group for r in reports)
+                if not grid_formed:
+                    break
+                assert all(r["lost_fraction"] == 0 for r in reports)
+            if not grid_formed and attempt + 1 < attempts:
+                continue
+            assert grid_formed, reports
+            exact = exact_mean(7, n, numel)
+            for answer in swarm.all("values", 30, cmd="values"):
+                assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+            return
 
 
 def test_exact_mean_8_peers_groups_of_2_after_3_rounds():
