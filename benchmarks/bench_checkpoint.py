@@ -189,13 +189,16 @@ def bench_throughput(
         loss.backward()
         optimizer.step()
 
-    for _ in range(3):
-        step()
-    started = time.perf_counter()
-    for _ in range(5):
-        step()
-    step_s = (time.perf_counter() - started) / 5
-    interval = max(4, round(every_s / step_s))  # steps between checkpoints
+    def seconds_per_step(duration: float) -> float:
+        started, count = time.perf_counter(), 0
+        while time.perf_counter() - started < duration:
+            step()
+            count += 1
+        return (time.perf_counter() - started) / count
+
+    seconds_per_step(0.5)  # warm-up: allocator, Adam state, caches
+    step_s = seconds_per_step(1.0)
+    interval = max(8, round(every_s / step_s))  # steps between checkpoints
     steps = 2 * interval
     # Checkpoints at 1/4 and 5/4 of an interval: the last write has 3/4 of an interval to finish
     # before the run ends (whatever it has left then is waited for, and counted).
