@@ -212,6 +212,23 @@ def test_allreduce_inplace_keeps_unselected_rows():
         assert torch.equal(v[~selected], original[~selected])
 
 
+def test_allreduce_inplace_replaces_a_selected_partial_last_row():
+    sparsifier = ArcTopK(0.1, row_len=8, rank=2)
+    vectors = [torch.randn(203) for _ in range(3)]
+    for v in vectors:
+        v[-3:] += 100.0  # the zero-padded last row dominates every sketch: it is selected
+    mean = torch.stack(vectors).mean(dim=0)
+    group = InProcessGroup(3)
+
+    async def main():
+        return await asyncio.gather(*[sparsifier.allreduce_inplace(v, 4, group.allreduce) for v in vectors])
+
+    results = asyncio.run(main())
+    assert 25 in results[0].rows.tolist()
+    for v in vectors:
+        assert torch.allclose(v[200:], mean[200:], atol=1e-5)
+
+
 # --- EF21M -----------------------------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
+from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
 from moshpeer.version import PROTOCOL_VERSION
@@ -129,6 +130,9 @@ class MoshpitAverager(ServicerBase):
     :param start: start the background loop now (else call `start()`)
     :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_epoch(
         grad_norm)` each collaborative epoch) or a fixed fraction; None/0 = wait for everything until the deadline
+    :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
+        selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
+        state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class MoshpitAverager(ServicerBase):
         client_mode: bool = False,
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
+        error_feedback: Optional[EF21M] = None,
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -178,6 +183,9 @@ class MoshpitAverager(ServicerBase):
         self._initial_bits = self._initial_group_bits(grid_bits)
         self._schema_hash = schema_hash(self.tensors, compression, self.chunk_numel)
         self._numel = sum(t.numel() for t in self.tensors)
+        if error_feedback is not None and (self.compression.sparsifier is None or error_feedback.numel != self._numel):
+            raise UserError("error_feedback needs a sparsifying codec (arc-topk) and one value per averaged value")
+        self.error_feedback = error_feedback
 
         self._plane = DataPlane(host)
         self._lock_tensors = threading.RLock()
@@ -395,7 +403,10 @@ class MoshpitAverager(ServicerBase):
                     return dense_allreduce_blocking(t.detach().to(torch.float32).contiguous().clone())
 
                 seed = int.from_bytes(group.group_id[:8], "big") & 0x7FFFFFFF
-                flat.copy_(asyncio.run(sparsifier.allreduce(flat, seed, dense_allreduce)))
+                if self.error_feedback is not None:  # gradients: the EF21M estimate is the update direction
+                    flat.copy_(asyncio.run(self.error_feedback.step(flat, seed, dense_allreduce)))
+                else:  # parameters: unselected rows keep their values (a zero there would destroy them)
+                    asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
         report.ok = True

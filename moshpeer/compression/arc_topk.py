@@ -168,7 +168,6 @@ class ArcTopK:
         average = scatter(avg_rows.reshape(-1, self.row_len).to(table.device, torch.float32), idx, num_rows, numel)
         return ArcTopKResult(average, idx, self.row_len)
 
-
     async def allreduce_inplace(self, flat: torch.Tensor, seed: int, dense_allreduce: DenseAllReduce) -> ArcTopKResult:
         """Replace the selected rows of `flat` (contiguous) by their group average; leave the other rows as they are.
 
@@ -177,11 +176,16 @@ class ArcTopK:
         """
         result = await self.allreduce_selected(flat, seed, dense_allreduce)
         view = flat.view(-1)
-        numel = view.numel()
-        for row in result.rows.tolist():  # k rows: a short loop; the last one may be partial
-            start = row * self.row_len
-            end = min(start + self.row_len, numel)
-            view[start:end].copy_(result.average[start:end])
+        full_rows = view.numel() // self.row_len
+        idx = result.rows.to(view.device)
+        whole = idx[idx < full_rows]
+        if whole.numel():  # one indexed copy for all complete rows (k can be tens of thousands)
+            table = view[: full_rows * self.row_len].view(full_rows, self.row_len)
+            source = result.average[: full_rows * self.row_len].view(full_rows, self.row_len)
+            table.index_copy_(0, whole, source.index_select(0, whole).to(table.dtype))
+        if whole.numel() != idx.numel():  # the zero-padded last row is selected: copy its real part
+            start = full_rows * self.row_len
+            view[start:].copy_(result.average[start:])
         return result
 
 
