@@ -429,6 +429,31 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
 
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """This peer's own training state for a local checkpoint (moshpeer.peer.checkpoint): the wrapped
+        optimizer's state, epoch, steps and the progress of the current epoch (gradient accumulators,
+        samples). The tensors are the live ones, not copies: snapshot them before training goes on."""
+        with self.lock:
+            return {"epoch": self.local_epoch, "steps": self.local_steps,
+                    "samples_accumulated": self.samples_accumulated, "total_samples": self.total_samples,
+                    "grad_accumulators": list(self._grad_accumulators), "optimizer": self.inner.state_dict()}
+
+    def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
+        """Continue exactly from a `checkpoint_state()` (the model's parameters are the caller's to load)."""
+        saved = state["grad_accumulators"]
+        if len(saved) != len(self._grad_accumulators) or any(
+                s.shape != a.shape for s, a in zip(saved, self._grad_accumulators)):
+            raise ValueError("checkpoint's gradient accumulators do not match this model")
+        with self.lock, torch.no_grad():
+            self.inner.load_state_dict(state["optimizer"])
+            for acc, value in zip(self._grad_accumulators, saved):
+                acc.copy_(value)
+            self.local_epoch, self.local_steps = int(state["epoch"]), int(state["steps"])
+            self.samples_accumulated = int(state["samples_accumulated"])
+            self.total_samples = int(state["total_samples"])
+        self._report_progress(force=True)
+        self._advertise()
+
     def _check_state_fits(self, state: Dict[str, Any]) -> None:
         if state.get("format") != 1 or not isinstance(state.get("epoch"), int):
             raise ValueError("unknown state format")
