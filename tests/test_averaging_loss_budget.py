@@ -40,8 +40,9 @@ def test_fixed_budget_never_changes():
         assert budget.budget == 0.0
 
 
-def _round(loss_budget: float, slow_delay: float = 0.15):
-    """4 members in threads; member 3 sends every chunk `slow_delay` late (a lossy, retransmitting link)."""
+def _round(loss_budget: float, slow_delay: float = 0.15, faults=None):
+    """4 members in threads; member 3 sends every chunk `slow_delay` late (a lossy, retransmitting link),
+    or, with `faults`, every member's outgoing chunks go through that FaultConfig."""
     n, numel, chunk = 4, 4096, 64
     planes = [DataPlane() for _ in range(n)]
     members = [GroupMember(*p.address, 1.0) for p in planes]
@@ -54,7 +55,7 @@ def _round(loss_budget: float, slow_delay: float = 0.15):
             planes[k], tensors[k], members=members, my_index=k, tag=wire.allreduce_tag(group_id, 0),
             secret=b"s" * 32, compression=get_compression("none"), chunk_numel=chunk,
             deadline=time.monotonic() + 8.0, loss_budget=loss_budget,
-            faults=FaultConfig(delay_s=slow_delay) if k == 3 else None,
+            faults=faults if faults is not None else (FaultConfig(delay_s=slow_delay) if k == 3 else None),
         ).run()
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
@@ -86,3 +87,28 @@ def test_round_ends_at_the_budget_not_the_deadline():
             assert torch.equal(tensors[0][lo:hi], tensors[1][lo:hi]) and torch.equal(tensors[1][lo:hi], tensors[2][lo:hi])
             compared += 1
     assert compared > 0
+
+
+# Microbursts on every link: a burst starts with probability 0.03 per chunk, lasts 6 transmissions and
+# loses 75% of them. Links are reliable (TCP-like): a lost chunk is resent after 0.2 s unless the
+# budget lets the sender leave it lost.
+BURSTS = dict(burst_prob=0.03, burst_len=6, burst_loss=0.75, retransmit_s=0.2)
+
+
+def test_bursts_end_rounds_at_the_budget_not_the_deadline():
+    seed = 11
+    baseline, _ = _round(loss_budget=0.0, faults=FaultConfig(**BURSTS, seed=seed))
+    budgeted, _ = _round(loss_budget=0.42, faults=FaultConfig(**BURSTS, seed=seed))
+    slowest_baseline = max(r.total_s for r in baseline)
+    slowest_budgeted = max(r.total_s for r in budgeted)
+    # The reliable baseline loses nothing but waits out retransmissions inside the bursts.
+    assert all(r.reduce.chunks_lost == 0 and r.gather.chunks_lost == 0 for r in baseline)
+    assert slowest_baseline > 0.6, [r.total_s for r in baseline]
+    assert slowest_budgeted < slowest_baseline / 3, (slowest_budgeted, slowest_baseline)
+    # Bounded by the budget rule: what each member lost in a phase stays within P of what it expected.
+    lost_any = 0
+    for r in budgeted:
+        for phase in (r.reduce, r.gather):
+            assert phase.chunks_lost <= 0.42 * phase.chunks_expected, phase
+            lost_any += phase.chunks_lost
+    assert lost_any > 0  # the bursts did hit, and the budget absorbed them

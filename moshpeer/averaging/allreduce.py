@@ -15,18 +15,26 @@ Finalization uses the unbiased estimator of `estimator.py`; members that sent no
 round are "departed" and leave the weights. The gather sender of a chunk starts right after its
 finalization, so reduce-scatter and all-gather overlap. A receiver that never gets an averaged
 chunk keeps its own value for it. Every wait is bounded by the round's absolute deadlines.
+
+Connections: direct TCP to a member's announced address; when a member announced none, or the
+direct connection cannot be opened, the sender asks `relay` for a libp2p stream to the member's peer
+id (bridged into a local socket pair, see relay.py) and runs the same handshake and protocol on it.
+A member that refuses our authenticated hello (it is not in this round: matchmaking disagreed) or
+cannot prove the group secret itself is "absent": nothing is expected from it and the report says so.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import os
 import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,19 +49,46 @@ from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
-CONNECT_RETRIES = 5
+CONNECT_RETRIES = 3
+CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) address then falls back to libp2p
 # While a sender waits for chunks to be finalized, how often it checks that its peer is still there.
 PEER_CHECK_SECONDS = 0.05
 _DONE = float("inf")
+# Loss budget: chunks still streaming in are not lost. A phase stops at the budget only once its arrivals
+# have stalled for this many mean inter-arrival gaps (and at least BUDGET_STALL_FLOOR_S): a burst or a
+# retransmitting link, not the ordinary trickle of the last chunks.
+BUDGET_STALL_GAPS = 5.0
+BUDGET_STALL_FLOOR_S = 0.05
+BUDGET_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
 class GroupMember:
-    """A member as the data plane sees it: where to connect, and its averaging weight."""
+    """A member as the data plane sees it: where to connect, its averaging weight and libp2p peer id.
+
+    port 0 (or an empty host) = no direct address: reach this member over libp2p only.
+    """
 
     host: str
     port: int
     weight: float
+    peer_id: bytes = b""
+
+    @property
+    def has_direct_address(self) -> bool:
+        return bool(self.host) and self.port > 0
+
+
+# (peer id, absolute time.monotonic() deadline) -> a connected socket carrying a libp2p stream to that peer
+RelayConnect = Callable[[bytes, float], socket.socket]
+
+
+class MemberRefused(ConnectionError):
+    """The member closed the connection after our hello: it is not in this round (or rejected our proof)."""
+
+
+class MemberNotAuthentic(ProtocolError):
+    """The member answered our hello without proving it knows the group secret."""
 
 
 @dataclass
@@ -67,6 +102,8 @@ class AllReduceResult:
     reduce_scatter_s: float
     all_gather_s: float
     total_s: float
+    absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
+    relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
 
 
 class GroupAllReduce:
@@ -78,6 +115,8 @@ class GroupAllReduce:
         owners stop waiting for contributions (defaults to 60% of the way to `deadline`)
     :param loss_budget: DBLP budget P: stop waiting once at most this fraction of a phase's chunks is missing
         (0 = wait for everything until the deadlines)
+    :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
+    :param force_relay: send to every member over `relay`, never directly
     """
 
     def __init__(
@@ -95,6 +134,8 @@ class GroupAllReduce:
         reduce_deadline: Optional[float] = None,
         faults: Optional[FaultConfig] = None,
         loss_budget: float = 0.0,
+        relay: Optional[RelayConnect] = None,
+        force_relay: bool = False,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -105,6 +146,9 @@ class GroupAllReduce:
         self.tag, self.secret = tag, secret
         self.compression, self.faults, self.loss_budget = compression, faults, loss_budget
         self.deadline = deadline
+        self.relay, self.force_relay = relay, force_relay
+        if force_relay and relay is None:
+            raise ValueError("force_relay needs a relay")
         now = time.monotonic()
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
@@ -131,6 +175,8 @@ class GroupAllReduce:
         self.sent_progress = [0.0] * self.group_size  # how many REDUCE chunks our sender to j is past
         self.senders_done = 0
         self.departed: List[int] = []
+        self.absent: List[int] = []
+        self.relayed: List[int] = []
         self.reduce, self.gather = PhaseStats(), PhaseStats()
         self.rejected_messages = 0
         self.fault_counter = [0]
@@ -138,6 +184,10 @@ class GroupAllReduce:
         self._threads: List[threading.Thread] = []
         self._closing = False
         self._reduce_done_at: Optional[float] = None
+        # Lossy gather codec: each averaged chunk of our part is encoded once, at finalization (not once per
+        # receiver), and we keep its decoded value ourselves, so that every member holds the same bits.
+        self._gather_payloads: List[Optional[torch.Tensor]] = [None] * self.num_my_chunks
+        self._arrivals = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}  # first, last arrival time per phase
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -180,7 +230,13 @@ class GroupAllReduce:
             reduce_scatter_s=reduce_done - started,
             all_gather_s=finished - reduce_done,
             total_s=finished - started,
+            absent=sorted(self.absent),
+            relayed=sorted(self.relayed),
         )
+
+    def peer_id_of(self, index: int) -> bytes:
+        """The libp2p peer id of member `index` (bound into the handshake MACs)."""
+        return self.members[index].peer_id
 
     # ---- waiting ------------------------------------------------------------------------------
 
@@ -190,22 +246,35 @@ class GroupAllReduce:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self.cond.wait(min(remaining, 1.0))
+            self.cond.wait(min(remaining, BUDGET_POLL_S if self.loss_budget > 0 else 1.0))
         return True
 
-    def _within_budget(self, stats: PhaseStats) -> bool:
-        """Loss budget P (DBLP): enough of the phase arrived that the rest may be reconstructed."""
+    def _within_budget(self, stats: PhaseStats, phase: str) -> bool:
+        """Loss budget P (DBLP): enough of the phase arrived that the rest may be reconstructed, and the
+        rest is overdue (arrivals stalled), not merely still on its way."""
         if self.loss_budget <= 0:
             return False
-        return stats.chunks_received >= math.ceil((1.0 - self.loss_budget) * stats.chunks_expected)
+        received = stats.chunks_received
+        if received < math.ceil((1.0 - self.loss_budget) * stats.chunks_expected):
+            return False
+        first, last = self._arrivals[phase]
+        mean_gap = (last - first) / (received - 1) if received > 1 else 0.0
+        return time.monotonic() - last >= max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap)
+
+    def _note_arrival(self, phase: str) -> None:
+        """With self.cond held: a chunk of `phase` arrived now."""
+        times = self._arrivals[phase]
+        times[1] = time.monotonic()
+        if not times[0]:
+            times[0] = times[1]
 
     def _reduce_done_or_within_budget(self) -> bool:
-        return self.finalized_count == self.num_my_chunks or self._within_budget(self.reduce)
+        return self.finalized_count == self.num_my_chunks or self._within_budget(self.reduce, "reduce")
 
     def _gather_done_or_within_budget(self) -> bool:
         if self._everything_done():
             return True
-        return self.senders_done == len(self.others) and self._within_budget(self.gather)
+        return self.senders_done == len(self.others) and self._within_budget(self.gather, "gather")
 
     def _everything_done(self) -> bool:
         if self.finalized_count < self.num_my_chunks or self.senders_done < len(self.others):
@@ -250,6 +319,7 @@ class GroupAllReduce:
             self.arrived_weight[c],
             sum(self.weights[i] for i in present),
         )
+        self._encode_gather_chunk(c, start, end)
         self.finalized[c] = True
         with self.cond:
             self.finalized_count += 1
@@ -257,35 +327,107 @@ class GroupAllReduce:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
 
+    def _encode_gather_chunk(self, c: int, start: int, end: int) -> None:
+        """Encode finalized chunk c of our part for the all-gather and replace our values by the decoded ones."""
+        codec = self.compression.gather_codec
+        if isinstance(codec, NoCompression):
+            return  # its payload is a view of the finalized values: nothing to precompute, nothing lost
+        values = self.flat[start:end]
+        try:
+            payload = codec.encode(values, seed=self._chunk_seed(self.my_index, c))
+        except ValueError as e:  # non-finite average: the sender's own encode reports it
+            logger.warning(f"cannot encode averaged chunk {c}: {e}")
+            return
+        values.zero_()
+        codec.decode_accumulate(payload, values, 1.0)
+        self._gather_payloads[c] = payload
+
+    def _chunk_seed(self, part: int, chunk: int) -> int:
+        # The sender's index is in the seed: members sharing rounding noise would not average it out.
+        return int.from_bytes(self.tag[:4], "big") ^ (self.my_index << 40) ^ (part << 20) ^ chunk
+
     # ---- sending ------------------------------------------------------------------------------
 
     def _connect(self, j: int) -> Optional[socket.socket]:
+        """An authenticated connection to member j: direct TCP if possible, else a libp2p stream; None if
+        neither opens. Raises MemberRefused / MemberNotAuthentic when j answers but is not in this round."""
         member = self.members[j]
-        for attempt in range(CONNECT_RETRIES):
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0 or self._closing:
+        if member.has_direct_address and not self.force_relay:
+            last_error: Optional[BaseException] = None
+            for attempt in range(CONNECT_RETRIES):
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0 or self._closing:
+                    return None
+                try:
+                    sock = socket.create_connection((member.host, member.port), timeout=min(remaining, CONNECT_TIMEOUT))
+                except OSError as e:
+                    last_error = e
+                    logger.debug(f"connect to member {j} failed ({e}); attempt {attempt + 1}")
+                    time.sleep(min(0.05 * (attempt + 1), max(self.deadline - time.monotonic(), 0)))
+                    continue
+                return self._handshake(sock, j)
+            if self.relay is None:
                 return None
+            logger.info(f"no direct connection to member {j} at {member.host}:{member.port} ({last_error}); "
+                        f"sending over libp2p")
+        if self.relay is None:
+            logger.warning(f"member {j} has no direct address and this peer has no libp2p relay")
+            return None
+        try:
+            sock = self.relay(member.peer_id, self.deadline)
+        except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
+            logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
+            return None
+        with self.cond:
+            self.relayed.append(j)
+        return self._handshake(sock, j)
+
+    def _handshake(self, sock: socket.socket, j: int) -> socket.socket:
+        """Run the sender's side of the mutual handshake (see wire.py) on a fresh connection to member j."""
+        try:
+            wire.tune_socket(sock)
+            # The receiver may wait a little for its session to be registered: allow up to the deadline.
+            sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
+            challenge = bytearray(wire.CHALLENGE.size)
+            wire.recv_exactly(sock, memoryview(challenge))
+            challenge_r = wire.parse_challenge(bytes(challenge))
+            challenge_s = os.urandom(32)
+            peers = (self.peer_id_of(self.my_index), self.peer_id_of(j))
+            sock.sendall(wire.pack_hello(self.secret, challenge_r, self.tag, self.my_index, j, *peers,
+                                         challenge_s=challenge_s))
+            welcome = bytearray(wire.WELCOME.size)
             try:
-                sock = socket.create_connection((member.host, member.port), timeout=min(remaining, 5.0))
-                wire.tune_socket(sock)
-                sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
-                challenge = bytearray(wire.CHALLENGE.size)
-                wire.recv_exactly(sock, memoryview(challenge))
-                nonce = wire.parse_challenge(bytes(challenge))
-                sock.sendall(wire.pack_hello(self.secret, nonce, self.tag, self.my_index, j))
-                wire.block_until(sock, self.deadline)
-                return sock
-            except (OSError, ConnectionError, ProtocolError) as e:
-                logger.debug(f"connect to member {j} failed ({e}); attempt {attempt + 1}")
-                time.sleep(0.05 * (attempt + 1))
-        return None
+                wire.recv_exactly(sock, memoryview(welcome))
+            except ConnectionError:
+                raise MemberRefused(f"member {j} closed the connection after our hello") from None
+            mac = wire.parse_welcome(bytes(welcome))
+            expected = wire.welcome_mac(self.secret, challenge_r, challenge_s, self.tag, self.my_index, j, *peers)
+            if not hmac.compare_digest(mac, expected):
+                raise MemberNotAuthentic(f"member {j} did not prove the group secret")
+            wire.block_until(sock, self.deadline)
+            return sock
+        except BaseException:
+            _close(sock)
+            raise
 
     def _sender(self, j: int) -> None:
         sock = None
         try:
-            sock = self._connect(j)
+            try:
+                sock = self._connect(j)
+            except (MemberRefused, MemberNotAuthentic, socket.timeout) as e:
+                if isinstance(e, MemberNotAuthentic):
+                    self.plane.count_rejected(str(e), f"member {j}")
+                logger.warning(f"group member {j} is not in this round: {e}")
+                sock = None
+            except (OSError, ProtocolError) as e:
+                logger.warning(f"handshake with group member {j} failed: {type(e).__name__}: {e}")
+                sock = None
             if sock is None:
-                logger.warning(f"could not reach group member {j} at {self.members[j].host}:{self.members[j].port}")
+                if not self._closing:
+                    logger.warning(f"group member {j} is absent from this round; averaging without it")
+                    with self.cond:
+                        self.absent.append(j)
                 self._give_up_on(j)
                 return
             with self.cond:
@@ -330,7 +472,8 @@ class GroupAllReduce:
         if self.faults is None:
             return None
         stream_seed = int.from_bytes(self.tag[:4], "big") * 64 + self.my_index * 8 + j * 2 + (phase == "gather")
-        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter)
+        num_chunks = self.partition.num_chunks(j) if phase == "reduce" else self.num_my_chunks
+        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter, self.loss_budget, num_chunks)
 
     def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec) -> bool:
         """Encode and send one chunk (unless faults drop it); False once this peer is silenced."""
@@ -344,9 +487,9 @@ class GroupAllReduce:
                 stats.chunks_dropped_by_faults += 1
                 return True
         start, end = self.partition.chunk_range(part, chunk)
-        # The sender's index is in the seed: members sharing rounding noise would not average it out.
-        seed = int.from_bytes(self.tag[:4], "big") ^ (self.my_index << 40) ^ (part << 20) ^ chunk
-        payload = codec.encode(self.flat[start:end], seed=seed)
+        payload = self._gather_payloads[chunk] if phase == wire.PHASE_GATHER and part == self.my_index else None
+        if payload is None:
+            payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
         data = memoryview(payload.numpy())
         wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
@@ -479,6 +622,7 @@ class GroupAllReduce:
             self.arrived_weight[chunk] += self.weights[i]
             with self.cond:
                 self.reduce.chunks_received += 1
+                self._note_arrival("reduce")
                 self.sent_any[i] = 1
                 if self.loss_budget > 0:
                     self.cond.notify_all()  # the main thread checks the budget
@@ -504,6 +648,7 @@ class GroupAllReduce:
         with self.cond:
             self.gather_received[i][chunk] = 1
             self.gather.chunks_received += 1
+            self._note_arrival("gather")
             self.cond.notify_all()
 
     @staticmethod

@@ -11,6 +11,7 @@ comma-separated `key=value` pairs with FaultConfig's field names, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass, fields
@@ -29,6 +30,11 @@ class FaultConfig:
     :param drop_prob: probability that a chunk is silently not sent (i.i.d. per chunk)
     :param delay_s: fixed delay before each chunk; jitter_s: plus a uniform random delay in [0, jitter_s]
     :param burst_prob: per-chunk probability that a loss burst starts; burst_len chunks are then dropped
+    :param burst_loss: loss probability of each chunk inside a burst (1.0: all of them; microbursts: 0.6-0.9)
+    :param retransmit_s: None: a lost chunk is gone (the receiver learns it from the end-of-phase marker).
+        A number: the link is reliable, like TCP: a lost chunk is sent again after this retransmission
+        timeout (each resend may be lost again), except that the round's loss budget P lets the sender
+        leave up to floor(P x chunks of the stream) of them lost (DBLP's bounded-loss transport)
     :param stop_after_chunks: after this many chunks sent in a round, the peer goes silent (no more chunks,
         no end-of-phase markers) until the round ends, like a peer that hangs
     :param phases: which phases the faults apply to ("reduce", "gather")
@@ -40,15 +46,19 @@ class FaultConfig:
     jitter_s: float = 0.0
     burst_prob: float = 0.0
     burst_len: int = 0
+    burst_loss: float = 1.0
+    retransmit_s: Optional[float] = None
     stop_after_chunks: Optional[int] = None
     phases: Tuple[str, ...] = PHASES
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("drop_prob", "burst_prob"):
+        for name in ("drop_prob", "burst_prob", "burst_loss"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise UserError(f"fault {name} must be within [0, 1], got {value}")
+        if self.retransmit_s is not None and self.retransmit_s < 0:
+            raise UserError("fault retransmit_s must be non-negative")
         if self.delay_s < 0 or self.jitter_s < 0 or self.burst_len < 0:
             raise UserError("fault delays and burst length must be non-negative")
         if self.stop_after_chunks is not None and self.stop_after_chunks < 0:
@@ -84,15 +94,27 @@ class FaultConfig:
         return cls.parse(text) if text else None
 
 
-class ChunkFaults:
-    """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop."""
+# A reliable link gives up resending one chunk after this many tries (the round deadline ends it anyway).
+MAX_RETRANSMISSIONS = 16
 
-    def __init__(self, config: FaultConfig, phase: str, stream_seed: int, shared_counter: list):
+
+class ChunkFaults:
+    """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop.
+
+    :param loss_budget, num_chunks: with `retransmit_s`, the sender may leave floor(loss_budget x
+        num_chunks) chunks of this stream lost instead of resending them
+    """
+
+    def __init__(self, config: FaultConfig, phase: str, stream_seed: int, shared_counter: list,
+                 loss_budget: float = 0.0, num_chunks: int = 0):
         self.config = config
         self.active = phase in config.phases
         self.rng = random.Random(config.seed * 1_000_003 + stream_seed)
         self.burst_left = 0
         self.sent_in_round = shared_counter  # [count], shared by every connection of this peer in the round
+        self.droppable = math.floor(loss_budget * num_chunks + 1e-9)
+        self.left_lost = 0
+        self.retransmissions = 0
 
     def silenced(self) -> bool:
         """True once this peer has sent `stop_after_chunks` chunks in the round: it sends nothing more."""
@@ -105,10 +127,27 @@ class ChunkFaults:
             return False, 0.0
         cfg = self.config
         delay = cfg.delay_s + (self.rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)
+        lost = self._lost()
+        if not lost or cfg.retransmit_s is None:
+            return lost, delay
+        if self.left_lost < self.droppable:
+            self.left_lost += 1  # within the loss budget: a bounded-loss sender does not resend
+            return True, delay
+        # A reliable sender waits a retransmission timeout per try; a try inside a burst may be lost too.
+        for _ in range(MAX_RETRANSMISSIONS):
+            delay += cfg.retransmit_s
+            self.retransmissions += 1
+            if not self._lost():
+                break
+        return False, delay
+
+    def _lost(self) -> bool:
+        """Is the next transmission lost? Advances the burst state by one transmission."""
+        cfg = self.config
         if self.burst_left > 0:
             self.burst_left -= 1
-            return True, delay
+            return cfg.burst_loss >= 1.0 or self.rng.random() < cfg.burst_loss
         if cfg.burst_prob and self.rng.random() < cfg.burst_prob:
             self.burst_left = max(cfg.burst_len - 1, 0)
-            return True, delay
-        return (cfg.drop_prob > 0 and self.rng.random() < cfg.drop_prob), delay
+            return cfg.burst_loss >= 1.0 or self.rng.random() < cfg.burst_loss
+        return cfg.drop_prob > 0 and self.rng.random() < cfg.drop_prob
