@@ -77,6 +77,11 @@ class CollaborativeRound:
     swarm_samples: int = 0
     num_trainers: int = 0
     error: Optional[str] = None
+    # Loss budget (DBLP): the phase and budget P this round ran with (lost_fraction: what it lost), and
+    # the gradient norm of this epoch, the signal that sets the next round's phase.
+    loss_phase: Optional[str] = None
+    loss_budget: Optional[float] = None
+    grad_norm: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +110,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param serve_state: run a state donor for newcomers
     :param should_stop: polled while waiting; True abandons a round (for prompt shutdown)
     :param averager_kwargs: more arguments for `MoshpitAverager` (faults, chunk_bytes, ...)
+    :param loss_budget: DBLP loss budget of the averaging rounds: None / "fixed" (wait for everything
+        until the round deadline), a fraction P (fixed), "P_LOW,P_HIGH" or "phase" (phase-aware: the
+        gradient norm of each epoch, averaged in gradients mode and local in parameters mode, sets the
+        next round's phase), or a `LossBudget`; phase_threshold: Accordion's eta for the phase signal
     """
 
     def __init__(
@@ -137,6 +146,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         should_stop: Optional[Callable[[], bool]] = None,
         model: Optional[torch.nn.Module] = None,
         averager_kwargs: Optional[Dict[str, Any]] = None,
+        loss_budget: Any = None,
+        phase_threshold: float = 0.5,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -148,6 +159,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise UserError("target_batch_size and batch_size_per_step must be positive")
         if group_size < 2:
             raise UserError(f"group size must be at least 2, got {group_size}")
+        from moshpeer.averaging.loss_budget import parse_loss_budget  # bad settings fail before anything starts
+
+        self._loss_budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold)
         self.inner = optimizer
         self.run_id = validate_run_id(run_id)
         self.target_batch_size = int(target_batch_size)
@@ -220,6 +234,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # ---- averaging: one Moshpit averager over a fixed set of buffers ----
         self._averaged = self._averaged_buffers()
         from moshpeer.averaging import MoshpitAverager  # peer > averaging: allowed, imported late (heavy)
+
+        averager_kwargs = dict(averager_kwargs or {})
+        averager_kwargs.setdefault("loss_budget", self._loss_budget_setting)
 
         self.averager = MoshpitAverager(
             [self._flat], dht=self.dht, run_id=f"{run_id}.{averaging}", target_group_size=group_size,
@@ -295,6 +312,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     if p.grad is not None:
                         acc.add_(p.grad, alpha=float(batch_size))
             else:
+                if self._loss_budget_setting.phase_aware:  # the local gradient is the phase signal
+                    for acc, p in zip(self._grad_accumulators, self.params):
+                        if p.grad is not None:
+                            acc.add_(p.grad, alpha=float(batch_size))
                 self.inner.step()
                 self.local_steps += 1
             self.samples_accumulated += int(batch_size)
@@ -369,9 +390,40 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
                                                       else "abandoned")
                 self._apply_local()
+            self._update_loss_phase(round_, report)
             self._finish_epoch()
         self.rounds.append(round_)
         return round_
+
+    @property
+    def loss_budget(self) -> Any:
+        """The averager's `LossBudget` (phase, current budget P)."""
+        return self.averager.loss_budget
+
+    def _update_loss_phase(self, round_: CollaborativeRound, report: Any) -> None:
+        """Record the phase and budget this round ran with, then feed this epoch's gradient norm to the
+        loss budget: it sets the phase (and P) of the next round."""
+        budget = self.averager.loss_budget
+        ran_with = report if report is not None and getattr(report, "loss_phase", None) is not None else None
+        round_.loss_phase = ran_with.loss_phase if ran_with is not None else budget.phase
+        round_.loss_budget = float(ran_with.loss_budget if ran_with is not None else budget.budget)
+        norm = self._epoch_gradient_norm(averaged=round_.ok)
+        if norm is not None:
+            round_.grad_norm = norm
+            budget.on_epoch(norm)
+
+    def _epoch_gradient_norm(self, averaged: bool) -> Optional[float]:
+        """The phase signal: the norm of this epoch's averaged gradient (gradients mode, after a round),
+        else of this peer's mean local gradient; None when there is none (an aux peer)."""
+        n = len(self.params)
+        if self.averaging == "gradients" and averaged:
+            grads = self._averaged[:n]
+        elif self.samples_accumulated > 0:
+            scale = 1.0 / self.samples_accumulated
+            return math.sqrt(sum(float(acc.float().pow(2).sum()) for acc in self._grad_accumulators)) * scale
+        else:
+            return None
+        return math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
         """Aux peers: wait (bounded) until the swarm's epoch is ready, then average with weight 0."""
