@@ -57,6 +57,8 @@ class TrainerConfig:
     seed: Optional[int] = None  # data shuffle seed; default: derived from the peer id
     straggler: Optional[StragglerDelay] = None  # injected compute delay per micro-batch (tests, benchmarks)
     state_bytes_per_second: Optional[float] = None  # throttle this peer's state donations (tests)
+    loss_budget: Any = None  # DBLP: None/"fixed" (baseline), P, "P_LOW,P_HIGH" or "phase"; see loss_budget.py
+    phase_threshold: float = 0.5  # relative change of the gradient norm that marks a critical phase
     show_progress: bool = False
     averager_kwargs: Dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +98,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
         compression=config.compression, group_size=config.group_size, compute_budget=config.compute_budget,
+        loss_budget=config.loss_budget, phase_threshold=config.phase_threshold,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested, averager_kwargs=config.averager_kwargs,
@@ -106,7 +109,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
-          "compute_budget": config.compute_budget, "fingerprint": task.fingerprint})
+          "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
+          "loss_budget": optimizer.loss_budget.describe()})
 
     _wait_for_peers(daemon, optimizer, config)
     snapshot = optimizer.progress.refresh_now()
@@ -164,7 +168,10 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
             "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
             "stopped_by_budget": round_.stopped_by_budget, "swarm_samples": round_.swarm_samples,
-            "num_trainers": round_.num_trainers, "error": round_.error, "params_digest": params_digest(model),
+            "num_trainers": round_.num_trainers, "error": round_.error,
+            "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
+            "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
+            "params_digest": params_digest(model),
         })
         loss_sum, loss_count = 0.0, 0
         if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
