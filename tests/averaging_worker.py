@@ -51,6 +51,7 @@ def main() -> int:
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--round-timeout", type=float, default=20.0)
     parser.add_argument("--faults", default="")
+    parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -68,6 +69,7 @@ def main() -> int:
         matchmaking_time=args.matchmaking_time,
         round_timeout=args.round_timeout,
         faults=FaultConfig.parse(args.faults) if args.faults else None,
+        transport=args.transport,
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print(json.dumps({"event": "ready", "maddrs": maddrs, "index": args.index, "pid": os.getpid(),

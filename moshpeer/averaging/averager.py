@@ -7,9 +7,23 @@ of the DHT's daemon. Both run on a private asyncio loop in a background thread. 
 inside matchmaking over libp2p's encrypted channel; the group secret is a hash of the group id and
 all nonces.
 
-Data plane: `GroupAllReduce` (direct TCP, see allreduce.py), run in the thread that calls `step()`.
-After every assembled group the key manager shifts an index drawn from an RNG seeded by the group
-id into the group bits, so the next round's group mixes different peers.
+Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; libp2p streams through `StreamRelay`
+for members without a direct path), run in the thread that calls `step()`. After every assembled
+group the key manager shifts an index drawn from an RNG seeded by the group id into the group bits,
+so the next round's group mixes different peers.
+
+Matchmaking deadline. hivemind's follower commits to a leader (ACCEPTED) and then waits for the
+leader's BEGIN_ALLREDUCE, which the leader sends when its group fills or at its declared expiration,
+at most the follower's own request expiration, itself capped at the follower's search end. If the
+follower stops waiting exactly at its search end (what `look_for_group` does when the step's timeout
+equals its deadline), a group assembled in the last moments before that deadline counts a follower
+that has already left: the leader's view and the follower's disagree. So a step gives hivemind its
+search end as `deadline` but waits for the group `request_timeout` + ASSEMBLY_GRACE_S longer (hivemind's
+own bound on a leader's answer), and only while it is committed (accepted by a leader, leading
+followers, or a join request in flight); an uncommitted peer stops at the search end. Should
+matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
+visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
+report it in `RoundReport.absent`, and the left-out peer's report says it gave up while committed.
 """
 
 from __future__ import annotations
@@ -32,12 +46,14 @@ from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.loss_budget import LossBudget
+from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
@@ -49,6 +65,12 @@ logger = logging.getLogger(__name__)
 
 MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger is rejected
 NONCE_BYTES = 16
+# Past its search end, how much longer than request_timeout a committed peer waits for its group
+# (event-loop and network latency of the leader's BEGIN_ALLREDUCE; see the module docstring).
+ASSEMBLY_GRACE_S = 1.0
+COMMITMENT_POLL_S = 0.02
+TRANSPORTS = ("auto", "libp2p")
+TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
 @dataclass
@@ -57,16 +79,19 @@ class _StepRequest:
 
     data_for_gather: bytes
     scheduled_time: float
-    deadline: float
+    deadline: float  # search end (DHT time): no new declarations or join requests after it
     weight: float
+    target_group_size: int = 4
+    matchmaking_time: float = 3.0
+    grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
 
     def get_timeout(self) -> float:
-        return max(0.0, self.deadline - get_dht_time())
+        return max(0.0, self.deadline + self.grace - get_dht_time())
 
 
 @dataclass(frozen=True)
 class _MemberInfo:
-    host: str
+    host: str  # "" and port 0: no direct address (reach it over libp2p)
     port: int
     weight: float
     nonce: bytes
@@ -87,9 +112,9 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
     if not isinstance(info, dict) or info.get("v") != PROTOCOL_VERSION:
         raise ProtocolError("gathered metadata of another protocol version")
     host, port, weight, nonce = info.get("host"), info.get("port"), info.get("weight"), info.get("nonce")
-    if not isinstance(host, str) or not 0 < len(host) <= 255:
+    if not isinstance(host, str) or not len(host) <= 255:
         raise ProtocolError("bad data-plane host")
-    if not isinstance(port, int) or not 0 < port < 65536:
+    if not isinstance(port, int) or not 0 <= port < 65536 or (port == 0) != (host == ""):
         raise ProtocolError("bad data-plane port")
     if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
         raise ProtocolError("bad weight")
@@ -133,6 +158,9 @@ class MoshpitAverager(ServicerBase):
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
         selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
+    :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
+        libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
+        streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
     """
 
     def __init__(
@@ -154,6 +182,7 @@ class MoshpitAverager(ServicerBase):
         client_mode: bool = False,
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
+        transport: Optional[str] = None,
         error_feedback: Optional[EF21M] = None,
     ):
         validate_run_id(run_id)
@@ -175,6 +204,10 @@ class MoshpitAverager(ServicerBase):
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.faults = faults if faults is not None else FaultConfig.from_env()
         self.client_mode = client_mode
+        transport = transport or os.environ.get(TRANSPORT_ENV_VAR, "").strip() or "auto"
+        if transport not in TRANSPORTS:
+            raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        self.transport = transport
         if loss_budget is None or isinstance(loss_budget, (int, float)):
             loss_budget = LossBudget.fixed(float(loss_budget or 0.0))
         self.loss_budget: LossBudget = loss_budget
@@ -187,7 +220,8 @@ class MoshpitAverager(ServicerBase):
             raise UserError("error_feedback needs a sparsifying codec (arc-topk) and one value per averaged value")
         self.error_feedback = error_feedback
 
-        self._plane = DataPlane(host)
+        self._plane = DataPlane(host, strict=True)
+        self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -244,6 +278,8 @@ class MoshpitAverager(ServicerBase):
         self.peer_id = self._p2p.peer_id
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
+        self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
+        await self._relay.start()
         self._matchmaking = Matchmaking(
             self._p2p,
             self._schema_hash,
@@ -259,6 +295,8 @@ class MoshpitAverager(ServicerBase):
         )
 
     async def _teardown(self) -> None:
+        if self._relay is not None:
+            await self._relay.stop()
         if not self.client_mode and self._p2p is not None:
             with contextlib.suppress(Exception):
                 await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
@@ -293,7 +331,11 @@ class MoshpitAverager(ServicerBase):
 
     @property
     def data_address(self) -> Tuple[str, int]:
+        """The data-plane listener's address; announced to group mates unless transport is "libp2p"."""
         return self._plane.address
+
+    def _announced_address(self) -> Tuple[str, int]:
+        return ("", 0) if self.transport == "libp2p" else self._plane.address
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[List[torch.Tensor]]:
@@ -312,41 +354,69 @@ class MoshpitAverager(ServicerBase):
 
     # ---- one round ----------------------------------------------------------------------------
 
-    def step(self, weight: float = 1.0, timeout: Optional[float] = None) -> RoundReport:
+    def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
+             target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None) -> RoundReport:
         """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); the data plane then
             has `round_timeout` on top
+        :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
+            live peers when the swarm is smaller than the configured group); default: the configured one
+        :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
+            compute-budget deadline); default: the configured one
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
+        if target_group_size is not None and not self.min_group_size <= target_group_size:
+            raise UserError(f"target_group_size must be at least min_group_size ({self.min_group_size})")
+        if matchmaking_time is not None and not matchmaking_time > 0:
+            raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
         if self._loop is None or not self._ready.is_set():
             raise UserError("averager is not started")
-        timeout = timeout if timeout is not None else 5 * self.matchmaking_time
+        window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
+        timeout = timeout if timeout is not None else 5 * window
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
-        host, port = self._plane.address
+        host, port = self._announced_address()
+        now = get_dht_time()
         request = _StepRequest(
             data_for_gather=_pack_member_info(host, port, float(weight), nonce),
-            scheduled_time=get_dht_time() + self.matchmaking_time,
-            deadline=get_dht_time() + max(timeout, self.matchmaking_time),
+            scheduled_time=now + window,
+            deadline=now + max(timeout, window),
             weight=float(weight),
+            target_group_size=target_group_size or self.target_group_size,
+            matchmaking_time=window,
+            grace=self.request_timeout + ASSEMBLY_GRACE_S,
         )
         bits_before = self.group_bits
-        future = asyncio.run_coroutine_threadsafe(self._look_for_group(request), self._loop)
-        try:
-            group = future.result(timeout + self.round_timeout)
-        except Exception as e:
-            future.cancel()
-            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
-            group = None
+        outcome: dict = {}
+        with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
+            future = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
+            try:
+                group = future.result(request.get_timeout() + self.round_timeout)
+            except Exception as e:
+                future.cancel()
+                logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+                group = None
+            group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
+            if group_prefix is not None:
+                self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
         matchmaking_s = time.monotonic() - started
         report = RoundReport(ok=False, group_bits=bits_before, coordinates=self.coordinates, weight=float(weight),
                              matchmaking_s=matchmaking_s, compression=self.compression_spec)
         if group is None:
-            report.error = "no group found"
+            report.error = outcome.get("error", "no group found")
+            if "error" in outcome:
+                logger.warning(f"matchmaking: {report.error}")
             return report
+        try:
+            self._step_with_group(group, report, matchmaking_s)
+        finally:
+            self._plane.close_group(group_prefix)
+        return report
+
+    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float) -> None:
         report.group_id, report.group_size = group.group_id.hex(), group.group_size
         report.my_index = group.peer_ids.index(self.peer_id)
         try:
@@ -354,7 +424,7 @@ class MoshpitAverager(ServicerBase):
         except ProtocolError as e:
             report.error = f"bad group metadata: {e}"
             logger.warning(f"round {report.group_id[:8]}: {report.error}")
-            return report
+            return
         logger.info(
             f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
             f"my index {report.my_index}"
@@ -362,15 +432,48 @@ class MoshpitAverager(ServicerBase):
         self._average_with_group(group, members, report)
         report.group_bits, report.coordinates = self.group_bits, self.coordinates
         self.rounds_done += 1
-        return report
 
-    async def _look_for_group(self, request: _StepRequest) -> Optional[GroupInfo]:
+    def _committed(self) -> bool:
+        """Is this peer part of a group in the making (see the module docstring)?"""
+        mm = self._matchmaking
+        return mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
+
+    async def _look_for_group(self, request: _StepRequest, outcome: dict) -> Optional[GroupInfo]:
+        """hivemind's look_for_group, stopped at the search end unless this peer is committed to a group."""
+        task = asyncio.create_task(self._search(request))
+        try:
+            await asyncio.wait({task}, timeout=max(0.0, request.deadline - get_dht_time()))
+            committed = False
+            while not task.done() and self._committed():  # bounded: the search ends at deadline + grace
+                committed = True
+                await asyncio.wait({task}, timeout=COMMITMENT_POLL_S)
+            if not task.done():
+                await cancel_and_wait(task)
+                return None
+            group = task.result()
+            if group is None and (committed or self._committed()):
+                outcome["error"] = ("gave up waiting for the group of a leader that had accepted this peer "
+                                    f"({request.grace:.1f} s past the search end): group assembly may disagree")
+            return group
+        except asyncio.CancelledError:
+            await cancel_and_wait(task)
+            raise
+
+    async def _search(self, request: _StepRequest) -> Optional[GroupInfo]:
+        # Per-round settings, set in the loop thread before this round's search starts. hivemind's
+        # Matchmaking reads them on every join request; the group-key manager keeps the configured
+        # size (it sets the grid, which must not change between rounds).
+        self._matchmaking.target_group_size = request.target_group_size
+        self._matchmaking.min_matchmaking_time = request.matchmaking_time
+        self._matchmaking.potential_leaders.target_group_size = request.target_group_size
+        self._matchmaking.potential_leaders.min_matchmaking_time = request.matchmaking_time
         return await self._matchmaking.look_for_group(request)
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         report.loss_budget, report.loss_phase = self.loss_budget.budget, self.loss_budget.phase
-        group_members = [GroupMember(m.host, m.port, m.weight) for m in members]
+        group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
+                         for m, peer_id in zip(members, group.peer_ids)]
         deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
 
@@ -388,6 +491,8 @@ class MoshpitAverager(ServicerBase):
                 deadline=deadline,
                 faults=self.faults,
                 loss_budget=report.loss_budget or 0.0,
+                relay=self._relay.connect if self._relay is not None else None,
+                force_relay=self.transport == "libp2p",
             )
             results.append(allreduce.run())
             return flat
@@ -412,6 +517,7 @@ class MoshpitAverager(ServicerBase):
         report.ok = True
         report.reduce, report.gather = result.reduce, result.gather
         report.departed = result.departed
+        report.absent, report.relayed = result.absent, result.relayed
         report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
         report.missing_chunks = result.missing_chunks
         report.reduce_scatter_s, report.all_gather_s, report.total_s = (
@@ -419,6 +525,11 @@ class MoshpitAverager(ServicerBase):
         expected = result.reduce.chunks_expected + result.gather.chunks_expected
         lost = result.reduce.chunks_lost + result.gather.chunks_lost
         report.lost_fraction = lost / expected if expected else 0.0
+        if result.absent:
+            logger.warning(
+                f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
+                f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
+            )
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
                 f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
@@ -464,6 +575,8 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         rejected_messages=sum(r.rejected_messages for r in results),
         rejected_connections=sum(r.rejected_connections for r in results),
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
+        absent=sorted({i for r in results for i in r.absent}),
+        relayed=sorted({i for r in results for i in r.relayed}),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),

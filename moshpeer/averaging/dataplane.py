@@ -1,9 +1,16 @@
 """The data-plane server: one listening TCP socket per averager, shared by all of its rounds.
 
-Every incoming connection gets a random challenge; the connecting member must answer with an HMAC
-keyed by the group secret (see `wire`). The server hands an authenticated connection to the
-all-reduce session it names (by tag); anything else (wrong magic or version, unknown tag, bad MAC,
-impossible indices, silence) is closed and counted in `rejected_connections`.
+Every incoming connection runs the mutual handshake of `wire`: the connecting member proves it
+knows the group secret (HELLO), then this server proves it too (WELCOME). The server hands an
+authenticated connection to the all-reduce session it names (by tag); anything else (wrong magic or
+version, unknown tag, bad MAC, impossible indices, silence) is closed and counted in
+`rejected_connections`. Connections relayed over libp2p streams (see `relay.py`) arrive as local
+socket pairs through `accept_socket` and go through exactly the same handshake.
+
+In strict mode (the averager's) a connection for a group this peer is not in is refused at once,
+unless the peer is still matchmaking (it may be about to learn the group): a member that matchmaking
+left out of a group its mates assembled (hivemind's matchmaking can disagree at a deadline) thus
+makes its mates fail fast, not wait for the handshake timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import logging
 import socket
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional, Tuple
 
 from moshpeer.averaging import wire
 from moshpeer.errors import ProtocolError
@@ -26,9 +34,14 @@ HANDSHAKE_TIMEOUT = 10.0
 
 
 class DataPlane:
-    """Listens on (host, port); `register(session)` makes a session reachable for its round."""
+    """Listens on (host, port); `register(tag, session)` makes a session reachable for its round.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    :param strict: refuse at once a connection for a group that is not open (`open_group`) while no
+        matchmaking is in progress (`matchmaking()`); if False (standalone use), an unknown tag waits up to
+        HANDSHAKE_TIMEOUT for its session to be registered
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, strict: bool = False):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,6 +49,9 @@ class DataPlane:
         self._listener.listen(256)
         self.address: Tuple[str, int] = (host, self._listener.getsockname()[1])
         self._sessions: Dict[bytes, object] = {}
+        self.strict = strict
+        self._open_groups: Dict[bytes, int] = {}  # wire.tag_group(tag) -> how many holders
+        self._matchmaking = 0
         self._cond = threading.Condition()
         self._lock = threading.Lock()
         self.rejected_connections = 0
@@ -53,6 +69,37 @@ class DataPlane:
     def unregister(self, tag: bytes) -> None:
         with self._cond:
             self._sessions.pop(tag, None)
+
+    def open_group(self, group_prefix: bytes) -> None:
+        """This peer is in the group whose tags start with `group_prefix` (`wire.group_tag_prefix`)."""
+        with self._cond:
+            self._open_groups[group_prefix] = self._open_groups.get(group_prefix, 0) + 1
+            self._cond.notify_all()
+
+    def close_group(self, group_prefix: bytes) -> None:
+        with self._cond:
+            left = self._open_groups.get(group_prefix, 0) - 1
+            if left > 0:
+                self._open_groups[group_prefix] = left
+            else:
+                self._open_groups.pop(group_prefix, None)
+            self._cond.notify_all()
+
+    @contextmanager
+    def matchmaking(self) -> Iterator[None]:
+        """While open, connections for unknown groups wait (bounded): this peer may be about to join them."""
+        with self._cond:
+            self._matchmaking += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._matchmaking -= 1
+                self._cond.notify_all()
+
+    def _may_still_come(self, tag: bytes) -> bool:
+        """With _cond held: may a session for `tag` still be registered here?"""
+        return not self.strict or self._matchmaking > 0 or wire.tag_group(tag) in self._open_groups
 
     def count_rejected(self, why: str, peer=None) -> None:
         with self._lock:
@@ -73,6 +120,14 @@ class DataPlane:
             threading.Thread(target=self._handle, args=(conn, peer), name="moshpeer-dataplane-conn",
                              daemon=True).start()
 
+    def accept_socket(self, conn: socket.socket, peer) -> None:
+        """Serve a connection that arrived another way (a libp2p stream relayed into a local socket pair)."""
+        if self._closed:
+            _close(conn)
+            return
+        threading.Thread(target=self._handle, args=(conn, peer), name="moshpeer-dataplane-conn",
+                         daemon=True).start()
+
     def _handle(self, conn: socket.socket, peer) -> None:
         try:
             wire.tune_socket(conn)
@@ -81,16 +136,19 @@ class DataPlane:
             conn.sendall(challenge_msg)
             hello = bytearray(wire.HELLO.size)
             wire.recv_exactly(conn, memoryview(hello))
-            tag, sender, receiver, mac = wire.parse_hello(bytes(hello))
+            tag, sender, receiver, challenge_s, mac = wire.parse_hello(bytes(hello))
             session = self._wait_for_session(tag, time.monotonic() + HANDSHAKE_TIMEOUT)
             if session is None:
-                raise ProtocolError("unknown or finished round")
-            challenge = wire.parse_challenge(challenge_msg)
-            expected = wire.hello_mac(session.secret, challenge, tag, sender, receiver)
-            if not hmac.compare_digest(expected, mac):
-                raise ProtocolError("authentication failed (wrong group secret)")
+                raise ProtocolError("unknown or finished round (not in this group)")
             if receiver != session.my_index or not 0 <= sender < session.group_size or sender == receiver:
                 raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
+            challenge_r = wire.parse_challenge(challenge_msg)
+            peers = (session.peer_id_of(sender), session.peer_id_of(receiver))
+            expected = wire.hello_mac(session.secret, challenge_r, challenge_s, tag, sender, receiver, *peers)
+            if not hmac.compare_digest(expected, mac):
+                raise ProtocolError("authentication failed (wrong group secret)")
+            conn.sendall(wire.pack_welcome(
+                wire.welcome_mac(session.secret, challenge_r, challenge_s, tag, sender, receiver, *peers)))
         except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
             self.count_rejected(str(e) or type(e).__name__, peer)
             _close(conn)
@@ -101,7 +159,7 @@ class DataPlane:
         with self._cond:
             while tag not in self._sessions:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
+                if remaining <= 0 or self._closed or not self._may_still_come(tag):
                     return None
                 self._cond.wait(remaining)
             return self._sessions[tag]

@@ -43,6 +43,10 @@ class RoundReport:
     reduce: PhaseStats = field(default_factory=PhaseStats)
     gather: PhaseStats = field(default_factory=PhaseStats)
     departed: List[int] = field(default_factory=list)  # group indices that sent nothing in the round
+    # Group indices that were not in the round at all: they refused our authenticated hello (matchmaking
+    # disagreed: they never learned of this group), failed to prove the group secret, or were unreachable.
+    absent: List[int] = field(default_factory=list)
+    relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams
     missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
     rejected_connections: int = 0  # strangers / failed authentication during the round
     rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates

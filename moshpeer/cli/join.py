@@ -49,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_network_arguments(parser)
     add_membership_arguments(parser)
     add_training_arguments(parser)
+    add_loss_budget_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -104,6 +105,39 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--progress-bar", action="store_true", help="show a progress bar for state downloads")
 
 
+def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """Loss-budget (DBLP) and fault-injection flags of `moshpeer join` (see docs/loss_budget.md)."""
+    group = parser.add_argument_group("loss budget")
+    group.add_argument("--loss-budget", default="fixed", metavar="fixed|P|P_LOW,P_HIGH|phase",
+                       help="how much of a round may be missing when a peer stops waiting: fixed (wait for "
+                       "everything until the round deadline), a fraction P, or phase-aware P_LOW,P_HIGH "
+                       "(phase = 0.02,0.42): P_LOW in critical phases, P_HIGH otherwise (default: fixed)")
+    group.add_argument("--phase-threshold", type=positive_float, default=0.5, metavar="ETA",
+                       help="relative change of the gradient norm between epochs that marks a critical phase "
+                       "(default: 0.5)")
+    group.add_argument("--chunk-bytes", type=_positive_int, metavar="N",
+                       help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
+    group.add_argument("--faults", metavar="SPEC",
+                       help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
+                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2 (testing; default: "
+                       "$MOSHPEER_FAULTS)")
+
+
+def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
+    """TrainerConfig fields from the loss-budget flags (checked here, so bad values fail before start)."""
+    from moshpeer.averaging.faults import FaultConfig
+    from moshpeer.averaging.loss_budget import parse_loss_budget
+
+    spec, eta = getattr(args, "loss_budget", "fixed"), getattr(args, "phase_threshold", 0.5)
+    parse_loss_budget(spec, eta=eta)
+    averager_kwargs = {}
+    if getattr(args, "chunk_bytes", None) is not None:
+        averager_kwargs["chunk_bytes"] = args.chunk_bytes
+    if getattr(args, "faults", None):
+        averager_kwargs["faults"] = FaultConfig.parse(args.faults)
+    return {"loss_budget": spec, "phase_threshold": eta, "averager_kwargs": averager_kwargs}
+
+
 def trainer_config_from_args(args: argparse.Namespace):
     """A `TrainerConfig` from the training flags."""
     from moshpeer.peer.dropcompute import parse_compute_budget, parse_straggler
@@ -120,6 +154,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         round_timeout=args.round_timeout, seed=args.seed,
         straggler=parse_straggler(args.straggler) if args.straggler else None,
         state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
+        **loss_budget_settings_from_args(args),
     )
 
 
