@@ -50,6 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_membership_arguments(parser)
     add_training_arguments(parser)
     add_loss_budget_arguments(parser)
+    add_checkpoint_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -105,6 +106,44 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--progress-bar", action="store_true", help="show a progress bar for state downloads")
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints and preemption flags of `moshpeer join` (see docs/checkpoints.md)."""
+    group = parser.add_argument_group("checkpoints and preemption")
+    group.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="resume from the newest valid checkpoint in DIR, save periodic checkpoints there, "
+                       "and a final one on SIGTERM / SIGINT / the notice file (one directory per peer)")
+    group.add_argument("--checkpoint-every-steps", type=_positive_int, metavar="N",
+                       help="periodic checkpoint every N micro-batches (written in the background)")
+    group.add_argument("--checkpoint-every-seconds", type=positive_float, metavar="T",
+                       help="periodic checkpoint every T seconds (default without either flag: 600)")
+    group.add_argument("--keep", type=_positive_int, default=3, metavar="K",
+                       help="keep the newest K checkpoints (default: 3)")
+    group.add_argument("--grace-period", type=positive_float, default=20.0, metavar="S",
+                       help="with --checkpoint-dir: seconds from SIGTERM / notice to exit; the round in flight "
+                       "is finished if it fits, then the final checkpoint is written (default: 20)")
+    group.add_argument("--preemption-notice", metavar="PATH",
+                       help="a file whose appearance means this machine is being taken away (same as SIGTERM)")
+    group.add_argument("--max-staleness", type=int, default=1, metavar="EPOCHS",
+                       help="resume from the checkpoint only if the swarm is at most this many epochs ahead; "
+                       "otherwise download fresher state from peers (default: 1)")
+
+
+def checkpoint_policy_from_args(args: argparse.Namespace):
+    """A `CheckpointPolicy` from the checkpoint flags, or None without --checkpoint-dir."""
+    if args.checkpoint_dir is None:
+        for flag in ("checkpoint_every_steps", "checkpoint_every_seconds"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')} needs --checkpoint-dir")
+        return None
+    from moshpeer.peer.checkpoint.training import CheckpointPolicy
+
+    every_seconds = args.checkpoint_every_seconds
+    if every_seconds is None and args.checkpoint_every_steps is None:
+        every_seconds = 600.0
+    return CheckpointPolicy(args.checkpoint_dir, every_steps=args.checkpoint_every_steps, every_seconds=every_seconds,
+                            keep_last=args.keep, max_staleness=args.max_staleness)
+
+
 def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
     """Loss-budget (DBLP) and fault-injection flags of `moshpeer join` (see docs/loss_budget.md)."""
     group = parser.add_argument_group("loss budget")
@@ -155,6 +194,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         straggler=parse_straggler(args.straggler) if args.straggler else None,
         state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
         **loss_budget_settings_from_args(args),
+        checkpoint=checkpoint_policy_from_args(args) if hasattr(args, "checkpoint_dir") else None,
     )
 
 
@@ -162,12 +202,16 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     if args.no_train:
         daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
+        daemon.configure_preemption(notice_file=args.preemption_notice)
         exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "join")))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
     from moshpeer.peer.tasks import load_task, parse_task_kwargs
 
     task_kwargs = parse_task_kwargs(args.task_arg)
     daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
+    # With checkpoints a stop has a deadline: the round in flight and the final checkpoint get the grace period.
+    daemon.configure_preemption(grace_period=args.grace_period if config.checkpoint else None,
+                                notice_file=args.preemption_notice)
 
     def train(daemon) -> None:
         # Training runs in a worker thread so that a stop (SIGTERM) is honoured at once, even while
@@ -195,7 +239,10 @@ def run(args: argparse.Namespace) -> int:
         while worker.is_alive() and not daemon.stop_requested:
             worker.join(timeout=0.1)
         if worker.is_alive():
-            worker.join(timeout=0.5)  # a moment to finish the current micro-batch and print its lines
+            # A moment to finish the current micro-batch and print its lines; with a grace period, the
+            # time to finish the round in flight and write the final checkpoint.
+            wind_down = daemon.seconds_left_for_work()
+            worker.join(timeout=0.5 if wind_down == float("inf") else max(wind_down, 0.5))
         if failure:
             raise failure[0]
 

@@ -12,19 +12,26 @@ The training layer updates the record's mutable fields (step, epoch, samples, gr
 `update_record`; the heartbeat thread re-publishes the record every `heartbeat` seconds with an
 expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself.
 
-A signal that arrives after a stop was already requested skips whatever is left: the DHT's
-process group is killed and the process exits at once (press Ctrl-C twice to leave immediately).
+Signals (and the preemption notice file) have one owner: the daemon's `PreemptionWatcher`.
+Without a grace period, a signal that arrives after a stop was already requested skips whatever is
+left: the DHT's process group is killed and the process exits at once (press Ctrl-C twice to leave
+immediately). With a grace period (`moshpeer join --checkpoint-dir ...`), the stop has a deadline
+(notice + grace period): work gets until the deadline minus the shutdown budget to wind down (finish
+the averaging round, write the final checkpoint), a second signal is logged and ignored so it cannot
+cut that checkpoint short, the third exits at once (the atomic checkpoint write makes that safe), and
+a watchdog ends the process (exit code 1) if it is still there when the deadline is about to pass.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from hivemind.utils import get_dht_time
 
@@ -41,6 +48,8 @@ from moshpeer.dht import (
     withdraw,
 )
 from moshpeer.dht.records import MAX_ADDRESSES
+from moshpeer.errors import UserError
+from moshpeer.peer.preemption import PreemptionNotice, PreemptionWatcher
 from moshpeer.version import PROTOCOL_VERSION, __version__
 
 logger = logging.getLogger(__name__)
@@ -53,6 +62,8 @@ DEFAULT_SHUTDOWN_BUDGET = 3.5
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How often an idle main thread wakes up so that pending signal handlers run (see _idle_until_stopped).
 _SIGNAL_CHECK_SECONDS = 0.1
+# With a grace period: what the process needs after the shutdown sequence to be gone (flush, _exit).
+_EXIT_MARGIN = 0.5
 
 Work = Callable[["PeerDaemon"], None]
 ShutdownHook = Callable[[], None]
@@ -71,6 +82,9 @@ class PeerDaemon:
     :param expiration: seconds a record lives without a heartbeat (default: 3 heartbeats)
     :param connect_timeout: how long to keep trying to reach `initial_peers` at start
     :param shutdown_budget: seconds the whole shutdown sequence may take before it cuts steps short
+    :param grace_period: seconds from a stop request (signal, notice file) to the moment the process
+        must be gone; None: no deadline (the second signal exits at once)
+    :param notice_file: a path whose appearance requests a stop, like SIGTERM (a preemption notice)
     :param dht_kwargs: extra arguments for `moshpeer.dht.start_dht` / hivemind.DHT
     """
 
@@ -88,6 +102,8 @@ class PeerDaemon:
         expiration: Optional[float] = None,
         connect_timeout: float = 30.0,
         shutdown_budget: float = DEFAULT_SHUTDOWN_BUDGET,
+        grace_period: Optional[float] = None,
+        notice_file: Optional[Union[str, os.PathLike]] = None,
         **dht_kwargs: Any,
     ):
         if heartbeat <= 0:
@@ -100,6 +116,9 @@ class PeerDaemon:
         self.heartbeat = heartbeat
         self.expiration = expiration
         self.shutdown_budget = shutdown_budget
+        self.grace_period: Optional[float] = None
+        self.notice_file: Optional[Union[str, os.PathLike]] = None
+        self.configure_preemption(grace_period=grace_period, notice_file=notice_file)
         self._dht_options = dict(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
@@ -115,6 +134,9 @@ class PeerDaemon:
         self._record_lock = threading.Lock()
         self._stop_event = threading.Event()
         self._stop_reason = ""
+        self._stop_at: Optional[float] = None  # time.monotonic() of the stop request
+        self._watcher: Optional[PreemptionWatcher] = None
+        self._watchdog: Optional[threading.Timer] = None
         self._wake_heartbeat = threading.Event()
         self._heartbeat_stopped = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
@@ -155,8 +177,30 @@ class PeerDaemon:
 
     @property
     def stop_requested(self) -> bool:
-        """True once a signal or `request_stop` asked this peer to stop; work loops must check it."""
-        return self._stop_event.is_set()
+        """True once a signal, the notice file or `request_stop` asked this peer to stop; work loops must
+        check it. (True from inside the signal handler on: the watcher's callback only adds the reason.)"""
+        watcher = self._watcher
+        return self._stop_event.is_set() or (watcher is not None and watcher.triggered)
+
+    @property
+    def stop_deadline(self) -> Optional[float]:
+        """`time.monotonic()` by which the process must be gone: stop request + grace period; None
+        without a grace period or before a stop."""
+        if self.grace_period is None:
+            return None
+        watcher = self._watcher
+        if watcher is not None and watcher.triggered:
+            return watcher.deadline
+        return None if self._stop_at is None else self._stop_at + self.grace_period
+
+    def seconds_left_for_work(self) -> float:
+        """How long work may still take to wind down after a stop (finish a round, write the final
+        checkpoint) and leave the shutdown sequence its budget; infinity before a stop or without a
+        grace period."""
+        deadline = self.stop_deadline
+        if deadline is None:
+            return math.inf
+        return max(0.0, deadline - self.shutdown_budget - _EXIT_MARGIN - time.monotonic())
 
     @property
     def stop_reason(self) -> str:
@@ -191,6 +235,19 @@ class PeerDaemon:
         self._heartbeat_thread.start()
         logger.info(f"peer {self.peer_id} is in run {self.run_id!r} as {self.role}")
 
+    def configure_preemption(
+        self, *, grace_period: Optional[float] = None, notice_file: Optional[Union[str, os.PathLike]] = None
+    ) -> None:
+        """Set the grace period and notice file (see the class parameters); call before `run`.
+
+        :raises UserError: a grace period too short for the shutdown sequence
+        """
+        minimum = self.shutdown_budget + _EXIT_MARGIN
+        if grace_period is not None and grace_period <= minimum:
+            raise UserError(f"the grace period must be longer than {minimum:g} s (the shutdown sequence's budget)")
+        self.grace_period = grace_period
+        self.notice_file = notice_file
+
     def update_record(self, *, publish_now: bool = False, **fields: Any) -> PeerRecord:
         """Change mutable record fields (step, epoch, samples_accumulated, samples_per_second, grid,
         group_bits, addresses); they go out with the next heartbeat, or at once with `publish_now`.
@@ -220,7 +277,9 @@ class PeerDaemon:
         """Ask the peer to stop: `run` returns after the work notices and the shutdown sequence ends."""
         if not self._stop_event.is_set():
             self._stop_reason = reason
+            self._stop_at = time.monotonic()
             self._stop_event.set()
+            self._start_watchdog()
 
     def wait_for_stop(self, timeout: Optional[float] = None) -> bool:
         """Block until a stop is requested (True) or `timeout` passes (False)."""
@@ -266,6 +325,8 @@ class PeerDaemon:
             self._shut_down = True
         self.request_stop(self._stop_reason or "shutdown")
         deadline = time.monotonic() + self.shutdown_budget
+        if self.stop_deadline is not None:  # whatever work left of the grace period, never past it
+            deadline = min(deadline, self.stop_deadline - _EXIT_MARGIN)
         steps = (
             ("stop heartbeat", self._stop_heartbeat),
             ("withdraw record", self._withdraw),
@@ -279,6 +340,9 @@ class PeerDaemon:
             except Exception:
                 logger.exception(f"shutdown step {name!r} failed")
             logger.debug(f"shutdown step {name!r} took {time.monotonic() - started:.3f} s")
+        if self._watchdog is not None:
+            # Shut down in time: what is left (exit_now, or a library caller going on) is not ours to cut.
+            self._watchdog.cancel()
 
     def __enter__(self) -> "PeerDaemon":
         if not self.started:
@@ -356,27 +420,53 @@ class PeerDaemon:
         if self._dht is not None:
             self._dht.stop(timeout=max(0.2, min(2.0, deadline - time.monotonic())))
 
-    def _force_exit(self, signum: int) -> None:
-        """Second signal: kill the DHT's process group (p2pd included) and leave now."""
-        logger.warning(f"{signal.Signals(signum).name} again: exiting without finishing the shutdown")
+    def _kill_dht(self) -> None:
+        """Before an immediate exit: kill the DHT's process group (p2pd included), or it outlives us."""
         if self._dht is not None:
             self._dht.kill()
-        os._exit(128 + signum)
+
+    def _on_notice(self, notice: PreemptionNotice) -> None:
+        reason = f"received {notice.reason}" if notice.source == "signal" else notice.reason
+        self.request_stop(reason)
+
+    def _start_watchdog(self) -> None:
+        """With a grace period: make sure the process is gone by the deadline, whatever hangs."""
+        deadline = self.stop_deadline
+        if deadline is None or self._watchdog is not None:
+            return
+
+        def expire() -> None:
+            logger.error(f"grace period of {self.grace_period:g} s is over and the peer has not exited: leaving now")
+            logging.shutdown()
+            self._kill_dht()
+            os._exit(1)
+
+        # A little before the deadline: the exit itself takes a moment.
+        self._watchdog = threading.Timer(max(0.0, deadline - 0.25 - time.monotonic()), expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     @contextmanager
     def _signals_handled(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
+        # One owner for SIGINT / SIGTERM / SIGHUP and the notice file. Signal handlers can only be
+        # installed from the main thread; elsewhere only the notice file is watched.
+        in_main = threading.current_thread() is threading.main_thread()
+        graceful = self.grace_period is not None
+        watcher = PreemptionWatcher(
+            self.notice_file,
+            signals=_HANDLED_SIGNALS if in_main else (),
+            grace_period=self.grace_period if graceful else math.inf,
+            # With a grace period a second signal must not cut the final checkpoint short.
+            force_exit_after=3 if graceful else 2,
+            on_force_exit=self._kill_dht,
+            poll_interval=0.25,
+        )
+        if not in_main and self.notice_file is None:
+            yield
             return
-
-        def handle(signum: int, _frame: Any) -> None:
-            if self.stop_requested:
-                self._force_exit(signum)
-            self.request_stop(f"received {signal.Signals(signum).name}")
-
-        previous: Dict[int, Any] = {sig: signal.signal(sig, handle) for sig in _HANDLED_SIGNALS}
+        watcher.add_callback(self._on_notice)
+        self._watcher = watcher.start()
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            watcher.close()

@@ -62,9 +62,12 @@ class PreemptionWatcher:
         notice_file: path whose appearance means "preempted"; None to watch signals only. If it
             already exists at start, that counts as a notice (with a warning: delete stale files).
         signals: signals that mean "preempted"; () to install no handler.
-        grace_period: seconds from the notice to the moment the process must have exited.
+        grace_period: seconds from the notice to the moment the process must have exited
+            (`math.inf`: no deadline, for owners that only want the signal handling).
         poll_interval: how often the notice file's existence is checked (one stat() call).
         force_exit_after: the n-th signal exits immediately (None: never).
+        on_force_exit: called from the signal handler just before that immediate exit (e.g. to kill
+            child processes that would otherwise outlive this one); it must not take locks.
 
     Use as a context manager, or call `start()` and `close()`.
     """
@@ -77,6 +80,7 @@ class PreemptionWatcher:
         *,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         force_exit_after: Optional[int] = 3,
+        on_force_exit: Optional[Callable[[], None]] = None,
     ):
         if not grace_period > 0:
             raise ValueError(f"grace_period must be > 0, got {grace_period}")
@@ -89,6 +93,7 @@ class PreemptionWatcher:
         self.grace_period = float(grace_period)
         self.poll_interval = float(poll_interval)
         self.force_exit_after = force_exit_after
+        self._on_force_exit = on_force_exit
         self._notice: Optional[PreemptionNotice] = None
         self._event = threading.Event()
         self._callbacks: List[NoticeCallback] = []
@@ -212,6 +217,11 @@ class PreemptionWatcher:
             if self.force_exit_after is not None and self._signal_count >= self.force_exit_after:
                 message = f"moshpeer: {name} received {self._signal_count} times: exiting now, without waiting\n"
                 os.write(2, message.encode())
+                if self._on_force_exit is not None:
+                    try:
+                        self._on_force_exit()
+                    finally:
+                        os._exit(128 + signum)
                 os._exit(128 + signum)
         self._poke()
 
@@ -259,9 +269,12 @@ class PreemptionWatcher:
                 break
 
     def _announce(self, notice: PreemptionNotice) -> None:
-        logger.warning(
-            f"preemption notice ({notice.reason}): finishing up, must exit within {self.grace_period:g} s"
-        )
+        if math.isinf(self.grace_period):  # an owner without a grace period: a plain stop request
+            logger.info(f"stop requested ({notice.reason})")
+        else:
+            logger.warning(
+                f"preemption notice ({notice.reason}): finishing up, must exit within {self.grace_period:g} s"
+            )
         with self._callbacks_lock:
             callbacks = list(self._callbacks)
             self._callbacks.clear()

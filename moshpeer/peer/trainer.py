@@ -8,10 +8,17 @@ loss, metric, samples/s, group size, lost chunks, parameter spread, swarm progre
 `{"event": "done", ...}` line at the end, for tests, benchmarks and `moshpeer demo` to parse.
 Other events: "state_loaded" (after a state download), "training" (once, with the settings).
 
+With a checkpoint policy (`moshpeer join --checkpoint-dir`): "resumed" (started from a checkpoint:
+file, epoch, step, digests), "checkpoint_stale" (the swarm is further ahead than the staleness limit:
+the peer downloads state instead), "checkpoint" (kind "periodic" when a background write starts,
+"final" once the checkpoint on the way out is durable). See docs/checkpoints.md.
+
 Each peer reads its own shuffle of the training data (seeded by its peer id), so peers contribute
 different samples. Stop conditions: `max_epochs`, `max_seconds`, `target_metric`, or the daemon's
 stop request (SIGTERM), checked between micro-batches so a stop is never delayed by more than one
-micro-batch plus one bounded averaging round.
+micro-batch plus one bounded averaging round. With a grace period (checkpoints on), the averaging
+round in flight at a stop is finished if it fits before the daemon's deadline with time left for the
+final checkpoint, and abandoned otherwise.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.tasks import Task
@@ -60,6 +69,7 @@ class TrainerConfig:
     loss_budget: Any = None  # DBLP: None/"fixed" (baseline), P, "P_LOW,P_HIGH" or "phase"; see loss_budget.py
     phase_threshold: float = 0.5  # relative change of the gradient norm that marks a critical phase
     show_progress: bool = False
+    checkpoint: Optional[CheckpointPolicy] = None  # periodic checkpoints, resume, final checkpoint
     averager_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,6 +104,14 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     target = config.target_batch_size or task.target_batch_size
     micro = config.batch_size or task.batch_size
     started = time.monotonic()
+    checkpointer = resume = None
+    averager_kwargs = dict(config.averager_kwargs)
+    if config.checkpoint is not None:
+        checkpointer = PeerCheckpointer(config.checkpoint, task_name=task.name, fingerprint=task.fingerprint)
+        resume = checkpointer.load()
+        if resume is not None and resume.group_bits is not None:
+            averager_kwargs.setdefault("grid_bits", resume.group_bits)  # back to its place in the grid
+    in_step = threading.Event()  # set while the optimizer may be averaging (see _round_may_finish)
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
@@ -101,11 +119,29 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         loss_budget=config.loss_budget, phase_threshold=config.phase_threshold,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
-        should_stop=lambda: daemon.stop_requested, averager_kwargs=config.averager_kwargs,
-        host=_loopback_or_any(daemon),
+        should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
+        averager_kwargs=averager_kwargs, host=_loopback_or_any(daemon),
+        **({"max_epoch_lag": max(config.checkpoint.max_staleness, 1)} if config.checkpoint else {}),
     )
     # The process exits right after the daemon's shutdown: see CollaborativeOptimizer.shutdown.
     daemon.add_shutdown_hook(lambda: optimizer.shutdown(close_averager=False), name="collaborative optimizer")
+    seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
+    stream = task.open_batches(micro, seed=seed) if config.role == "trainer" else None
+    micro_steps = 0  # micro-batches computed by this peer: the `step` of its checkpoints
+    if checkpointer is not None:
+        checkpointer.attach(model, optimizer, stream)
+        if resume is not None:
+            checkpointer.restore(resume)
+            micro_steps = resume.step
+            emit({"event": "resumed", "file": resume.meta.path.name, "epoch": optimizer.local_epoch,
+                  "step": micro_steps, "params_digest": params_digest(model),
+                  "state_digest": state_digest(checkpointer.capture(micro_steps)),
+                  "time": round(time.monotonic() - started, 3)})
+        # Registered after the optimizer's hook, so it runs before it (hooks run newest first): if the
+        # training loop did not get to its final checkpoint in time, it is written here. Registered only
+        # once the state is restored, so a failed restore never saves a fresh model over the checkpoint.
+        daemon.add_shutdown_hook(lambda: _final_checkpoint(checkpointer, micro_steps, daemon, emit),
+                                 name="final checkpoint")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
@@ -114,8 +150,11 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
 
     _wait_for_peers(daemon, optimizer, config)
     snapshot = optimizer.progress.refresh_now()
-    if snapshot.global_epoch > optimizer.local_epoch and not daemon.stop_requested:
+    if _should_download(snapshot.global_epoch, optimizer.local_epoch, resume, config, emit) \
+            and not daemon.stop_requested:
         downloaded = optimizer.catch_up(min_epoch=max(snapshot.global_epoch - optimizer.max_epoch_lag, 1))
+        if downloaded is None and resume is not None:
+            logger.warning(f"no peer delivered fresher state: training on from the checkpoint (epoch {resume.epoch})")
         if downloaded is not None:
             emit({"event": "state_loaded", "epoch": downloaded.epoch, "donor": downloaded.donor,
                   "sha256": downloaded.sha256, "bytes": downloaded.nbytes, "seconds": round(downloaded.seconds, 3),
@@ -123,9 +162,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                   "time": round(time.monotonic() - started, 3)})
 
     train_started = time.monotonic()  # after waiting for peers and catching up: time spent training
-    emit({"event": "started", "epoch": optimizer.local_epoch, "time": round(train_started - started, 3)})
-    seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
-    stream = task.open_batches(micro, seed=seed) if config.role == "trainer" else None
+    emit({"event": "started", "epoch": optimizer.local_epoch, "step": micro_steps,
+          "time": round(train_started - started, 3)})
     metrics: Dict[str, float] = {}
     reason = "stopped"
     loss_sum, loss_count = 0.0, 0
@@ -145,10 +183,24 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             loss.backward()
             loss_sum += loss.item() * count
             loss_count += count
-            optimizer.step(batch_size=count)
+            in_step.set()
+            try:
+                optimizer.step(batch_size=count)
+            finally:
+                in_step.clear()
             optimizer.zero_grad()
+            micro_steps += 1
         else:
-            optimizer.wait_and_average(timeout=1.0)
+            in_step.set()
+            try:
+                optimizer.wait_and_average(timeout=1.0)
+            finally:
+                in_step.clear()
+        if checkpointer is not None and not daemon.stop_requested:
+            path = checkpointer.maybe_save(micro_steps)
+            if path is not None:
+                emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
+                      "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
         if len(optimizer.rounds) == rounds_before:
             continue
         round_ = optimizer.rounds[-1]
@@ -167,7 +219,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
             "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
             "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
-            "stopped_by_budget": round_.stopped_by_budget, "swarm_samples": round_.swarm_samples,
+            "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
+            "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
             "num_trainers": round_.num_trainers, "error": round_.error,
             "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
             "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
@@ -181,6 +234,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                 and not task.is_better(config.target_metric, metrics[task.metric])):
             reason = "target_metric"
             break
+    if checkpointer is not None:
+        _final_checkpoint(checkpointer, micro_steps, daemon, emit, reason=None if daemon.stop_requested else reason)
     if not daemon.stop_requested or not metrics:
         metrics = task.metrics(model)
     summary = TrainingSummary(epochs=optimizer.local_epoch, samples=optimizer.total_samples,
@@ -189,6 +244,55 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "rounds_ok": sum(r.ok for r in optimizer.rounds), "rounds": len(optimizer.rounds),
           "downloads": len(optimizer.downloads)})
     return summary
+
+
+def _round_may_finish(daemon: Any, checkpointer: Optional[PeerCheckpointer], in_step: threading.Event) -> bool:
+    """After a stop: whether the averaging round in flight may still run to its end. Only with
+    checkpoints on (a grace period), only inside an optimizer step, and only while there is time left
+    for the final checkpoint after it; otherwise the round is abandoned at once."""
+    if checkpointer is None or not in_step.is_set():
+        return False
+    return daemon.seconds_left_for_work() > checkpointer.estimated_save_s() + 0.5
+
+
+def _should_download(swarm_epoch: int, local_epoch: int, resume: Optional[ResumePoint], config: TrainerConfig,
+                     emit: Emit) -> bool:
+    """At start: a new peer downloads the swarm's state whenever the swarm has moved on; a peer that
+    resumed from a checkpoint only when the swarm is more than `max_staleness` epochs ahead."""
+    lag = swarm_epoch - local_epoch
+    if lag <= 0:
+        return False
+    if resume is None:
+        return True
+    limit = config.checkpoint.max_staleness
+    if lag <= limit:
+        logger.info(f"resuming from the checkpoint: {lag} epoch(s) behind the swarm (limit {limit})")
+        return False
+    logger.warning(f"checkpoint {resume.meta.path.name} is at epoch {local_epoch}, the swarm at {swarm_epoch}: "
+                   f"{lag} epochs behind (limit {limit}); downloading fresher state from peers instead")
+    emit({"event": "checkpoint_stale", "file": resume.meta.path.name, "checkpoint_epoch": local_epoch,
+          "swarm_epoch": swarm_epoch, "max_staleness": limit})
+    return True
+
+
+def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, emit: Emit,
+                      reason: Optional[str] = None) -> None:
+    """Write the checkpoint on the way out (once) and say so."""
+    if checkpointer.final_path is not None:
+        return
+    why = reason or daemon.stop_reason or "stopped"
+    started = time.monotonic()
+    try:
+        path = checkpointer.save_final(step, reason=why)
+    except Exception as e:  # reported, and the previous checkpoint stays the newest valid one
+        logger.error(f"final checkpoint failed: {type(e).__name__}: {e}")
+        return
+    left = daemon.seconds_left_for_work()
+    emit({"event": "checkpoint", "kind": "final", "file": path.name, "step": step,
+          "epoch": checkpointer.optimizer.local_epoch, "reason": why, "write_s": round(time.monotonic() - started, 3),
+          "state_digest": state_digest(checkpointer.capture(step)),
+          "params_digest": params_digest(checkpointer.model),
+          "seconds_left": None if left == float("inf") else round(left, 3)})
 
 
 def _reached_limit(optimizer: CollaborativeOptimizer, config: TrainerConfig) -> bool:

@@ -1,0 +1,112 @@
+"""Preemption of a real `moshpeer join` training peer: SIGTERM or a notice file -> final checkpoint,
+exit 0 inside the grace period; a restart resumes at the same step with bit-identical state.
+
+The peers train the built-in digits task alone (no --initial-peers: a swarm of one), which is
+enough for the checkpoint and signal path; tests/test_preemption_swarm.py covers the swarm.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from moshpeer.peer.checkpoint import CheckpointStore, load_checkpoint
+from moshpeer.peer.checkpoint.training import state_digest
+from swarm import LOOPBACK
+from training_swarm import events, wait_event
+
+pytestmark = pytest.mark.timeout(240)
+
+GRACE = 20.0
+STARTUP = 120.0  # spawn to first epoch on a loaded 2-core machine (imports torch, starts p2pd)
+
+
+def start_peer(swarm, run_id: str, checkpoint_dir, *extra: str):
+    return swarm.spawn("join", "--run-id", run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1",
+                       "--checkpoint-dir", str(checkpoint_dir), "--grace-period", str(GRACE), *extra)
+
+
+def stop_and_check(peer, how) -> dict:
+    """Trigger a stop with `how()`; the peer must exit 0 inside the grace period after writing its
+    final checkpoint. Returns that checkpoint's event."""
+    sent = time.monotonic()
+    how()
+    code = peer.wait_exit(GRACE + 15)
+    elapsed = time.monotonic() - sent
+    assert code == 0, peer.describe(40)
+    assert elapsed < GRACE, f"exited {elapsed:.1f} s after the stop; grace period {GRACE} s"
+    final = [e for e in events(peer, "checkpoint") if e["kind"] == "final"]
+    assert len(final) == 1, peer.describe(40)
+    assert final[0]["seconds_left"] > 0  # durable before the time reserved for the shutdown
+    assert "Traceback" not in peer.stderr, peer.describe(60)
+    return final[0]
+
+
+def test_sigterm_checkpoints_in_time_and_restart_resumes_exactly(swarm, tmp_path):
+    directory = tmp_path / "ckpt"
+    peer = start_peer(swarm, "preempt-join", directory, "--checkpoint-every-steps", "7")
+    # A few epochs in: Adam state exists and periodic checkpoints were written in the background.
+    wait_event(peer, "epoch", timeout=STARTUP, predicate=lambda e: e["epoch"] >= 2)
+    final = stop_and_check(peer, lambda: peer.send_signal(signal.SIGTERM))
+    assert final["reason"] == "received SIGTERM"
+    assert any(e["kind"] == "periodic" for e in events(peer, "checkpoint"))
+    done = wait_event(peer, "done", timeout=1)
+    assert done["reason"] == "stopped" and done["params_digest"] == final["params_digest"]
+
+    # On disk: the newest valid checkpoint is the final one, and it holds exactly the state the peer had.
+    state, meta = CheckpointStore(directory).load_latest()
+    assert meta.path.name == final["file"] and meta.step == final["step"] and meta.epoch == final["epoch"]
+    assert meta.extra["reason"] == "received SIGTERM"
+    assert state_digest(state) == final["state_digest"]
+    assert set(state) >= {"model", "optimizer", "collaborative", "grid", "rng", "data"}
+    assert state["optimizer"]["state"], "Adam's moments are in the checkpoint"
+    assert state["collaborative"]["epoch"] == final["epoch"] and state["collaborative"]["micro_steps"] == final["step"]
+
+    restarted = start_peer(swarm, "preempt-join", directory, "--checkpoint-every-steps", "7")
+    resumed = wait_event(restarted, "resumed", timeout=STARTUP)
+    # Same file, same step and epoch; parameters, optimizer state, accumulators bit-identical to the
+    # saved tensors (digest of the live state after loading == digest of the file's tensors).
+    assert resumed["file"] == final["file"]
+    assert (resumed["step"], resumed["epoch"]) == (final["step"], final["epoch"])
+    assert resumed["state_digest"] == state_digest(load_checkpoint(directory / final["file"])[0])
+    assert resumed["params_digest"] == final["params_digest"]
+    started = wait_event(restarted, "started", timeout=60)
+    assert started["step"] == final["step"] and started["epoch"] == final["epoch"]
+    # It trains on from there, and a second preemption takes the same path.
+    wait_event(restarted, "epoch", timeout=STARTUP, predicate=lambda e: e["previous_epoch"] == final["epoch"])
+    second = stop_and_check(restarted, lambda: restarted.send_signal(signal.SIGTERM))
+    assert second["step"] > final["step"] and second["epoch"] > final["epoch"]
+
+
+def test_notice_file_takes_the_same_path_as_sigterm(swarm, tmp_path):
+    directory, notice = tmp_path / "ckpt", tmp_path / "preempted"
+    peer = start_peer(swarm, "preempt-notice", directory, "--preemption-notice", str(notice))
+    wait_event(peer, "epoch", timeout=STARTUP, predicate=lambda e: e["epoch"] >= 1)
+    final = stop_and_check(peer, lambda: notice.write_text("spot instance termination scheduled\n"))
+    assert final["reason"] == f"notice file {notice} appeared"
+    state, meta = CheckpointStore(directory).load_latest()
+    assert meta.path.name == final["file"] and state_digest(state) == final["state_digest"]
+    assert "preemption notice" in peer.stderr
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_skipped(swarm, tmp_path):
+    directory = tmp_path / "ckpt"
+    peer = start_peer(swarm, "preempt-corrupt", directory, "--checkpoint-every-steps", "5")
+    wait_event(peer, "epoch", timeout=STARTUP, predicate=lambda e: e["epoch"] >= 1)
+    final = stop_and_check(peer, lambda: peer.send_signal(signal.SIGTERM))
+    valid = [info for info in CheckpointStore(directory).list() if info.valid]
+    assert len(valid) >= 2 and valid[-1].name == final["file"]
+    with open(valid[-1].path, "r+b") as f:  # flip a payload byte of the newest checkpoint
+        f.seek(valid[-1].size - 100)
+        byte = f.read(1)
+        f.seek(valid[-1].size - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    restarted = start_peer(swarm, "preempt-corrupt", directory)
+    resumed = wait_event(restarted, "resumed", timeout=STARTUP)
+    assert resumed["file"] == valid[-2].name and resumed["step"] == valid[-2].meta.step
+    warnings = [line for line in restarted.stderr_lines if final["file"] in line]
+    assert len(warnings) == 1 and "skipping corrupt checkpoint" in warnings[0], warnings
+    stop_and_check(restarted, lambda: restarted.send_signal(signal.SIGTERM))
