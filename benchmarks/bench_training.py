@@ -131,13 +131,23 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
     done = [p.wait_event("done", 0) for p in peers]
     finals = [d["metrics"]["accuracy"] for d in done if d]
     epochs = [[e for e in p.events if e.get("event") == "epoch"] for p in peers]
-    step_times = [b[time_key] - a[time_key] for eps in epochs for a, b in zip(eps, eps[1:])]
+    # Seconds per collaborative epoch, counted the same way for every system and peer: the time between
+    # a peer's first and last epoch events over the epochs it advanced in between (a peer that caught
+    # up by downloading state may advance several epochs in one event).
+    spans = [(eps[-1][time_key] - eps[0][time_key], eps[-1]["epoch"] - eps[0]["epoch"])
+             for eps in epochs if len(eps) >= 2 and eps[-1]["epoch"] > eps[0]["epoch"]]
+    seconds, advanced = sum(s for s, _ in spans), sum(n for _, n in spans)
+    rounds = [e for eps in epochs for e in eps]
     return {
         "time_to_target_s": time_to_target(peers, target),
         "final_acc": sum(finals) / len(finals) if finals else None,
         "peers_finished": len(finals),
         "train_s": max((d["seconds"] for d in done if d), default=None),
-        "mean_step_s": sum(step_times) / len(step_times) if step_times else None,
+        "mean_step_s": seconds / advanced if advanced else None,
+        "rounds_ok_fraction": (sum(bool(e.get("ok")) for e in rounds) / len(rounds)) if rounds else None,
+        "mean_group_size": (sum(e.get("group_size", 0) for e in rounds if e.get("ok"))
+                            / max(sum(bool(e.get("ok")) for e in rounds), 1)) if rounds else None,
+        "dropped_samples": sum(e.get("dropped_samples") or 0 for e in rounds),
     }
 
 

@@ -171,3 +171,76 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
     finally:
         newcomer.shutdown()
         donor.shutdown()
+
+
+def _train_together(optimizers, models, epochs: int, batch_size: int = 32) -> None:
+    """Step every optimizer in its own thread (real averaging rounds between them) for `epochs` epochs."""
+    errors = []
+
+    def run(opt, model, seed):
+        try:
+            data = iter(batches(64, batch_size, seed=seed))
+            while opt.local_epoch < epochs:
+                loss_of(model, next(data)).backward()
+                opt.step()
+                opt.zero_grad()
+        except Exception as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(o, m, i + 1)) for i, (o, m) in enumerate(zip(optimizers, models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_error_feedback_state_is_checkpointed_and_downloaded(dht_node):
+    run = "ef"
+    boot = dht_node(run_ids=[run])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    dhts = [dht_node(initial_peers=maddrs, run_ids=[run]) for _ in range(3)]
+    models = [make_model(seed=0), make_model(seed=0)]
+    options = dict(batch_size_per_step=32, target_batch_size=64, compression="arc-topk:0.25", error_feedback=True)
+    peers = [collaborative(model, dht, run, **options) for model, dht in zip(models, dhts)]
+    newcomer = None
+    try:
+        assert peers[0].wait_for_peers(2, timeout=30) == 2 and peers[1].wait_for_peers(2, timeout=30) == 2
+        _train_together(peers, models, epochs=3)
+        donor = peers[0]
+        assert any(r.ok for r in donor.rounds), [r.error for r in donor.rounds]
+        feedback = donor.state_dict()["collaborative"]["error_feedback"]
+        assert feedback["steps"] == sum(r.ok for r in donor.rounds) and float(feedback["e_bar"].abs().sum()) > 0
+
+        # state_dict / load_state_dict carry it.
+        restored_opt = collaborative(make_model(seed=3), dht_node(run_ids=["ef-restore"]), "ef-restore",
+                                     serve_state=False, **options)
+        try:
+            restored_opt.load_state_dict(donor.state_dict())
+            for name in ("h", "e", "e_bar"):
+                assert torch.equal(getattr(restored_opt.error_feedback, name), feedback[name])
+            assert restored_opt.error_feedback.steps == feedback["steps"]
+        finally:
+            restored_opt.shutdown()
+
+        # A newcomer downloads it with the parameters.
+        newcomer = collaborative(make_model(seed=9), dhts[2], run, serve_state=False, **options)
+        donor._advertise()
+        peers[1]._advertise()
+        downloaded = newcomer.catch_up()
+        assert downloaded is not None
+        source = peers[0] if downloaded.donor == dhts[0].identity.peer_id else peers[1]
+        for name in ("h", "e", "e_bar"):
+            assert torch.equal(getattr(newcomer.error_feedback, name), getattr(source.error_feedback, name))
+        assert newcomer.error_feedback.steps == source.error_feedback.steps > 0
+    finally:
+        for opt in peers + ([newcomer] if newcomer is not None else []):
+            opt.shutdown()
+
+
+def test_error_feedback_needs_a_sparsifying_codec(dht_node):
+    from moshpeer.errors import UserError
+
+    with pytest.raises(UserError, match="sparsifying codec"):
+        collaborative(make_model(), dht_node(run_ids=["ef-bad"]), "ef-bad", batch_size_per_step=32,
+                      compression="int8", error_feedback=True)

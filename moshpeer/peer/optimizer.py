@@ -58,6 +58,9 @@ from moshpeer.peer.state_sync import (
 logger = logging.getLogger(__name__)
 
 AVERAGING_MODES = ("gradients", "parameters")
+# With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
+# takes a few round trips), even when the budget deadline is closer than this.
+MIN_BUDGET_WINDOW_S = 0.2
 
 
 @dataclass
@@ -74,6 +77,8 @@ class CollaborativeRound:
     averaging_s: float = 0.0
     param_spread: Optional[float] = None  # ||params - group mean|| / ||group mean|| before the round
     stopped_by_budget: bool = False
+    dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)
+    group_target: int = 0  # the group size this round aimed for (live peers, capped at group_size)
     swarm_samples: int = 0
     num_trainers: int = 0
     error: Optional[str] = None
@@ -101,6 +106,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param compression: codec name for averaging ("none", "fp16", ...)
     :param group_size: target Moshpit group size
     :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
+    :param error_feedback: gradients mode with a sparsifying codec (arc-topk): keep EF21M error-feedback
+        state (momentum, what the group knows, the update estimate). It is part of `state_dict()` and of
+        the state a newcomer downloads. Only gradients are averaged then (parameters are not adopted:
+        EF21M's estimate is meaningful for gradients only). An `EF21M` given in
+        `averager_kwargs["error_feedback"]` is used the same way.
     :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
     :param average_parameters: gradients mode: also adopt the group's average parameters each round
         ("auto": always without compression; with a lossy codec only when the swarm has more
@@ -132,6 +142,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         group_size: int = 4,
         min_group_size: int = 2,
         compute_budget: BudgetSetting = None,
+        error_feedback: bool = False,
         role: str = "trainer",
         average_parameters: Union[bool, str] = "auto",
         average_optimizer_state: bool = True,
@@ -179,6 +190,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.show_progress = show_progress
         self.model = model
         self._should_stop = should_stop or (lambda: False)
+        averager_kwargs = dict(averager_kwargs or {})
+        if error_feedback and averager_kwargs.get("error_feedback") is None:
+            averager_kwargs["error_feedback"] = self._make_error_feedback(optimizer, averaging, compression)
+        # Error feedback replaces the averaged vector by its own estimate: gradients only, never parameters.
+        self.error_feedback = averager_kwargs.get("error_feedback")
+        if self.error_feedback is not None and averaging != "gradients":
+            raise UserError("error feedback needs averaging='gradients'")
 
         # torch.optim.Optimizer's own machinery, without its __init__ (param_groups live in `inner`).
         self.defaults = optimizer.defaults
@@ -197,6 +215,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.local_steps = 0
         self.samples_accumulated = 0  # this epoch, this peer
         self.total_samples = 0
+        self.dropped_samples = 0  # computed but left out of the swarm's average (missed rounds)
+        self.failed_rounds = 0  # aux peers: rounds that found no group (the aux retries them)
         self.rounds: List[CollaborativeRound] = []
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
@@ -241,7 +261,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.averager = MoshpitAverager(
             [self._flat], dht=self.dht, run_id=f"{run_id}.{averaging}", target_group_size=group_size,
             min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
-            round_timeout=round_timeout, host=host, **(averager_kwargs or {}))
+            round_timeout=round_timeout, host=host, **averager_kwargs)
 
         # ---- state donor ----
         self._state_cache: Optional[tuple] = None
@@ -275,17 +295,25 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
-        state = self.inner.state_dict()
-        state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps}
+        """The wrapped optimizer's state dict plus a "collaborative" entry: epoch, steps and the
+        error-feedback state (None without error feedback)."""
+        with self.lock:
+            state = self.inner.state_dict()
+            state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps,
+                                      "error_feedback": self._error_feedback_state()}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Inverse of `state_dict` (a plain optimizer state dict, without "collaborative", loads too)."""
         state_dict = dict(state_dict)
         collaborative = state_dict.pop("collaborative", None)
-        self.inner.load_state_dict(state_dict)
-        if collaborative:
-            self.local_epoch = int(collaborative.get("epoch", self.local_epoch))
-            self.local_steps = int(collaborative.get("steps", self.local_steps))
+        with self.lock:
+            if collaborative and collaborative.get("error_feedback") is not None:
+                self._load_error_feedback(collaborative["error_feedback"])
+            self.inner.load_state_dict(state_dict)
+            if collaborative:
+                self.local_epoch = int(collaborative.get("epoch", self.local_epoch))
+                self.local_steps = int(collaborative.get("steps", self.local_steps))
 
     def __repr__(self) -> str:
         return f"CollaborativeOptimizer({self.inner!r}, run_id={self.run_id!r}, averaging={self.averaging!r})"
@@ -368,15 +396,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                             num_trainers=snapshot.num_trainers)
                 self.rounds.append(caught)
                 return caught
+        alone = snapshot.num_trainers + snapshot.num_aux <= 1
+        if not alone and self._missed_round():
+            missed = self._catch_up_after_missed_round(stopped_by_budget)
+            if missed is not None:
+                return missed
         round_ = CollaborativeRound(epoch=self.local_epoch, samples=self.samples_accumulated, ok=False,
                                     stopped_by_budget=stopped_by_budget, swarm_samples=snapshot.samples_accumulated,
-                                    num_trainers=snapshot.num_trainers)
+                                    num_trainers=snapshot.num_trainers, group_target=self.group_target(snapshot))
         with_params = self._average_params_now(snapshot)
         with self.lock:
             self._fill_averaged_buffers(with_params)
-        alone = snapshot.num_trainers + snapshot.num_aux <= 1
         # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
-        report = None if alone else self._run_round(weight=float(self.samples_accumulated))
+        report = None if alone else self._run_round(weight=float(self.samples_accumulated),
+                                                    target_group_size=round_.group_target,
+                                                    matchmaking_time=self._matchmaking_window())
         with self.lock:
             if report is not None and getattr(report, "ok", False):
                 round_.ok = True
@@ -394,6 +428,47 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._finish_epoch()
         self.rounds.append(round_)
         return round_
+
+    def group_target(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
+        """This round's group size: `group_size`, or the number of live peers (trainers and aux, from
+        their DHT records) when the swarm is smaller, so a small swarm does not wait the whole
+        matchmaking time for members that do not exist."""
+        snapshot = snapshot or self.progress.snapshot()
+        live = snapshot.num_trainers + snapshot.num_aux
+        return max(self.averager.min_group_size, min(self.group_size, live))
+
+    def _matchmaking_window(self) -> float:
+        """How long this round waits for its group to fill. With a DropCompute budget the swarm waits
+        for nobody past the budget deadline of the epoch (a straggler still inside a micro-batch is
+        left out), but at least MIN_BUDGET_WINDOW_S; otherwise `matchmaking_time`."""
+        step = self._budget_step
+        if step is None or step.tau_s is None:
+            return self.matchmaking_time
+        floor = min(self.matchmaking_time, MIN_BUDGET_WINDOW_S)
+        return min(self.matchmaking_time, max(step.tau_s - step.elapsed_s, floor))
+
+    def _missed_round(self) -> bool:
+        """With a budget: this peer arrives after every window of its epoch has closed and the swarm has
+        moved on (a fresh read of the DHT shows a later epoch). Averaging now would find nobody, or
+        mix gradients of stale parameters into the next epoch."""
+        step = self._budget_step
+        if step is None or step.tau_s is None:
+            return False
+        if step.elapsed_s < step.tau_s + min(self.matchmaking_time, MIN_BUDGET_WINDOW_S):
+            return False
+        return self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch
+
+    def _catch_up_after_missed_round(self, stopped_by_budget: bool) -> Optional[CollaborativeRound]:
+        """Drop this epoch's late samples and adopt the state the swarm reached without them."""
+        late_samples, epoch = self.samples_accumulated, self.local_epoch
+        downloaded = self.catch_up(min_epoch=self.local_epoch + 1)
+        if downloaded is None:
+            return None  # no donor: average as usual (alone if nobody is left)
+        self.dropped_samples += late_samples
+        missed = CollaborativeRound(epoch=epoch, samples=0, ok=False, error="missed round; caught up",
+                                    stopped_by_budget=stopped_by_budget, dropped_samples=late_samples)
+        self.rounds.append(missed)
+        return missed
 
     @property
     def loss_budget(self) -> Any:
@@ -426,17 +501,53 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
-        """Aux peers: wait (bounded) until the swarm's epoch is ready, then average with weight 0."""
+        """Aux peers: take part in the swarm's next averaging round with weight 0.
+
+        The aux follows the trainers' epoch (it computes nothing, so there is nothing of its own to
+        keep for an epoch the swarm has finished) and enters matchmaking as soon as the swarm is within
+        `matchmaking_time` of its target batch, so the trainers find it already waiting: it owns a part
+        of every reduce-scatter and all-gather of its group (bandwidth) and adds no samples and no
+        weight to any average. Returns the round if it averaged with a group, None if no group formed
+        or the swarm did not get close to averaging before `timeout` (then call again).
+        """
+        if self.role != "aux":
+            raise UserError("wait_and_average is for aux peers; trainers call step()")
         deadline = time.monotonic() + (timeout if timeout is not None else self.round_timeout * 3)
         while time.monotonic() < deadline and not self._should_stop():
             snapshot = self.progress.snapshot()
-            if snapshot.global_epoch > self.local_epoch + self.max_epoch_lag:
-                self.catch_up(min_epoch=snapshot.global_epoch - self.max_epoch_lag)
-                return None
-            if snapshot.ready or snapshot.global_epoch > self.local_epoch:
-                return self.collaborative_step()
-            self.progress.wait_for_refresh(timeout=1.0)
+            if snapshot.num_trainers > 0:
+                if snapshot.global_epoch > self.local_epoch:
+                    with self.lock:
+                        self.local_epoch = snapshot.global_epoch
+                    self._report_progress(force=True)
+                if snapshot.ready or snapshot.eta_s <= self.matchmaking_time:
+                    return self._aux_round(snapshot)
+            self.progress.wait_for_refresh(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         return None
+
+    def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
+        """One weight-0 round of an aux peer; it advances its epoch only when it averaged."""
+        round_ = CollaborativeRound(epoch=self.local_epoch, samples=0, ok=False,
+                                    swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers,
+                                    group_target=self.group_target(snapshot))
+        with_params = self._average_params_now(snapshot)
+        with self.lock:
+            self._fill_averaged_buffers(with_params)
+        report = self._run_round(weight=0.0, target_group_size=round_.group_target)
+        if report is None or not getattr(report, "ok", False):
+            self.failed_rounds += 1
+            return None
+        with self.lock:
+            round_.ok = True
+            round_.group_size = int(report.group_size)
+            round_.chunks_lost = int(report.chunks_lost)
+            round_.lost_fraction = float(report.lost_fraction)
+            round_.matchmaking_s = float(report.matchmaking_s)
+            round_.averaging_s = float(report.total_s)
+            round_.param_spread = self._apply_averaged(with_params)
+            self._finish_epoch()
+        self.rounds.append(round_)
+        return round_
 
     def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor and adopt it; None if no donor delivered."""
@@ -465,7 +576,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             else:
                 model_state = {str(i): p.detach().clone() for i, p in enumerate(self.params)}
             return {"format": 1, "epoch": self.local_epoch, "steps": self.local_steps, "model": model_state,
-                    "optimizer": self.inner.state_dict(), "has_model": self.model is not None}
+                    "optimizer": self.inner.state_dict(), "has_model": self.model is not None,
+                    "error_feedback": self._error_feedback_state()}
 
     def load_collaborative_state(self, state: Dict[str, Any]) -> None:
         """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
@@ -477,6 +589,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 for i, p in enumerate(self.params):
                     p.copy_(state["model"][str(i)])
             self.inner.load_state_dict(state["optimizer"])
+            if state.get("error_feedback") is not None:
+                self._load_error_feedback(state["error_feedback"])
+            elif self.error_feedback is not None:
+                # The donor keeps none: start ours afresh rather than keep an estimate of other parameters.
+                self._load_error_feedback(self._fresh_error_feedback_state())
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
@@ -521,6 +638,51 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state tensor {name} does not match the model")
             if other.is_floating_point() and not torch.isfinite(other).all():
                 raise ValueError(f"state tensor {name} has non-finite values")
+        feedback = state.get("error_feedback")
+        if feedback is not None and self.error_feedback is not None:
+            self._check_error_feedback(feedback)
+
+    # ---- error feedback -----------------------------------------------------------------------
+
+    @staticmethod
+    def _make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
+        from moshpeer.compression import get_compression  # peer > compression: allowed
+        from moshpeer.compression.ef21m import EF21M
+
+        sparsifier = get_compression(compression).sparsifier
+        if averaging != "gradients" or sparsifier is None:
+            raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
+                            f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
+        numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        return EF21M(numel, sparsifier)
+
+    def _error_feedback_state(self) -> Optional[Dict[str, Any]]:
+        return self.error_feedback.state_dict() if self.error_feedback is not None else None
+
+    def _fresh_error_feedback_state(self) -> Dict[str, Any]:
+        state = self.error_feedback.state_dict()
+        for name in ("h", "e", "e_bar"):
+            state[name].zero_()
+        state["steps"] = 0
+        return state
+
+    def _check_error_feedback(self, feedback: Any) -> None:
+        """Raise ValueError unless `feedback` is an error-feedback state that fits ours (before adopting it)."""
+        if not isinstance(feedback, dict):
+            raise ValueError("error-feedback state must be a dict")
+        for name in ("h", "e", "e_bar"):
+            value = feedback.get(name)
+            if not isinstance(value, torch.Tensor) or value.numel() != self.error_feedback.numel:
+                raise ValueError(f"error-feedback tensor {name} does not fit this model")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"error-feedback tensor {name} has non-finite values")
+
+    def _load_error_feedback(self, feedback: Dict[str, Any]) -> None:
+        if self.error_feedback is None:
+            logger.info("ignoring an error-feedback state: this optimizer keeps none")
+            return
+        with self.averager.get_tensors():  # no round may use the state while it changes
+            self.error_feedback.load_state_dict(feedback)
 
     def _serialized_state(self) -> tuple:
         with self.lock:
@@ -539,15 +701,18 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _averaged_buffers(self) -> List[torch.Tensor]:
         """The averager's tensors, as views of one flat fp32 buffer (the averager then works on it
         without copying). gradients: [grads..., params...]; parameters: [params..., optimizer stats...]."""
-        sizes = [p.numel() for p in self.params] * 2
+        copies = 1 if self.error_feedback is not None else 2  # error feedback: gradients only
+        sizes = [p.numel() for p in self.params] * copies
         self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
         views = list(torch.split(self._flat, sizes))
-        shapes = [p.shape for p in self.params] * 2
+        shapes = [p.shape for p in self.params] * copies
         return [view.view(shape) for view, shape in zip(views, shapes)]
 
     def _average_params_now(self, snapshot: ProgressSnapshot) -> bool:
         if self.averaging == "parameters":
             return True
+        if self.error_feedback is not None:
+            return False  # parameters are not in the averaged buffer
         if self.average_parameters == "auto":
             # The parameters travel in every round anyway (one fixed buffer). Adopting their average
             # re-syncs peers that once stepped alone; with a lossy codec it would also add codec
@@ -584,13 +749,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     break
         return found
 
-    def _run_round(self, weight: float) -> Any:
+    def _run_round(self, weight: float, target_group_size: Optional[int] = None,
+                   matchmaking_time: Optional[float] = None) -> Any:
         """Run one averaging round in a helper thread; abandon it if a stop is requested."""
         result: Dict[str, Any] = {}
+        window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
 
         def target() -> None:
             try:
-                result["report"] = self.averager.step(weight=weight, timeout=2 * self.matchmaking_time)
+                result["report"] = self.averager.step(weight=weight, timeout=2 * window,
+                                                      target_group_size=target_group_size, matchmaking_time=window)
             except Exception as e:
                 logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
                 result["error"] = e
