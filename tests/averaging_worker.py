@@ -7,6 +7,7 @@ per stdin line and answers each with one JSON line on stdout:
 
     {"cmd": "set", "seed": S}            tensor <- peer_values(S, K, numel)
     {"cmd": "step", "weight": W}         one averaging round -> {"event": "report", ...RoundReport}
+    {"cmd": "step", "search_s": T}       ... looking for a group for at most T seconds
     {"cmd": "add", "seed": S, "scale": A} tensor += A * peer_values(S, K, numel)
     {"cmd": "values"}                    -> {"event": "values", "values": [...]}
     {"cmd": "step", "faults": "drop_prob=0.1,..."} also sets this peer's fault injection ("" = none)
@@ -91,7 +92,7 @@ def main() -> int:
             if "faults" in command:
                 averager.faults = FaultConfig.parse(command["faults"]) if command["faults"] else None
             started = time.monotonic()
-            report = averager.step(weight=command.get("weight", 1.0))
+            report = averager.step(weight=command.get("weight", 1.0), timeout=command.get("search_s"))
             print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, **report.to_dict()}), flush=True)
         elif command["cmd"] == "dump":
             with averager.get_tensors() as (t,):

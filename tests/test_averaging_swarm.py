@@ -165,3 +165,47 @@ def test_sigkilled_peer_mid_round():
                     assert torch.equal(h[lo:hi], holders[0][lo:hi]), (part, chunk)
                     compared += 1
         assert compared > 0
+
+
+# ---- libp2p-stream fallback -------------------------------------------------------------------------
+
+
+def test_member_without_direct_address_averages_over_libp2p_streams():
+    """Member 3 announces no TCP address (as behind NAT): every chunk to and from it travels over libp2p
+    streams through the P2P daemons, with the same handshake and checks, and the round is exact."""
+    numel, chunk_bytes = 4096, 2048  # several chunks per part, so the relayed streams carry a pipeline
+    with AveragingSwarm(4, "--numel", str(numel), "--target-group-size", "4", "--min-group-size", "4",
+                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", "1.0",
+                        per_worker_args=lambda k: ["--transport", "libp2p"] if k == 3 else []) as swarm:
+        swarm.all("set", 30, cmd="set", seed=11)
+        reports = swarm.all("report", 60, cmd="step")
+        assert all(r["ok"] and r["group_size"] == 4 and not r["absent"] for r in reports), reports
+        assert all(r["lost_fraction"] == 0 and r["rejected_connections"] == 0 for r in reports), reports
+        natted = reports[3]["my_index"]
+        assert reports[3]["relayed"] == sorted({0, 1, 2, 3} - {natted})  # it sends everything over libp2p
+        for r in reports[:3]:
+            assert r["relayed"] == [natted]  # the others reach only it over libp2p, each other directly
+        exact = exact_mean(11, 4, numel)
+        for answer in swarm.all("values", 30, cmd="values"):
+            assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+
+
+# ---- matchmaking at the deadline ----------------------------------------------------------------------
+
+
+def test_group_assembled_at_the_followers_deadline_reaches_the_follower():
+    """Two peers, groups of up to 4 (never full), each looking for exactly its matchmaking time: the leader
+    assembles the pair at its declared expiration, which is the follower's search end give or take the
+    milliseconds between their starts. A follower that stopped waiting at its search end (hivemind's
+    look_for_group with timeout = deadline) would leave while its leader counts it; ours waits for the
+    leader's answer, so both members see the same group every round."""
+    with AveragingSwarm(2, "--numel", "256", "--target-group-size", "4", "--min-group-size", "2",
+                        "--matchmaking-time", "1.0") as swarm:
+        for seed in range(5):
+            swarm.all("set", 30, cmd="set", seed=seed)
+            reports = swarm.all("report", 60, cmd="step", search_s=1.0)
+            assert all(r["ok"] and r["group_size"] == 2 and not r["absent"] for r in reports), reports
+            assert reports[0]["group_id"] == reports[1]["group_id"]
+            exact = exact_mean(seed, 2, 256)
+            for answer in swarm.all("values", 30, cmd="values"):
+                assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6

@@ -434,9 +434,12 @@ class MoshpitAverager(ServicerBase):
         self.rounds_done += 1
 
     def _committed(self) -> bool:
-        """Is this peer part of a group in the making (see the module docstring)?"""
+        """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
+        followers, a join request in flight, or a group already assembled whose result is still on its way
+        to `look_for_group` (a leader's followers leave `current_followers` as soon as they are told)."""
         mm = self._matchmaking
-        return mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
+        return (mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
+                or mm.assembled_group.done())
 
     async def _look_for_group(self, request: _StepRequest, outcome: dict) -> Optional[GroupInfo]:
         """hivemind's look_for_group, stopped at the search end unless this peer is committed to a group."""
