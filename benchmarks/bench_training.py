@@ -167,7 +167,7 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
         peers = []
         for i in range(args.peers):
             argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.peers),
+                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.group_size or args.peers),
                     "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
                     "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                     "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
@@ -286,6 +286,9 @@ def run_single(args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="moshpeer's --group-size (default: --peers); larger than --peers shows how a swarm "
+                        "smaller than its group size averages")
     parser.add_argument("--epochs", type=int, default=40, help="collaborative epochs (sample budget / 256)")
     parser.add_argument("--target", type=float, default=0.95, help="target test accuracy")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
@@ -305,7 +308,7 @@ def main() -> int:
         return hivemind_worker(args)
 
     straggler = f"lognormal:mean_s={args.straggler_mean},sigma=1.5,seed=7" if args.straggler else None
-    print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
+    print(f"peers={args.peers} group_size={args.group_size or args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"target_acc={args.target} straggler={straggler}")
     print(f"hivemind.Optimizer settings: {HIVEMIND_SETTINGS | {'matchmaking_time': args.matchmaking_time}} "
           f"tracker_opts={HIVEMIND_TRACKER}")
@@ -332,6 +335,7 @@ def main() -> int:
                                 if hive.get("time_to_target_s") and moshpeer["time_to_target_s"] else None),
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
+        "group_size": args.group_size or args.peers,
     }
     if args.straggler:
         budgeted = results["moshpeer_dropcompute"]

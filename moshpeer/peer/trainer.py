@@ -202,6 +202,9 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                 emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
         if len(optimizer.rounds) == rounds_before:
+            if stream is None and _reached_limit(optimizer, config):
+                reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
+                break
             continue
         round_ = optimizer.rounds[-1]
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
