@@ -43,7 +43,8 @@ import msgpack
 import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
@@ -274,7 +275,10 @@ class MoshpitAverager(ServicerBase):
         loop.close()
 
     async def _setup(self) -> None:
-        self._p2p = await self.dht.replicate_p2p()
+        # A replica of our own: dht.replicate_p2p() hands every caller in a process the same cached replica,
+        # bound to the event loop of its first user, so a second averager's streams would be served by the
+        # first one's loop (late, or never once that loop stopped).
+        self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
@@ -300,6 +304,9 @@ class MoshpitAverager(ServicerBase):
         if not self.client_mode and self._p2p is not None:
             with contextlib.suppress(Exception):
                 await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                await self._p2p.shutdown()  # our replica only: the daemon belongs to the DHT
 
     def shutdown(self) -> None:
         """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it)."""
