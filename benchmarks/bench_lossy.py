@@ -1,0 +1,194 @@
+"""Training under packet loss and microbursts: the fixed-deadline baseline vs the phase-aware loss budget (DBLP).
+
+4 `moshpeer join` peers (real processes on 127.0.0.1) train the built-in digits classifier in
+gradient mode (one group of 4, global batch 256, micro-batch 32, the same data seeds and sample
+budget in every run). Every peer injects faults into its own outgoing chunks (`--faults`, the real
+transport). Scenarios, each run with both loss settings:
+
+- lossless: no faults;
+- loss10: 10% of chunk transmissions lost at random;
+- bursts: microbursts, a burst starting with probability `--burst-prob` per chunk and losing 75% of the
+  next `--burst-len` transmissions.
+
+Links are reliable, like TCP (`retransmit_s`): a lost chunk is sent again after a 0.2 s retransmission
+timeout. The baseline (`--loss-budget fixed`) waits for everything until the round deadline, so every
+loss costs a retransmission. The phase-aware budget (`--loss-budget 0.02,0.42`) lets a round lose up
+to P of its chunks (P = 2% in critical phases, 42% otherwise; the phase comes from the relative change
+of the gradient norm between epochs) and reconstructs them without bias; only losses beyond P are
+retransmitted.
+
+Reports per run: end-to-end training time (slowest peer), p50 / p99 of the round time (data plane of
+one averaging round: what the budget governs; matchmaking excluded) over every round of every peer,
+final test accuracy (mean of the peers), mean fraction of chunks lost, and rounds per phase.
+
+    python benchmarks/bench_lossy.py [--epochs 30] [--peers 4]
+
+Ends with one JSON line: lossless_metric, loss10_metric, burst_p99_baseline_s, burst_p99_budget_s,
+burst_total_baseline_s, burst_total_budget_s, and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+from bench_training import LOOPBACK, Child, env  # same directory: the process helpers of the training benchmark
+
+GLOBAL_BATCH, MICRO_BATCH = 256, 32
+RETRANSMIT_S = 0.2  # TCP's minimum retransmission timeout
+BASELINE, BUDGET = "fixed", "0.02,0.42"
+
+
+def percentile(values: List[float], q: float) -> Optional[float]:
+    """The q-th percentile (nearest rank) of `values`; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))  # ceil(q/100 * n)
+    return ordered[rank - 1]
+
+
+def scenario_faults(name: str, args) -> Optional[str]:
+    if name == "lossless":
+        return None
+    if name == "loss10":
+        return f"drop_prob=0.1,retransmit_s={RETRANSMIT_S},seed=7"
+    if name == "bursts":
+        return (f"burst_prob={args.burst_prob},burst_len={args.burst_len},burst_loss=0.75,"
+                f"retransmit_s={RETRANSMIT_S},seed=7")
+    raise ValueError(name)
+
+
+def run_swarm(args, scenario: str, loss_budget: str) -> dict:
+    """One training run of `args.peers` peers; returns its figures."""
+    e = env()
+    run_id = f"lossy-{scenario}-{'base' if loss_budget == BASELINE else 'budget'}-{os.getpid()}"
+    boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
+                  "--heartbeat", "1"], e)
+    children = [boot]
+    try:
+        ready = boot.wait_event("ready", 120)  # a loaded machine may take a while to import and start p2pd
+        if ready is None:
+            raise RuntimeError("bootstrap did not start")
+        faults = scenario_faults(scenario, args)
+        peers = []
+        for i in range(args.peers):
+            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
+                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.peers),
+                    "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", str(args.epochs),
+                    "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
+                    "--matchmaking-time", str(args.matchmaking_time), "--round-timeout", str(args.round_timeout),
+                    "--seed", str(i), "--chunk-bytes", str(args.chunk_bytes), "--loss-budget", loss_budget]
+            if faults:
+                argv += ["--faults", faults]
+            peers.append(Child(argv, e))
+        children += peers
+        for peer in peers:
+            peer.wait_event("done", args.timeout)
+        return summarize(peers)
+    finally:
+        for child in children:
+            child.stop()
+
+
+def summarize(peers: List[Child]) -> dict:
+    done = [p.wait_event("done", 0) for p in peers]
+    epochs = [e for p in peers for e in p.events if e.get("event") == "epoch"]
+    rounds = [e for e in epochs if e.get("ok")]
+    round_s = [e["averaging_s"] for e in rounds]
+    finals = [d["metrics"]["accuracy"] for d in done if d]
+    ends = [max((e["train_time"] for e in p.events if e.get("event") == "epoch"), default=None) for p in peers]
+    phases = [e.get("loss_phase") for e in rounds]
+    return {
+        "total_s": max((t for t in ends if t is not None), default=None),
+        "p50_round_s": percentile(round_s, 50),
+        "p99_round_s": percentile(round_s, 99),
+        "mean_round_s": statistics.fmean(round_s) if round_s else None,
+        "metric": statistics.fmean(finals) if finals else None,
+        "peers_finished": len(finals),
+        "rounds_ok": len(rounds),
+        "rounds": len(epochs),
+        "lost_fraction": statistics.fmean(e["lost_fraction"] for e in rounds) if rounds else None,
+        "critical_rounds": phases.count("critical"),
+        "normal_rounds": phases.count("normal"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=30, help="collaborative epochs (sample budget / 256)")
+    parser.add_argument("--chunk-bytes", type=int, default=4096, help="averaging chunk: the unit of loss")
+    parser.add_argument("--burst-prob", type=float, default=0.02, help="per chunk: probability that a burst starts")
+    parser.add_argument("--burst-len", type=int, default=6, help="transmissions a burst lasts (75%% of them lost)")
+    parser.add_argument("--matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--round-timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=400.0, help="per run")
+    parser.add_argument("--scenarios", default="lossless,loss10,bursts")
+    parser.add_argument("--events-out", metavar="PATH", help="write every run's figures here (debugging)")
+    args = parser.parse_args()
+
+    print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
+          f"chunk_bytes={args.chunk_bytes} retransmit_s={RETRANSMIT_S} baseline={BASELINE!r} budget={BUDGET!r} "
+          f"load={os.getloadavg()[0]:.2f}", flush=True)
+    results: Dict[str, dict] = {}
+    for scenario in args.scenarios.split(","):
+        for label, setting in (("baseline", BASELINE), ("budget", BUDGET)):
+            started = time.monotonic()
+            results[f"{scenario}/{label}"] = run_swarm(args, scenario, setting)
+            print(f"  {scenario}/{label}: {json.dumps(results[f'{scenario}/{label}'])} "
+                  f"({time.monotonic() - started:.0f} s wall, load {os.getloadavg()[0]:.2f})", flush=True)
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    print(f"\n{'run':<20}{'total (s)':>10}{'p50 round':>11}{'p99 round':>11}{'accuracy':>10}{'lost':>8}"
+          f"{'crit/norm':>11}{'ok/rounds':>11}")
+    for name, r in results.items():
+        print(f"{name:<20}{fmt(r['total_s'], '10.2f')}{fmt(r['p50_round_s'], '11.3f')}{fmt(r['p99_round_s'], '11.3f')}"
+              f"{fmt(r['metric'], '10.4f')}{fmt(r['lost_fraction'], '8.3f')}"
+              f"{r['critical_rounds']:>5}/{r['normal_rounds']:<5}{r['rounds_ok']:>5}/{r['rounds']:<5}")
+
+    def get(run: str, key: str):
+        return results.get(run, {}).get(key)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    figures = {
+        "lossless_metric": get("lossless/budget", "metric"),
+        "lossless_baseline_metric": get("lossless/baseline", "metric"),
+        "loss10_metric": get("loss10/budget", "metric"),
+        "loss10_baseline_metric": get("loss10/baseline", "metric"),
+        "burst_metric_baseline": get("bursts/baseline", "metric"),
+        "burst_metric_budget": get("bursts/budget", "metric"),
+        "burst_p99_baseline_s": get("bursts/baseline", "p99_round_s"),
+        "burst_p99_budget_s": get("bursts/budget", "p99_round_s"),
+        "burst_p50_baseline_s": get("bursts/baseline", "p50_round_s"),
+        "burst_p50_budget_s": get("bursts/budget", "p50_round_s"),
+        "burst_total_baseline_s": get("bursts/baseline", "total_s"),
+        "burst_total_budget_s": get("bursts/budget", "total_s"),
+        "loss10_total_baseline_s": get("loss10/baseline", "total_s"),
+        "loss10_total_budget_s": get("loss10/budget", "total_s"),
+        "lossless_total_baseline_s": get("lossless/baseline", "total_s"),
+        "lossless_total_budget_s": get("lossless/budget", "total_s"),
+        "burst_p99_speedup": ratio(get("bursts/baseline", "p99_round_s"), get("bursts/budget", "p99_round_s")),
+        "burst_total_reduction": (1 - ratio(get("bursts/budget", "total_s"), get("bursts/baseline", "total_s"))
+                                  if ratio(get("bursts/budget", "total_s"), get("bursts/baseline", "total_s"))
+                                  is not None else None),
+        "peers": args.peers, "epochs": args.epochs, "chunk_bytes": args.chunk_bytes, "load": os.getloadavg()[0],
+    }
+    if args.events_out:
+        with open(args.events_out, "w") as f:
+            json.dump(results, f)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
