@@ -21,6 +21,9 @@ from moshpeer.errors import UserError
 
 PHASES = ("reduce", "gather")
 ENV_VAR = "MOSHPEER_FAULTS"
+# Short names accepted by `FaultConfig.parse` (CLI: `moshpeer join --faults drop=0.1,delay=0.05`).
+ALIASES = {"drop": "drop_prob", "delay": "delay_s", "jitter": "jitter_s", "burst": "burst_prob",
+           "stop": "stop_after_chunks", "retransmit": "retransmit_s"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class FaultConfig:
                 raise UserError(f"fault {name} must be within [0, 1], got {value}")
         if self.retransmit_s is not None and self.retransmit_s < 0:
             raise UserError("fault retransmit_s must be non-negative")
+        for name in ("delay_s", "jitter_s", "retransmit_s"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"fault {name} must be a finite number of seconds, got {value}")
         if self.delay_s < 0 or self.jitter_s < 0 or self.burst_len < 0:
             raise UserError("fault delays and burst length must be non-negative")
         if self.stop_after_chunks is not None and self.stop_after_chunks < 0:
@@ -70,13 +77,22 @@ class FaultConfig:
 
     @classmethod
     def parse(cls, text: str) -> "FaultConfig":
-        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (CLI / environment syntax)."""
+        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (CLI / environment syntax).
+
+        Keys are FaultConfig's field names or their short ALIASES (drop, delay, jitter, burst, stop,
+        retransmit). Raises UserError, with one line that says what is wrong, on a malformed spec.
+        """
         kinds = {f.name: f for f in fields(cls)}
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
+            key = ALIASES.get(key.strip(), key.strip())
+            raw = raw.strip()
             if not sep or key not in kinds:
-                raise UserError(f"bad fault setting {item!r}; known keys: {', '.join(kinds)}")
+                known = ", ".join([*kinds, *ALIASES])
+                raise UserError(f"bad fault setting {item!r} (expected key=value); known keys: {known}")
+            if key in values:
+                raise UserError(f"fault {key} given twice in {text!r}")
             try:
                 if key == "phases":
                     values[key] = tuple(raw.split("+"))
