@@ -16,6 +16,7 @@ import torch
 
 from moshpeer.compression.kernels import ENV_BACKEND, KernelUnavailable, load_backend, loader
 from moshpeer.compression.quantization import BlockQuantizer
+from moshpeer.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,6 +65,32 @@ def test_backend_equals_reference_bit_for_bit(monkeypatch, backend, bits, block,
         expected_out = decode_with(monkeypatch, "torch", codec, expected, out, 0.37)
         got_out = decode_with(monkeypatch, backend, codec, expected, out, 0.37)
         assert torch.equal(got_out.view(torch.int32), expected_out.view(torch.int32)), f"decode differs, numel={numel}"
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED)
+@pytest.mark.parametrize("bits,block", CODECS)
+def test_decode_into_equals_accumulating_onto_zeros(monkeypatch, backend, bits, block):
+    """decode_into overwrites in one pass: the bits of decode_accumulate onto zeros, whatever `out` held."""
+    codec = BlockQuantizer(bits, block)
+    for numel in SIZES:
+        payload = encode_with(monkeypatch, "torch", codec, heavy_tailed(numel, seed=numel), seed=1)
+        expected = decode_with(monkeypatch, "torch", codec, payload, torch.zeros(numel), 0.37)
+        monkeypatch.setenv(ENV_BACKEND, backend)
+        out = torch.full((numel,), float("nan"), device=device_of(backend))
+        codec.decode_into(payload.to(out.device), out, 0.37)
+        assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32)), (backend, numel)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED)
+def test_decode_into_leaves_out_alone_when_the_payload_is_bad(monkeypatch, backend):
+    monkeypatch.setenv(ENV_BACKEND, backend)
+    codec = BlockQuantizer(8, 128)
+    payload = codec.encode(torch.randn(1000))
+    payload[-1001 - 4] = 0xFF  # inside the last scale's bytes: a NaN scale
+    out = torch.arange(1000, dtype=torch.float32, device=device_of(backend))
+    with pytest.raises(ProtocolError):
+        codec.decode_into(payload.to(out.device), out)
+    assert torch.equal(out.cpu(), torch.arange(1000, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("backend", COMPILED)

@@ -43,6 +43,15 @@ class Codec(abc.ABC):
     def max_encoded_nbytes(self, numel: int) -> int:
         """Upper bound of the payload size for `numel` values: receivers check it before allocating."""
 
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        """`out = weight * decode(payload)`; `out` is untouched when the payload is rejected (ProtocolError).
+
+        Codecs override it with a single pass; this default decodes into a temporary first.
+        """
+        decoded = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
+        self.decode_accumulate(payload, decoded, weight)
+        out.copy_(decoded)
+
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         out = torch.zeros(numel, dtype=torch.float32)
         self.decode_accumulate(payload, out, 1.0)
@@ -64,6 +73,18 @@ class NoCompression(Codec):
         if not all_finite(values):
             raise ProtocolError("non-finite values in payload")
         out.add_(values, alpha=weight)
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        values = self._validated(payload, out)
+        out.copy_(values) if weight == 1.0 else torch.mul(values, weight, out=out)
+
+    def _validated(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if payload.numel() != out.numel() * 4:
+            raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {out.numel()} values")
+        values = payload.view(torch.float32)
+        if not all_finite(values):
+            raise ProtocolError("non-finite values in payload")
+        return values
 
     def max_encoded_nbytes(self, numel: int) -> int:
         return numel * 4
@@ -88,6 +109,14 @@ class HalfPrecision(Codec):
         if not all_finite(values):
             raise ProtocolError("non-finite values in payload")
         out.add_(values.float(), alpha=weight)
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        if payload.numel() != out.numel() * 2:
+            raise ProtocolError(f"{self.name} payload of {payload.numel()} bytes for {out.numel()} values")
+        values = payload.view(self.dtype)
+        if not all_finite(values):
+            raise ProtocolError("non-finite values in payload")
+        out.copy_(values) if weight == 1.0 else torch.mul(values.float(), weight, out=out)
 
     def max_encoded_nbytes(self, numel: int) -> int:
         return numel * 2

@@ -111,6 +111,17 @@ class BlockQuantizer(Codec):
 
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
         """`out += weight * decode(payload)`, after checking header, length and scales (ProtocolError if bad)."""
+        scales, codes, weight = self._validated(payload, out, weight)
+        backend_for(out.device).dequantize_accumulate(scales, codes, out, self.bits, self.block, weight)
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        """`out = weight * decode(payload)` in one pass (the same bits as accumulating onto zeros); `out` is
+        untouched if the payload is rejected."""
+        scales, codes, weight = self._validated(payload, out, weight)
+        backend_for(out.device).dequantize(scales, codes, out, self.bits, self.block, weight)
+
+    def _validated(self, payload: torch.Tensor, out: torch.Tensor, weight: float):
+        """(scales, codes, weight) of a payload checked against `out`; raises ProtocolError before any write."""
         if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
             raise ValueError("out must be a contiguous 1-D float32 tensor")
         weight = float(weight)
@@ -125,7 +136,7 @@ class BlockQuantizer(Codec):
                 raise ProtocolError(f"{self.name} payload has an invalid (non-finite, negative or huge) scale")
         if self.bits == 4 and numel % 2 and int(codes[-1]) >> 4:
             raise ProtocolError(f"{self.name} payload has a non-zero padding nibble")
-        backend_for(out.device).dequantize_accumulate(scales, codes, out, self.bits, self.block, weight)
+        return scales, codes, weight
 
     def _checked_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:

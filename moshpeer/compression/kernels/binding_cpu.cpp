@@ -44,8 +44,8 @@ bool quantize(const at::Tensor& x, at::Tensor scales, at::Tensor codes, int64_t 
   return finite.load();
 }
 
-void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits,
-                           int64_t block, double weight) {
+void dequantize_into(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits, int64_t block,
+                     double weight, bool overwrite) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
               "out must be a contiguous 1-D float32 CPU tensor");
   const int64_t numel = out.numel();
@@ -55,8 +55,18 @@ void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at
   float* op = out.data_ptr<float>();
   const float w = (float)weight;
   at::parallel_for(0, scales.numel(), std::max<int64_t>(1, kGrainValues / block), [&](int64_t begin, int64_t end) {
-    moshpeer::dequantize_accumulate_blocks_cpu(sp, cp, op, numel, (int)bits, block, w, begin, end);
+    moshpeer::dequantize_accumulate_blocks_cpu(sp, cp, op, numel, (int)bits, block, w, begin, end, overwrite);
   });
+}
+
+void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits,
+                           int64_t block, double weight) {
+  dequantize_into(scales, codes, out, bits, block, weight, false);
+}
+
+void dequantize(const at::Tensor& scales, const at::Tensor& codes, at::Tensor out, int64_t bits, int64_t block,
+                double weight) {
+  dequantize_into(scales, codes, out, bits, block, weight, true);
 }
 
 }  // namespace
@@ -66,4 +76,6 @@ TORCH_LIBRARY(moshpeer_cpu, m) {
         &quantize);
   m.def("dequantize_accumulate(Tensor scales, Tensor codes, Tensor(a!) out, int bits, int block, float weight) -> ()",
         &dequantize_accumulate);
+  m.def("dequantize(Tensor scales, Tensor codes, Tensor(a!) out, int bits, int block, float weight) -> ()",
+        &dequantize);
 }

@@ -54,6 +54,10 @@ class Backend(Protocol):
                               block: int, weight: float) -> None:
         """out += decoded values * weight."""
 
+    def dequantize(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, bits: int, block: int,
+                   weight: float) -> None:
+        """out = decoded values * weight (the bits of dequantize_accumulate onto zeros)."""
+
 
 class TorchBackend:
     """The reference implementation (kernels/reference.py)."""
@@ -65,6 +69,9 @@ class TorchBackend:
 
     def dequantize_accumulate(self, scales, codes, out, bits, block, weight) -> None:
         reference.dequantize_accumulate(scales, codes, out, bits, block, weight)
+
+    def dequantize(self, scales, codes, out, bits, block, weight) -> None:
+        reference.dequantize(scales, codes, out, bits, block, weight)
 
 
 class OpsBackend:
@@ -79,6 +86,13 @@ class OpsBackend:
 
     def dequantize_accumulate(self, scales, codes, out, bits, block, weight) -> None:
         self._ops.dequantize_accumulate(scales, codes, out, bits, block, float(weight))
+
+    def dequantize(self, scales, codes, out, bits, block, weight) -> None:
+        if hasattr(self._ops, "dequantize"):  # fused overwrite (CPU); the CUDA extension accumulates onto zeros
+            self._ops.dequantize(scales, codes, out, bits, block, float(weight))
+        else:
+            out.zero_()
+            self._ops.dequantize_accumulate(scales, codes, out, bits, block, float(weight))
 
 
 def cpu_isa_flags() -> List[str]:

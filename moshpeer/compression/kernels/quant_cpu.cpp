@@ -83,8 +83,10 @@ bool quantize_blocks_cpu(const float* x, int64_t numel, int bits, int64_t block,
   return all_finite;
 }
 
-void dequantize_accumulate_blocks_cpu(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits,
-                                      int64_t block, float weight, int64_t block_begin, int64_t block_end) {
+// Separate instantiations keep both loops branch-free (and vectorizable).
+template <bool kOverwrite>
+void dequantize_blocks(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits, int64_t block,
+                       float weight, int64_t block_begin, int64_t block_end) {
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t start = b * block;
     const int64_t len = numel - start < block ? numel - start : block;
@@ -92,17 +94,26 @@ void dequantize_accumulate_blocks_cpu(const float* scales, const uint8_t* codes,
     float* o = out + start;
     if (bits == 8) {
       const int8_t* c = (const int8_t*)codes + start;
-      for (int64_t i = 0; i < len; ++i) o[i] = o[i] + (float)c[i] * sw;
+      for (int64_t i = 0; i < len; ++i) o[i] = (kOverwrite ? 0.0f : o[i]) + (float)c[i] * sw;
     } else {
       const uint8_t* c = codes + start / 2;
       const int64_t pairs = len / 2;
       for (int64_t j = 0; j < pairs; ++j) {
-        o[2 * j] = o[2 * j] + (float)mp_nibble_value(c[j] & 15u) * sw;
-        o[2 * j + 1] = o[2 * j + 1] + (float)mp_nibble_value(c[j] >> 4) * sw;
+        o[2 * j] = (kOverwrite ? 0.0f : o[2 * j]) + (float)mp_nibble_value(c[j] & 15u) * sw;
+        o[2 * j + 1] = (kOverwrite ? 0.0f : o[2 * j + 1]) + (float)mp_nibble_value(c[j] >> 4) * sw;
       }
-      if (len % 2) o[len - 1] = o[len - 1] + (float)mp_nibble_value(c[pairs] & 15u) * sw;
+      if (len % 2) o[len - 1] = (kOverwrite ? 0.0f : o[len - 1]) + (float)mp_nibble_value(c[pairs] & 15u) * sw;
     }
   }
+}
+
+void dequantize_accumulate_blocks_cpu(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits,
+                                      int64_t block, float weight, int64_t block_begin, int64_t block_end,
+                                      bool overwrite) {
+  if (overwrite)
+    dequantize_blocks<true>(scales, codes, out, numel, bits, block, weight, block_begin, block_end);
+  else
+    dequantize_blocks<false>(scales, codes, out, numel, bits, block, weight, block_begin, block_end);
 }
 
 }  // namespace moshpeer

@@ -11,8 +11,11 @@ namespace moshpeer {
 bool quantize_blocks_cpu(const float* x, int64_t numel, int bits, int64_t block, bool stochastic, uint32_t key,
                          int64_t block_begin, int64_t block_end, float* scales, uint8_t* codes);
 
-// out[i] += code_i * float32(scale_b * weight) for the values of blocks [block_begin, block_end).
+// out[i] += code_i * float32(scale_b * weight) for the values of blocks [block_begin, block_end); with
+// overwrite, out[i] = 0.0f + code_i * float32(scale_b * weight) (the same bits as accumulating onto zeros,
+// without reading out: one memory pass less for a decode into a buffer).
 void dequantize_accumulate_blocks_cpu(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits,
-                                      int64_t block, float weight, int64_t block_begin, int64_t block_end);
+                                      int64_t block, float weight, int64_t block_begin, int64_t block_end,
+                                      bool overwrite = false);
 
 }  // namespace moshpeer

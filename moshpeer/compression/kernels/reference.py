@@ -127,3 +127,10 @@ def dequantize_accumulate(scales: torch.Tensor, codes: torch.Tensor, out: torch.
     q = torch.nn.functional.pad(q, (0, nb * block - numel)).view(nb, block)
     values = (q * scaled[:, None]).reshape(-1)[:numel]
     out.add_(values)
+
+
+def dequantize(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, bits: int, block: int,
+               weight: float) -> None:
+    """out = q * float32(scale * weight): dequantize_accumulate onto zeros (0.0 + v, the same bits)."""
+    out.zero_()
+    dequantize_accumulate(scales, codes, out, bits, block, weight)
