@@ -44,7 +44,7 @@ from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
-from moshpeer.compression.codec import Compression, NoCompression, all_finite
+from moshpeer.compression.codec import Compression, NoCompression
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -338,8 +338,7 @@ class GroupAllReduce:
         except ValueError as e:  # non-finite average: the sender's own encode reports it
             logger.warning(f"cannot encode averaged chunk {c}: {e}")
             return
-        values.zero_()
-        codec.decode_accumulate(payload, values, 1.0)
+        codec.decode_into(payload, values)
         self._gather_payloads[c] = payload
 
     def _chunk_seed(self, part: int, chunk: int) -> int:
@@ -564,7 +563,6 @@ class GroupAllReduce:
         header_view = memoryview(header)
         payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
         payload_view = memoryview(payload_buffer.numpy())
-        scratch = torch.empty(chunk_numel, dtype=torch.float32)
         wire.block_until(sock, self.deadline)
         while True:
             if time.monotonic() >= self.deadline:
@@ -595,7 +593,7 @@ class GroupAllReduce:
                 self._on_reduce_chunk(i, part, chunk, payload, reduce_codec)
             else:
                 self.gather.bytes_received += wire.HEADER.size + payload_len
-                self._on_gather_chunk(i, part, chunk, payload, gather_codec, scratch)
+                self._on_gather_chunk(i, part, chunk, payload, gather_codec)
 
     def _on_reduce_chunk(self, i: int, part: int, chunk: int, payload: torch.Tensor, codec) -> None:
         me = self.my_index
@@ -628,7 +626,7 @@ class GroupAllReduce:
                     self.cond.notify_all()  # the main thread checks the budget
         self._finalize_ready_chunks((chunk,))
 
-    def _on_gather_chunk(self, i: int, part: int, chunk: int, payload, codec, scratch: torch.Tensor) -> None:
+    def _on_gather_chunk(self, i: int, part: int, chunk: int, payload, codec) -> None:
         if part != i or not 0 <= chunk < len(self.gather_received[i]):
             return self._reject(i, f"gather chunk ({part}, {chunk}) does not belong to member {i}")
         start, end = self.partition.chunk_range(part, chunk)
@@ -636,35 +634,20 @@ class GroupAllReduce:
             return self._reject(i, f"gather chunk {chunk}: {payload.numel()} bytes for {end - start} values")
         if self.gather_received[i][chunk]:
             return self._reject(i, f"duplicate gather chunk {chunk}")
-        try:
-            decoded = self._decode_gather(codec, payload, scratch[: end - start])
-        except ProtocolError as e:
-            return self._reject(i, f"gather chunk {chunk}: {e}")
         with self.cond:
             # Our own contribution to this chunk must have left before we overwrite it.
             if not self._wait(lambda: self.sent_progress[i] > chunk, self.deadline):
                 return
-        self.flat[start:end].copy_(decoded)
+        try:
+            # One pass straight into the vector; the codec validates the whole payload before writing.
+            codec.decode_into(payload, self.flat[start:end])
+        except ProtocolError as e:
+            return self._reject(i, f"gather chunk {chunk}: {e}")
         with self.cond:
             self.gather_received[i][chunk] = 1
             self.gather.chunks_received += 1
             self._note_arrival("gather")
             self.cond.notify_all()
-
-    @staticmethod
-    def _decode_gather(codec, payload: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-        """The averaged values of a gather chunk, validated (raises ProtocolError), not yet written anywhere."""
-        if isinstance(codec, NoCompression):
-            # Fast path: the payload already holds the float32 values; validate them in place (no copy).
-            if payload.numel() != scratch.numel() * 4:
-                raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {scratch.numel()} values")
-            values = payload.view(torch.float32)
-            if not all_finite(values):
-                raise ProtocolError("non-finite values in payload")
-            return values
-        scratch.zero_()
-        codec.decode_accumulate(payload, scratch, 1.0)
-        return scratch
 
     # ---- teardown -----------------------------------------------------------------------------
 
