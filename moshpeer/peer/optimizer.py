@@ -61,6 +61,10 @@ AVERAGING_MODES = ("gradients", "parameters")
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
 # takes a few round trips), even when the budget deadline is closer than this.
 MIN_BUDGET_WINDOW_S = 0.2
+# An aux peer waits in matchmaking this many matchmaking times: it never leads a group (the trainers'
+# leader decides when the group is complete), and a follower is only accepted by a leader whose window
+# ends before the follower's, so the aux's window must outlast the trainers' next one.
+AUX_WINDOW_FACTOR = 10
 
 
 @dataclass
@@ -191,6 +195,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.model = model
         self._should_stop = should_stop or (lambda: False)
         averager_kwargs = dict(averager_kwargs or {})
+        if role == "aux":
+            # An aux never leads: a leader's window decides when a group gives up on missing members, and
+            # the aux sits in matchmaking far longer than any trainer would wait.
+            averager_kwargs.setdefault("client_mode", True)
         if error_feedback and averager_kwargs.get("error_feedback") is None:
             averager_kwargs["error_feedback"] = self._make_error_feedback(optimizer, averaging, compression)
         # Error feedback replaces the averaged vector by its own estimate: gradients only, never parameters.
@@ -504,11 +512,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         """Aux peers: take part in the swarm's next averaging round with weight 0.
 
         The aux follows the trainers' epoch (it computes nothing, so there is nothing of its own to
-        keep for an epoch the swarm has finished) and enters matchmaking as soon as the swarm is within
-        `matchmaking_time` of its target batch, so the trainers find it already waiting: it owns a part
-        of every reduce-scatter and all-gather of its group (bandwidth) and adds no samples and no
-        weight to any average. Returns the round if it averaged with a group, None if no group formed
-        or the swarm did not get close to averaging before `timeout` (then call again).
+        keep for an epoch the swarm has finished) and waits in matchmaking as a follower whenever
+        trainers are alive, so the trainers' leader finds it already there and the group is complete
+        as soon as the trainers arrive: the aux owns a part of every reduce-scatter and all-gather of
+        its group (bandwidth) and adds no samples and no weight to any average. Returns the round if it
+        averaged with a group, None if no group formed or no trainer showed up before `timeout`.
         """
         if self.role != "aux":
             raise UserError("wait_and_average is for aux peers; trainers call step()")
@@ -520,11 +528,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     with self.lock:
                         self.local_epoch = snapshot.global_epoch
                     self._report_progress(force=True)
-                if snapshot.ready or snapshot.eta_s <= self.matchmaking_time:
-                    return self._aux_round(snapshot)
+                return self._aux_round(snapshot)
             self.progress.wait_for_refresh(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         return None
 
+    @torch.no_grad()
     def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
         """One weight-0 round of an aux peer; it advances its epoch only when it averaged."""
         round_ = CollaborativeRound(epoch=self.local_epoch, samples=0, ok=False,
@@ -533,7 +541,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         with_params = self._average_params_now(snapshot)
         with self.lock:
             self._fill_averaged_buffers(with_params)
-        report = self._run_round(weight=0.0, target_group_size=round_.group_target)
+        report = self._run_round(weight=0.0, target_group_size=round_.group_target,
+                                 matchmaking_time=AUX_WINDOW_FACTOR * self.matchmaking_time)
         if report is None or not getattr(report, "ok", False):
             self.failed_rounds += 1
             return None
@@ -765,7 +774,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
         thread = threading.Thread(target=target, name="moshpeer-round", daemon=True)
         thread.start()
-        deadline = time.monotonic() + 2 * self.matchmaking_time + self.round_timeout + 5.0
+        deadline = time.monotonic() + 2 * window + self.round_timeout + 5.0
         while thread.is_alive():
             thread.join(timeout=0.1)
             if self._should_stop() or time.monotonic() > deadline:
