@@ -274,3 +274,47 @@ def test_strict_plane_holds_a_connection_while_matchmaking_and_refuses_it_after(
     assert outsider.rejected_connections == 1
     outsider.close()
     sock.close()
+
+
+def test_unreachable_address_falls_back_to_the_relay_and_stays_exact():
+    """Member 1 announces an address that refuses connections (NAT'ed, or a stale port forward): member 0's
+    sender falls back to the relay (here: a local socket pair into member 1's data plane, the same interface
+    as the libp2p StreamRelay) and the round is exact, with member 1 listed as relayed."""
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        dead_port = closed.getsockname()[1]  # closed when the block ends: connections are refused
+    planes = [DataPlane(), DataPlane()]
+    members = [GroupMember(*planes[0].address, 1.0, PEERS[0]), GroupMember("127.0.0.1", dead_port, 1.0, PEERS[1])]
+    by_peer = {PEERS[0]: planes[0], PEERS[1]: planes[1]}
+    relayed_to = []
+
+    def relay(peer_id: bytes, deadline: float) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        relayed_to.append(peer_id)
+        by_peer[peer_id].accept_socket(theirs, f"relay:{peer_id!r}")
+        return ours
+
+    tensors = [torch.randn(NUMEL), torch.randn(NUMEL)]
+    exact = (tensors[0] + tensors[1]) / 2
+    group_id = os.urandom(20)
+    results = [None, None]
+
+    def run(k: int) -> None:
+        results[k] = GroupAllReduce(
+            planes[k], tensors[k], members=members, my_index=k, tag=wire.allreduce_tag(group_id, 0),
+            secret=b"s" * 32, compression=get_compression("none"), chunk_numel=CHUNK,
+            deadline=time.monotonic() + 10.0, relay=relay,
+        ).run()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert relayed_to == [PEERS[1]]
+    assert results[0].relayed == [1] and results[1].relayed == []
+    for result in results:
+        assert not result.absent and result.reduce.chunks_lost == 0 and result.gather.chunks_lost == 0
+    for t in tensors:
+        assert torch.allclose(t, exact, rtol=0, atol=1e-6)
+    for plane in planes:
+        plane.close()
