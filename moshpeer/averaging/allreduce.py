@@ -55,10 +55,13 @@ CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) 
 PEER_CHECK_SECONDS = 0.05
 _DONE = float("inf")
 # Loss budget: chunks still streaming in are not lost. A phase stops at the budget only once its arrivals
-# have stalled for this many mean inter-arrival gaps (and at least BUDGET_STALL_FLOOR_S): a burst or a
-# retransmitting link, not the ordinary trickle of the last chunks.
+# have stalled for this many mean inter-arrival gaps (and at least BUDGET_STALL_FLOOR_S), and once it
+# has waited, past its quorum, BUDGET_QUORUM_FACTOR times as long as the quorum took to arrive: a burst or
+# a retransmitting link, not the ordinary trickle of the last chunks, nor a machine that is slow all over
+# (on a loaded host every thread stalls now and then, and the whole round is slow in proportion).
 BUDGET_STALL_GAPS = 5.0
 BUDGET_STALL_FLOOR_S = 0.05
+BUDGET_QUORUM_FACTOR = 1.0
 BUDGET_POLL_S = 0.01
 
 
@@ -187,12 +190,14 @@ class GroupAllReduce:
         # Lossy gather codec: each averaged chunk of our part is encoded once, at finalization (not once per
         # receiver), and we keep its decoded value ourselves, so that every member holds the same bits.
         self._gather_payloads: List[Optional[torch.Tensor]] = [None] * self.num_my_chunks
-        self._arrivals = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}  # first, last arrival time per phase
+        # Per phase: [phase start, first arrival, last arrival, quorum reached] (0.0: not yet).
+        self._arrivals = {"reduce": [0.0, 0.0, 0.0, 0.0], "gather": [0.0, 0.0, 0.0, 0.0]}
 
     # ---- public -------------------------------------------------------------------------------
 
     def run(self) -> AllReduceResult:
         started = time.monotonic()
+        self._arrivals["reduce"][0] = started
         rejected_before = self.plane.rejected_connections
         self.reduce.chunks_expected = self.num_my_chunks * len(self.others)
         self.gather.chunks_expected = sum(self.partition.num_chunks(j) for j in self.others)
@@ -208,6 +213,7 @@ class GroupAllReduce:
                 self._wait(self._reduce_done_or_within_budget, self.reduce_deadline)
             self._force_finalize_all()  # no-op unless the reduce deadline passed or the budget allowed stopping
             with self.cond:
+                self._arrivals["gather"][0] = time.monotonic()
                 self._wait(self._gather_done_or_within_budget, self.deadline)
         finally:
             self.plane.unregister(self.tag)
@@ -255,18 +261,28 @@ class GroupAllReduce:
         if self.loss_budget <= 0:
             return False
         received = stats.chunks_received
-        if received < math.ceil((1.0 - self.loss_budget) * stats.chunks_expected):
+        if received < self._quorum(stats):
             return False
-        first, last = self._arrivals[phase]
+        start, first, last, reached = self._arrivals[phase]
+        now = time.monotonic()
         mean_gap = (last - first) / (received - 1) if received > 1 else 0.0
-        return time.monotonic() - last >= max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap)
+        if now - last < max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap):
+            return False
+        reached = reached or last
+        return now - reached >= max(BUDGET_STALL_FLOOR_S, BUDGET_QUORUM_FACTOR * (reached - start))
 
-    def _note_arrival(self, phase: str) -> None:
-        """With self.cond held: a chunk of `phase` arrived now."""
+    def _quorum(self, stats: PhaseStats) -> int:
+        """Chunks that must arrive before the budget lets a phase stop: (1 - P) of those expected."""
+        return math.ceil((1.0 - self.loss_budget) * stats.chunks_expected)
+
+    def _note_arrival(self, phase: str, stats: PhaseStats) -> None:
+        """With self.cond held: a chunk of `phase` arrived now (after `stats` counted it)."""
         times = self._arrivals[phase]
-        times[1] = time.monotonic()
-        if not times[0]:
-            times[0] = times[1]
+        times[2] = time.monotonic()
+        if not times[1]:
+            times[1] = times[2]
+        if not times[3] and self.loss_budget > 0 and stats.chunks_received >= self._quorum(stats):
+            times[3] = times[2]
 
     def _reduce_done_or_within_budget(self) -> bool:
         return self.finalized_count == self.num_my_chunks or self._within_budget(self.reduce, "reduce")
@@ -620,7 +636,7 @@ class GroupAllReduce:
             self.arrived_weight[chunk] += self.weights[i]
             with self.cond:
                 self.reduce.chunks_received += 1
-                self._note_arrival("reduce")
+                self._note_arrival("reduce", self.reduce)
                 self.sent_any[i] = 1
                 if self.loss_budget > 0:
                     self.cond.notify_all()  # the main thread checks the budget
@@ -646,7 +662,7 @@ class GroupAllReduce:
         with self.cond:
             self.gather_received[i][chunk] = 1
             self.gather.chunks_received += 1
-            self._note_arrival("gather")
+            self._note_arrival("gather", self.gather)
             self.cond.notify_all()
 
     # ---- teardown -----------------------------------------------------------------------------
