@@ -30,6 +30,7 @@ def test_malformed_fault_spec_is_one_clear_line(swarm):
         assert len(lines) == 1 and MALFORMED[spec] in lines[0], (spec, lines)
 
 
+@pytest.mark.slow  # two training peers through the real CLI: ~45 s on the loaded 2-core machine
 def test_fault_flag_drops_the_peers_chunks_in_training_rounds(swarm):
     """The lossy peer drops every reduce chunk it would send: its group mate receives none of them and
     reports them lost; the lossy peer itself still receives everything its mate sends."""

@@ -15,6 +15,13 @@ from moshpeer.averaging import Partition
 
 pytestmark = pytest.mark.timeout(240)
 
+# Swarms whose groups must be full (min = target group size): a group assembles the moment it fills, so
+# a long matchmaking window costs nothing when all goes well. It sets how long a leader waits and hivemind's
+# request_timeout (half of it): under heavy CPU load (2 cores, five test suites) a peer stalled longer than
+# request_timeout abandons a leader that has just accepted it, the one disagreement hivemind's matchmaking
+# has no commit step for. 3 s keeps that out of reach; the data plane would report it (`absent`) anyway.
+FULL_GROUP_MATCHMAKING_S = "3.0"
+
 
 def exact_mean(seed: int, n: int, numel: int) -> torch.Tensor:
     return torch.stack([peer_values(seed, k, numel) for k in range(n)]).mean(0)
@@ -27,7 +34,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096) -> None:
     """Every round must form the full grid's groups (one missing member and the mean is not exact)."""
     with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
-                        "--min-group-size", str(group), "--matchmaking-time", "1.5",
+                        "--min-group-size", str(group), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S,
                         per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
         swarm.all("set", 30, cmd="set", seed=7)
         for _ in range(rounds):
@@ -59,7 +66,7 @@ NUMEL, CHUNK_BYTES, PEERS = 4096, 256, 4  # 64 values per chunk, 16 chunks per p
 @pytest.fixture(scope="module")
 def lossy_swarm():
     with AveragingSwarm(PEERS, "--numel", str(NUMEL), "--target-group-size", "4", "--min-group-size", "4",
-                        "--chunk-bytes", str(CHUNK_BYTES), "--matchmaking-time", "1.0") as swarm:
+                        "--chunk-bytes", str(CHUNK_BYTES), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S) as swarm:
         yield swarm
 
 
@@ -117,7 +124,7 @@ def test_bounded_drift_under_gather_loss(lossy_swarm):
 def test_sigkilled_peer_mid_round():
     numel, chunk_bytes, round_timeout = 65536, 4096, 20.0
     with AveragingSwarm(4, "--numel", str(numel), "--target-group-size", "4", "--min-group-size", "4",
-                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", "1.0",
+                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S,
                         "--round-timeout", str(round_timeout)) as swarm:
         victim, survivors = swarm.workers[3], swarm.workers[:3]
         for worker in survivors:
@@ -161,7 +168,7 @@ def test_member_without_direct_address_averages_over_libp2p_streams():
     streams through the P2P daemons, with the same handshake and checks, and the round is exact."""
     numel, chunk_bytes = 4096, 2048  # several chunks per part, so the relayed streams carry a pipeline
     with AveragingSwarm(4, "--numel", str(numel), "--target-group-size", "4", "--min-group-size", "4",
-                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", "1.0",
+                        "--chunk-bytes", str(chunk_bytes), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S,
                         per_worker_args=lambda k: ["--transport", "libp2p"] if k == 3 else []) as swarm:
         swarm.all("set", 30, cmd="set", seed=11)
         reports = swarm.all("report", 60, cmd="step")
