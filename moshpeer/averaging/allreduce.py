@@ -393,9 +393,10 @@ class GroupAllReduce:
         except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
             logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
             return None
+        sock = self._handshake(sock, j)
         with self.cond:
             self.relayed.append(j)
-        return self._handshake(sock, j)
+        return sock
 
     def _handshake(self, sock: socket.socket, j: int) -> socket.socket:
         """Run the sender's side of the mutual handshake (see wire.py) on a fresh connection to member j."""
