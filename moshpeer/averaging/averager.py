@@ -477,6 +477,9 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking.min_matchmaking_time = request.matchmaking_time
         self._matchmaking.potential_leaders.target_group_size = request.target_group_size
         self._matchmaking.potential_leaders.min_matchmaking_time = request.matchmaking_time
+        # hivemind: a request timeout above the matchmaking time can deadlock matchmaking; a short
+        # per-round window (e.g. a compute-budget deadline) needs a shorter one.
+        self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
         return await self._matchmaking.look_for_group(request)
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
