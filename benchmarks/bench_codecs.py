@@ -10,6 +10,7 @@ Targets (issue 4, checked here, never in unit tests): the C++ int8 and int4 enco
 references, >= 5x hivemind's 8-bit compress, and take <= 3x the time of a plain copy. `*_time_vs_copy` uses
 `encode` as the Codec interface defines it (a fresh payload each call, so it pays page faults the preallocated
 copy does not); `*_into_time_vs_copy` encodes into a reused buffer (`encode(..., out=buf)`), like for like.
+Rows "(into buffer)" show that encode and, as decode, `decode_into` (overwrite in one pass, the all-gather's path).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def bench_codec(spec: str, backend: str, x: torch.Tensor, repeat: int, sync) -> 
     codec.decode_accumulate(payload, decoded, 1.0)
     result.update({"decode_gbps": gbps(x.numel(), decode_s), "wire_ratio": payload.numel() / (4 * x.numel()),
                    "rel_err": relative_error(x, decoded)})
+    if spec in QUANTIZED:  # overwrite in one pass (the all-gather's decode)
+        result["decode_into_gbps"] = gbps(x.numel(), best_time(lambda: codec.decode_into(payload, out), repeat, sync))
     return result
 
 
@@ -165,7 +168,8 @@ def main() -> None:
                 figures[f"{key}_{name}"] = value
             rows.append((spec, backend, r["encode_gbps"], r["decode_gbps"], r["wire_ratio"], r["rel_err"]))
             if "encode_into_gbps" in r:
-                rows.append((spec + " (into buffer)", backend, r["encode_into_gbps"], None, r["wire_ratio"], None))
+                rows.append((spec + " (into buffer)", backend, r["encode_into_gbps"], r["decode_into_gbps"],
+                             r["wire_ratio"], None))
     arc = bench_arc_topk(x, args.repeat, sync)
     figures["arc_topk_0.01_local_gbps"], figures["arc_topk_0.01_wire_ratio"] = arc["encode_gbps"], arc["wire_ratio"]
     rows.append(("arc-topk:0.01 (local work)", "torch", arc["encode_gbps"], None, arc["wire_ratio"], None))
