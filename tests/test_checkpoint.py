@@ -278,6 +278,25 @@ def test_save_async_snapshot_is_the_state_at_call_time(tmp_path):
     assert bool((loaded["big"] == 1.0).all()) and loaded["info"] == {"n": 1}
 
 
+def test_save_async_copying_in_background_holds_the_values_at_the_call_once_fenced(tmp_path):
+    # What the training loop does: save_async(copy_in_background=True), a forward/backward pass that
+    # only reads the tensors, fence(), then the in-place update.
+    weights = torch.arange(12 << 20, dtype=torch.float32)  # 48 MB: the copy takes a while
+    view = weights[5:10]  # a view of the same storage stays a view in the snapshot
+    state = {"weights": weights, "view": view, "info": {"n": 1}}
+    with CheckpointStore(tmp_path) as store:
+        assert store.fence(timeout=0) is True  # nothing in flight
+        handle = store.save_async(state, step=1, epoch=0, copy_in_background=True)
+        state["info"]["n"] = 2  # plain objects are copied inside the call
+        assert store.fence(timeout=30) is True and handle.wait_copied(timeout=0)
+        weights.mul_(-1.0)
+        path = handle.result(timeout=30)
+    loaded, _ = load_checkpoint(path)
+    assert torch.equal(loaded["weights"], torch.arange(12 << 20, dtype=torch.float32))
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["weights"].untyped_storage().data_ptr()
+    assert torch.equal(loaded["view"], torch.arange(5, 10, dtype=torch.float32)) and loaded["info"] == {"n": 1}
+
+
 def test_save_async_reuses_buffers_without_mixing_snapshots(tmp_path):
     with CheckpointStore(tmp_path, keep_last=None) as store:
         paths = []

@@ -183,6 +183,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             loss.backward()
             loss_sum += loss.item() * count
             loss_count += count
+            if checkpointer is not None:
+                checkpointer.fence()  # a periodic checkpoint's copy must be done before the state changes
             in_step.set()
             try:
                 optimizer.step(batch_size=count)
@@ -191,6 +193,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             optimizer.zero_grad()
             micro_steps += 1
         else:
+            if checkpointer is not None:
+                checkpointer.fence()
             in_step.set()
             try:
                 optimizer.wait_and_average(timeout=1.0)

@@ -11,18 +11,41 @@ Details that keep the snapshot faithful to what `torch.save` of the originals wo
 - CUDA tensors are copied into pinned memory without a device sync; the returned `ready` events
   must be waited on before the snapshot is read (the writer thread does). Later in-place updates
   issued on the same CUDA stream run after the copy, so the training loop need not wait.
+- With `defer_copies=True`, `take` only builds the snapshot's structure and buffers and returns the
+  CPU copies still to do (`PendingCopies`), which another thread runs while the caller goes on with
+  work that reads but does not change the tensors (a forward and backward pass leave parameters and
+  optimizer state alone). The caller must not change them until the copies are done.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict, defaultdict
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 _IMMUTABLE_LEAVES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+class PendingCopies:
+    """The CPU copies of a deferred snapshot, to run on another thread: `run()` once, `done` after."""
+
+    def __init__(self, copies: List[Tuple[torch.Tensor, torch.Tensor]]):
+        self._copies = copies
+        self.done = threading.Event()
+        self.nbytes = sum(source.nbytes for _, source in copies)
+
+    def run(self) -> None:
+        """Do the copies (each a memcpy that releases the GIL), then set `done`, even on failure."""
+        try:
+            for destination, source in self._copies:
+                destination.copy_(source)
+        finally:
+            self._copies = []
+            self.done.set()
 
 
 class SnapshotBuffers:
@@ -39,6 +62,16 @@ class SnapshotBuffers:
         self._used: Dict[Tuple[int, bool], List[torch.Tensor]] = defaultdict(list)
         self._copied: Dict[Tuple[torch.device, int], torch.Tensor] = {}
         self._events: List[Any] = []
+        self._deferred: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def take_deferred(self, state: Any) -> Tuple[Any, List[Any], PendingCopies]:
+        """Like `take`, but the CPU tensors' bytes are copied later, by `PendingCopies.run()`."""
+        self._deferred = []
+        try:
+            snapshot, events = self.take(state)
+            return snapshot, events, PendingCopies(self._deferred)
+        finally:
+            self._deferred = None
 
     def take(self, state: Any) -> Tuple[Any, List[Any]]:
         """A copy of `state` whose tensors live in CPU memory owned by this object.
@@ -100,7 +133,10 @@ class SnapshotBuffers:
         if copied is None:
             copied = self._buffer(storage.nbytes(), pinned=tensor.device.type == "cuda")
             source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-            copied.copy_(source, non_blocking=tensor.device.type == "cuda")
+            if self._deferred is not None and tensor.device.type == "cpu":
+                self._deferred.append((copied, source))
+            else:  # CUDA copies are already asynchronous (ordered on the stream, see the module docstring)
+                copied.copy_(source, non_blocking=tensor.device.type == "cuda")
             self._copied[key] = copied
         view = torch.empty(0, dtype=tensor.dtype).set_(
             copied.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()

@@ -41,7 +41,7 @@ from moshpeer.peer.checkpoint.format import (
     read_verified,
     verify_payload_streaming,
 )
-from moshpeer.peer.checkpoint.snapshot import SnapshotBuffers, wait_until_ready
+from moshpeer.peer.checkpoint.snapshot import PendingCopies, SnapshotBuffers, wait_until_ready
 from moshpeer.version import __version__
 
 try:  # advisory locking is POSIX-only; elsewhere "one writer per directory" is on the user
@@ -166,6 +166,13 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._abort = threading.Event()
+        self._copied = threading.Event()  # the snapshot holds its own copy of every tensor
+        self._copied.set()
+
+    def wait_copied(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the snapshot no longer reads the caller's tensors (at once unless the save was
+        made with `copy_in_background`); False if `timeout` passed first."""
+        return self._copied.wait(timeout)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -402,11 +409,18 @@ class CheckpointStore:
         epoch: int,
         extra: Optional[Dict[str, Any]] = None,
         if_busy: str = "skip",
+        copy_in_background: bool = False,
     ) -> Optional[SaveHandle]:
         """Snapshot `state` now and write it in the background; None if skipped (busy).
 
         When this returns, the caller may modify every tensor and object in `state`: the
         checkpoint holds their values at the time of the call.
+
+        With `copy_in_background`, the bytes of CPU tensors are copied by the writer thread instead,
+        so this returns after building the snapshot's structure (what is not a tensor is still copied
+        here). The caller may go on with work that only reads the tensors (forward and backward
+        passes) but must call `fence()` (or `handle.wait_copied()`) before changing any of them (the
+        optimizer step): that takes the memcpy off the training thread, overlapped with compute.
         """
         if if_busy not in ("skip", "wait"):
             raise ValueError(f"if_busy must be 'skip' or 'wait', got {if_busy!r}")
@@ -422,14 +436,20 @@ class CheckpointStore:
                 return None
             in_flight.wait()
         started = time.perf_counter()
-        snapshot, ready_events = self._snapshots.take(state)
+        pending = None
+        if copy_in_background:
+            snapshot, ready_events, pending = self._snapshots.take_deferred(state)
+        else:
+            snapshot, ready_events = self._snapshots.take(state)
         snapshot_s = time.perf_counter() - started
         path, meta_json = self._prepare(snapshot, step=step, epoch=epoch, extra=extra)
         handle = SaveHandle(path, step=step, epoch=epoch, snapshot_s=snapshot_s)
+        if pending is not None:
+            handle._copied = pending.done
         self.stats.last_snapshot_s = snapshot_s
         writer = threading.Thread(
             target=self._write_in_background,
-            args=(handle, snapshot, ready_events, meta_json),
+            args=(handle, snapshot, ready_events, meta_json, pending),
             name=f"moshpeer-checkpoint-writer-{step}",
             daemon=True,  # a process that must exit does not wait for it; the write is atomic anyway
         )
@@ -453,6 +473,12 @@ class CheckpointStore:
         if in_flight is not None and not in_flight.wait(limit):
             return False
         return self._wait_for_pruners(None if until is None else max(0.0, until - time.monotonic()))
+
+    def fence(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no background save reads the caller's tensors any more (see `save_async`'s
+        `copy_in_background`); True at once when none does. Call before changing saved tensors."""
+        handle = self._in_flight
+        return handle is None or handle.wait_copied(timeout)
 
     @property
     def in_flight(self) -> Optional[SaveHandle]:
@@ -587,11 +613,19 @@ class CheckpointStore:
             self._next_seq = max(seqs, default=0) + 1
 
     def _write_in_background(
-        self, handle: SaveHandle, snapshot: Dict[str, Any], ready_events: List[Any], meta_json: bytes
+        self,
+        handle: SaveHandle,
+        snapshot: Dict[str, Any],
+        ready_events: List[Any],
+        meta_json: bytes,
+        pending: Optional[PendingCopies] = None,
     ) -> None:
-        lower_current_thread_priority(self.background_nice)
         started = time.perf_counter()
         try:
+            if pending is not None:
+                # At normal priority: the training loop may be waiting for it at its next update.
+                pending.run()
+            lower_current_thread_priority(self.background_nice)
             wait_until_ready(ready_events)
             size = write_checkpoint_file(
                 handle.path, snapshot, meta_json, abort=handle._abort, helper_nice=self.background_nice

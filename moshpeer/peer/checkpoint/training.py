@@ -184,15 +184,28 @@ class PeerCheckpointer:
 
     # ---- saving ---------------------------------------------------------------------------------
 
-    def capture(self, step: int) -> Dict[str, Any]:
-        """The live state as checkpoint parts (references, not copies: the store snapshots them)."""
+    def capture(self, step: int, *, clone_buffers: bool = False) -> Dict[str, Any]:
+        """The live state as checkpoint parts (references, not copies: the store snapshots them).
+
+        `clone_buffers`: copy the model's buffers now (a forward pass may update them in place, e.g.
+        BatchNorm statistics), for a background snapshot that copies the rest during forward/backward.
+        """
         from moshpeer.peer.tasks.protocol import stream_position
 
+        model_state = self.model.state_dict()
+        if clone_buffers:
+            buffers = {name for name, _ in self.model.named_buffers()}
+            metadata = getattr(model_state, "_metadata", None)
+            model_state = type(model_state)(
+                (name, value.clone() if name in buffers else value) for name, value in model_state.items()
+            )
+            if metadata is not None:
+                model_state._metadata = metadata
         collaborative = self.optimizer.checkpoint_state()
         optimizer_state = collaborative.pop("optimizer")
         collaborative["micro_steps"] = int(step)
         parts: Dict[str, Any] = {
-            Parts.MODEL: self.model.state_dict(),
+            Parts.MODEL: model_state,
             Parts.OPTIMIZER: optimizer_state,
             Parts.COLLABORATIVE: collaborative,
             Parts.GRID: {"group_bits": self.optimizer.averager.group_bits},
@@ -217,9 +230,17 @@ class PeerCheckpointer:
         if not self.due(step):
             return None
         self._last_step, self._last_time = step, time.monotonic()
-        handle = self.store.save_async(self.capture(step), step=step, epoch=self.optimizer.local_epoch,
-                                       extra=self._extra("periodic"))
+        # The memcpy of the snapshot runs on the writer thread while the next micro-batch computes;
+        # the training loop calls `fence()` before its next optimizer step (see CheckpointStore.save_async).
+        handle = self.store.save_async(self.capture(step, clone_buffers=True), step=step,
+                                       epoch=self.optimizer.local_epoch, extra=self._extra("periodic"),
+                                       copy_in_background=True)
         return handle.path if handle is not None else None
+
+    def fence(self) -> None:
+        """Call before changing the training state (the optimizer step): waits until a periodic
+        checkpoint's background copy no longer reads it (usually done already)."""
+        self.store.fence()
 
     def save_final(self, step: int, reason: str) -> Optional[Path]:
         """The checkpoint on the way out, written now and durable on return; a background write in
