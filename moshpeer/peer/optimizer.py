@@ -59,8 +59,11 @@ logger = logging.getLogger(__name__)
 
 AVERAGING_MODES = ("gradients", "parameters")
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
-# takes a few round trips), even when the budget deadline is closer than this.
+# takes a few round trips), even when the budget deadline is closer than this. Under load the round
+# trips take longer: the floor is then ASSEMBLY_MARGIN x the fastest recent assembly of a full group.
 MIN_BUDGET_WINDOW_S = 0.2
+ASSEMBLY_MARGIN = 3.0
+ASSEMBLY_HISTORY = 8
 # An aux peer waits in matchmaking this many matchmaking times: it never leads a group (the trainers'
 # leader decides when the group is complete), and a follower is only accepted by a leader whose window
 # ends before the follower's, so the aux's window must outlast the trainers' next one.
@@ -225,6 +228,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.total_samples = 0
         self.dropped_samples = 0  # computed but left out of the swarm's average (missed rounds)
         self.failed_rounds = 0  # aux peers: rounds that found no group (the aux retries them)
+        self._assembly_s: List[float] = []  # matchmaking times of recent rounds whose group was complete
         self.rounds: List[CollaborativeRound] = []
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
@@ -419,6 +423,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         report = None if alone else self._run_round(weight=float(self.samples_accumulated),
                                                     target_group_size=round_.group_target,
                                                     matchmaking_time=self._matchmaking_window())
+        self._note_assembly(report, round_.group_target)
         with self.lock:
             if report is not None and getattr(report, "ok", False):
                 round_.ok = True
@@ -452,8 +457,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         step = self._budget_step
         if step is None or step.tau_s is None:
             return self.matchmaking_time
-        floor = min(self.matchmaking_time, MIN_BUDGET_WINDOW_S)
-        return min(self.matchmaking_time, max(step.tau_s - step.elapsed_s, floor))
+        return min(self.matchmaking_time, max(step.tau_s - step.elapsed_s, self._window_floor()))
+
+    def _window_floor(self) -> float:
+        """The shortest matchmaking window worth trying: how long a complete group took to assemble
+        recently (its fastest case, i.e. no member was late), with a margin; at least MIN_BUDGET_WINDOW_S."""
+        fastest = min(self._assembly_s, default=0.0)
+        return min(self.matchmaking_time, max(MIN_BUDGET_WINDOW_S, ASSEMBLY_MARGIN * fastest))
+
+    def _note_assembly(self, report: Any, target: int) -> None:
+        if getattr(report, "ok", False) and int(report.group_size) >= target:
+            self._assembly_s = (self._assembly_s + [float(report.matchmaking_s)])[-ASSEMBLY_HISTORY:]
 
     def _missed_round(self) -> bool:
         """With a budget: this peer arrives after every window of its epoch has closed and the swarm has
@@ -462,7 +476,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         step = self._budget_step
         if step is None or step.tau_s is None:
             return False
-        if step.elapsed_s < step.tau_s + min(self.matchmaking_time, MIN_BUDGET_WINDOW_S):
+        if step.elapsed_s < step.tau_s + self._window_floor():
             return False
         return self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch
 
