@@ -15,7 +15,10 @@ background checkpoints on and off, and SIGTERM-to-exit latency of a training pro
    checkpoint every --checkpoint-every seconds of training (default 2: one per run) against
    none, interleaved runs, median ratio of --throughput-pairs pairs. 100 MB every 2 s is 50 MB/s of
    checkpoints, ~10x denser than a 100M-parameter peer saving its 1.2 GB every 5 minutes, so
-   this bounds the overhead from above.
+   this bounds the overhead from above. The loop saves with `copy_in_background=True` and calls
+   `store.fence()` before each optimizer step, as `moshpeer join` does; a second set of pairs
+   with the memcpy on the training thread (`throughput_ratio_sync_snapshot`) shows what that buys
+   (`--skip-sync-snapshot` skips it).
 3. SIGTERM-to-exit. tests/preemption_trainer.py trains the ~100M model; SIGTERM arrives after a
    few steps; the time until the process has exited, having written its final checkpoint.
 

@@ -44,8 +44,8 @@ def stop_and_check(peer, how) -> dict:
     return final[0]
 
 
-def test_sigterm_checkpoints_in_time_and_restart_resumes_exactly(swarm, tmp_path):
-    directory = tmp_path / "ckpt"
+def test_sigterm_checkpoints_in_time_restart_resumes_exactly_and_a_notice_file_does_the_same(swarm, tmp_path):
+    directory, notice = tmp_path / "ckpt", tmp_path / "preempted"
     peer = start_peer(swarm, "preempt-join", directory, "--checkpoint-every-steps", "7")
     # A few epochs in: Adam state exists and periodic checkpoints were written in the background.
     wait_event(peer, "epoch", timeout=STARTUP, predicate=lambda e: e["epoch"] >= 2)
@@ -64,7 +64,8 @@ def test_sigterm_checkpoints_in_time_and_restart_resumes_exactly(swarm, tmp_path
     assert state["optimizer"]["state"], "Adam's moments are in the checkpoint"
     assert state["collaborative"]["epoch"] == final["epoch"] and state["collaborative"]["micro_steps"] == final["step"]
 
-    restarted = start_peer(swarm, "preempt-join", directory, "--checkpoint-every-steps", "7")
+    restarted = start_peer(swarm, "preempt-join", directory, "--checkpoint-every-steps", "7",
+                           "--preemption-notice", str(notice))
     resumed = wait_event(restarted, "resumed", timeout=STARTUP)
     # Same file, same step and epoch; parameters, optimizer state, accumulators bit-identical to the
     # saved tensors (digest of the live state after loading == digest of the file's tensors).
@@ -74,23 +75,17 @@ def test_sigterm_checkpoints_in_time_and_restart_resumes_exactly(swarm, tmp_path
     assert resumed["params_digest"] == final["params_digest"]
     started = wait_event(restarted, "started", timeout=60)
     assert started["step"] == final["step"] and started["epoch"] == final["epoch"]
-    # It trains on from there, and a second preemption takes the same path.
+    # It trains on from there; then a preemption notice file appears: the same path as SIGTERM.
     wait_event(restarted, "epoch", timeout=STARTUP, predicate=lambda e: e["previous_epoch"] == final["epoch"])
-    second = stop_and_check(restarted, lambda: restarted.send_signal(signal.SIGTERM))
+    second = stop_and_check(restarted, lambda: notice.write_text("spot instance termination scheduled\n"))
+    assert second["reason"] == f"notice file {notice} appeared"
     assert second["step"] > final["step"] and second["epoch"] > final["epoch"]
-
-
-def test_notice_file_takes_the_same_path_as_sigterm(swarm, tmp_path):
-    directory, notice = tmp_path / "ckpt", tmp_path / "preempted"
-    peer = start_peer(swarm, "preempt-notice", directory, "--preemption-notice", str(notice))
-    wait_event(peer, "epoch", timeout=STARTUP, predicate=lambda e: e["epoch"] >= 1)
-    final = stop_and_check(peer, lambda: notice.write_text("spot instance termination scheduled\n"))
-    assert final["reason"] == f"notice file {notice} appeared"
     state, meta = CheckpointStore(directory).load_latest()
-    assert meta.path.name == final["file"] and state_digest(state) == final["state_digest"]
-    assert "preemption notice" in peer.stderr
+    assert meta.path.name == second["file"] and state_digest(state) == second["state_digest"]
+    assert "preemption notice" in restarted.stderr
 
 
+@pytest.mark.slow  # two more peer processes; the skipping itself is unit-tested in test_checkpoint.py
 def test_corrupt_newest_checkpoint_is_reported_and_skipped(swarm, tmp_path):
     directory = tmp_path / "ckpt"
     peer = start_peer(swarm, "preempt-corrupt", directory, "--checkpoint-every-steps", "5")
