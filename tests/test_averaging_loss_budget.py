@@ -113,3 +113,17 @@ def test_bursts_end_rounds_at_the_budget_not_the_deadline():
             assert phase.chunks_lost <= 0.42 * phase.chunks_expected, phase
             lost_any += phase.chunks_lost
     assert lost_any > 0  # the bursts did hit, and the budget absorbed them
+
+
+def test_settings_parse_and_bad_ones_are_user_errors():
+    from moshpeer.averaging.loss_budget import parse_loss_budget
+    from moshpeer.errors import UserError
+
+    assert parse_loss_budget(None).budget == 0.0 and parse_loss_budget("fixed").budget == 0.0
+    assert parse_loss_budget("0.1").budget == 0.1 and not parse_loss_budget(0.1).phase_aware
+    phased = parse_loss_budget("0.05,0.3", eta=0.25)
+    assert phased.phase_aware and (phased.p_low, phased.p_high, phased.eta) == (0.05, 0.3, 0.25)
+    assert parse_loss_budget("phase").describe() == {"mode": "phase", "p_low": 0.02, "p_high": 0.42, "eta": 0.5}
+    for bad in ("lots", "1.5", "0.5,0.1", "0.1,0.2,0.3", "-0.1"):
+        with pytest.raises(UserError):
+            parse_loss_budget(bad)

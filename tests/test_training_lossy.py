@@ -8,6 +8,8 @@ test_training.py). Slow: 4 peers, a lossless swarm and a lossy swarm with the sa
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import List, Sequence, Tuple
 
 import pytest
@@ -80,3 +82,12 @@ def test_four_peers_lossy_swarm_matches_lossless_swarm(swarm):
     assert_lossy_rounds(epoch_events)
     mean = lambda runs: sum(d["metrics"]["accuracy"] for d in runs) / len(runs)  # noqa: E731
     assert mean(lossy) >= mean(lossless) - TOLERANCE, (mean(lossy), mean(lossless))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags", [("--loss-budget", "0.5,0.1"), ("--faults", "drop_prob=2")])
+def test_bad_loss_budget_flags_fail_with_one_line(flags):
+    result = subprocess.run([sys.executable, "-m", "moshpeer", "join", "--run-id", "x", *flags],
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
