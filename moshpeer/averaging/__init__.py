@@ -9,6 +9,7 @@ from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.partition import Partition
+from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "Partition",
     "PhaseStats",
     "RoundReport",
+    "StreamRelay",
 ]
