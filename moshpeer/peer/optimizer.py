@@ -401,9 +401,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             stopped_by_budget = self._budget_step.finish().stopped_by_budget
         if snapshot.global_epoch > self.local_epoch + self.max_epoch_lag:
             # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
+            stale_samples = self.samples_accumulated
             downloaded = self.catch_up(min_epoch=snapshot.global_epoch - self.max_epoch_lag)
             if downloaded is not None:
+                self.dropped_samples += stale_samples
                 caught = CollaborativeRound(epoch=downloaded.epoch, samples=0, ok=False, error="caught up",
+                                            stopped_by_budget=stopped_by_budget, dropped_samples=stale_samples,
                                             swarm_samples=snapshot.samples_accumulated,
                                             num_trainers=snapshot.num_trainers)
                 self.rounds.append(caught)
