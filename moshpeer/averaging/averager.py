@@ -366,8 +366,9 @@ class MoshpitAverager(ServicerBase):
         """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
-        :param timeout: how long to look for a group (default: 5 x matchmaking_time); the data plane then
-            has `round_timeout` on top
+        :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
+            accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see the
+            module docstring); the data plane then has `round_timeout` on top
         :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
