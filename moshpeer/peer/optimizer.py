@@ -284,6 +284,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._advertised_at = 0.0
             self._advertise()
         self._report_progress(force=True)
+        self._begin_budget_step()  # the first epoch's budget starts now, not before the setup above
 
     # ---- torch.optim.Optimizer surface --------------------------------------------------------
 
@@ -385,6 +386,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         while True:
             visible = self.progress.refresh_now().num_trainers
             if visible >= min_trainers or time.monotonic() >= deadline or self._should_stop():
+                if self.samples_accumulated == 0:
+                    self._begin_budget_step()  # waiting for peers is not this epoch's compute time
                 return visible
             self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
 
