@@ -154,6 +154,9 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--phase-threshold", type=positive_float, default=0.5, metavar="ETA",
                        help="relative change of the gradient norm between epochs that marks a critical phase "
                        "(default: 0.5)")
+    group.add_argument("--phase-window", type=_positive_int, default=None, metavar="EPOCHS",
+                       help="collaborative epochs per phase-signal window: the gradient summed over a window "
+                       "is compared with the previous window's (Accordion; default: 5)")
     group.add_argument("--chunk-bytes", type=_positive_int, metavar="N",
                        help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
     group.add_argument("--faults", metavar="SPEC",
@@ -165,16 +168,17 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
     """TrainerConfig fields from the loss-budget flags (checked here, so bad values fail before start)."""
     from moshpeer.averaging.faults import FaultConfig
-    from moshpeer.averaging.loss_budget import parse_loss_budget
+    from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
 
     spec, eta = getattr(args, "loss_budget", "fixed"), getattr(args, "phase_threshold", 0.5)
-    parse_loss_budget(spec, eta=eta)
+    window = getattr(args, "phase_window", None)
+    parse_loss_budget(spec, eta=eta, window=window or DEFAULT_WINDOW)
     averager_kwargs = {}
     if getattr(args, "chunk_bytes", None) is not None:
         averager_kwargs["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "faults", None):
         averager_kwargs["faults"] = FaultConfig.parse(args.faults)
-    return {"loss_budget": spec, "phase_threshold": eta, "averager_kwargs": averager_kwargs}
+    return {"loss_budget": spec, "phase_threshold": eta, "phase_window": window, "averager_kwargs": averager_kwargs}
 
 
 def trainer_config_from_args(args: argparse.Namespace):

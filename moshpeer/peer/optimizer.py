@@ -130,7 +130,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param loss_budget: DBLP loss budget of the averaging rounds: None / "fixed" (wait for everything
         until the round deadline), a fraction P (fixed), "P_LOW,P_HIGH" or "phase" (phase-aware: the
         gradient norm of each epoch, averaged in gradients mode and local in parameters mode, sets the
-        next round's phase), or a `LossBudget`; phase_threshold: Accordion's eta for the phase signal
+        next round's phase), or a `LossBudget`; phase_threshold: Accordion's eta for the phase signal;
+        phase_window: collaborative epochs per signal window (default 5; see loss_budget.py)
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         averager_kwargs: Optional[Dict[str, Any]] = None,
         loss_budget: Any = None,
         phase_threshold: float = 0.5,
+        phase_window: Optional[int] = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -177,9 +179,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise UserError("target_batch_size and batch_size_per_step must be positive")
         if group_size < 2:
             raise UserError(f"group size must be at least 2, got {group_size}")
-        from moshpeer.averaging.loss_budget import parse_loss_budget  # bad settings fail before anything starts
+        from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget  # bad settings fail early
 
-        self._loss_budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold)
+        self._loss_budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold,
+                                                      window=phase_window if phase_window else DEFAULT_WINDOW)
         self.inner = optimizer
         self.run_id = validate_run_id(run_id)
         self.target_batch_size = int(target_batch_size)
@@ -233,6 +236,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
         self._grad_accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self._phase_window_sum: Optional[List[torch.Tensor]] = None  # loss budget: gradient summed over the window
         self._speed = _SpeedMeter()
         # "auto" simulates a synchronous group of `group_size` workers from this peer's own times.
         self.budget = ComputeBudget(compute_budget, num_workers=group_size) if compute_budget is not None else None
@@ -510,23 +514,31 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         ran_with = report if report is not None and getattr(report, "loss_phase", None) is not None else None
         round_.loss_phase = ran_with.loss_phase if ran_with is not None else budget.phase
         round_.loss_budget = float(ran_with.loss_budget if ran_with is not None else budget.budget)
-        norm = self._epoch_gradient_norm(averaged=round_.ok)
-        if norm is not None:
-            round_.grad_norm = norm
-            budget.on_epoch(norm)
+        grads = self._epoch_gradient(averaged=round_.ok)
+        if grads is None:
+            return
+        round_.grad_norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+        if not budget.phase_aware:
+            return
+        # Accordion's signal: the norm of the gradient summed over a window of epochs, window vs window.
+        if self._phase_window_sum is None:
+            self._phase_window_sum = [torch.zeros_like(g, dtype=torch.float32) for g in grads]
+        for total, g in zip(self._phase_window_sum, grads):
+            total.add_(g.float())
+        if budget.window_ends(round_.epoch):
+            budget.on_window(math.sqrt(sum(float(t.pow(2).sum()) for t in self._phase_window_sum)))
+            for total in self._phase_window_sum:
+                total.zero_()
 
-    def _epoch_gradient_norm(self, averaged: bool) -> Optional[float]:
-        """The phase signal: the norm of this epoch's averaged gradient (gradients mode, after a round),
-        else of this peer's mean local gradient; None when there is none (an aux peer)."""
-        n = len(self.params)
+    def _epoch_gradient(self, averaged: bool) -> Optional[List[torch.Tensor]]:
+        """The phase signal's input: this epoch's averaged gradient (gradients mode, after a round), else
+        this peer's mean local gradient; None when there is none (an aux peer)."""
         if self.averaging == "gradients" and averaged:
-            grads = self._averaged[:n]
-        elif self.samples_accumulated > 0:
+            return list(self._averaged[:len(self.params)])
+        if self.samples_accumulated > 0:
             scale = 1.0 / self.samples_accumulated
-            return math.sqrt(sum(float(acc.float().pow(2).sum()) for acc in self._grad_accumulators)) * scale
-        else:
-            return None
-        return math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+            return [acc.float() * scale for acc in self._grad_accumulators]
+        return None
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
         """Aux peers: take part in the swarm's next averaging round with weight 0.

@@ -68,6 +68,7 @@ class TrainerConfig:
     state_bytes_per_second: Optional[float] = None  # throttle this peer's state donations (tests)
     loss_budget: Any = None  # DBLP: None/"fixed" (baseline), P, "P_LOW,P_HIGH" or "phase"; see loss_budget.py
     phase_threshold: float = 0.5  # relative change of the gradient norm that marks a critical phase
+    phase_window: Optional[int] = None  # collaborative epochs per phase-signal window (None: the default, 5)
     show_progress: bool = False
     checkpoint: Optional[CheckpointPolicy] = None  # periodic checkpoints, resume, final checkpoint
     averager_kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -116,7 +117,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
         compression=config.compression, group_size=config.group_size, compute_budget=config.compute_budget,
-        loss_budget=config.loss_budget, phase_threshold=config.phase_threshold,
+        loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
