@@ -161,7 +161,9 @@ class GroupAllReduce:
         me = my_index
         self.num_my_chunks = self.partition.num_chunks(me)
         start, end = self.partition.part_range(me)
-        self.others_sum = torch.zeros(end - start, dtype=torch.float32)  # S in estimator.py, per value
+        # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
+        # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
+        self.others_sum = torch.empty(end - start, dtype=torch.float32)
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
         self.chunk_locks = [threading.Lock() for _ in range(self.num_my_chunks)]
         self.arrived_from = [bytearray(self.group_size) for _ in range(self.num_my_chunks)]
@@ -630,7 +632,8 @@ class GroupAllReduce:
             if departed:
                 return self._reject(i, f"reduce chunk {chunk} from a member already counted as departed")
             try:
-                codec.decode_accumulate(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
+                decode = codec.decode_accumulate if any(self.arrived_from[chunk]) else codec.decode_into
+                decode(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
             except ProtocolError as e:
                 return self._reject(i, f"reduce chunk {chunk}: {e}")
             self.arrived_from[chunk][i] = 1
