@@ -80,6 +80,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
+    group.add_argument("--error-feedback", action="store_true",
+                       help="with a sparsifying codec (arc-topk:FRACTION) in gradient mode: keep EF21M error-feedback "
+                       "state (checkpointed and downloaded by newcomers with the parameters)")
     group.add_argument("--group-size", type=_positive_int, default=4, metavar="N",
                        help="target Moshpit group size (default: 4)")
     group.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none",
@@ -190,7 +193,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
     return TrainerConfig(
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
-        compression=args.compression, group_size=max(args.group_size, 2),
+        compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
         min_peers=args.min_peers, wait_peers_timeout=args.wait_peers, matchmaking_time=args.matchmaking_time,

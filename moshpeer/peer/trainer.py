@@ -52,6 +52,7 @@ class TrainerConfig:
     batch_size: Optional[int] = None  # micro-batch; default: the task's
     averaging: str = "gradients"
     compression: str = "none"
+    error_feedback: bool = False  # EF21M state around a sparsifying codec (arc-topk)
     group_size: int = 4
     compute_budget: BudgetSetting = None
     role: str = "trainer"
@@ -116,8 +117,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
-        compression=config.compression, group_size=config.group_size, compute_budget=config.compute_budget,
-        loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
+        compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
+        compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
