@@ -7,15 +7,22 @@ transport). Scenarios, each run with both loss settings:
 
 - lossless: no faults;
 - loss10: 10% of chunk transmissions lost at random;
-- bursts: microbursts, a burst starting with probability `--burst-prob` per chunk and losing 75% of the
-  next `--burst-len` transmissions.
+- bursts: microbursts: a burst starts with probability `--burst-prob-per-kib` per KiB sent and loses 75%
+  of the next `--burst-kib` KiB of transmissions. Bursts are defined in bytes, so the loss process is
+  the same whatever the chunk size (FaultConfig counts transmissions: the bench converts).
 
-Links are reliable, like TCP (`retransmit_s`): a lost chunk is sent again after a 0.2 s retransmission
-timeout. The baseline (`--loss-budget fixed`) waits for everything until the round deadline, so every
-loss costs a retransmission. The phase-aware budget (`--loss-budget 0.02,0.42`) lets a round lose up
-to P of its chunks (P = 2% in critical phases, 42% otherwise; the phase comes from the relative change
-of the gradient norm between epochs) and reconstructs them without bias; only losses beyond P are
-retransmitted.
+The chunk is the unit of loss. DBLP works on packets; the default chunk is 1 KiB (256 fp32 values, about
+one Ethernet packet's payload), so a round of the 52k-value digits model has ~51 chunks per part and a
+receiver expects ~153 chunks per phase in a group of 4: P_low = 2% lets it miss 3 of them.
+
+Links are reliable (`retransmit_s`): a lost chunk is sent again after a 0.2 s retransmission timeout.
+The baseline (`--loss-budget fixed`) is a TCP-like in-order link that waits for everything until the
+round deadline, so every loss costs a retransmission and holds back the chunks behind it. The
+phase-aware budget (`--loss-budget 0.02,0.42`) is DBLP's bounded-loss transport: a receiver may miss
+P of the chunks it expects in a phase (P = 2% in critical phases, 42% otherwise; the phase comes from
+the relative change of the norm of the gradient summed over a window of 5 epochs, Accordion's signal,
+and the group applies the smallest budget any member declared), the rest is reconstructed without
+bias, and losses beyond P are resent selectively, without holding back later chunks.
 
 Reports per run: end-to-end training time (slowest peer), p50 / p99 of the round time (data plane of
 one averaging round: what the budget governs; matchmaking excluded) over every round of every peer,
@@ -53,14 +60,20 @@ def percentile(values: List[float], q: float) -> Optional[float]:
     return ordered[rank - 1]
 
 
+def burst_settings(args) -> tuple:
+    """(burst_prob per transmission, burst_len in transmissions) for the chunk size: bursts in bytes."""
+    kib_per_chunk = args.chunk_bytes / 1024
+    return min(1.0, args.burst_prob_per_kib * kib_per_chunk), max(1, round(args.burst_kib / kib_per_chunk))
+
+
 def scenario_faults(name: str, args) -> Optional[str]:
     if name == "lossless":
         return None
     if name == "loss10":
         return f"drop_prob=0.1,retransmit_s={RETRANSMIT_S},seed=7"
     if name == "bursts":
-        return (f"burst_prob={args.burst_prob},burst_len={args.burst_len},burst_loss=0.75,"
-                f"retransmit_s={RETRANSMIT_S},seed=7")
+        prob, length = burst_settings(args)
+        return f"burst_prob={prob:.6g},burst_len={length},burst_loss=0.75,retransmit_s={RETRANSMIT_S},seed=7"
     raise ValueError(name)
 
 
@@ -126,9 +139,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=30, help="collaborative epochs (sample budget / 256)")
-    parser.add_argument("--chunk-bytes", type=int, default=4096, help="averaging chunk: the unit of loss")
-    parser.add_argument("--burst-prob", type=float, default=0.02, help="per chunk: probability that a burst starts")
-    parser.add_argument("--burst-len", type=int, default=6, help="transmissions a burst lasts (75%% of them lost)")
+    parser.add_argument("--chunk-bytes", type=int, default=1024,
+                        help="averaging chunk, the unit of loss (default: about one packet's payload)")
+    parser.add_argument("--burst-prob-per-kib", type=float, default=0.005,
+                        help="probability that a burst starts, per KiB sent")
+    parser.add_argument("--burst-kib", type=float, default=24.0, help="KiB of transmissions a burst lasts "
+                        "(75%% of them lost)")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--round-timeout", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=400.0, help="per run")
@@ -137,7 +153,8 @@ def main() -> int:
     args = parser.parse_args()
 
     print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
-          f"chunk_bytes={args.chunk_bytes} retransmit_s={RETRANSMIT_S} baseline={BASELINE!r} budget={BUDGET!r} "
+          f"chunk_bytes={args.chunk_bytes} bursts={scenario_faults('bursts', args)!r} "
+          f"retransmit_s={RETRANSMIT_S} baseline={BASELINE!r} budget={BUDGET!r} "
           f"load={os.getloadavg()[0]:.2f}", flush=True)
     results: Dict[str, dict] = {}
     for scenario in args.scenarios.split(","):

@@ -17,26 +17,69 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_phase_signal_switches_the_budget():
+    """Accordion's rule on scripted window norms (norm of the gradient summed over each window)."""
     budget = LossBudget(p_low=0.02, p_high=0.42, eta=0.5)
     assert budget.phase == CRITICAL and budget.budget == 0.02  # training starts critical
     script = [
-        (10.0, CRITICAL),  # first epoch
+        (10.0, NORMAL),    # end of the first window: nothing to compare yet, P <- P_high (DBLP)
         (9.0, NORMAL),     # -10%
         (8.5, NORMAL),
         (4.0, CRITICAL),   # -53%: critical phase
         (3.9, NORMAL),
         (6.0, CRITICAL),   # +54%
+        (6.5, NORMAL),
+        (0.0, CRITICAL),   # -100%
+        (0.0, NORMAL),     # zero after zero: no change
+        (1.0, CRITICAL),   # anything after zero is an infinite change
         (float("nan"), CRITICAL),
     ]
     for norm, phase in script:
-        assert budget.on_epoch(norm) == phase, norm
+        assert budget.on_window(norm) == phase, norm
         assert budget.budget == (0.02 if phase == CRITICAL else 0.42)
+
+
+def test_signal_windows_are_aligned_on_the_swarm_epoch():
+    budget = LossBudget(window=5)
+    assert [e for e in range(16) if budget.window_ends(e)] == [4, 9, 14]
+    assert all(LossBudget(window=1).window_ends(e) for e in range(4))
+    from moshpeer.errors import UserError
+    for bad in (0, -1, 2.5):
+        with pytest.raises(UserError):
+            LossBudget(window=bad)
+
+
+def test_windowed_signal_ignores_step_noise():
+    """Near convergence one step's gradient norm swings by more than eta; the norm of the gradient
+    summed over a window of those steps does not (scripted: a steady mean gradient plus alternating
+    noise that changes the per-step norm by +-60%)."""
+    torch.manual_seed(0)
+    mean = torch.ones(100)
+    steps = [mean + (1.6 if k % 2 else -0.6) * mean for k in range(20)]  # per-step norms 4, 26, 4, 26, ...
+    per_step, windowed = LossBudget(window=1), LossBudget(window=4)
+    step_phases, window_phases, total = [], [], torch.zeros(100)
+    for epoch, g in enumerate(steps):
+        step_phases.append(per_step.on_window(float(g.norm())))
+        total += g
+        if windowed.window_ends(epoch):
+            window_phases.append(windowed.on_window(float(total.norm())))
+            total.zero_()
+    assert step_phases.count(CRITICAL) >= 15  # every step looks like a phase change
+    assert window_phases == [NORMAL] * 5  # window sums are steady
+
+
+def test_group_applies_the_smallest_declared_budget():
+    from moshpeer.averaging.loss_budget import group_budget
+
+    assert group_budget([(0.42, NORMAL), (0.02, CRITICAL), (0.42, NORMAL)]) == (0.02, CRITICAL)
+    assert group_budget([(0.42, NORMAL)] * 3) == (0.42, NORMAL)
+    with pytest.raises(ValueError):
+        group_budget([])
 
 
 def test_fixed_budget_never_changes():
     budget = LossBudget.fixed(0.0)
     for norm in (1.0, 100.0, 0.01):
-        budget.on_epoch(norm)
+        budget.on_window(norm)
         assert budget.budget == 0.0
 
 
@@ -123,7 +166,9 @@ def test_settings_parse_and_bad_ones_are_user_errors():
     assert parse_loss_budget("0.1").budget == 0.1 and not parse_loss_budget(0.1).phase_aware
     phased = parse_loss_budget("0.05,0.3", eta=0.25)
     assert phased.phase_aware and (phased.p_low, phased.p_high, phased.eta) == (0.05, 0.3, 0.25)
-    assert parse_loss_budget("phase").describe() == {"mode": "phase", "p_low": 0.02, "p_high": 0.42, "eta": 0.5}
+    assert parse_loss_budget("phase").describe() == {"mode": "phase", "p_low": 0.02, "p_high": 0.42, "eta": 0.5,
+                                                     "window": 5}
+    assert parse_loss_budget("phase", window=3).window == 3
     for bad in ("lots", "1.5", "0.5,0.1", "0.1,0.2,0.3", "-0.1"):
         with pytest.raises(UserError):
             parse_loss_budget(bad)

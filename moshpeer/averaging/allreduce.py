@@ -25,6 +25,7 @@ cannot prove the group secret itself is "absent": nothing is expected from it an
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import logging
 import math
@@ -41,7 +42,7 @@ import torch
 from moshpeer.averaging import wire
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.estimator import combine_unbiased
-from moshpeer.averaging.faults import ChunkFaults, FaultConfig
+from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
 from moshpeer.compression.codec import Compression, NoCompression
@@ -491,10 +492,26 @@ class GroupAllReduce:
             return None
         stream_seed = int.from_bytes(self.tag[:4], "big") * 64 + self.my_index * 8 + j * 2 + (phase == "gather")
         num_chunks = self.partition.num_chunks(j) if phase == "reduce" else self.num_my_chunks
-        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter, self.loss_budget, num_chunks)
+        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter, self.loss_budget, num_chunks,
+                           droppable=self._allowance_share(j, phase))
 
-    def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec) -> bool:
-        """Encode and send one chunk (unless faults drop it); False once this peer is silenced."""
+    def _allowance_share(self, j: int, phase: str) -> int:
+        """DBLP's budget is per receiver and phase: receiver j may miss floor(P x every chunk it expects
+        in the phase, from all its senders). Each sender leaves at most its share of that lost, the shares
+        split by sender rank so that they add up to the receiver's allowance without coordination."""
+        senders = [k for k in range(self.group_size) if k != j]
+        if phase == "reduce":  # j owns part j: every other member sends it its slice of that part
+            expected = self.partition.num_chunks(j) * len(senders)
+        else:  # each other member k sends j its averaged part k
+            expected = sum(self.partition.num_chunks(k) for k in senders)
+        allowance = math.floor(self.loss_budget * expected + 1e-9)
+        rank = senders.index(self.my_index)
+        return allowance // len(senders) + (1 if rank < allowance % len(senders) else 0)
+
+    def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
+                    resends: list) -> bool:
+        """Encode and send one chunk (unless faults drop it: a dropped chunk to be resent later goes to
+        `resends`); False once this peer is silenced."""
         if faults is not None:
             if faults.silenced():
                 return False
@@ -503,17 +520,47 @@ class GroupAllReduce:
                 time.sleep(delay)
             if drop:
                 stats.chunks_dropped_by_faults += 1
+                if faults.resend_after > 0:  # selective resend: keep the bytes, send them when due
+                    payload = self._encode_chunk(phase, part, chunk, codec).clone()
+                    resends.append((time.monotonic() + faults.resend_after, phase, part, chunk, payload))
                 return True
-        start, end = self.partition.chunk_range(part, chunk)
+        payload = self._encode_chunk(phase, part, chunk, codec)
+        self._transmit(sock, stats, phase, part, chunk, payload)
+        return True
+
+    def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
         payload = self._gather_payloads[chunk] if phase == wire.PHASE_GATHER and part == self.my_index else None
         if payload is None:
+            start, end = self.partition.chunk_range(part, chunk)
             payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
+        return payload
+
+    def _transmit(self, sock, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
         data = memoryview(payload.numpy())
         wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
         stats.bytes_sent += wire.HEADER.size + len(data)
         self.fault_counter[0] += 1
-        return True
+
+    def _send_resends(self, sock, faults, stats: PhaseStats, resends: list, deadline: float) -> None:
+        """DBLP's selective resends of this stream, each when its retransmission timeout is due (before
+        the end-of-phase marker: the receiver waits for them, within its budget and the deadline); a
+        resend lost again is due one more timeout later."""
+        queue = [(due, k, item) for k, (due, *item) in enumerate(resends)]
+        heapq.heapify(queue)
+        tries = 0
+        while queue and tries < MAX_RETRANSMISSIONS * len(resends):
+            due, k, (phase, part, chunk, payload) = heapq.heappop(queue)
+            if due > deadline or self._closing:
+                return
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            tries += 1
+            if faults.resend_lost():
+                heapq.heappush(queue, (time.monotonic() + faults.config.retransmit_s, k, (phase, part, chunk, payload)))
+                continue
+            self._transmit(sock, stats, phase, part, chunk, payload)
 
     def _send_marker(self, sock, faults, phase: int) -> None:
         if faults is not None and faults.silenced():
@@ -523,28 +570,32 @@ class GroupAllReduce:
     def _send_reduce(self, sock, j: int) -> None:
         faults = self._make_faults(j, "reduce")
         codec = self.compression.reduce_codec
+        resends: list = []
         for c in range(self.partition.num_chunks(j)):
             if time.monotonic() > self.reduce_deadline:
                 break
-            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec)
+            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends)
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
             if not ok:
                 return
         with self.cond:
-            self.sent_progress[j] = _DONE
+            self.sent_progress[j] = _DONE  # a chunk waiting for its resend keeps its own copy of the bytes
             self.cond.notify_all()
+        self._send_resends(sock, faults, self.reduce, resends, self.reduce_deadline)
         self._send_marker(sock, faults, wire.PHASE_END_REDUCE)
 
     def _send_gather(self, sock, j: int) -> None:
         faults = self._make_faults(j, "gather")
         codec = self.compression.gather_codec
+        resends: list = []
         for c in range(self.num_my_chunks):
             if not self._wait_finalized_watching(sock, j, c):
                 return
-            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec):
+            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends):
                 return
+        self._send_resends(sock, faults, self.gather, resends, self.deadline)
         self._send_marker(sock, faults, wire.PHASE_END_GATHER)
 
     # ---- receiving ----------------------------------------------------------------------------
@@ -624,6 +675,8 @@ class GroupAllReduce:
         part_start = self.partition.part_starts[me]
         with self.chunk_locks[chunk]:
             if self.finalized[chunk]:
+                if self.loss_budget > 0:  # a selective resend the budget stopped waiting for: late, not bad
+                    return
                 return self._reject(i, f"reduce chunk {chunk} arrived after its deadline")
             if self.arrived_from[chunk][i]:
                 return self._reject(i, f"duplicate reduce chunk {chunk}")

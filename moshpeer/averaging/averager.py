@@ -3,7 +3,7 @@
 Control plane: the averager owns a hivemind `Matchmaking` (and through it a `GroupKeyManager`,
 whose group bits are Moshpit's grid coordinates) and serves its `rpc_join_group` on a P2P replica
 of the DHT's daemon. Both run on a private asyncio loop in a background thread. Each member's
-`data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce) travels
+`data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss budget) travels
 inside matchmaking over libp2p's encrypted channel; the group secret is a hash of the group id and
 all nonces.
 
@@ -53,7 +53,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
-from moshpeer.averaging.loss_budget import LossBudget
+from moshpeer.averaging.loss_budget import LossBudget, group_budget
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
@@ -96,10 +96,16 @@ class _MemberInfo:
     port: int
     weight: float
     nonce: bytes
+    # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
+    loss_budget: Optional[Tuple[float, str]] = None
 
 
-def _pack_member_info(host: str, port: int, weight: float, nonce: bytes) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce})
+def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
+                      loss_budget: Optional[Tuple[float, str]] = None) -> bytes:
+    info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
+    if loss_budget is not None:
+        info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
+    return msgpack.packb(info)
 
 
 def _parse_member_info(data: bytes) -> _MemberInfo:
@@ -121,7 +127,14 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
         raise ProtocolError("bad weight")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise ProtocolError("bad nonce")
-    return _MemberInfo(host, port, float(weight), nonce)
+    budget, phase = info.get("budget"), info.get("phase")
+    declared = None
+    if budget is not None:  # optional: a member without one leaves the decision to the others
+        if not isinstance(budget, (int, float)) or not 0.0 <= budget < 1.0 or not isinstance(phase, str) \
+                or len(phase) > 16:
+            raise ProtocolError("bad loss budget")
+        declared = (float(budget), phase)
+    return _MemberInfo(host, port, float(weight), nonce, declared)
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -389,7 +402,8 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         now = get_dht_time()
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, float(weight), nonce),
+            data_for_gather=_pack_member_info(host, port, float(weight), nonce,
+                                              (self.loss_budget.budget, self.loss_budget.phase)),
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
             weight=float(weight),
@@ -485,7 +499,10 @@ class MoshpitAverager(ServicerBase):
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
-        report.loss_budget, report.loss_phase = self.loss_budget.budget, self.loss_budget.phase
+        # One budget per group: every member computes the same one from the same gathered list.
+        declared = [m.loss_budget for m in members if m.loss_budget is not None]
+        report.loss_budget, report.loss_phase = group_budget(
+            declared or [(self.loss_budget.budget, self.loss_budget.phase)])
         group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
                          for m, peer_id in zip(members, group.peer_ids)]
         deadline = time.monotonic() + self.round_timeout

@@ -36,8 +36,11 @@ class FaultConfig:
     :param burst_loss: loss probability of each chunk inside a burst (1.0: all of them; microbursts: 0.6-0.9)
     :param retransmit_s: None: a lost chunk is gone (the receiver learns it from the end-of-phase marker).
         A number: the link is reliable, like TCP: a lost chunk is sent again after this retransmission
-        timeout (each resend may be lost again), except that the round's loss budget P lets the sender
-        leave up to floor(P x chunks of the stream) of them lost (DBLP's bounded-loss transport)
+        timeout (each resend may be lost again). With a budget P = 0 (the baseline) the link is TCP-like:
+        in order, so a resend holds back every later chunk of the stream. With P > 0 the link is DBLP's
+        bounded-loss transport: the sender leaves its share of the receiver's allowance, floor(P x the
+        chunks the receiver expects in the phase), lost, and resends later losses selectively, after the
+        timeout, without holding back the chunks behind them
     :param stop_after_chunks: after this many chunks sent in a round, the peer goes silent (no more chunks,
         no end-of-phase markers) until the round ends, like a peer that hangs
     :param phases: which phases the faults apply to ("reduce", "gather")
@@ -118,19 +121,25 @@ class ChunkFaults:
     """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop.
 
     :param loss_budget, num_chunks: with `retransmit_s`, the sender may leave floor(loss_budget x
-        num_chunks) chunks of this stream lost instead of resending them
+        num_chunks) chunks of this stream lost instead of resending them (or `droppable` of them: this
+        stream's share of the receiver's allowance), and a budget > 0 means selective resends
+        (`resend_after`)
     """
 
     def __init__(self, config: FaultConfig, phase: str, stream_seed: int, shared_counter: list,
-                 loss_budget: float = 0.0, num_chunks: int = 0):
+                 loss_budget: float = 0.0, num_chunks: int = 0, droppable: Optional[int] = None):
         self.config = config
         self.active = phase in config.phases
         self.rng = random.Random(config.seed * 1_000_003 + stream_seed)
         self.burst_left = 0
         self.sent_in_round = shared_counter  # [count], shared by every connection of this peer in the round
-        self.droppable = math.floor(loss_budget * num_chunks + 1e-9)
+        self.droppable = math.floor(loss_budget * num_chunks + 1e-9) if droppable is None else int(droppable)
+        self.selective = loss_budget > 0  # DBLP's transport: a resend does not hold back later chunks
         self.left_lost = 0
         self.retransmissions = 0
+        # After before_chunk() said drop: 0.0 if the chunk stays lost, else the seconds after which the
+        # (selective) sender must send it again.
+        self.resend_after = 0.0
 
     def silenced(self) -> bool:
         """True once this peer has sent `stop_after_chunks` chunks in the round: it sends nothing more."""
@@ -143,19 +152,31 @@ class ChunkFaults:
             return False, 0.0
         cfg = self.config
         delay = cfg.delay_s + (self.rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)
+        self.resend_after = 0.0
         lost = self._lost()
         if not lost or cfg.retransmit_s is None:
             return lost, delay
         if self.left_lost < self.droppable:
             self.left_lost += 1  # within the loss budget: a bounded-loss sender does not resend
             return True, delay
-        # A reliable sender waits a retransmission timeout per try; a try inside a burst may be lost too.
+        if self.selective:
+            # Resent after the timeout; the chunks behind it go on now (and move the burst on: a resend
+            # is lost or not when it is sent, see resend_lost()).
+            self.resend_after = cfg.retransmit_s
+            return True, delay
+        # A TCP-like sender waits a retransmission timeout per try, holding back everything behind the
+        # chunk; a try inside a burst may be lost too.
         for _ in range(MAX_RETRANSMISSIONS):
             delay += cfg.retransmit_s
             self.retransmissions += 1
             if not self._lost():
                 break
         return False, delay
+
+    def resend_lost(self) -> bool:
+        """A selective resend goes out now: is it lost again (then it is due one more timeout later)?"""
+        self.retransmissions += 1
+        return self.active and self._lost()
 
     def _lost(self) -> bool:
         """Is the next transmission lost? Advances the burst state by one transmission."""

@@ -31,15 +31,15 @@ CRITICAL, NORMAL, FIXED = "critical", "normal", "fixed"
 DEFAULT_P_LOW, DEFAULT_P_HIGH, DEFAULT_ETA = 0.02, 0.42, 0.5
 # Collaborative epochs per signal window. Accordion's window is one pass over the data; a peer does not
 # know the swarm's data size, so this is a count: 5 epochs ~ one pass of the built-in digits task at
-# global batch 256 (1437 training samples), and enough steps that the summed gradient is not one
+# global batch 256 (1257 training samples), and enough steps that the summed gradient is not one
 # step's noise. Set it to (dataset size / global batch) for a real task.
 DEFAULT_WINDOW = 5
 
 
 @dataclass
 class LossBudget:
-    """Current budget and phase. The optimizer sums the gradients of every collaborative epoch of a
-    window (`window_ends(epoch)` says where a window ends) and calls `on_window(norm of that sum)`."""
+    """Current budget and phase. The optimizer accumulates the gradients of every collaborative epoch of
+    a window (`window_index(epoch)`, `window_ends(epoch)`) and calls `on_window(norm of their mean)`."""
 
     p_low: float = DEFAULT_P_LOW
     p_high: float = DEFAULT_P_HIGH
@@ -84,6 +84,10 @@ class LossBudget:
         if self.fixed_budget is not None:
             return self.fixed_budget
         return self.p_low if self.phase == CRITICAL else self.p_high
+
+    def window_index(self, epoch: int) -> int:
+        """The signal window that collaborative epoch `epoch` (0-based) belongs to."""
+        return int(epoch) // self.window
 
     def window_ends(self, epoch: int) -> bool:
         """Does collaborative epoch `epoch` (0-based, the swarm's number) close a signal window? Windows

@@ -237,6 +237,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
         self._grad_accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self._phase_window_sum: Optional[List[torch.Tensor]] = None  # loss budget: gradient summed over the window
+        self._phase_window_of, self._phase_window_epochs = -1, 0  # which window it is, how many epochs it holds
         self._speed = _SpeedMeter()
         # "auto" simulates a synchronous group of `group_size` workers from this peer's own times.
         self.budget = ComputeBudget(compute_budget, num_workers=group_size) if compute_budget is not None else None
@@ -520,15 +521,25 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         round_.grad_norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
         if not budget.phase_aware:
             return
-        # Accordion's signal: the norm of the gradient summed over a window of epochs, window vs window.
+        # Accordion's signal: the norm of the gradient accumulated over a window of epochs (here its mean,
+        # so that a window this peer partly missed compares fairly), window vs window.
+        window = budget.window_index(round_.epoch)
+        if self._phase_window_epochs and window != self._phase_window_of:
+            self._close_phase_window(budget)  # we skipped the epoch that ends that window (caught up)
         if self._phase_window_sum is None:
             self._phase_window_sum = [torch.zeros_like(g, dtype=torch.float32) for g in grads]
         for total, g in zip(self._phase_window_sum, grads):
             total.add_(g.float())
+        self._phase_window_of, self._phase_window_epochs = window, self._phase_window_epochs + 1
         if budget.window_ends(round_.epoch):
-            budget.on_window(math.sqrt(sum(float(t.pow(2).sum()) for t in self._phase_window_sum)))
-            for total in self._phase_window_sum:
-                total.zero_()
+            self._close_phase_window(budget)
+
+    def _close_phase_window(self, budget: Any) -> None:
+        scale = 1.0 / self._phase_window_epochs
+        budget.on_window(math.sqrt(sum(float(t.pow(2).sum()) for t in self._phase_window_sum)) * scale)
+        for total in self._phase_window_sum:
+            total.zero_()
+        self._phase_window_epochs = 0
 
     def _epoch_gradient(self, averaged: bool) -> Optional[List[torch.Tensor]]:
         """The phase signal's input: this epoch's averaged gradient (gradients mode, after a round), else
