@@ -177,6 +177,12 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 argv += ["--straggler", straggler]
             peers.append(Child(argv, e))
         children += peers
+        for i in range(args.aux):  # weight-0 helpers: not in `peers`, so not in the figures
+            children.append(Child([sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"],
+                                   "--run-id", run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--role", "aux",
+                                   "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
+                                   "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time)],
+                                  e))
         for peer in peers:
             peer.wait_event("done", args.timeout)
         return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")
@@ -289,6 +295,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=None,
                         help="moshpeer's --group-size (default: --peers); larger than --peers shows how a swarm "
                         "smaller than its group size averages")
+    parser.add_argument("--aux", type=int, default=0, metavar="N",
+                        help="also start N `moshpeer join --role aux` peers in the moshpeer runs")
     parser.add_argument("--epochs", type=int, default=40, help="collaborative epochs (sample budget / 256)")
     parser.add_argument("--target", type=float, default=0.95, help="target test accuracy")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
@@ -308,7 +316,7 @@ def main() -> int:
         return hivemind_worker(args)
 
     straggler = f"lognormal:mean_s={args.straggler_mean},sigma=1.5,seed=7" if args.straggler else None
-    print(f"peers={args.peers} group_size={args.group_size or args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
+    print(f"peers={args.peers} aux={args.aux} group_size={args.group_size or args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"target_acc={args.target} straggler={straggler}")
     print(f"hivemind.Optimizer settings: {HIVEMIND_SETTINGS | {'matchmaking_time': args.matchmaking_time}} "
           f"tracker_opts={HIVEMIND_TRACKER}")
@@ -335,7 +343,7 @@ def main() -> int:
                                 if hive.get("time_to_target_s") and moshpeer["time_to_target_s"] else None),
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
-        "group_size": args.group_size or args.peers,
+        "group_size": args.group_size or args.peers, "aux": args.aux,
     }
     if args.straggler:
         budgeted = results["moshpeer_dropcompute"]
