@@ -80,7 +80,7 @@ def scenario_faults(name: str, args) -> Optional[str]:
 def run_swarm(args, scenario: str, loss_budget: str) -> dict:
     """One training run of `args.peers` peers; returns its figures."""
     e = env()
-    run_id = f"lossy-{scenario}-{'base' if loss_budget == BASELINE else 'budget'}-{os.getpid()}"
+    run_id = f"lossy-{scenario}-{abs(hash(loss_budget)) % 10**6}-{os.getpid()}"
     boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
                   "--heartbeat", "1"], e)
     children = [boot]
@@ -149,16 +149,19 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=400.0, help="per run")
     parser.add_argument("--scenarios", default="lossless,loss10,bursts")
+    parser.add_argument("--baseline", default=BASELINE, help="loss budget of the baseline runs (ablation: a tiny "
+                        "fixed P such as 0.0001 waits for everything over the selective-resend transport)")
+    parser.add_argument("--budget", default=BUDGET, help="loss budget of the budgeted runs")
     parser.add_argument("--events-out", metavar="PATH", help="write every run's figures here (debugging)")
     args = parser.parse_args()
 
     print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"chunk_bytes={args.chunk_bytes} bursts={scenario_faults('bursts', args)!r} "
-          f"retransmit_s={RETRANSMIT_S} baseline={BASELINE!r} budget={BUDGET!r} "
+          f"retransmit_s={RETRANSMIT_S} baseline={args.baseline!r} budget={args.budget!r} "
           f"load={os.getloadavg()[0]:.2f}", flush=True)
     results: Dict[str, dict] = {}
     for scenario in args.scenarios.split(","):
-        for label, setting in (("baseline", BASELINE), ("budget", BUDGET)):
+        for label, setting in (("baseline", args.baseline), ("budget", args.budget)):
             started = time.monotonic()
             results[f"{scenario}/{label}"] = run_swarm(args, scenario, setting)
             shown = {k: v for k, v in results[f"{scenario}/{label}"].items() if k != "rounds_detail"}
