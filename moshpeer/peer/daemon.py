@@ -69,6 +69,10 @@ Work = Callable[["PeerDaemon"], None]
 ShutdownHook = Callable[[], None]
 
 
+def _describe_notice(notice: PreemptionNotice) -> str:
+    return f"received {notice.reason}" if notice.source == "signal" else notice.reason
+
+
 class PeerDaemon:
     """One peer of run `run_id`: DHT membership, heartbeat, signals and an orderly shutdown.
 
@@ -204,7 +208,12 @@ class PeerDaemon:
 
     @property
     def stop_reason(self) -> str:
-        return self._stop_reason
+        """Why the peer stops ("" before a stop); set at once, even before the watcher thread has run."""
+        if self._stop_reason:
+            return self._stop_reason
+        watcher = self._watcher
+        notice = watcher.notice if watcher is not None else None
+        return _describe_notice(notice) if notice is not None else ""
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -426,8 +435,7 @@ class PeerDaemon:
             self._dht.kill()
 
     def _on_notice(self, notice: PreemptionNotice) -> None:
-        reason = f"received {notice.reason}" if notice.source == "signal" else notice.reason
-        self.request_stop(reason)
+        self.request_stop(_describe_notice(notice))
 
     def _start_watchdog(self) -> None:
         """With a grace period: make sure the process is gone by the deadline, whatever hangs."""
