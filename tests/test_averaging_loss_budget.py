@@ -172,3 +172,44 @@ def test_settings_parse_and_bad_ones_are_user_errors():
     for bad in ("lots", "1.5", "0.5,0.1", "0.1,0.2,0.3", "-0.1"):
         with pytest.raises(UserError):
             parse_loss_budget(bad)
+
+
+def test_allowance_is_per_receiver_and_phase():
+    """DBLP counts the budget over everything a receiver expects in a phase: the senders' shares of the
+    allowance add up to floor(P x that), whatever the stream sizes."""
+    n, numel, chunk, budget = 4, 4096 + 100, 64, 0.05
+    planes = [DataPlane() for _ in range(n)]
+    try:
+        members = [GroupMember(*p.address, 1.0) for p in planes]
+        rounds = [GroupAllReduce(planes[k], torch.zeros(numel), members=members, my_index=k,
+                                 tag=wire.allreduce_tag(b"a" * 20, 0), secret=b"s" * 32,
+                                 compression=get_compression("none"), chunk_numel=chunk,
+                                 deadline=time.monotonic() + 5, loss_budget=budget) for k in range(n)]
+        partition = rounds[0].partition
+        for j in range(n):
+            expected = {"reduce": partition.num_chunks(j) * (n - 1),
+                        "gather": sum(partition.num_chunks(k) for k in range(n) if k != j)}
+            for phase, total in expected.items():
+                shares = [rounds[k]._allowance_share(j, phase) for k in range(n) if k != j]
+                assert sum(shares) == int(budget * total), (j, phase, shares)
+                assert max(shares) - min(shares) <= 1
+    finally:
+        for p in planes:
+            p.close()
+
+
+def test_critical_budget_resends_beyond_it_without_stalling():
+    """P_low: the budget covers few chunks, so losses beyond it are resent, selectively (DBLP's transport):
+    later chunks do not wait behind a resend as they do on the TCP-like baseline link."""
+    seed, group_id = 2, bytes([2]) * 20
+    baseline, _ = _round(loss_budget=0.0, faults=FaultConfig(**BURSTS, seed=seed), group_id=group_id)
+    critical, _ = _round(loss_budget=0.05, faults=FaultConfig(**BURSTS, seed=seed), group_id=group_id)
+    slowest_baseline = max(r.total_s for r in baseline)
+    slowest_critical = max(r.total_s for r in critical)
+    assert slowest_critical < slowest_baseline / 2, (slowest_critical, slowest_baseline)
+    dropped = lost = 0
+    for r in critical:
+        for phase in (r.reduce, r.gather):
+            assert phase.chunks_lost <= int(0.05 * phase.chunks_expected), phase  # 2 of 48
+            dropped, lost = dropped + phase.chunks_dropped_by_faults, lost + phase.chunks_lost
+    assert dropped > lost  # the bursts lost more than the budget allows: the rest was resent
