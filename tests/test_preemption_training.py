@@ -26,6 +26,7 @@ GRACE = 20.0
 TOTAL_STEPS = 400
 
 
+@pytest.mark.slow  # the same path through `moshpeer join`: tests/test_preemption_join.py
 def test_sigterm_checkpoints_exits_in_time_and_resumes_exactly(tmp_path):
     common = ["--total-steps", str(TOTAL_STEPS), "--grace", str(GRACE)]
     # The same run without interruption, for the final comparison (runs alongside).
@@ -58,6 +59,7 @@ def test_sigterm_checkpoints_exits_in_time_and_resumes_exactly(tmp_path):
             process.kill()
 
 
+@pytest.mark.slow  # the same path through `moshpeer join`: tests/test_preemption_join.py
 def test_notice_file_takes_the_same_path_as_sigterm(tmp_path):
     notice_file = tmp_path / "preempted"
     directory = tmp_path / "ckpt"
