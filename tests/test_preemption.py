@@ -137,3 +137,32 @@ def test_arguments_are_checked():
         PreemptionWatcher(poll_interval=0)
     with pytest.raises(ValueError):
         PreemptionWatcher(force_exit_after=1)
+
+
+def test_peer_daemon_owns_signals_with_a_grace_period(dht_node):
+    """PeerDaemon runs the watcher: with a grace period the stop has a deadline and work gets its share
+    of it, the reason is known at once, and a second SIGTERM is logged and ignored (it would otherwise
+    cut a final checkpoint short)."""
+    from moshpeer.peer.daemon import PeerDaemon
+    from swarm import LOOPBACK
+
+    boot = dht_node(run_ids=["daemon-grace"])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    daemon = PeerDaemon("daemon-grace", initial_peers=maddrs, host_maddrs=[LOOPBACK], grace_period=12.0)
+    seen = {}
+
+    def work(daemon: PeerDaemon) -> None:
+        assert daemon.seconds_left_for_work() == math.inf and daemon.stop_deadline is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: daemon.stop_requested, what="the stop request")
+        seen["reason"] = daemon.stop_reason  # right away, whether or not the watcher thread ran yet
+        seen["left"] = daemon.seconds_left_for_work()
+        seen["deadline"] = daemon.stop_deadline - time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)  # impatient: must not exit the process
+        wait_for(lambda: daemon._watcher.signal_count == 2, what="the second signal")
+
+    assert daemon.run(work=work) == 0
+    assert seen["reason"] == "received SIGTERM"
+    # 12 s of grace minus the shutdown budget (3.5 s) and the exit margin (0.5 s) for the work.
+    assert 6.0 < seen["left"] <= 8.0 and 10.0 < seen["deadline"] <= 12.0
+    assert signal.getsignal(signal.SIGTERM) is not None  # handlers restored, process still alive
