@@ -74,6 +74,7 @@ def test_preempted_peer_rejoins_and_catches_up_without_stalling_the_others(swarm
 
     for peer in survivors:
         gaps = epoch_gaps(peer)
+        print(f"{peer.name}: {len(gaps)} epoch gaps, longest {max(gaps):.2f} s (limit {ROUND_DEADLINE_S:g} s)")
         assert len(gaps) >= 6 and max(gaps) < ROUND_DEADLINE_S, (max(gaps), gaps, peer.describe())
     for peer in [*survivors, rejoined]:
         assert peer.terminate(timeout=30) == 0, peer.describe(40)
