@@ -171,9 +171,9 @@ class PeerCheckpointer:
             self.optimizer.load_checkpoint_state(collaborative)
         except (KeyError, RuntimeError, ValueError) as e:
             raise UserError(f"{resume.meta.path} does not fit this model or optimizer: {e}") from None
-        feedback = getattr(self.optimizer.averager, "error_feedback", None)
+        feedback = self._error_feedback()
         if feedback is not None and state.get(Parts.ERROR_FEEDBACK) is not None:
-            feedback.load_state_dict(state[Parts.ERROR_FEEDBACK])
+            feedback.load_state_dict(state[Parts.ERROR_FEEDBACK])  # before any round: nothing reads it yet
         if Parts.RNG in state:
             restore_rng_state(state[Parts.RNG])
         position = state.get(Parts.DATA)
@@ -212,7 +212,7 @@ class PeerCheckpointer:
             Parts.RNG: capture_rng_state(),
             Parts.DATA: stream_position(self.stream) if self.stream is not None else None,
         }
-        feedback = getattr(self.optimizer.averager, "error_feedback", None)
+        feedback = self._error_feedback()
         if feedback is not None:
             parts[Parts.ERROR_FEEDBACK] = feedback.state_dict()
         return parts
@@ -269,6 +269,10 @@ class PeerCheckpointer:
 
     def close(self, timeout: Optional[float] = None) -> None:
         self.store.close(timeout=timeout)
+
+    def _error_feedback(self) -> Any:
+        """The EF21M state the optimizer's averaging keeps (`moshpeer join --error-feedback`), if any."""
+        return getattr(self.optimizer, "error_feedback", None) or getattr(self.optimizer.averager, "error_feedback", None)
 
     def _extra(self, reason: str) -> Dict[str, Any]:
         return {"reason": reason, "task": self.task_name, "fingerprint": self.fingerprint,
