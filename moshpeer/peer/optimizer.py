@@ -464,7 +464,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _matchmaking_window(self) -> float:
         """How long this round waits for its group to fill. With a DropCompute budget the swarm waits
         for nobody past the budget deadline of the epoch (a straggler still inside a micro-batch is
-        left out), but at least MIN_BUDGET_WINDOW_S; otherwise `matchmaking_time`."""
+        left out), but at least `_window_floor()` (the time a complete group needs to assemble);
+        otherwise `matchmaking_time`."""
         step = self._budget_step
         if step is None or step.tau_s is None:
             return self.matchmaking_time
