@@ -167,8 +167,9 @@ class MoshpitAverager(ServicerBase):
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
-    :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_epoch(
-        grad_norm)` each collaborative epoch) or a fixed fraction; None/0 = wait for everything until the deadline
+    :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_window(
+        norm)` at the end of each signal window) or a fixed fraction; None/0 = wait for everything until the
+        deadline. A group applies the smallest budget its members declared in matchmaking.
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
         selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
