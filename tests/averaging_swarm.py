@@ -22,10 +22,10 @@ READY_TIMEOUT = 90.0
 class Worker:
     """One worker process; `send` a command, `read_event` its answers (each with a deadline)."""
 
-    def __init__(self, index: int, args: Sequence[str], env: dict):
+    def __init__(self, index: int, args: Sequence[str], env: dict, script: Path = WORKER):
         self.index = index
         self.popen = subprocess.Popen(
-            [sys.executable, str(WORKER), "--index", str(index), *args],
+            [sys.executable, str(script), "--index", str(index), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, start_new_session=True, text=True, bufsize=1,
         )
@@ -87,9 +87,11 @@ class Worker:
 
 
 class AveragingSwarm:
-    """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit."""
+    """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit.
 
-    def __init__(self, n: int, *args: str, per_worker_args=None):
+    `script` is the worker program: any script speaking averaging_worker.py's stdin/stdout protocol."""
+
+    def __init__(self, n: int, *args: str, per_worker_args=None, script: Path = WORKER):
         self.tag = uuid.uuid4().hex
         repo = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_TAG: self.tag,
@@ -97,12 +99,12 @@ class AveragingSwarm:
         self.workers: List[Worker] = []
         try:
             extra = (per_worker_args or (lambda k: []))
-            first = Worker(0, [*args, *extra(0)], env)
+            first = Worker(0, [*args, *extra(0)], env, script)
             self.workers.append(first)
             boot = first.read_event("ready", READY_TIMEOUT)
             first.ready = boot
             for k in range(1, n):
-                self.workers.append(Worker(k, [*args, *extra(k), "--initial-peers", *boot["maddrs"]], env))
+                self.workers.append(Worker(k, [*args, *extra(k), "--initial-peers", *boot["maddrs"]], env, script))
             for worker in self.workers[1:]:
                 worker.ready = worker.read_event("ready", READY_TIMEOUT)
         except BaseException:

@@ -10,18 +10,21 @@ the uncompressed bytes on the wire.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import torch
+from averaging_swarm import AveragingSwarm
 from compression_bounds import allreduce_error_bound, exact_mean
-from compression_swarm import CodecSwarm
 from compression_swarm_worker import peer_values, peer_weight
 
 from moshpeer.compression import get_compression
 from moshpeer.compression.arc_topk import select, sketch, to_rows
 
 pytestmark = pytest.mark.timeout(240)
+
+WORKER = Path(__file__).with_name("compression_swarm_worker.py")
 
 PEERS = 4
 NUMEL = (1 << 18) + 5  # odd: partial chunks, blocks and ARC rows
@@ -31,7 +34,8 @@ ROUND_TIMEOUT = 90.0  # the reply deadline of one round (matchmaking + data plan
 
 @pytest.fixture(scope="module")
 def swarm():
-    with CodecSwarm(PEERS, "--numel", str(NUMEL), "--chunk-bytes", str(CHUNK_BYTES), "--group-size", str(PEERS)) as s:
+    with AveragingSwarm(PEERS, "--numel", str(NUMEL), "--chunk-bytes", str(CHUNK_BYTES), "--group-size", str(PEERS),
+                        script=WORKER) as s:
         yield s
 
 
