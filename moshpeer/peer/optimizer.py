@@ -437,13 +437,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._note_assembly(report, round_.group_target)
         with self.lock:
             if report is not None and getattr(report, "ok", False):
-                round_.ok = True
-                round_.group_size = int(report.group_size)
-                round_.chunks_lost = int(report.chunks_lost)
-                round_.lost_fraction = float(report.lost_fraction)
-                round_.matchmaking_s = float(report.matchmaking_s)
-                round_.averaging_s = float(report.total_s)
-                round_.param_spread = self._apply_averaged(with_params)
+                self._adopt_round(round_, report, with_params)
             else:
                 round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
                                                       else "abandoned")
@@ -577,6 +571,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return None
 
     @torch.no_grad()
+    def _adopt_round(self, round_: CollaborativeRound, report: Any, with_params: bool) -> None:
+        """Apply a successful round's averages and copy its report into `round_` (caller holds the lock)."""
+        round_.ok = True
+        round_.group_size = int(report.group_size)
+        round_.chunks_lost = int(report.chunks_lost)
+        round_.lost_fraction = float(report.lost_fraction)
+        round_.matchmaking_s = float(report.matchmaking_s)
+        round_.averaging_s = float(report.total_s)
+        round_.param_spread = self._apply_averaged(with_params)
+
     def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
         """One weight-0 round of an aux peer; it advances its epoch only when it averaged."""
         round_ = CollaborativeRound(epoch=self.local_epoch, samples=0, ok=False,
@@ -591,13 +595,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.failed_rounds += 1
             return None
         with self.lock:
-            round_.ok = True
-            round_.group_size = int(report.group_size)
-            round_.chunks_lost = int(report.chunks_lost)
-            round_.lost_fraction = float(report.lost_fraction)
-            round_.matchmaking_s = float(report.matchmaking_s)
-            round_.averaging_s = float(report.total_s)
-            round_.param_spread = self._apply_averaged(with_params)
+            self._adopt_round(round_, report, with_params)
             self._finish_epoch()
         self.rounds.append(round_)
         return round_
