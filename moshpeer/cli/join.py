@@ -149,7 +149,7 @@ def checkpoint_policy_from_args(args: argparse.Namespace):
 
 def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
     """Loss-budget (DBLP) and fault-injection flags of `moshpeer join` (see docs/loss_budget.md)."""
-    group = parser.add_argument_group("loss budget")
+    group = parser.add_argument_group("loss budget and fault injection")
     group.add_argument("--loss-budget", default="fixed", metavar="fixed|P|P_LOW,P_HIGH|phase",
                        help="how much of a round may be missing when a peer stops waiting: fixed (wait for "
                        "everything until the round deadline), a fraction P, or phase-aware P_LOW,P_HIGH "
