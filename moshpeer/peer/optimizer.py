@@ -29,6 +29,11 @@ whose epoch is behind the swarm's by more than `max_epoch_lag` downloads the sta
 advanced donor (`state_sync`) instead of averaging stale gradients. A peer that finds no group
 (alone, or everyone else timed out) steps on its own gradients: training never stops for lack of
 peers. Every wait is bounded (matchmaking time, round timeout, download timeout).
+
+This module runs the epochs; its helpers each do one job: rounds.py (`CollaborativeRound`, the record
+of one epoch), averaged_buffers.py (what is averaged and where it lies), loss_phase.py (the DBLP
+phase signal), error_feedback.py (EF21M state), speed_meter.py (samples per second), and progress.py /
+state_sync.py / dropcompute.py (swarm progress, state download, compute budget).
 """
 
 from __future__ import annotations
@@ -38,15 +43,24 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from moshpeer.dht import SwarmDHT, start_dht, validate_run_id
 from moshpeer.errors import UserError
+from moshpeer.peer.averaged_buffers import flat_buffer_views, optimizer_statistics, param_spread
 from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
+from moshpeer.peer.error_feedback import (
+    check_error_feedback_state,
+    error_feedback_state,
+    fresh_error_feedback_state,
+    make_error_feedback,
+)
+from moshpeer.peer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.progress import ProgressSnapshot, RecordPublisher, SwarmProgress
+from moshpeer.peer.rounds import CollaborativeRound  # also imported from here: keep this path
+from moshpeer.peer.speed_meter import SpeedMeter
 from moshpeer.peer.state_sync import (
     DownloadedState,
     StateDownloadFailed,
@@ -68,35 +82,6 @@ ASSEMBLY_HISTORY = 8
 # leader decides when the group is complete), and a follower is only accepted by a leader whose window
 # ends before the follower's, so the aux's window must outlast the trainers' next one.
 AUX_WINDOW_FACTOR = 10
-
-
-@dataclass
-class CollaborativeRound:
-    """What one collaborative epoch did, as seen by this peer (also printed as JSON by the trainer)."""
-
-    epoch: int  # the epoch this round finished (the peer is at epoch + 1 afterwards)
-    samples: int  # samples this peer contributed
-    ok: bool  # averaged with a group (False: stepped alone)
-    group_size: int = 1
-    chunks_lost: int = 0
-    lost_fraction: float = 0.0
-    matchmaking_s: float = 0.0
-    averaging_s: float = 0.0
-    param_spread: Optional[float] = None  # ||params - group mean|| / ||group mean|| before the round
-    stopped_by_budget: bool = False
-    dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)
-    group_target: int = 0  # the group size this round aimed for (live peers, capped at group_size)
-    swarm_samples: int = 0
-    num_trainers: int = 0
-    error: Optional[str] = None
-    # Loss budget (DBLP): the phase and budget P this round ran with (lost_fraction: what it lost), and
-    # the gradient norm of this epoch, the signal that sets the next round's phase.
-    loss_phase: Optional[str] = None
-    loss_budget: Optional[float] = None
-    grad_norm: Optional[float] = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class CollaborativeOptimizer(torch.optim.Optimizer):
@@ -206,7 +191,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             # the aux sits in matchmaking far longer than any trainer would wait.
             averager_kwargs.setdefault("client_mode", True)
         if error_feedback and averager_kwargs.get("error_feedback") is None:
-            averager_kwargs["error_feedback"] = self._make_error_feedback(optimizer, averaging, compression)
+            averager_kwargs["error_feedback"] = make_error_feedback(optimizer, averaging, compression)
         # Error feedback replaces the averaged vector by its own estimate: gradients only, never parameters.
         self.error_feedback = averager_kwargs.get("error_feedback")
         if self.error_feedback is not None and averaging != "gradients":
@@ -236,9 +221,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
         self._grad_accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
-        self._phase_window_sum: Optional[List[torch.Tensor]] = None  # loss budget: gradient summed over the window
-        self._phase_window_of, self._phase_window_epochs = -1, 0  # which window it is, how many epochs it holds
-        self._speed = _SpeedMeter()
+        self._loss_phase = LossPhaseTracker()
+        self._speed = SpeedMeter()
         # "auto" simulates a synchronous group of `group_size` workers from this peer's own times.
         self.budget = ComputeBudget(compute_budget, num_workers=group_size) if compute_budget is not None else None
         self._budget_step: Optional[BudgetedStep] = None
@@ -318,7 +302,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         with self.lock:
             state = self.inner.state_dict()
             state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps,
-                                      "error_feedback": self._error_feedback_state()}
+                                      "error_feedback": error_feedback_state(self.error_feedback)}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -504,47 +488,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return self.averager.loss_budget
 
     def _update_loss_phase(self, round_: CollaborativeRound, report: Any) -> None:
-        """Record the phase and budget this round ran with, then feed this epoch's gradient norm to the
-        loss budget: it sets the phase (and P) of the next round."""
-        budget = self.averager.loss_budget
-        ran_with = report if report is not None and getattr(report, "loss_phase", None) is not None else None
-        round_.loss_phase = ran_with.loss_phase if ran_with is not None else budget.phase
-        round_.loss_budget = float(ran_with.loss_budget if ran_with is not None else budget.budget)
-        grads = self._epoch_gradient(averaged=round_.ok)
-        if grads is None:
-            return
-        round_.grad_norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
-        if not budget.phase_aware:
-            return
-        # Accordion's signal: the norm of the gradient accumulated over a window of epochs (here its mean,
-        # so that a window this peer partly missed compares fairly), window vs window.
-        window = budget.window_index(round_.epoch)
-        if self._phase_window_epochs and window != self._phase_window_of:
-            self._close_phase_window(budget)  # we skipped the epoch that ends that window (caught up)
-        if self._phase_window_sum is None:
-            self._phase_window_sum = [torch.zeros_like(g, dtype=torch.float32) for g in grads]
-        for total, g in zip(self._phase_window_sum, grads):
-            total.add_(g.float())
-        self._phase_window_of, self._phase_window_epochs = window, self._phase_window_epochs + 1
-        if budget.window_ends(round_.epoch):
-            self._close_phase_window(budget)
-
-    def _close_phase_window(self, budget: Any) -> None:
-        scale = 1.0 / self._phase_window_epochs
-        budget.on_window(math.sqrt(sum(float(t.pow(2).sum()) for t in self._phase_window_sum)) * scale)
-        for total in self._phase_window_sum:
-            total.zero_()
-        self._phase_window_epochs = 0
-
-    def _epoch_gradient(self, averaged: bool) -> Optional[List[torch.Tensor]]:
-        """The phase signal's input: this epoch's averaged gradient (gradients mode, after a round), else
-        this peer's mean local gradient; None when there is none (an aux peer)."""
-        if self.averaging == "gradients" and averaged:
-            return list(self._averaged[:len(self.params)])
-        if self.samples_accumulated > 0:
-            scale = 1.0 / self.samples_accumulated
-            return [acc.float() * scale for acc in self._grad_accumulators]
-        return None
+        """Let the loss budget see this epoch's gradient: averaged in gradients mode (after a round),
+        else this peer's mean local gradient."""
+        averaged = self._averaged[:len(self.params)] if self.averaging == "gradients" and round_.ok else None
+        self._loss_phase.after_round(round_, report, self.averager.loss_budget,
+                                     epoch_gradient(averaged, self._grad_accumulators, self.samples_accumulated))
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
         """Aux peers: take part in the swarm's next averaging round with weight 0.
@@ -628,7 +576,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 model_state = {str(i): p.detach().clone() for i, p in enumerate(self.params)}
             return {"format": 1, "epoch": self.local_epoch, "steps": self.local_steps, "model": model_state,
                     "optimizer": self.inner.state_dict(), "has_model": self.model is not None,
-                    "error_feedback": self._error_feedback_state()}
+                    "error_feedback": error_feedback_state(self.error_feedback)}
 
     def load_collaborative_state(self, state: Dict[str, Any]) -> None:
         """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
@@ -644,7 +592,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self._load_error_feedback(state["error_feedback"])
             elif self.error_feedback is not None:
                 # The donor keeps none: start ours afresh rather than keep an estimate of other parameters.
-                self._load_error_feedback(self._fresh_error_feedback_state())
+                self._load_error_feedback(fresh_error_feedback_state(self.error_feedback))
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
@@ -691,42 +639,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state tensor {name} has non-finite values")
         feedback = state.get("error_feedback")
         if feedback is not None and self.error_feedback is not None:
-            self._check_error_feedback(feedback)
+            check_error_feedback_state(self.error_feedback, feedback)
 
     # ---- error feedback -----------------------------------------------------------------------
-
-    @staticmethod
-    def _make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
-        from moshpeer.compression import get_compression  # peer > compression: allowed
-        from moshpeer.compression.ef21m import EF21M
-
-        sparsifier = get_compression(compression).sparsifier
-        if averaging != "gradients" or sparsifier is None:
-            raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
-                            f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
-        numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-        return EF21M(numel, sparsifier)
-
-    def _error_feedback_state(self) -> Optional[Dict[str, Any]]:
-        return self.error_feedback.state_dict() if self.error_feedback is not None else None
-
-    def _fresh_error_feedback_state(self) -> Dict[str, Any]:
-        state = self.error_feedback.state_dict()
-        for name in ("h", "e", "e_bar"):
-            state[name].zero_()
-        state["steps"] = 0
-        return state
-
-    def _check_error_feedback(self, feedback: Any) -> None:
-        """Raise ValueError unless `feedback` is an error-feedback state that fits ours (before adopting it)."""
-        if not isinstance(feedback, dict):
-            raise ValueError("error-feedback state must be a dict")
-        for name in ("h", "e", "e_bar"):
-            value = feedback.get(name)
-            if not isinstance(value, torch.Tensor) or value.numel() != self.error_feedback.numel:
-                raise ValueError(f"error-feedback tensor {name} does not fit this model")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"error-feedback tensor {name} has non-finite values")
 
     def _load_error_feedback(self, feedback: Dict[str, Any]) -> None:
         if self.error_feedback is None:
@@ -753,11 +668,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         """The averager's tensors, as views of one flat fp32 buffer (the averager then works on it
         without copying). gradients: [grads..., params...]; parameters: [params..., optimizer stats...]."""
         copies = 1 if self.error_feedback is not None else 2  # error feedback: gradients only
-        sizes = [p.numel() for p in self.params] * copies
-        self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
-        views = list(torch.split(self._flat, sizes))
-        shapes = [p.shape for p in self.params] * copies
-        return [view.view(shape) for view, shape in zip(views, shapes)]
+        self._flat, views = flat_buffer_views(self.params, copies)
+        return views
 
     def _average_params_now(self, snapshot: ProgressSnapshot) -> bool:
         if self.averaging == "parameters":
@@ -789,16 +701,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _optimizer_statistics(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
         """One averaged statistic per parameter: Adam's second moment / SGD's momentum, if present."""
-        if not self.average_optimizer_state:
-            return {}
-        found = {}
-        for p in self.params:
-            state = self.inner.state.get(p, {})
-            for name in ("exp_avg_sq", "momentum_buffer", "square_avg", "sum"):
-                if isinstance(state.get(name), torch.Tensor) and state[name].shape == p.shape:
-                    found[p] = state[name]
-                    break
-        return found
+        return optimizer_statistics(self.inner, self.params) if self.average_optimizer_state else {}
 
     def _run_round(self, weight: float, target_group_size: Optional[int] = None,
                    matchmaking_time: Optional[float] = None) -> Any:
@@ -828,7 +731,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         spread = None
         if self.averaging == "gradients":
             if with_params:
-                spread = self._param_spread(self._averaged[n:])
+                spread = param_spread(self.params, self._averaged[n:])
                 for p, avg in zip(self.params, self._averaged[n:]):
                     p.copy_(avg)
             for p, avg in zip(self.params, self._averaged[:n]):
@@ -836,7 +739,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.inner.step()
             self.local_steps += 1
         else:
-            spread = self._param_spread(self._averaged[:n])
+            spread = param_spread(self.params, self._averaged[:n])
             for p, avg in zip(self.params, self._averaged[:n]):
                 p.copy_(avg)
             for p, buf in zip(self.params, self._averaged[n:]):
@@ -852,11 +755,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 p.grad = (acc * scale).to(dtype=p.dtype)
             self.inner.step()
             self.local_steps += 1
-
-    def _param_spread(self, averaged: Sequence[torch.Tensor]) -> float:
-        diff = sum(float((p.detach().float() - a).pow(2).sum()) for p, a in zip(self.params, averaged))
-        norm = sum(float(a.pow(2).sum()) for a in averaged)
-        return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
 
     def _finish_epoch(self) -> None:
         self.local_epoch += 1
@@ -911,24 +809,3 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _shutdown_averager(self) -> None:
         if self._close_averager:
             self.averager.shutdown()
-
-
-class _SpeedMeter:
-    """Samples per second over a sliding window of recent micro-batches."""
-
-    def __init__(self, window_s: float = 10.0):
-        self.window_s = window_s
-        self._events: List[tuple] = []
-
-    def add(self, samples: int) -> None:
-        now = time.monotonic()
-        self._events.append((now, samples))
-        cutoff = now - self.window_s
-        while self._events and self._events[0][0] < cutoff:
-            self._events.pop(0)
-
-    def rate(self) -> float:
-        if len(self._events) < 2:
-            return 0.0
-        span = self._events[-1][0] - self._events[0][0]
-        return sum(s for _, s in self._events[1:]) / span if span > 0 else 0.0

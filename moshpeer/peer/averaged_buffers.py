@@ -1,0 +1,47 @@
+"""The tensors a `CollaborativeOptimizer` averages: their layout in one flat buffer, the optimizer
+statistic averaged with each parameter (parameters mode), and how far a peer was from its group.
+
+gradients mode: [mean gradients..., parameters...] (gradients only with error feedback);
+parameters mode: [parameters..., one optimizer statistic per parameter...].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+# Per-parameter optimizer state that is averaged in parameters mode, the first one present wins:
+# Adam's second moment, SGD's momentum, RMSprop's square average, Adagrad's sum.
+AVERAGED_STATISTICS = ("exp_avg_sq", "momentum_buffer", "square_avg", "sum")
+
+
+def flat_buffer_views(params: Sequence[torch.nn.Parameter], copies: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """One zeroed flat fp32 buffer for `copies` tensors shaped like each of `params`, and its views in
+    that order (the averager then works on the flat buffer without copying)."""
+    sizes = [p.numel() for p in params] * copies
+    flat = torch.zeros(sum(sizes), dtype=torch.float32)
+    views = list(torch.split(flat, sizes))
+    shapes = [p.shape for p in params] * copies
+    return flat, [view.view(shape) for view, shape in zip(views, shapes)]
+
+
+def optimizer_statistics(optimizer: torch.optim.Optimizer,
+                         params: Sequence[torch.nn.Parameter]) -> Dict[torch.nn.Parameter, torch.Tensor]:
+    """One averaged statistic per parameter (see AVERAGED_STATISTICS), for the parameters that have one."""
+    found = {}
+    for p in params:
+        state = optimizer.state.get(p, {})
+        for name in AVERAGED_STATISTICS:
+            if isinstance(state.get(name), torch.Tensor) and state[name].shape == p.shape:
+                found[p] = state[name]
+                break
+    return found
+
+
+def param_spread(params: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> float:
+    """||params - averaged|| / ||averaged||: how far this peer's parameters were from its group's mean."""
+    diff = sum(float((p.detach().float() - a).pow(2).sum()) for p, a in zip(params, averaged))
+    norm = sum(float(a.pow(2).sum()) for a in averaged)
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
