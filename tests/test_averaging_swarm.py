@@ -40,7 +40,8 @@ def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096) 
         for _ in range(rounds):
             reports = swarm.all("report", 60, cmd="step")
             assert all(r["ok"] and r["group_size"] == group and not r["absent"] for r in reports), \
-                [(r["ok"], r["error"], r["group_size"], r["absent"]) for r in reports]
+                [(r["ok"], r["error"], r["group_size"], r["absent"]) for r in reports] + \
+                ["\n".join(w.stderr_lines[-15:]) for w, r in zip(swarm.workers, reports) if not r["ok"] or r["absent"]]
             assert all(r["lost_fraction"] == 0 for r in reports)
         exact = exact_mean(7, n, numel)
         for answer in swarm.all("values", 30, cmd="values"):

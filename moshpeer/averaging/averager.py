@@ -70,6 +70,9 @@ NONCE_BYTES = 16
 # (event-loop and network latency of the leader's BEGIN_ALLREDUCE; see the module docstring).
 ASSEMBLY_GRACE_S = 1.0
 COMMITMENT_POLL_S = 0.02
+# A join request we could only accept after this fraction of request_timeout is refused (see rpc_join_group):
+# the asker's own wait started earlier and the answer still has to travel back.
+LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
 TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
@@ -369,9 +372,27 @@ class MoshpitAverager(ServicerBase):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: hivemind's matchmaking decides."""
-        async for response in self._matchmaking.rpc_join_group(request, context):
-            yield response
+        """Another peer asks us to lead its group: hivemind's matchmaking decides, except for a late acceptance.
+
+        hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
+        request to another leader waits (up to request_timeout); the asker meanwhile waits request_timeout for
+        the answer and then gives up. An acceptance given after most of that wait would count a peer that
+        has left (the leader's group and the asker's view disagree), so it is withdrawn: the asker is told
+        NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
+        drops it from our followers."""
+        arrived = time.monotonic()
+        responses = self._matchmaking.rpc_join_group(request, context)
+        try:
+            async for response in responses:
+                waited = time.monotonic() - arrived
+                if (response.code == averaging_pb2.ACCEPTED
+                        and waited > LATE_ACCEPTANCE_FRACTION * self._matchmaking.request_timeout):
+                    logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
+                    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+                    return
+                yield response
+        finally:
+            await responses.aclose()
 
     # ---- one round ----------------------------------------------------------------------------
 
