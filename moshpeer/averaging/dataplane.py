@@ -117,11 +117,11 @@ class DataPlane:
                     return
                 time.sleep(0.01)
                 continue
-            threading.Thread(target=self._handle, args=(conn, peer), name="moshpeer-dataplane-conn",
-                             daemon=True).start()
+            self.accept_socket(conn, peer)
 
     def accept_socket(self, conn: socket.socket, peer) -> None:
-        """Serve a connection that arrived another way (a libp2p stream relayed into a local socket pair)."""
+        """Serve a connection on its own thread: one from the listener, or one that arrived another way
+        (a libp2p stream relayed into a local socket pair)."""
         if self._closed:
             _close(conn)
             return

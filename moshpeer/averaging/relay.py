@@ -69,7 +69,7 @@ class StreamRelay:
     async def _open(self, peer_id: bytes) -> socket.socket:
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(peer_id), self.name)
         self.streams_opened += 1
-        local, task = await self._bridge(reader, writer)
+        local, _ = await self._bridge(reader, writer)
         return local
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -36,6 +36,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from typing import Optional, Sequence
 
 from moshpeer.errors import ProtocolError
@@ -89,20 +90,21 @@ def _transcript(challenge_r: bytes, challenge_s: bytes, tag: bytes, sender: int,
     ))
 
 
+def _mac(label: bytes, secret: bytes, *transcript) -> bytes:
+    return hmac.new(secret, label + _transcript(*transcript), hashlib.sha256).digest()
+
+
 def hello_mac(secret: bytes, challenge_r: bytes, challenge_s: bytes, tag: bytes, sender: int, receiver: int,
               sender_peer: bytes = b"", receiver_peer: bytes = b"") -> bytes:
     """The sender's proof (see the module docstring)."""
-    message = b"moshpeer-hello|" + _transcript(challenge_r, challenge_s, tag, sender, receiver, sender_peer,
-                                              receiver_peer)
-    return hmac.new(secret, message, hashlib.sha256).digest()
+    return _mac(b"moshpeer-hello|", secret, challenge_r, challenge_s, tag, sender, receiver, sender_peer, receiver_peer)
 
 
 def welcome_mac(secret: bytes, challenge_r: bytes, challenge_s: bytes, tag: bytes, sender: int, receiver: int,
                 sender_peer: bytes = b"", receiver_peer: bytes = b"") -> bytes:
     """The receiver's proof: the same transcript under another label, so a reflected hello is no welcome."""
-    message = b"moshpeer-welcome|" + _transcript(challenge_r, challenge_s, tag, sender, receiver, sender_peer,
-                                                receiver_peer)
-    return hmac.new(secret, message, hashlib.sha256).digest()
+    return _mac(b"moshpeer-welcome|", secret, challenge_r, challenge_s, tag, sender, receiver, sender_peer,
+                receiver_peer)
 
 
 def new_challenge() -> bytes:
@@ -204,8 +206,6 @@ def block_until(sock: socket.socket, deadline: float) -> None:
     Blocking calls let the kernel move a whole chunk per syscall; the kernel timeouts keep every call
     bounded by the round's deadline (a call that runs into it fails with OSError / returns short).
     """
-    import time
-
     remaining = max(deadline - time.monotonic(), 0.001)
     timeval = struct.pack("ll", int(remaining), int((remaining % 1) * 1e6))
     sock.settimeout(None)
