@@ -217,12 +217,11 @@ class PreemptionWatcher:
             if self.force_exit_after is not None and self._signal_count >= self.force_exit_after:
                 message = f"moshpeer: {name} received {self._signal_count} times: exiting now, without waiting\n"
                 os.write(2, message.encode())
-                if self._on_force_exit is not None:
-                    try:
+                try:
+                    if self._on_force_exit is not None:
                         self._on_force_exit()
-                    finally:
-                        os._exit(128 + signum)
-                os._exit(128 + signum)
+                finally:
+                    os._exit(128 + signum)
         self._poke()
 
     def _record(self, reason: str, source: str, signum: Optional[int] = None) -> bool:
