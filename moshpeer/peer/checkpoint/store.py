@@ -156,7 +156,9 @@ class StoreStats:
 class SaveHandle:
     """The pending result of `save_async`: the final path once the write has finished."""
 
-    def __init__(self, path: Path, *, step: int, epoch: int, snapshot_s: float):
+    def __init__(
+        self, path: Path, *, step: int, epoch: int, snapshot_s: float, copied: Optional[threading.Event] = None
+    ):
         self.path = path
         self.step = step
         self.epoch = epoch
@@ -166,8 +168,11 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._abort = threading.Event()
-        self._copied = threading.Event()  # the snapshot holds its own copy of every tensor
-        self._copied.set()
+        # Set once the snapshot holds its own copy of every tensor (at once unless copied in the background).
+        if copied is None:
+            copied = threading.Event()
+            copied.set()
+        self._copied = copied
 
     def wait_copied(self, timeout: Optional[float] = None) -> bool:
         """Wait until the snapshot no longer reads the caller's tensors (at once unless the save was
@@ -443,9 +448,8 @@ class CheckpointStore:
             snapshot, ready_events = self._snapshots.take(state)
         snapshot_s = time.perf_counter() - started
         path, meta_json = self._prepare(snapshot, step=step, epoch=epoch, extra=extra)
-        handle = SaveHandle(path, step=step, epoch=epoch, snapshot_s=snapshot_s)
-        if pending is not None:
-            handle._copied = pending.done
+        copied = pending.done if pending is not None else None
+        handle = SaveHandle(path, step=step, epoch=epoch, snapshot_s=snapshot_s, copied=copied)
         self.stats.last_snapshot_s = snapshot_s
         writer = threading.Thread(
             target=self._write_in_background,
