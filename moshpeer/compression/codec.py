@@ -26,6 +26,16 @@ def all_finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
 
 
+def _checked_values(payload: torch.Tensor, out: torch.Tensor, dtype: torch.dtype, label: str) -> torch.Tensor:
+    """`payload` viewed as `out.numel()` finite values of `dtype` (the raw codecs); ProtocolError otherwise."""
+    if payload.numel() != out.numel() * dtype.itemsize:
+        raise ProtocolError(f"{label} payload of {payload.numel()} bytes for {out.numel()} values")
+    values = payload.view(dtype)
+    if not all_finite(values):
+        raise ProtocolError("non-finite values in payload")
+    return values
+
+
 class Codec(abc.ABC):
     """Encodes float32 chunks into uint8 payloads; every decode validates what it reads."""
 
@@ -67,24 +77,11 @@ class NoCompression(Codec):
         return chunk.contiguous().view(torch.uint8)
 
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
-        if payload.numel() != out.numel() * 4:
-            raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {out.numel()} values")
-        values = payload.view(torch.float32)
-        if not all_finite(values):
-            raise ProtocolError("non-finite values in payload")
-        out.add_(values, alpha=weight)
+        out.add_(_checked_values(payload, out, torch.float32, "float32"), alpha=weight)
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
-        values = self._validated(payload, out)
+        values = _checked_values(payload, out, torch.float32, "float32")
         out.copy_(values) if weight == 1.0 else torch.mul(values, weight, out=out)
-
-    def _validated(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if payload.numel() != out.numel() * 4:
-            raise ProtocolError(f"float32 payload of {payload.numel()} bytes for {out.numel()} values")
-        values = payload.view(torch.float32)
-        if not all_finite(values):
-            raise ProtocolError("non-finite values in payload")
-        return values
 
     def max_encoded_nbytes(self, numel: int) -> int:
         return numel * 4
@@ -103,19 +100,10 @@ class HalfPrecision(Codec):
         return chunk.to(self.dtype).contiguous().view(torch.uint8)
 
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
-        if payload.numel() != out.numel() * 2:
-            raise ProtocolError(f"{self.name} payload of {payload.numel()} bytes for {out.numel()} values")
-        values = payload.view(self.dtype)
-        if not all_finite(values):
-            raise ProtocolError("non-finite values in payload")
-        out.add_(values.float(), alpha=weight)
+        out.add_(_checked_values(payload, out, self.dtype, self.name).float(), alpha=weight)
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
-        if payload.numel() != out.numel() * 2:
-            raise ProtocolError(f"{self.name} payload of {payload.numel()} bytes for {out.numel()} values")
-        values = payload.view(self.dtype)
-        if not all_finite(values):
-            raise ProtocolError("non-finite values in payload")
+        values = _checked_values(payload, out, self.dtype, self.name)
         out.copy_(values) if weight == 1.0 else torch.mul(values.float(), weight, out=out)
 
     def max_encoded_nbytes(self, numel: int) -> int:
