@@ -256,7 +256,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._averaged = self._averaged_buffers()
         from moshpeer.averaging import MoshpitAverager  # peer > averaging: allowed, imported late (heavy)
 
-        averager_kwargs = dict(averager_kwargs or {})
         averager_kwargs.setdefault("loss_budget", self._loss_budget_setting)
 
         self.averager = MoshpitAverager(
@@ -337,15 +336,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if batch_size is None:
             raise UserError("pass step(batch_size=...) or set batch_size_per_step")
         with self.lock:
-            if self.averaging == "gradients":
+            # Gradients mode averages the accumulated gradients; parameters mode keeps them only as the
+            # phase signal of a phase-aware loss budget.
+            if self.averaging == "gradients" or self._loss_budget_setting.phase_aware:
                 for acc, p in zip(self._grad_accumulators, self.params):
                     if p.grad is not None:
                         acc.add_(p.grad, alpha=float(batch_size))
-            else:
-                if self._loss_budget_setting.phase_aware:  # the local gradient is the phase signal
-                    for acc, p in zip(self._grad_accumulators, self.params):
-                        if p.grad is not None:
-                            acc.add_(p.grad, alpha=float(batch_size))
+            if self.averaging != "gradients":
                 self.inner.step()
                 self.local_steps += 1
             self.samples_accumulated += int(batch_size)
