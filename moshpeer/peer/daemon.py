@@ -459,6 +459,9 @@ class PeerDaemon:
         # One owner for SIGINT / SIGTERM / SIGHUP and the notice file. Signal handlers can only be
         # installed from the main thread; elsewhere only the notice file is watched.
         in_main = threading.current_thread() is threading.main_thread()
+        if not in_main and self.notice_file is None:
+            yield  # nothing to watch
+            return
         graceful = self.grace_period is not None
         watcher = PreemptionWatcher(
             self.notice_file,
@@ -469,9 +472,6 @@ class PeerDaemon:
             on_force_exit=self._kill_dht,
             poll_interval=0.25,
         )
-        if not in_main and self.notice_file is None:
-            yield
-            return
         watcher.add_callback(self._on_notice)
         self._watcher = watcher.start()
         try:
