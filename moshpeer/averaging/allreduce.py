@@ -491,9 +491,8 @@ class GroupAllReduce:
         if self.faults is None:
             return None
         stream_seed = int.from_bytes(self.tag[:4], "big") * 64 + self.my_index * 8 + j * 2 + (phase == "gather")
-        num_chunks = self.partition.num_chunks(j) if phase == "reduce" else self.num_my_chunks
-        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter, self.loss_budget, num_chunks,
-                           droppable=self._allowance_share(j, phase))
+        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter,
+                           droppable=self._allowance_share(j, phase), selective=self.loss_budget > 0)
 
     def _allowance_share(self, j: int, phase: str) -> int:
         """DBLP's budget is per receiver and phase: receiver j may miss floor(P x every chunk it expects

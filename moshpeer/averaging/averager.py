@@ -53,7 +53,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
-from moshpeer.averaging.loss_budget import LossBudget, group_budget
+from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
@@ -226,9 +226,7 @@ class MoshpitAverager(ServicerBase):
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
-        if loss_budget is None or isinstance(loss_budget, (int, float)):
-            loss_budget = LossBudget.fixed(float(loss_budget or 0.0))
-        self.loss_budget: LossBudget = loss_budget
+        self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
         self._initial_bits = self._initial_group_bits(grid_bits)

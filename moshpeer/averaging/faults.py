@@ -120,21 +120,20 @@ MAX_RETRANSMISSIONS = 16
 class ChunkFaults:
     """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop.
 
-    :param loss_budget, num_chunks: with `retransmit_s`, the sender may leave floor(loss_budget x
-        num_chunks) chunks of this stream lost instead of resending them (or `droppable` of them: this
-        stream's share of the receiver's allowance), and a budget > 0 means selective resends
-        (`resend_after`)
+    :param droppable: with `retransmit_s`, how many chunks of this stream the sender may leave lost
+        instead of resending them (this stream's share of the receiver's loss allowance)
+    :param selective: a loss budget > 0 is in force: later losses are resent selectively (`resend_after`)
     """
 
     def __init__(self, config: FaultConfig, phase: str, stream_seed: int, shared_counter: list,
-                 loss_budget: float = 0.0, num_chunks: int = 0, droppable: Optional[int] = None):
+                 droppable: int = 0, selective: bool = False):
         self.config = config
         self.active = phase in config.phases
         self.rng = random.Random(config.seed * 1_000_003 + stream_seed)
         self.burst_left = 0
         self.sent_in_round = shared_counter  # [count], shared by every connection of this peer in the round
-        self.droppable = math.floor(loss_budget * num_chunks + 1e-9) if droppable is None else int(droppable)
-        self.selective = loss_budget > 0  # DBLP's transport: a resend does not hold back later chunks
+        self.droppable = int(droppable)
+        self.selective = selective  # DBLP's transport: a resend does not hold back later chunks
         self.left_lost = 0
         self.retransmissions = 0
         # After before_chunk() said drop: 0.0 if the chunk stays lost, else the seconds after which the
