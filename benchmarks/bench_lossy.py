@@ -44,7 +44,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from bench_training import LOOPBACK, Child, env  # same directory: the process helpers of the training benchmark
+from bench_training import LOOPBACK, Child, emit, env  # same directory: the process helpers of the training benchmark
 
 GLOBAL_BATCH, MICRO_BATCH = 256, 32
 RETRANSMIT_S = 0.2  # TCP's minimum retransmission timeout
@@ -184,6 +184,7 @@ def main() -> int:
     def ratio(a, b):
         return a / b if a is not None and b else None
 
+    burst_total_ratio = ratio(get("bursts/budget", "total_s"), get("bursts/baseline", "total_s"))
     figures = {
         "lossless_metric": get("lossless/budget", "metric"),
         "lossless_baseline_metric": get("lossless/baseline", "metric"),
@@ -203,16 +204,10 @@ def main() -> int:
         "lossless_total_budget_s": get("lossless/budget", "total_s"),
         "burst_p99_normal_budget_s": get("bursts/budget", "p99_normal_round_s"),
         "burst_p99_speedup": ratio(get("bursts/baseline", "p99_round_s"), get("bursts/budget", "p99_round_s")),
-        "burst_total_reduction": (1 - ratio(get("bursts/budget", "total_s"), get("bursts/baseline", "total_s"))
-                                  if ratio(get("bursts/budget", "total_s"), get("bursts/baseline", "total_s"))
-                                  is not None else None),
+        "burst_total_reduction": 1 - burst_total_ratio if burst_total_ratio is not None else None,
         "peers": args.peers, "epochs": args.epochs, "chunk_bytes": args.chunk_bytes, "load": os.getloadavg()[0],
     }
-    if args.events_out:
-        with open(args.events_out, "w") as f:
-            json.dump(results, f)
-    print(json.dumps(figures))
-    return 0
+    return emit(figures, results, args.events_out)
 
 
 if __name__ == "__main__":

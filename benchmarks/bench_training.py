@@ -113,6 +113,15 @@ def env() -> Dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
 
 
+def emit(figures: dict, events: object, events_out: Optional[str]) -> int:
+    """Write the raw events to `events_out` (if given), print the figures as one JSON line; exit code 0."""
+    if events_out:
+        with open(events_out, "w") as f:
+            json.dump(events, f)
+    print(json.dumps(figures))
+    return 0
+
+
 def time_to_target(peers: List["Child"], target: float) -> Optional[float]:
     """Wall time from the first peer starting to train until any peer first evaluates at/above `target`."""
     starts = [e["received_at"] for p in peers for e in p.events if e.get("event") == "started"]
@@ -351,11 +360,7 @@ def main() -> int:
         figures["dropcompute_acc"] = budgeted["final_acc"]
         figures["dropcompute_step_speedup"] = (moshpeer["mean_step_s"] / budgeted["mean_step_s"]
                                                if moshpeer["mean_step_s"] and budgeted["mean_step_s"] else None)
-    if args.events_out:
-        with open(args.events_out, "w") as f:
-            json.dump(ALL_EVENTS, f)
-    print(json.dumps(figures))
-    return 0
+    return emit(figures, ALL_EVENTS, args.events_out)
 
 
 if __name__ == "__main__":
