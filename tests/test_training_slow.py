@@ -6,12 +6,10 @@ import statistics
 
 import pytest
 
-from moshpeer.peer.tasks import load_task, train_locally
+from test_training import TARGET_BATCH, single_process_accuracy
 from training_swarm import events, start_trainers, wait_event
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-TARGET_BATCH = 256
 
 
 def test_four_peers_gradient_mode_within_one_point_of_single_process(swarm):
@@ -28,8 +26,7 @@ def test_four_peers_gradient_mode_within_one_point_of_single_process(swarm):
         # (a round it missed on a loaded machine) and caught up by downloading state instead.
         odd = [e for e in events(peer, "epoch") if e["samples"] != TARGET_BATCH // 4]
         assert all(e["error"] == "caught up" for e in odd) and len(odd) <= epochs // 10, odd
-    single = train_locally(load_task("digits"), num_samples=epochs * TARGET_BATCH, global_batch_size=TARGET_BATCH)
-    reference = single.metrics["accuracy"]
+    reference = single_process_accuracy(epochs)
     for summary in done:
         assert summary["epochs"] == epochs
         assert abs(summary["metrics"]["accuracy"] - reference) <= 0.01, (summary["metrics"], reference)
