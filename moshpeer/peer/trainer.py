@@ -185,23 +185,11 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             loss.backward()
             loss_sum += loss.item() * count
             loss_count += count
-            if checkpointer is not None:
-                checkpointer.fence()  # a periodic checkpoint's copy must be done before the state changes
-            in_step.set()
-            try:
-                optimizer.step(batch_size=count)
-            finally:
-                in_step.clear()
+            _optimizer_call(lambda: optimizer.step(batch_size=count), checkpointer, in_step)
             optimizer.zero_grad()
             micro_steps += 1
         else:
-            if checkpointer is not None:
-                checkpointer.fence()
-            in_step.set()
-            try:
-                optimizer.wait_and_average(timeout=1.0)
-            finally:
-                in_step.clear()
+            _optimizer_call(lambda: optimizer.wait_and_average(timeout=1.0), checkpointer, in_step)
         if checkpointer is not None and not daemon.stop_requested:
             path = checkpointer.maybe_save(micro_steps)
             if path is not None:
@@ -253,6 +241,19 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "rounds_ok": sum(r.ok for r in optimizer.rounds), "rounds": len(optimizer.rounds),
           "downloads": len(optimizer.downloads)})
     return summary
+
+
+def _optimizer_call(call: Callable[[], Any], checkpointer: Optional[PeerCheckpointer],
+                    in_step: threading.Event) -> None:
+    """Run an optimizer call that may average, with `in_step` set meanwhile (see _round_may_finish).
+    A periodic checkpoint's copy must be done before the state changes: fence it first."""
+    if checkpointer is not None:
+        checkpointer.fence()
+    in_step.set()
+    try:
+        call()
+    finally:
+        in_step.clear()
 
 
 def _round_may_finish(daemon: Any, checkpointer: Optional[PeerCheckpointer], in_step: threading.Event) -> bool:
