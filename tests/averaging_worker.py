@@ -95,7 +95,8 @@ def main() -> int:
                 averager.faults = FaultConfig.parse(command["faults"]) if command["faults"] else None
             started = time.monotonic()
             report = averager.step(weight=command.get("weight", 1.0), timeout=command.get("search_s"))
-            print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, **report.to_dict()}), flush=True)
+            print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, "ended_at": time.time(),
+                              **report.to_dict()}), flush=True)
         elif command["cmd"] == "dump":
             with averager.get_tensors() as (t,):
                 torch.save(t.clone(), command["path"])

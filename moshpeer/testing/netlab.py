@@ -50,11 +50,16 @@ MAX_PEERS = 250
 SUBNET_CANDIDATES = ("10.213.0.0/24", "10.214.0.0/24", "10.215.0.0/24", "198.18.213.0/24", "198.19.213.0/24")
 PERSISTENT_OWNER = 0  # labs of `netlab up`: no owning process, removed by `netlab down`
 # tbf: the bucket holds at least MIN_BURST_BYTES and 1 ms of the rate (a smaller one costs throughput
-# at high rates); the queue holds QUEUE_SECONDS of the rate (at least MIN_QUEUE_BYTES), like a home
-# router's buffer, so that several TCP streams from one peer share the link without drops.
+# at high rates); the queue holds QUEUE_SECONDS of the rate, at least MIN_QUEUE_BYTES, like a router's
+# buffer. The shaping qdisc sits on the sending host itself, so TCP small queues decide how much each
+# socket may park in it: the kernel default (4 MB here) would overflow any sane buffer with two streams
+# and turn the shaper into a packet dropper. In the lab namespaces we set the classic 256 KB limit, so
+# that a few streams per peer fit in the queue (a real uplink's bottleneck is a router whose buffer
+# absorbs them the same way).
 MIN_BURST_BYTES = 32 * 1024
-MIN_QUEUE_BYTES = 256 * 1024
+MIN_QUEUE_BYTES = 2 * 1024 * 1024
 QUEUE_SECONDS = 0.1
+TSQ_BYTES = 256 * 1024
 KILL_GRACE_S = 3.0
 COMMAND_TIMEOUT_S = 20.0
 
@@ -380,6 +385,7 @@ class Netlab:
             _run(["ip", "-n", netns, "addr", "add", f"{address}/{subnet.prefixlen}", "dev", IFNAME])
             _run(["ip", "-n", netns, "link", "set", IFNAME, "up"])
             _run(["ip", "-n", netns, "link", "set", "lo", "up"])
+            _run(["ip", "netns", "exec", netns, "sysctl", "-q", f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}"])
             _run(["ip", "link", "set", host_link, "master", self.bridge])
             _run(["ip", "link", "set", host_link, "up"])
             if upload is not None:
