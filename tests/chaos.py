@@ -137,7 +137,7 @@ class ChurnReport:
     stall_where: str
     accuracy: Optional[float]  # mean of the latest evaluation of every peer training at the window's end
     round_deadline_s: Optional[float]  # the round deadline in force at the end (from the peers' epoch lines)
-    joins: List[Join]
+    joins: List[Join]  # in the order of the restarts
     endings: int
     hung: List[str]
     lost_checkpoints: List[str]
@@ -427,7 +427,9 @@ class ChurnSwarm:
             bps = loopback_bps or self.loopback_bps()
         else:
             bps = 1.0
-        joins = [self._join(slot, index, bps) for slot in self.slots for index in range(1, len(slot.lives))]
+        restarts = sorted(((slot, index) for slot in self.slots for index in range(1, len(slot.lives))),
+                          key=lambda restart: restart[0].lives[restart[1]].spawned_at)
+        joins = [self._join(slot, index, bps) for slot, index in restarts]  # in the order of the restarts
         bad = [f"{life.proc.name}: exit code {life.exit_code} after {life.ending}" for life in lives
                if life.ending in ("sigterm", "notice", "stop") and life.exit_code not in (None, 0)]
         return ChurnReport(
