@@ -24,6 +24,7 @@ from moshpeer.cli.common import (
     positive_float,
 )
 from moshpeer.errors import UserError
+from moshpeer.peer.strategies import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +77,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="samples the swarm gathers per collaborative epoch (default: the task's)")
     group.add_argument("--batch-size", type=_positive_int, metavar="N",
                        help="micro-batch size of this peer (default: the task's)")
-    group.add_argument("--averaging", choices=("gradients", "parameters"), default="gradients",
+    group.add_argument("--averaging", choices=tuple(STRATEGIES), default="gradients",
                        help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
