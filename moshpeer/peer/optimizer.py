@@ -99,8 +99,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         EF21M's estimate is meaningful for gradients only). An `EF21M` given in
         `averager_kwargs["error_feedback"]` is used the same way.
     :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
-    :param average_parameters, average_optimizer_state: options of the "gradients" and "parameters"
-        strategies (see GradientsStrategy, ParametersStrategy)
+    :param average_parameters, params_every, average_optimizer_state: options of the "gradients" and
+        "parameters" strategies (see GradientsStrategy, ParametersStrategy; None: the strategy's default)
     :param matchmaking_time, round_timeout: averaging deadlines (seconds)
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
@@ -133,6 +133,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         role: str = "trainer",
         average_parameters: Union[bool, str] = "auto",
         average_optimizer_state: bool = True,
+        params_every: Optional[int] = None,
         matchmaking_time: float = 1.0,
         round_timeout: float = 10.0,
         max_epoch_lag: int = 1,
@@ -150,7 +151,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.strategy = make_strategy(averaging, average_parameters=average_parameters,
+        self.strategy = make_strategy(averaging, average_parameters=average_parameters, params_every=params_every,
                                       average_optimizer_state=average_optimizer_state)
         averaging = self.strategy.name
         if role not in ("trainer", "aux"):
@@ -405,7 +406,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         with self.lock:
             plan = self.strategy.plan_round(self.local_epoch, snapshot)
         # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
-        report = None if alone else self._run_round(weight=float(self.samples_accumulated),
+        report = None if alone else self._run_round(plan, weight=float(self.samples_accumulated),
                                                     target_group_size=round_.group_target,
                                                     matchmaking_time=self._matchmaking_window())
         self._note_assembly(report, round_.group_target)
@@ -517,6 +518,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         round_.lost_fraction = float(report.lost_fraction)
         round_.matchmaking_s = float(report.matchmaking_s)
         round_.averaging_s = float(report.total_s)
+        round_.bytes_sent = int(report.bytes_sent)
+        round_.averaged = plan.averages
         round_.param_spread = self.strategy.apply_averaged(plan)
 
     def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
@@ -526,7 +529,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                     group_target=self.group_target(snapshot))
         with self.lock:
             plan = self.strategy.plan_round(self.local_epoch, snapshot)
-        report = self._run_round(weight=0.0, target_group_size=round_.group_target,
+        report = self._run_round(plan, weight=0.0, target_group_size=round_.group_target,
                                  matchmaking_time=AUX_WINDOW_FACTOR * self.matchmaking_time)
         if report is None or not getattr(report, "ok", False):
             self.failed_rounds += 1
@@ -655,7 +658,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _run_round(self, weight: float, target_group_size: Optional[int] = None,
+    def _run_round(self, plan: RoundPlan, weight: float, target_group_size: Optional[int] = None,
                    matchmaking_time: Optional[float] = None) -> Any:
         """Run one averaging round in a helper thread; abandon it if a stop is requested."""
         result: Dict[str, Any] = {}
@@ -664,7 +667,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         def target() -> None:
             try:
                 result["report"] = self.averager.step(weight=weight, timeout=2 * window,
-                                                      target_group_size=target_group_size, matchmaking_time=window)
+                                                      target_group_size=target_group_size, matchmaking_time=window,
+                                                      tensors=plan.tensors)
             except Exception as e:
                 logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
                 result["error"] = e

@@ -42,7 +42,7 @@ def strategy_class(name: str) -> type:
 def make_strategy(averaging: Union[str, "AveragingStrategy"], **options: Any) -> "AveragingStrategy":
     """The strategy for `averaging`: an `AveragingStrategy` instance as is, or the class named so in
     `STRATEGIES` built with those of `options` its constructor takes (the optimizer passes all its
-    strategy options, e.g. average_parameters, and each class picks its own). UserError for an
+    strategy options, e.g. average_parameters, and each class picks its own; None: the class's default). UserError for an
     unknown name or a bad option value."""
     from moshpeer.peer.strategies.base import AveragingStrategy
 
@@ -52,7 +52,7 @@ def make_strategy(averaging: Union[str, "AveragingStrategy"], **options: Any) ->
         raise UserError(f"averaging must be a name or an AveragingStrategy, got {type(averaging).__name__}")
     cls = strategy_class(averaging)
     accepted = inspect.signature(cls.__init__).parameters
-    return cls(**{name: value for name, value in options.items() if name in accepted})
+    return cls(**{name: value for name, value in options.items() if name in accepted and value is not None})
 
 
 def __getattr__(name: str) -> Any:
