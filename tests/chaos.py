@@ -420,7 +420,7 @@ class ChurnSwarm:
             evaluated = [e["metric"] for t, e in timed_events(life.proc, "epoch") if t <= end and e.get("metric") is not None]
             if _running_at(life, end) and evaluated and contributed is not None and contributed <= end:
                 metrics.append(evaluated[-1])
-        deadlines = [e.get("round_deadline_s") for t, e in sorted(epochs_in, key=lambda te: te[0])]
+        deadlines = [_round_deadline(e) for t, e in sorted(epochs_in, key=lambda te: te[0])]
         deadline = next((d for d in reversed(deadlines) if d is not None), self.fixed_round_deadline_s)
         window = end - start
         if any(life.start != "initial" for life in lives):
@@ -455,6 +455,12 @@ class ChurnSwarm:
             join_s=(contributed - ready[0]) if ready and contributed is not None else None,
             downloaded_bytes=nbytes, download_s=sum(e.get("seconds") or 0.0 for e in loaded) if loaded else None,
             raw_s=nbytes / bps)
+
+
+def _round_deadline(epoch_event: dict) -> Optional[float]:
+    """The whole-round deadline in force for this epoch's round (its `RoundResult`), if it says."""
+    result = epoch_event.get("round")
+    return result.get("round_deadline_s") if isinstance(result, dict) else None
 
 
 def _running_at(life: Life, moment: float) -> bool:
