@@ -53,6 +53,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
@@ -153,7 +154,8 @@ class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
     :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
-    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param dht: a running DHT from `moshpeer.dht.start_dht(...)`: its identity (the libp2p key) signs this
+        peer's data-plane connections
     :param run_id: run whose peers to average with (group keys live under it)
     :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
         group worth averaging with
@@ -212,6 +214,10 @@ class MoshpitAverager(ServicerBase):
             raise UserError("need 2 <= min_group_size <= target_group_size")
         if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
             raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.identity = getattr(dht, "identity", None)
+        if self.identity is None:
+            raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
+                            "the data plane)")
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -295,6 +301,8 @@ class MoshpitAverager(ServicerBase):
         # first one's loop (late, or never once that loop stopped).
         self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
+        if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
+            raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
@@ -519,6 +527,8 @@ class MoshpitAverager(ServicerBase):
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), report.my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         report.loss_budget, report.loss_phase = group_budget(
@@ -537,6 +547,7 @@ class MoshpitAverager(ServicerBase):
                 my_index=report.my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
+                credentials=credentials,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
