@@ -41,6 +41,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weights, check_aggregation, robust_combine,
+                                            weight_cap_factor)
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
 from moshpeer.averaging.estimator import combine_unbiased
@@ -113,6 +115,9 @@ class AllReduceResult:
     total_s: float
     absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
     relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
+    # Per member index: chunks of our part in which the robust aggregation clipped or trimmed its contribution.
+    flagged: List[int] = field(default_factory=list)
+    nonfinite_averages: int = 0  # chunks whose average was not finite: our own value was kept and sent instead
 
 
 class GroupAllReduce:
@@ -128,6 +133,9 @@ class GroupAllReduce:
         (0 = wait for everything until the deadlines)
     :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
     :param force_relay: send to every member over `relay`, never directly
+    :param aggregation: how this owner combines its part's contributions: "mean", "clipped" or "trimmed"
+        (aggregation.py); declared weights are capped in every mode
+    :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
     """
 
     def __init__(
@@ -148,6 +156,8 @@ class GroupAllReduce:
         loss_budget: float = 0.0,
         relay: Optional[RelayConnect] = None,
         force_relay: bool = False,
+        aggregation: str = "mean",
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -167,7 +177,8 @@ class GroupAllReduce:
         now = time.monotonic()
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
-        self.weights = [float(m.weight) for m in self.members]
+        self.aggregation = check_aggregation(aggregation)
+        self.weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         self.others = [i for i in range(self.group_size) if i != my_index]
 
         me = my_index
@@ -176,6 +187,15 @@ class GroupAllReduce:
         # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
         # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
         self.others_sum = torch.empty(end - start, dtype=torch.float32)
+        # Robust modes: each member's contribution to our part, a row per member (ours stays in `flat`).
+        self.contributions: Optional[torch.Tensor] = None
+        if self.aggregation != "mean":
+            if self.group_size * (end - start) * 4 > max_buffer_bytes:
+                raise ValueError(f"{self.aggregation} aggregation would buffer {self.group_size * (end - start) * 4} "
+                                 f"bytes, over the limit of {max_buffer_bytes}")
+            self.contributions = torch.empty(self.group_size, end - start, dtype=torch.float32)
+        self.flagged = [0] * self.group_size
+        self.nonfinite_averages = 0
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
         self.chunk_locks = [threading.Lock() for _ in range(self.num_my_chunks)]
         self.arrived_from = [bytearray(self.group_size) for _ in range(self.num_my_chunks)]
@@ -253,6 +273,8 @@ class GroupAllReduce:
             total_s=finished - started,
             absent=sorted(self.absent),
             relayed=sorted(self.relayed),
+            flagged=list(self.flagged),
+            nonfinite_averages=self.nonfinite_averages,
         )
 
     def peer_id_of(self, index: int) -> bytes:
@@ -343,13 +365,17 @@ class GroupAllReduce:
             present = [i for i in self.others if i not in self.departed]
         start, end = self.partition.chunk_range(me, c)
         part_start = self.partition.part_starts[me]
-        combine_unbiased(
-            self.flat[start:end],
-            self.weights[me],
-            self.others_sum[start - part_start : end - part_start],
-            self.arrived_weight[c],
-            sum(self.weights[i] for i in present),
-        )
+        values = self.flat[start:end]
+        own = values.clone()
+        if self.contributions is None:
+            combine_unbiased(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
+                             self.arrived_weight[c], sum(self.weights[i] for i in present))
+        else:
+            self._combine_robust(c, values, start - part_start, end - part_start)
+        if not bool(torch.isfinite(values).all()):  # e.g. finite contributions that overflow in the sum
+            values.copy_(own)
+            self.nonfinite_averages += 1
+            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
         self._encode_gather_chunk(c, start, end)
         self.finalized[c] = True
         with self.cond:
@@ -357,6 +383,18 @@ class GroupAllReduce:
             if self.finalized_count == self.num_my_chunks:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
+
+    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> None:
+        """With chunk lock c held: CenteredClip or trimmed mean of our value and every contribution that arrived."""
+        me = self.my_index
+        rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
+        if len(rows) == 1:
+            return
+        stacked = torch.stack([values] + [self.contributions[i, lo:hi] for i in rows[1:]])
+        result, flagged = robust_combine(self.aggregation, stacked, [self.weights[i] for i in rows])
+        values.copy_(result)
+        for i, hit in zip(rows, flagged.tolist()):
+            self.flagged[i] += int(hit)
 
     def _encode_gather_chunk(self, c: int, start: int, end: int) -> None:
         """Encode finalized chunk c of our part for the all-gather and replace our values by the decoded ones."""
@@ -526,7 +564,10 @@ class GroupAllReduce:
         payload = self._gather_payloads[chunk] if phase == wire.PHASE_GATHER and part == self.my_index else None
         if payload is None:
             start, end = self.partition.chunk_range(part, chunk)
-            payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
+            values = self.flat[start:end]
+            if phase == wire.PHASE_REDUCE and self.faults is not None:
+                values = self.faults.hostile(values)  # a byzantine fault replaces what we contribute
+            payload = codec.encode(values, seed=self._chunk_seed(part, chunk))
         return payload
 
     def _transmit(self, link: _Outbound, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
@@ -693,8 +734,11 @@ class GroupAllReduce:
             if departed:
                 return self._reject(i, f"reduce chunk {chunk} from a member already counted as departed")
             try:
-                decode = codec.decode_accumulate if any(self.arrived_from[chunk]) else codec.decode_into
-                decode(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
+                if self.contributions is not None:  # robust: keep each member's values apart
+                    codec.decode_into(payload, self.contributions[i, start - part_start : end - part_start])
+                else:
+                    decode = codec.decode_accumulate if any(self.arrived_from[chunk]) else codec.decode_into
+                    decode(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
             except ProtocolError as e:
                 return self._reject(i, f"reduce chunk {chunk}: {e}")
             self.arrived_from[chunk][i] = 1
