@@ -390,7 +390,8 @@ class GroupAllReduce:
         rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
         if len(rows) == 1:
             return
-        stacked = torch.stack([values] + [self.contributions[i, lo:hi] for i in rows[1:]])
+        self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
+        stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
         result, flagged = robust_combine(self.aggregation, stacked, [self.weights[i] for i in rows])
         values.copy_(result)
         for i, hit in zip(rows, flagged.tolist()):

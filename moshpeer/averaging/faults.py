@@ -83,7 +83,8 @@ class FaultConfig:
         for name in ("delay_s", "jitter_s", "retransmit_s", "byzantine_scale", "byzantine_value", "byzantine_weight"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
-                raise UserError(f"fault {name} must be a finite number, got {value}")
+                unit = " of seconds" if name.endswith("_s") else ""
+                raise UserError(f"fault {name} must be a finite number{unit}, got {value}")
         if self.delay_s < 0 or self.jitter_s < 0 or self.burst_len < 0:
             raise UserError("fault delays and burst length must be non-negative")
         if self.stop_after_chunks is not None and self.stop_after_chunks < 0:
