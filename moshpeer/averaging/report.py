@@ -55,6 +55,8 @@ class RoundReport:
     error: Optional[str] = None
     loss_budget: Optional[float] = None
     loss_phase: Optional[str] = None
+    upload_bps: Optional[float] = None  # this peer's upload rate measured in this round (averaging/uplink.py)
+    part_sizes: List[int] = field(default_factory=list)  # values per member's part if sized by bandwidth, else []
 
     @property
     def chunks_lost(self) -> int:

@@ -777,7 +777,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
-                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force,
+                             upload_bps=self.averager.upload_bandwidth or 0.0)
         if self.state_server is not None and time.monotonic() - getattr(self, "_advertised_at", 0.0) > 5.0:
             self._advertise()
 
