@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -50,9 +50,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
+from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
@@ -90,6 +92,7 @@ class _StepRequest:
     scheduled_time: float
     deadline: float  # search end (DHT time): no new declarations or join requests after it
     weight: float
+    schema_hash: bytes  # of this round's tensors: peers group only with peers averaging the same schema
     target_group_size: int = 4
     matchmaking_time: float = 3.0
     grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
@@ -165,7 +168,8 @@ class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
     :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
-    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param dht: a running DHT from `moshpeer.dht.start_dht(...)`: its identity (the libp2p key) signs this
+        peer's data-plane connections
     :param run_id: run whose peers to average with (group keys live under it)
     :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
         group worth averaging with
@@ -197,6 +201,8 @@ class MoshpitAverager(ServicerBase):
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
+    :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
+        (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
     """
 
     def __init__(
@@ -222,6 +228,7 @@ class MoshpitAverager(ServicerBase):
         error_feedback: Optional[EF21M] = None,
         partition: str = "equal",
         upload_bandwidth: Optional[float] = None,
+        aggregation: str = "mean",
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -232,6 +239,13 @@ class MoshpitAverager(ServicerBase):
             raise UserError("need 2 <= min_group_size <= target_group_size")
         if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
             raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.identity = getattr(dht, "identity", None)
+        if self.identity is None:
+            raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
+                            "the data plane)")
+        self.aggregation = check_aggregation(aggregation)
+        # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
+        self.flagged_peers: Dict[str, int] = {}
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -322,6 +336,8 @@ class MoshpitAverager(ServicerBase):
         # first one's loop (late, or never once that loop stopped).
         self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
+        if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
+            raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
@@ -433,8 +449,10 @@ class MoshpitAverager(ServicerBase):
     # ---- one round ----------------------------------------------------------------------------
 
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
-             target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None) -> RoundReport:
-        """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
+             target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
+             tensors: Optional[Sequence[torch.Tensor]] = None) -> RoundReport:
+        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place; blocks;
+        returns the round's report.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
@@ -444,6 +462,9 @@ class MoshpitAverager(ServicerBase):
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
             compute-budget deadline); default: the configured one
+        :param tensors: this round only: average these instead of `self.tensors` (e.g. views of a part of
+            them: a round that needs less sends less). Peers group only with peers whose round averages the
+            same shapes (the schema hash covers them); UserError for non-float tensors
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
@@ -453,6 +474,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
         if self._loop is None or not self._ready.is_set():
             raise UserError("averager is not started")
+        tensors = self._round_tensors(tensors)
         window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
         timeout = timeout if timeout is not None else 5 * window
         started = time.monotonic()
@@ -461,11 +483,13 @@ class MoshpitAverager(ServicerBase):
         now = get_dht_time()
         request = _StepRequest(
             data_for_gather=_pack_member_info(
-                host, port, float(weight), nonce, (self.loss_budget.budget, self.loss_budget.phase),
+                host, port, self.faults.declared_weight(float(weight)) if self.faults else float(weight), nonce,
+                (self.loss_budget.budget, self.loss_budget.phase),
                 (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
             weight=float(weight),
+            schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
             target_group_size=target_group_size or self.target_group_size,
             matchmaking_time=window,
             grace=self.request_timeout + ASSEMBLY_GRACE_S,
@@ -492,12 +516,23 @@ class MoshpitAverager(ServicerBase):
                 logger.warning(f"matchmaking: {report.error}")
             return report
         try:
-            self._step_with_group(group, report, matchmaking_s)
+            self._step_with_group(group, report, matchmaking_s, tensors)
         finally:
             self._plane.close_group(group_prefix)
         return report
 
-    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float) -> None:
+    def _round_tensors(self, tensors: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+        if tensors is None:
+            return self.tensors
+        tensors = list(tensors)
+        if not tensors or any(not t.is_floating_point() for t in tensors):
+            raise UserError("a round averages one or more floating-point tensors")
+        if self.error_feedback is not None and sum(t.numel() for t in tensors) != self._numel:
+            raise UserError("with error feedback every round averages all the averager's values")
+        return tensors
+
+    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float,
+                         tensors: List[torch.Tensor]) -> None:
         report.group_id, report.group_size = group.group_id.hex(), group.group_size
         report.my_index = group.peer_ids.index(self.peer_id)
         try:
@@ -510,7 +545,7 @@ class MoshpitAverager(ServicerBase):
             f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
             f"my index {report.my_index}"
         )
-        self._average_with_group(group, members, report)
+        self._average_with_group(group, members, report, tensors)
         report.group_bits, report.coordinates = self.group_bits, self.coordinates
         self.rounds_done += 1
 
@@ -547,6 +582,7 @@ class MoshpitAverager(ServicerBase):
         # Per-round settings, set in the loop thread before this round's search starts. hivemind's
         # Matchmaking reads them on every join request; the group-key manager keeps the configured
         # size (it sets the grid, which must not change between rounds).
+        self._matchmaking.schema_hash = request.schema_hash
         self._matchmaking.target_group_size = request.target_group_size
         self._matchmaking.min_matchmaking_time = request.matchmaking_time
         self._matchmaking.potential_leaders.target_group_size = request.target_group_size
@@ -556,8 +592,11 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
         return await self._matchmaking.look_for_group(request)
 
-    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
+    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
+                            tensors: List[torch.Tensor]) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), report.my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         report.loss_budget, report.loss_phase = group_budget(
@@ -578,6 +617,7 @@ class MoshpitAverager(ServicerBase):
                 my_index=report.my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
+                credentials=credentials,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
@@ -586,12 +626,13 @@ class MoshpitAverager(ServicerBase):
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
                 part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
+                aggregation=self.aggregation,
             )
             results.append(allreduce.run())
             return flat
 
         with self._lock_tensors:
-            flat, write_back = self._flatten()
+            flat, write_back = self._flatten(tensors)
             sparsifier = self.compression.sparsifier
             if sparsifier is None:
                 dense_allreduce_blocking(flat)
@@ -616,6 +657,10 @@ class MoshpitAverager(ServicerBase):
         report.absent, report.relayed = result.absent, result.relayed
         report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
         report.missing_chunks = result.missing_chunks
+        report.aggregation, report.nonfinite_averages = self.aggregation, result.nonfinite_averages
+        report.flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        for peer, n in report.flagged.items():
+            self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         report.reduce_scatter_s, report.all_gather_s, report.total_s = (
             result.reduce_scatter_s, result.all_gather_s, result.total_s)
         expected = result.reduce.chunks_expected + result.gather.chunks_expected
@@ -626,6 +671,9 @@ class MoshpitAverager(ServicerBase):
                 f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
+        if report.flagged:
+            logger.warning(f"round {report.group_id[:8]}: {self.aggregation} aggregation flagged contributions of "
+                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in report.flagged.items()))
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
                 f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
@@ -634,9 +682,8 @@ class MoshpitAverager(ServicerBase):
                 f"{result.rejected_connections} connections"
             )
 
-    def _flatten(self):
-        """A flat fp32 view of the tensors (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
-        tensors = self.tensors
+    def _flatten(self, tensors: List[torch.Tensor]):
+        """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
         if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
                 and tensors[0].device.type == "cpu":
             return tensors[0].view(-1), lambda: None
@@ -673,6 +720,8 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
+        nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),

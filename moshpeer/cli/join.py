@@ -24,6 +24,7 @@ from moshpeer.cli.common import (
     positive_float,
 )
 from moshpeer.errors import UserError
+from moshpeer.peer.strategies import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,8 +77,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="samples the swarm gathers per collaborative epoch (default: the task's)")
     group.add_argument("--batch-size", type=_positive_int, metavar="N",
                        help="micro-batch size of this peer (default: the task's)")
-    group.add_argument("--averaging", choices=("gradients", "parameters"), default="gradients",
+    group.add_argument("--averaging", choices=tuple(STRATEGIES), default="gradients",
                        help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
+    group.add_argument("--params-every", type=_positive_int, metavar="K",
+                       help="gradients mode: rounds send gradients only, and every K epochs the parameters too, "
+                       "to pull peers back together (default: 10; 1: every round)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
@@ -170,8 +174,12 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
     group.add_argument("--faults", metavar="SPEC",
                        help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
-                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2 (testing; default: "
-                       "$MOSHPEER_FAULTS)")
+                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2, or play a hostile peer: "
+                       "byzantine=-100,weight=1e6 (testing; default: $MOSHPEER_FAULTS)")
+    group.add_argument("--aggregation", default="mean", choices=("mean", "clipped", "trimmed"),
+                       help="how this peer combines the contributions to the part it owns in a round: mean, "
+                       "clipped (CenteredClip) or trimmed (coordinate-wise trimmed mean); the robust modes "
+                       "resist hostile peers, see docs/security.md (default: mean)")
 
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
@@ -187,6 +195,8 @@ def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
         averager_kwargs["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "faults", None):
         averager_kwargs["faults"] = FaultConfig.parse(args.faults)
+    if getattr(args, "aggregation", "mean") != "mean":
+        averager_kwargs["aggregation"] = args.aggregation
     return {"loss_budget": spec, "phase_threshold": eta, "phase_window": window, "averager_kwargs": averager_kwargs}
 
 
@@ -203,6 +213,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8
     return TrainerConfig(
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
+        params_every=args.params_every,
         compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
