@@ -95,6 +95,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--error-feedback", action="store_true",
                        help="with a sparsifying codec (arc-topk:FRACTION) in gradients or diloco mode: keep EF21M error-feedback "
                        "state (checkpointed and downloaded by newcomers with the parameters)")
+    group.add_argument("--bandwidth", type=positive_float, metavar="MBIT",
+                       help="this peer's upload in Mbit/s, announced to its averaging groups (default: measured "
+                       "on the averaging traffic of every round)")
+    group.add_argument("--partition", choices=("bandwidth", "equal"), default="bandwidth",
+                       help="bandwidth: a group sizes each member's part by its upload, so a slow uplink owns less; "
+                       "equal: equal parts (default: bandwidth)")
     group.add_argument("--group-size", type=_positive_int, default=4, metavar="N",
                        help="target Moshpit group size (default: 4)")
     group.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none",
@@ -214,6 +220,10 @@ def trainer_config_from_args(args: argparse.Namespace):
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     from moshpeer.peer.diloco import parse_outer_optimizer
+    settings = loss_budget_settings_from_args(args)
+    settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
+    if getattr(args, "bandwidth", None) is not None:
+        settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8
     return TrainerConfig(
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
         params_every=args.params_every, inner_steps=args.inner_steps,
@@ -226,7 +236,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         round_timeout=args.round_timeout, seed=args.seed,
         straggler=parse_straggler(args.straggler) if args.straggler else None,
         state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
-        **loss_budget_settings_from_args(args),
+        **settings,
         checkpoint=checkpoint_policy_from_args(args) if hasattr(args, "checkpoint_dir") else None,
     )
 

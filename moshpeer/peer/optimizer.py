@@ -814,7 +814,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
-                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force,
+                             upload_bps=self.averager.upload_bandwidth or 0.0)
         flagged = self.averager.flagged_peers
         if flagged != self._published_flagged:  # robust aggregation clipped someone: say so in our record
             self._published_flagged = dict(flagged)

@@ -344,9 +344,11 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
 
 def _loopback_or_any(daemon: Any) -> str:
     """The IPv4 address others reach this peer at (from its DHT's visible multiaddrs) for averaging and
-    state donations; 127.0.0.1 in local swarms."""
+    state donations: a non-loopback one if the DHT listens on any (e.g. on all interfaces: peers in other
+    network namespaces or on other machines cannot reach 127.0.0.1); 127.0.0.1 in local swarms."""
+    addresses = []
     for maddr in daemon.visible_maddrs:
         parts = maddr.split("/")
         if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            return parts[2]
-    return "127.0.0.1"
+            addresses.append(parts[2])
+    return next((a for a in addresses if not a.startswith("127.")), addresses[0] if addresses else "127.0.0.1")
