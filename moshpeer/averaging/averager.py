@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -50,10 +50,13 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
+from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
+from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
@@ -74,6 +77,10 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+PARTITIONS = ("equal", "bandwidth")
+MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
+# Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
+UPLOAD_ESTIMATE_ALPHA = 0.5
 TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
@@ -102,13 +109,17 @@ class _MemberInfo:
     nonce: bytes
     # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
     loss_budget: Optional[Tuple[float, str]] = None
+    # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
+    bandwidth: float = 0.0
 
 
 def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
-                      loss_budget: Optional[Tuple[float, str]] = None) -> bytes:
+                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0) -> bytes:
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
         info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
+    if bandwidth > 0:
+        info["bw"] = float(bandwidth)
     return msgpack.packb(info)
 
 
@@ -138,7 +149,10 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
                 or len(phase) > 16:
             raise ProtocolError("bad loss budget")
         declared = (float(budget), phase)
-    return _MemberInfo(host, port, float(weight), nonce, declared)
+    bandwidth = info.get("bw", 0.0)
+    if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
+        raise ProtocolError("bad bandwidth")
+    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth))
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -154,7 +168,8 @@ class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
     :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
-    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param dht: a running DHT from `moshpeer.dht.start_dht(...)`: its identity (the libp2p key) signs this
+        peer's data-plane connections
     :param run_id: run whose peers to average with (group keys live under it)
     :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
         group worth averaging with
@@ -177,9 +192,17 @@ class MoshpitAverager(ServicerBase):
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
         selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
+    :param partition: "equal" (default): every member owns an equal part; "bandwidth": parts sized by the
+        members' upload bandwidths (`partition.bandwidth_part_sizes`), if every member of the group announces
+        one (a member that asks for equal parts, or knows no bandwidth yet, makes the group split equally)
+    :param upload_bandwidth: this peer's upload in bytes/s, announced for "bandwidth" partitioning; default:
+        measured on the data plane in every round (`upload_bandwidth` property; unknown until a round moved
+        enough data)
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
+    :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
+        (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
     """
 
     def __init__(
@@ -203,6 +226,9 @@ class MoshpitAverager(ServicerBase):
         loss_budget: Union[LossBudget, float, None] = None,
         transport: Optional[str] = None,
         error_feedback: Optional[EF21M] = None,
+        partition: str = "equal",
+        upload_bandwidth: Optional[float] = None,
+        aggregation: str = "mean",
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -213,6 +239,13 @@ class MoshpitAverager(ServicerBase):
             raise UserError("need 2 <= min_group_size <= target_group_size")
         if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
             raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.identity = getattr(dht, "identity", None)
+        if self.identity is None:
+            raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
+                            "the data plane)")
+        self.aggregation = check_aggregation(aggregation)
+        # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
+        self.flagged_peers: Dict[str, int] = {}
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -227,6 +260,13 @@ class MoshpitAverager(ServicerBase):
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
+        if partition not in PARTITIONS:
+            raise UserError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+        if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
+            raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
+        self.partition = partition
+        self.declared_upload = upload_bandwidth
+        self.measured_upload: Optional[float] = None  # bytes/s, from the rounds so far
         self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
@@ -296,6 +336,8 @@ class MoshpitAverager(ServicerBase):
         # first one's loop (late, or never once that loop stopped).
         self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
+        if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
+            raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
@@ -356,6 +398,17 @@ class MoshpitAverager(ServicerBase):
     def data_address(self) -> Tuple[str, int]:
         """The data-plane listener's address; announced to group mates unless transport is "libp2p"."""
         return self._plane.address
+
+    @property
+    def upload_bandwidth(self) -> Optional[float]:
+        """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
+        return self.declared_upload if self.declared_upload is not None else self.measured_upload
+
+    def _note_upload(self, measured: Optional[float]) -> None:
+        if measured is None:
+            return
+        old = self.measured_upload
+        self.measured_upload = measured if old is None else old + UPLOAD_ESTIMATE_ALPHA * (measured - old)
 
     def _announced_address(self) -> Tuple[str, int]:
         return ("", 0) if self.transport == "libp2p" else self._plane.address
@@ -429,8 +482,10 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         now = get_dht_time()
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, float(weight), nonce,
-                                              (self.loss_budget.budget, self.loss_budget.phase)),
+            data_for_gather=_pack_member_info(
+                host, port, self.faults.declared_weight(float(weight)) if self.faults else float(weight), nonce,
+                (self.loss_budget.budget, self.loss_budget.phase),
+                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
             weight=float(weight),
@@ -540,6 +595,8 @@ class MoshpitAverager(ServicerBase):
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
                             tensors: List[torch.Tensor]) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), report.my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         report.loss_budget, report.loss_phase = group_budget(
@@ -548,6 +605,8 @@ class MoshpitAverager(ServicerBase):
                          for m, peer_id in zip(members, group.peer_ids)]
         deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
+        bandwidths = [m.bandwidth for m in members]
+        by_bandwidth = all(b > 0 for b in bandwidths)  # else every member splits equally
 
         def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
             """Average one contiguous fp32 vector with this group (the `sequence`-th all-reduce of the round)."""
@@ -558,6 +617,7 @@ class MoshpitAverager(ServicerBase):
                 my_index=report.my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
+                credentials=credentials,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
@@ -565,6 +625,8 @@ class MoshpitAverager(ServicerBase):
                 loss_budget=report.loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
+                part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
+                aggregation=self.aggregation,
             )
             results.append(allreduce.run())
             return flat
@@ -586,12 +648,19 @@ class MoshpitAverager(ServicerBase):
                     asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
+        self._note_upload(result.upload_bps)
+        report.upload_bps = result.upload_bps
+        report.part_sizes = bandwidth_part_sizes(self._numel, bandwidths) if by_bandwidth else []
         report.ok = True
         report.reduce, report.gather = result.reduce, result.gather
         report.departed = result.departed
         report.absent, report.relayed = result.absent, result.relayed
         report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
         report.missing_chunks = result.missing_chunks
+        report.aggregation, report.nonfinite_averages = self.aggregation, result.nonfinite_averages
+        report.flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        for peer, n in report.flagged.items():
+            self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         report.reduce_scatter_s, report.all_gather_s, report.total_s = (
             result.reduce_scatter_s, result.all_gather_s, result.total_s)
         expected = result.reduce.chunks_expected + result.gather.chunks_expected
@@ -602,6 +671,9 @@ class MoshpitAverager(ServicerBase):
                 f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
+        if report.flagged:
+            logger.warning(f"round {report.group_id[:8]}: {self.aggregation} aggregation flagged contributions of "
+                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in report.flagged.items()))
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
                 f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
@@ -648,7 +720,10 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
+        nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),
+        upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
     )
