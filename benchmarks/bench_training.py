@@ -9,12 +9,16 @@ budget (epochs x 256), 4 peers as real processes on 127.0.0.1:
 - single: one process, `train_locally`, same global batch and samples.
 
 Reports wall time to the target accuracy (first evaluation at or above it; every peer evaluates after
-every epoch) and final accuracy. `--straggler` slows one peer with heavy-tailed delays per micro-batch
+every epoch), final accuracy, and the bytes one moshpeer peer sends per averaging round: with the
+default settings (gradients only, parameters every 10 epochs) and, as `bytes_per_round_before`, in a
+second moshpeer run that averages the parameters in every round (`--params-every 1`, what moshpeer
+did before; skip it with --skip-before). `--straggler` slows one peer with heavy-tailed delays per micro-batch
 and adds a moshpeer run with a DropCompute budget, to compare step times with and without it.
 
     python benchmarks/bench_training.py [--epochs 40] [--target 0.95] [--straggler]
 
-Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind, ...
+Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind,
+bytes_per_round, bytes_per_round_before, bytes_vs_before, ...
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -157,13 +161,17 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
         "mean_group_size": (sum(e.get("group_size", 0) for e in rounds if e.get("ok"))
                             / max(sum(bool(e.get("ok")) for e in rounds), 1)) if rounds else None,
         "dropped_samples": sum(e.get("dropped_samples") or 0 for e in rounds),
+        # Bytes one peer sent in one round, over the rounds that averaged with a group.
+        "bytes_per_round": (sum(e.get("bytes_sent", 0) for e in rounds if e.get("ok"))
+                            / max(sum(bool(e.get("ok")) for e in rounds), 1)) if rounds else None,
     }
 
 
 # ---- moshpeer -----------------------------------------------------------------------------------
 
 
-def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str) -> dict:
+def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str,
+                 extra: Sequence[str] = ()) -> dict:
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
@@ -180,6 +188,7 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                     "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
                     "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                     "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
+            argv += list(extra)
             if budget:
                 argv += ["--compute-budget", budget]
             if straggler and i == 0:
@@ -316,6 +325,8 @@ def main() -> int:
                         help="mean injected delay per micro-batch of the straggler (s), lognormal sigma 1.5")
     parser.add_argument("--budget", default="0.25", help="DropCompute budget (s) for the --straggler comparison")
     parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--skip-before", action="store_true",
+                        help="skip the moshpeer run that averages the parameters every round (bytes_per_round_before)")
     parser.add_argument("--events-out", metavar="PATH", help="write every peer's JSON events here (debugging)")
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -331,17 +342,22 @@ def main() -> int:
           f"tracker_opts={HIVEMIND_TRACKER}")
     results = {"single": run_single(args)}
     results["moshpeer"] = run_moshpeer(args, straggler=straggler, budget=None, tag="plain")
+    if not args.skip_before:
+        results["moshpeer_params_every_round"] = run_moshpeer(args, straggler=straggler, budget=None, tag="before",
+                                                              extra=["--params-every", "1"])
     if args.straggler:
         results["moshpeer_dropcompute"] = run_moshpeer(args, straggler=straggler, budget=args.budget, tag="budget")
     if not args.skip_hivemind:
         results["hivemind"] = run_hivemind(args, straggler=straggler)
 
-    print(f"\n{'system':<22}{'to target (s)':>15}{'final acc':>11}{'mean step (s)':>15}{'train (s)':>11}")
+    print(f"\n{'system':<28}{'to target (s)':>15}{'final acc':>11}{'mean step (s)':>15}{'train (s)':>11}"
+          f"{'bytes/round':>13}")
     for name, r in results.items():
         def fmt(value, spec):
             return format(value, spec) if value is not None else "-"
-        print(f"{name:<22}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
-              f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}")
+        print(f"{name:<28}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
+              f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}"
+              f"{fmt(r.get('bytes_per_round'), '13.0f')}")
 
     moshpeer, hive = results["moshpeer"], results.get("hivemind", {})
     figures = {
@@ -353,7 +369,13 @@ def main() -> int:
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
         "group_size": args.group_size or args.peers, "aux": args.aux,
+        "bytes_per_round": moshpeer["bytes_per_round"],
     }
+    if not args.skip_before:
+        before = results["moshpeer_params_every_round"]["bytes_per_round"]
+        figures["bytes_per_round_before"] = before
+        figures["bytes_vs_before"] = moshpeer["bytes_per_round"] / before if before and moshpeer["bytes_per_round"] else None
+        figures["before_acc"] = results["moshpeer_params_every_round"]["final_acc"]
     if args.straggler:
         budgeted = results["moshpeer_dropcompute"]
         figures["dropcompute_step_s"] = budgeted["mean_step_s"]

@@ -23,12 +23,13 @@ own bound on a leader's answer), and only while it is committed (accepted by a l
 followers, or a join request in flight); an uncommitted peer stops at the search end. Should
 matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
 visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
-report it in `RoundReport.absent`, and the left-out peer's report says it gave up while committed.
+report it in `RoundResult.absent`, and the left-out peer's result says it gave up while committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -36,7 +37,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
@@ -52,10 +53,11 @@ from hivemind.utils.asyncio import cancel_and_wait
 from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.relay import StreamRelay
-from moshpeer.averaging.report import PhaseStats, RoundReport
+from moshpeer.averaging.report import PhaseStats, RoundResult
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
@@ -74,7 +76,6 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
-TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
 @dataclass
@@ -167,7 +168,7 @@ class MoshpitAverager(ServicerBase):
     :param matchmaking_time: how long a peer waits for others to join its group
     :param request_timeout: matchmaking request timeout (default: matchmaking_time / 2)
     :param round_timeout: absolute budget of the data plane of one round (reduce-scatter ends at 60% of it)
-    :param faults: fault injection for this peer's outgoing chunks (default: from $MOSHPEER_FAULTS, else none)
+    :param faults: fault injection for this peer's outgoing chunks (tests, benchmarks, `join --faults`); None: none
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
@@ -179,7 +180,7 @@ class MoshpitAverager(ServicerBase):
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
-        streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
+        streams (a peer behind NAT; also for testing)
     """
 
     def __init__(
@@ -201,7 +202,7 @@ class MoshpitAverager(ServicerBase):
         client_mode: bool = False,
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
-        transport: Optional[str] = None,
+        transport: str = "auto",
         error_feedback: Optional[EF21M] = None,
     ):
         validate_run_id(run_id)
@@ -221,9 +222,8 @@ class MoshpitAverager(ServicerBase):
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.faults = faults if faults is not None else FaultConfig.from_env()
+        self.faults = faults
         self.client_mode = client_mode
-        transport = transport or os.environ.get(TRANSPORT_ENV_VAR, "").strip() or "auto"
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
@@ -240,6 +240,8 @@ class MoshpitAverager(ServicerBase):
         self._plane = DataPlane(host, strict=True)
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
+        # Rounds run here, one at a time (step() queues them; see RoundFuture).
+        self._rounds = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moshpeer-round")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._ready = threading.Event()
@@ -325,7 +327,9 @@ class MoshpitAverager(ServicerBase):
                 await self._p2p.shutdown()  # our replica only: the daemon belongs to the DHT
 
     def shutdown(self) -> None:
-        """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it)."""
+        """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it).
+        Rounds not started yet are cancelled; a round in flight ends by its deadline."""
+        self._rounds.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
@@ -397,14 +401,20 @@ class MoshpitAverager(ServicerBase):
 
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
-             tensors: Optional[Sequence[torch.Tensor]] = None) -> RoundReport:
-        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place; blocks;
-        returns the round's report.
+             tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
+             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
+
+        wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
+        at once a `RoundFuture` of it, resolved by its `deadline`. Rounds run one at a time, in the order
+        they were asked for, in the averager's round thread. The round's deadlines are computed here, once
+        (`RoundDeadline`). Bad arguments raise UserError here; an error inside the round becomes the
+        future's exception (raised by wait=True). A round that finds no group is a result with ok=False.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
             accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see the
-            module docstring); the data plane then has `round_timeout` on top
+            module docstring); the data plane then has `round_timeout` from the group's assembly
         :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
@@ -412,6 +422,7 @@ class MoshpitAverager(ServicerBase):
         :param tensors: this round only: average these instead of `self.tensors` (e.g. views of a part of
             them: a round that needs less sends less). Peers group only with peers whose round averages the
             same shapes (the schema hash covers them); UserError for non-float tensors
+        :param averaged: what the tensors hold, e.g. ("gradients",); the result reports it
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
@@ -423,48 +434,66 @@ class MoshpitAverager(ServicerBase):
             raise UserError("averager is not started")
         tensors = self._round_tensors(tensors)
         window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
-        timeout = timeout if timeout is not None else 5 * window
+        search_s = max(timeout if timeout is not None else 5 * window, window)
+        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout)
+        future = RoundFuture(deadline)
+        round_args = (deadline, float(weight), window, target_group_size or self.target_group_size, tensors,
+                      tuple(averaged))
+        try:
+            self._rounds.submit(self._run_round, future, *round_args)
+        except RuntimeError:  # the executor is shut down
+            raise UserError("averager is shut down") from None
+        return future.result() if wait else future
+
+    def _run_round(self, future: "RoundFuture", *round_args) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started
+        try:
+            future.set_result(self._round(*round_args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...]) -> RoundResult:
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
         host, port = self._announced_address()
-        now = get_dht_time()
+        search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, float(weight), nonce,
+            data_for_gather=_pack_member_info(host, port, weight, nonce,
                                               (self.loss_budget.budget, self.loss_budget.phase)),
-            scheduled_time=now + window,
-            deadline=now + max(timeout, window),
-            weight=float(weight),
+            scheduled_time=min(get_dht_time() + window, search_end),
+            deadline=search_end,
+            weight=weight,
             schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
-            target_group_size=target_group_size or self.target_group_size,
+            target_group_size=target_group_size,
             matchmaking_time=window,
-            grace=self.request_timeout + ASSEMBLY_GRACE_S,
+            grace=deadline.assembly_end - deadline.search_end,
         )
         bits_before = self.group_bits
         outcome: dict = {}
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
-            future = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
-            try:
-                group = future.result(request.get_timeout() + self.round_timeout)
+            search = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
+            try:  # the search ends itself by assembly_end; the round's end bounds a stalled loop
+                group = search.result(max(0.0, deadline.end - time.monotonic()))
             except Exception as e:
-                future.cancel()
+                search.cancel()
                 logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
                 group = None
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
-        matchmaking_s = time.monotonic() - started
-        report = RoundReport(ok=False, group_bits=bits_before, coordinates=self.coordinates, weight=float(weight),
-                             matchmaking_s=matchmaking_s, compression=self.compression_spec)
+        common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started,
+                      compression=self.compression_spec)
         if group is None:
-            report.error = outcome.get("error", "no group found")
             if "error" in outcome:
-                logger.warning(f"matchmaking: {report.error}")
-            return report
+                logger.warning(f"matchmaking: {outcome['error']}")
+            return RoundResult(ok=False, error=outcome.get("error", "no group found"), group_bits=bits_before,
+                               coordinates=self.coordinates, **common)
         try:
-            self._step_with_group(group, report, matchmaking_s, tensors)
+            return self._round_with_group(group, tensors, deadline, bits_before, common)
         finally:
             self._plane.close_group(group_prefix)
-        return report
 
     def _round_tensors(self, tensors: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
         if tensors is None:
@@ -476,23 +505,26 @@ class MoshpitAverager(ServicerBase):
             raise UserError("with error feedback every round averages all the averager's values")
         return tensors
 
-    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float,
-                         tensors: List[torch.Tensor]) -> None:
-        report.group_id, report.group_size = group.group_id.hex(), group.group_size
-        report.my_index = group.peer_ids.index(self.peer_id)
+    def _round_with_group(self, group: GroupInfo, tensors: List[torch.Tensor], deadline: "RoundDeadline",
+                          bits_before: str, common: dict) -> RoundResult:
+        group_id = group.group_id.hex()
+        ids = dict(group_id=group_id, group_size=group.group_size, my_index=group.peer_ids.index(self.peer_id))
         try:
             members = [_parse_member_info(data) for data in group.gathered]
         except ProtocolError as e:
-            report.error = f"bad group metadata: {e}"
-            logger.warning(f"round {report.group_id[:8]}: {report.error}")
-            return
-        logger.info(
-            f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
-            f"my index {report.my_index}"
-        )
-        self._average_with_group(group, members, report, tensors)
-        report.group_bits, report.coordinates = self.group_bits, self.coordinates
+            logger.warning(f"round {group_id[:8]}: bad group metadata: {e}")
+            return RoundResult(ok=False, error=f"bad group metadata: {e}", group_bits=bits_before,
+                               coordinates=self.coordinates, **ids, **common)
+        logger.info(f"round {group_id[:8]}: group of {group.group_size} assembled in {common['matchmaking_s']:.2f} s, "
+                    f"my index {ids['my_index']}")
+        # The data plane has round_timeout from now, never past the round's end.
+        data_deadline = min(time.monotonic() + self.round_timeout, deadline.end)
+        loss_budget, loss_phase, data = self._average_with_group(group, members, ids["my_index"], tensors,
+                                                                 data_deadline)
         self.rounds_done += 1
+        return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
+                           loss_phase=loss_phase, **ids, **common,
+                           **{f.name: getattr(data, f.name) for f in fields(data)})
 
     def _committed(self) -> bool:
         """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
@@ -537,16 +569,16 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
         return await self._matchmaking.look_for_group(request)
 
-    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
-                            tensors: List[torch.Tensor]) -> None:
+    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], my_index: int,
+                            tensors: List[torch.Tensor], deadline: float) -> Tuple[float, str, AllReduceResult]:
+        """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase and the data
+        plane's counters (summed over the round's all-reduces)."""
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
-        report.loss_budget, report.loss_phase = group_budget(
-            declared or [(self.loss_budget.budget, self.loss_budget.phase)])
+        loss_budget, loss_phase = group_budget(declared or [(self.loss_budget.budget, self.loss_budget.phase)])
         group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
                          for m, peer_id in zip(members, group.peer_ids)]
-        deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
 
         def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
@@ -555,14 +587,14 @@ class MoshpitAverager(ServicerBase):
                 self._plane,
                 flat,
                 members=group_members,
-                my_index=report.my_index,
+                my_index=my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
                 faults=self.faults,
-                loss_budget=report.loss_budget or 0.0,
+                loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
             )
@@ -586,29 +618,21 @@ class MoshpitAverager(ServicerBase):
                     asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
-        report.ok = True
-        report.reduce, report.gather = result.reduce, result.gather
-        report.departed = result.departed
-        report.absent, report.relayed = result.absent, result.relayed
-        report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
-        report.missing_chunks = result.missing_chunks
-        report.reduce_scatter_s, report.all_gather_s, report.total_s = (
-            result.reduce_scatter_s, result.all_gather_s, result.total_s)
-        expected = result.reduce.chunks_expected + result.gather.chunks_expected
         lost = result.reduce.chunks_lost + result.gather.chunks_lost
-        report.lost_fraction = lost / expected if expected else 0.0
+        tag = group.group_id.hex()[:8]
         if result.absent:
             logger.warning(
-                f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
+                f"round {tag}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
-                f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
+                f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
                 f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
                 f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
                 f"{result.rejected_connections} connections"
             )
+        return loss_budget, loss_phase, result
 
     def _flatten(self, tensors: List[torch.Tensor]):
         """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""

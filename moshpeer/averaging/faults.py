@@ -4,15 +4,14 @@ The sender consults a `ChunkFaults` before every chunk it puts on the wire. With
 (the default) the transport never builds one, so normal runs pay nothing. Decisions come from a
 seeded RNG per (round, destination, phase), so a test can replay a run exactly.
 
-Environment (used when an averager is built without an explicit `faults`): MOSHPEER_FAULTS holds
-comma-separated `key=value` pairs with FaultConfig's field names, e.g.
-`MOSHPEER_FAULTS=drop_prob=0.1,delay_s=0.002,phases=reduce`.
+Faults are always configured explicitly: `MoshpitAverager(faults=FaultConfig(...))`, or
+`moshpeer join --faults drop=0.1,delay=0.002,phases=reduce` (`FaultConfig.parse`). Production code reads
+no environment variable for them.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
@@ -20,7 +19,6 @@ from typing import Optional, Tuple
 from moshpeer.errors import UserError
 
 PHASES = ("reduce", "gather")
-ENV_VAR = "MOSHPEER_FAULTS"
 # Short names accepted by `FaultConfig.parse` (CLI: `moshpeer join --faults drop=0.1,delay=0.05`).
 ALIASES = {"drop": "drop_prob", "delay": "delay_s", "jitter": "jitter_s", "burst": "burst_prob",
            "stop": "stop_after_chunks", "retransmit": "retransmit_s"}
@@ -80,7 +78,7 @@ class FaultConfig:
 
     @classmethod
     def parse(cls, text: str) -> "FaultConfig":
-        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (CLI / environment syntax).
+        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (the CLI's syntax).
 
         Keys are FaultConfig's field names or their short ALIASES (drop, delay, jitter, burst, stop,
         retransmit). Raises UserError, with one line that says what is wrong, on a malformed spec.
@@ -106,11 +104,6 @@ class FaultConfig:
             except ValueError:
                 raise UserError(f"bad value for fault {key}: {raw!r}") from None
         return cls(**values)
-
-    @classmethod
-    def from_env(cls) -> Optional["FaultConfig"]:
-        text = os.environ.get(ENV_VAR, "").strip()
-        return cls.parse(text) if text else None
 
 
 # A reliable link gives up resending one chunk after this many tries (the round deadline ends it anyway).

@@ -168,8 +168,7 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
     group.add_argument("--faults", metavar="SPEC",
                        help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
-                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2 (testing; default: "
-                       "$MOSHPEER_FAULTS)")
+                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2 (testing; default: none)")
 
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:

@@ -206,24 +206,15 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
-        emit({
+        emit({  # the epoch's record and its round result, serialised here, once
+            **round_.to_dict(),
             "event": "epoch", "epoch": optimizer.local_epoch, "previous_epoch": epoch_before,
             "time": round(time.monotonic() - started, 3),
             "train_time": round(time.monotonic() - train_started, 3),
             "loss": round(loss_sum / loss_count, 5) if loss_count else None,
             "metric": metrics.get(task.metric) if evaluate else None,
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,
-            "samples": round_.samples, "samples_total": optimizer.total_samples,
-            "samples_per_second": round(optimizer._speed.rate(), 1),
-            "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
-            "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
-            "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
-            "bytes_sent": round_.bytes_sent, "averaged": list(round_.averaged),
-            "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
-            "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
-            "num_trainers": round_.num_trainers, "error": round_.error,
-            "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
-            "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
+            "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
             "params_digest": params_digest(model),
         })
         loss_sum, loss_count = 0.0, 0

@@ -1,0 +1,58 @@
+"""How a `CollaborativeOptimizer` is present in its swarm: through a `PeerDaemon`, a bare DHT, or a DHT
+node of its own; its signed record is published and the swarm's progress read (`SwarmProgress`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from moshpeer.dht import SwarmDHT, start_dht
+from moshpeer.errors import UserError
+from moshpeer.peer.progress import RecordPublisher, SwarmProgress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmLink:
+    dht: SwarmDHT
+    progress: SwarmProgress
+    own_dht: Optional[SwarmDHT] = None  # started for this optimizer: stopped at its shutdown
+    publisher: Optional[RecordPublisher] = None  # None when a daemon publishes the record
+
+    def close(self) -> None:
+        """Stop reading progress; withdraw our record and stop the DHT if they are ours. Idempotent; a
+        failing step is logged (debug) and the others still run."""
+        own_dht, self.own_dht = self.own_dht, None
+        steps = [("progress", self.progress.shutdown)]
+        if own_dht is not None:
+            steps += [("record", self.publisher.withdraw), ("dht", own_dht.stop)]
+        for name, stop in steps:
+            try:
+                stop()
+            except Exception:
+                logger.debug(f"shutting down {name} failed", exc_info=True)
+
+
+def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any = None,
+                  dht: Optional[SwarmDHT] = None, initial_peers: Sequence[str] = (), host: str = "127.0.0.1",
+                  progress_refresh: float = 0.3) -> SwarmLink:
+    """The daemon's DHT and record, else `dht` (with a record of our own), else a DHT node of our own
+    joined through `initial_peers`; UserError when none of the three is given."""
+    if daemon is not None:
+        progress = SwarmProgress(daemon.dht, run_id, target_batch_size=target_batch_size,
+                                 own_record=lambda: daemon.record, refresh_interval=progress_refresh,
+                                 publish=lambda **fields: daemon.update_record(publish_now=True, **fields))
+        return SwarmLink(daemon.dht, progress)
+    own_dht = None
+    if dht is None:
+        if not initial_peers:
+            raise UserError("give the optimizer daemon=, dht= or initial_peers=")
+        dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"])
+    publisher = RecordPublisher(dht, run_id, role=role)
+    publisher.publish()
+    progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
+                             publish=publisher.update, refresh_interval=progress_refresh,
+                             on_refresh=publisher.refresh_if_stale)
+    return SwarmLink(dht, progress, own_dht, publisher)
