@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -171,7 +171,8 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
 
 
 def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str,
-                 extra: Sequence[str] = ()) -> dict:
+                 extra_args: Optional[Callable[[int], List[str]]] = None) -> dict:
+    """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults)."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
@@ -188,11 +189,12 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                     "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
                     "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                     "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
-            argv += list(extra)
             if budget:
                 argv += ["--compute-budget", budget]
             if straggler and i == 0:
                 argv += ["--straggler", straggler]
+            if extra_args is not None:
+                argv += extra_args(i)
             peers.append(Child(argv, e))
         children += peers
         for i in range(args.aux):  # weight-0 helpers: not in `peers`, so not in the figures
@@ -344,7 +346,7 @@ def main() -> int:
     results["moshpeer"] = run_moshpeer(args, straggler=straggler, budget=None, tag="plain")
     if not args.skip_before:
         results["moshpeer_params_every_round"] = run_moshpeer(args, straggler=straggler, budget=None, tag="before",
-                                                              extra=["--params-every", "1"])
+                                                              extra_args=lambda i: ["--params-every", "1"])
     if args.straggler:
         results["moshpeer_dropcompute"] = run_moshpeer(args, straggler=straggler, budget=args.budget, tag="budget")
     if not args.skip_hivemind:

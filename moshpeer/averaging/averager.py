@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -51,10 +51,12 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
+from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundResult
@@ -155,7 +157,8 @@ class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
     :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
-    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param dht: a running DHT from `moshpeer.dht.start_dht(...)`: its identity (the libp2p key) signs this
+        peer's data-plane connections
     :param run_id: run whose peers to average with (group keys live under it)
     :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
         group worth averaging with
@@ -181,6 +184,8 @@ class MoshpitAverager(ServicerBase):
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing)
+    :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
+        (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
     """
 
     def __init__(
@@ -204,6 +209,7 @@ class MoshpitAverager(ServicerBase):
         loss_budget: Union[LossBudget, float, None] = None,
         transport: str = "auto",
         error_feedback: Optional[EF21M] = None,
+        aggregation: str = "mean",
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -214,6 +220,13 @@ class MoshpitAverager(ServicerBase):
             raise UserError("need 2 <= min_group_size <= target_group_size")
         if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
             raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.identity = getattr(dht, "identity", None)
+        if self.identity is None:
+            raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
+                            "the data plane)")
+        self.aggregation = check_aggregation(aggregation)
+        # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
+        self.flagged_peers: Dict[str, int] = {}
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -298,6 +311,8 @@ class MoshpitAverager(ServicerBase):
         # first one's loop (late, or never once that loop stopped).
         self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
+        if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
+            raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
@@ -460,7 +475,8 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, weight, nonce,
+            data_for_gather=_pack_member_info(host, port, self.faults.declared_weight(weight) if self.faults
+                                              else weight, nonce,
                                               (self.loss_budget.budget, self.loss_budget.phase)),
             scheduled_time=min(get_dht_time() + window, search_end),
             deadline=search_end,
@@ -519,12 +535,12 @@ class MoshpitAverager(ServicerBase):
                     f"my index {ids['my_index']}")
         # The data plane has round_timeout from now, never past the round's end.
         data_deadline = min(time.monotonic() + self.round_timeout, deadline.end)
-        loss_budget, loss_phase, data = self._average_with_group(group, members, ids["my_index"], tensors,
-                                                                 data_deadline)
+        loss_budget, loss_phase, data, flagged = self._average_with_group(group, members, ids["my_index"], tensors,
+                                                                          data_deadline)
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
-                           loss_phase=loss_phase, **ids, **common,
-                           **{f.name: getattr(data, f.name) for f in fields(data)})
+                           loss_phase=loss_phase, aggregation=self.aggregation, flagged=flagged, **ids, **common,
+                           **{f.name: getattr(data, f.name) for f in fields(data) if f.name != "flagged"})
 
     def _committed(self) -> bool:
         """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
@@ -570,10 +586,14 @@ class MoshpitAverager(ServicerBase):
         return await self._matchmaking.look_for_group(request)
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], my_index: int,
-                            tensors: List[torch.Tensor], deadline: float) -> Tuple[float, str, AllReduceResult]:
-        """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase and the data
-        plane's counters (summed over the round's all-reduces)."""
+                            tensors: List[torch.Tensor], deadline: float
+                            ) -> Tuple[float, str, AllReduceResult, Dict[str, int]]:
+        """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
+        plane's counters (summed over the round's all-reduces) and, per member peer id, the chunks of our
+        part in which robust aggregation clipped or trimmed it."""
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         loss_budget, loss_phase = group_budget(declared or [(self.loss_budget.budget, self.loss_budget.phase)])
@@ -590,6 +610,7 @@ class MoshpitAverager(ServicerBase):
                 my_index=my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
+                credentials=credentials,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
@@ -597,6 +618,7 @@ class MoshpitAverager(ServicerBase):
                 loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
+                aggregation=self.aggregation,
             )
             results.append(allreduce.run())
             return flat
@@ -618,6 +640,9 @@ class MoshpitAverager(ServicerBase):
                     asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
+        flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        for peer, n in flagged.items():
+            self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         lost = result.reduce.chunks_lost + result.gather.chunks_lost
         tag = group.group_id.hex()[:8]
         if result.absent:
@@ -625,6 +650,9 @@ class MoshpitAverager(ServicerBase):
                 f"round {tag}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
+        if flagged:
+            logger.warning(f"round {tag}: {self.aggregation} aggregation flagged contributions of "
+                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in flagged.items()))
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
                 f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
@@ -632,7 +660,7 @@ class MoshpitAverager(ServicerBase):
                 f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
                 f"{result.rejected_connections} connections"
             )
-        return loss_budget, loss_phase, result
+        return loss_budget, loss_phase, result, flagged
 
     def _flatten(self, tensors: List[torch.Tensor]):
         """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
@@ -672,6 +700,8 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
+        nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),

@@ -66,6 +66,11 @@ class RoundResult:
     reduce_scatter_s: float = 0.0
     all_gather_s: float = 0.0
     total_s: float = 0.0  # data plane only (matchmaking excluded)
+    # ---- robust aggregation (aggregation.py) ----
+    aggregation: str = "mean"
+    # Per member peer id (base58): chunks of our part in which robust aggregation clipped or trimmed it.
+    flagged: Dict[str, int] = field(default_factory=dict)
+    nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
 
     @property
     def chunks_lost(self) -> int:

@@ -57,9 +57,8 @@ from moshpeer.peer.swarm_link import link_to_swarm
 
 logger = logging.getLogger(__name__)
 
-# An aux peer waits in matchmaking this many matchmaking times: it never leads a group (the trainers'
-# leader decides when the group is complete), and a follower is only accepted by a leader whose window
-# ends before the follower's, so the aux's window must outlast the trainers' next one.
+# An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
+# when the group is complete), and a leader accepts only followers whose window outlasts its own.
 AUX_WINDOW_FACTOR = 10
 STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
 
@@ -384,6 +383,7 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
                              samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+        self._swarm.publish_flagged(self.averager.flagged_peers)
         if self.state_server is not None and time.monotonic() - self._advertised_at > 5.0:
             self._advertise()
 

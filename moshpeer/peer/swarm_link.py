@@ -4,10 +4,11 @@ node of its own; its signed record is published and the swarm's progress read (`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from moshpeer.dht import SwarmDHT, start_dht
+from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.progress import RecordPublisher, SwarmProgress
 
@@ -18,8 +19,16 @@ logger = logging.getLogger(__name__)
 class SwarmLink:
     dht: SwarmDHT
     progress: SwarmProgress
+    publish: Callable[..., Any]  # update fields of our record and publish it
     own_dht: Optional[SwarmDHT] = None  # started for this optimizer: stopped at its shutdown
     publisher: Optional[RecordPublisher] = None  # None when a daemon publishes the record
+    _published_flagged: Dict[str, int] = field(default_factory=dict)
+
+    def publish_flagged(self, flagged: Dict[str, int]) -> None:
+        """Robust aggregation clipped or trimmed someone: say so in our record (the most flagged peers)."""
+        if flagged != self._published_flagged:
+            self._published_flagged = dict(flagged)
+            self.publish(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
 
     def close(self) -> None:
         """Stop reading progress; withdraw our record and stop the DHT if they are ours. Idempotent; a
@@ -41,10 +50,12 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     """The daemon's DHT and record, else `dht` (with a record of our own), else a DHT node of our own
     joined through `initial_peers`; UserError when none of the three is given."""
     if daemon is not None:
+        def publish(**fields: Any) -> None:
+            daemon.update_record(publish_now=True, **fields)
+
         progress = SwarmProgress(daemon.dht, run_id, target_batch_size=target_batch_size,
-                                 own_record=lambda: daemon.record, refresh_interval=progress_refresh,
-                                 publish=lambda **fields: daemon.update_record(publish_now=True, **fields))
-        return SwarmLink(daemon.dht, progress)
+                                 own_record=lambda: daemon.record, refresh_interval=progress_refresh, publish=publish)
+        return SwarmLink(daemon.dht, progress, publish)
     own_dht = None
     if dht is None:
         if not initial_peers:
@@ -55,4 +66,4 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
                              publish=publisher.update, refresh_interval=progress_refresh,
                              on_refresh=publisher.refresh_if_stale)
-    return SwarmLink(dht, progress, own_dht, publisher)
+    return SwarmLink(dht, progress, publisher.update, own_dht, publisher)
