@@ -356,7 +356,7 @@ def main() -> int:
           f"{'bytes/round':>13}")
     for name, r in results.items():
         def fmt(value, spec):
-            return format(value, spec) if value is not None else "-"
+            return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
         print(f"{name:<28}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
               f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}"
               f"{fmt(r.get('bytes_per_round'), '13.0f')}")
