@@ -10,7 +10,7 @@ budget (epochs x 256), 4 peers as real processes on 127.0.0.1:
 
 Reports wall time to the target accuracy (first evaluation at or above it; every peer evaluates after
 every epoch), final accuracy, and the bytes one moshpeer peer sends per averaging round: with the
-default settings (gradients only, parameters every 10 epochs) and, as `bytes_per_round_before`, in a
+default settings (gradients only, parameters every 16 epochs) and, as `bytes_per_round_before`, in a
 second moshpeer run that averages the parameters in every round (`--params-every 1`, what moshpeer
 did before; skip it with --skip-before). `--straggler` slows one peer with heavy-tailed delays per micro-batch
 and adds a moshpeer run with a DropCompute budget, to compare step times with and without it.

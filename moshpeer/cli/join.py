@@ -81,7 +81,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
     group.add_argument("--params-every", type=_positive_int, metavar="K",
                        help="gradients mode: rounds send gradients only, and every K epochs the parameters too, "
-                       "to pull peers back together (default: 10; 1: every round)")
+                       "to pull peers back together (default: 16; 1: every round)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
