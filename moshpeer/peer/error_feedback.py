@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from moshpeer.errors import UserError
+from moshpeer.peer.device import common_device
 
 # The tensors of an EF21M state (momentum estimate, what the group knows, the update estimate).
 STATE_TENSORS = ("h", "e", "e_bar")
@@ -23,8 +24,9 @@ def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compre
     if averaging != "gradients" or sparsifier is None:
         raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
                         f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
-    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    return EF21M(numel, sparsifier)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # On the parameters' device, like the averaged buffers it is folded into (averaged_buffers.py).
+    return EF21M(sum(p.numel() for p in params), sparsifier, device=common_device(params))
 
 
 def error_feedback_state(error_feedback: Any) -> Optional[Dict[str, Any]]:

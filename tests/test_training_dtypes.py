@@ -1,0 +1,83 @@
+"""bf16 and fp16 parameters through the real CLI (`moshpeer join --task gpt --device cpu`): two peers average
+in fp32 buffers on the parameters' device and end every full round with identical half-precision parameters;
+a newcomer downloads a bf16 state; a bf16 peer's final checkpoint resumes bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from training_swarm import events, start_trainers, wait_event
+
+pytestmark = pytest.mark.timeout(300)
+
+# A tiny GPT (one layer, width 16): what is under test is the dtype and device plumbing, not the model.
+TINY_GPT = ("--task", "gpt", "--task-arg", "context=16", "--task-arg", "d_model=16", "--task-arg", "layers=1",
+            "--task-arg", "max_bytes=100000", "--task-arg", "eval_windows=16", "--device", "cpu",
+            "--target-batch-size", "32", "--batch-size", "16", "--group-size", "2")
+
+
+def gpt(dtype: str) -> tuple:
+    return (*TINY_GPT, "--task-arg", f"dtype={dtype}")
+
+
+def assert_averaged_in_lockstep(peers, dtype: str, last_epoch: int = 10**9) -> None:
+    """Both peers trained `dtype` on the CPU and averaged with each other; while every round so far was a
+    round of both (no step alone, which would make their optimizer states differ), their digests match."""
+    for peer in peers:
+        (training,) = events(peer, "training")
+        assert training["device"] == "cpu" and training["dtype"] == dtype, training
+        assert any(e["ok"] and e["group_size"] == 2 for e in events(peer, "epoch")), peer.describe(20)
+    by_epoch = [{e["epoch"]: e for e in events(peer, "epoch")} for peer in peers]
+    epoch = 1
+    while epoch <= last_epoch and all(epoch in e and e[epoch]["ok"] for e in by_epoch):
+        a, b = by_epoch[0][epoch], by_epoch[1][epoch]
+        assert a["params_digest"] == b["params_digest"], (epoch, a, b)
+        assert a["loss"] == a["loss"] and b["loss"] == b["loss"]  # not NaN
+        epoch += 1
+
+
+def test_fp16_peers_average_in_lockstep(swarm):
+    run = "fp16"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    peers = start_trainers(swarm, 2, run, boot.maddrs, *gpt("float16"), "--min-peers", "2", "--max-epochs", "3")
+    for peer in peers:
+        wait_event(peer, "done", timeout=240)
+        assert peer.wait_exit(30) == 0, peer.describe()
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    assert_averaged_in_lockstep(peers, "float16")
+
+
+def test_bf16_state_download_and_checkpoint_resume(swarm, tmp_path):
+    run = "bf16"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    checkpoints = tmp_path / "ckpt"
+    donors = [
+        start_trainers(swarm, 1, run, boot.maddrs, *gpt("bfloat16"), "--min-peers", "2", "--max-epochs", "400",
+                       "--eval-every", "50", *extra)[0]
+        for extra in (("--checkpoint-dir", str(checkpoints)), ())
+    ]
+    for donor in donors:
+        wait_event(donor, "epoch", timeout=180, predicate=lambda e: e["epoch"] >= 2)
+
+    # A newcomer adopts a donor's bf16 state: its parameters are that donor's at that epoch, bit for bit.
+    (newcomer,) = start_trainers(swarm, 1, run, boot.maddrs, *gpt("bfloat16"), "--max-epochs", "400",
+                                 "--eval-every", "50")
+    loaded = wait_event(newcomer, "state_loaded", timeout=120)
+    donor = next(d for d in donors if d.peer_id == loaded["donor"])
+    at_download = wait_event(donor, "epoch", timeout=60, predicate=lambda e: e["epoch"] == loaded["epoch"])
+    assert at_download["params_digest"] == loaded["params_digest"]
+    wait_event(newcomer, "epoch", timeout=60, predicate=lambda e: e["epoch"] > loaded["epoch"])
+
+    # The checkpointing donor stops (final checkpoint) and resumes from it with the same bf16 parameters.
+    assert donors[0].terminate(timeout=20) == 0, donors[0].describe()
+    (final,) = [e for e in events(donors[0], "checkpoint") if e["kind"] == "final"]
+    for proc in (donors[1], newcomer):
+        assert proc.terminate(timeout=20) == 0, proc.describe()
+        assert "Traceback" not in proc.stderr, proc.describe(40)
+    assert_averaged_in_lockstep(donors, "bfloat16", last_epoch=loaded["epoch"] - 1)
+    (resumed_peer,) = start_trainers(swarm, 1, run, boot.maddrs, *gpt("bfloat16"), "--max-epochs", "400",
+                                     "--checkpoint-dir", str(checkpoints))
+    resumed = wait_event(resumed_peer, "resumed", timeout=120)
+    assert resumed["params_digest"] == final["params_digest"] and resumed["epoch"] == final["epoch"]
+    assert resumed_peer.terminate(timeout=20) == 0, resumed_peer.describe()
+    assert "Traceback" not in donors[0].stderr + resumed_peer.stderr
