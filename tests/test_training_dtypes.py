@@ -60,8 +60,9 @@ def test_bf16_state_download_and_checkpoint_resume(swarm, tmp_path):
         wait_event(donor, "epoch", timeout=180, predicate=lambda e: e["epoch"] >= 2)
 
     # A newcomer adopts a donor's bf16 state: its parameters are that donor's at that epoch, bit for bit.
+    # (--min-peers 3: it sees both donors' records, hence the swarm's epoch, before it decides to download.)
     (newcomer,) = start_trainers(swarm, 1, run, boot.maddrs, *gpt("bfloat16"), "--max-epochs", "400",
-                                 "--eval-every", "50")
+                                 "--eval-every", "50", "--min-peers", "3")
     loaded = wait_event(newcomer, "state_loaded", timeout=120)
     donor = next(d for d in donors if d.peer_id == loaded["donor"])
     at_download = wait_event(donor, "epoch", timeout=60, predicate=lambda e: e["epoch"] == loaded["epoch"])

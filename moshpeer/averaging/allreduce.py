@@ -45,6 +45,7 @@ from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
+from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.compression.codec import Compression, NoCompression
 from moshpeer.errors import ProtocolError
 
@@ -108,10 +109,14 @@ class AllReduceResult:
     total_s: float
     absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
     relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
+    staged_bytes: int = 0  # encoded bytes copied between the device and pinned host memory (0 on a CPU peer)
 
 
 class GroupAllReduce:
     """Average `flat` (1-D contiguous fp32, modified in place) with the group; `run()` blocks until done.
+
+    `flat` may live on any device: chunks are encoded and decoded there, and only encoded bytes are staged
+    through pinned host memory to and from the sockets (staging.py).
 
     :param plane: this peer's data-plane server (already listening at members[my_index])
     :param tag: 8-byte tag of this all-reduce (see `wire.allreduce_tag`); secret: the group secret
@@ -121,6 +126,8 @@ class GroupAllReduce:
         (0 = wait for everything until the deadlines)
     :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
     :param force_relay: send to every member over `relay`, never directly
+    :param staging: how encoded bytes travel between `flat`'s memory and the sockets (default: by its device,
+        `staging.staging_for`)
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class GroupAllReduce:
         loss_budget: float = 0.0,
         relay: Optional[RelayConnect] = None,
         force_relay: bool = False,
+        staging: Optional[HostStaging] = None,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -158,13 +166,14 @@ class GroupAllReduce:
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
         self.weights = [float(m.weight) for m in self.members]
         self.others = [i for i in range(self.group_size) if i != my_index]
+        self.staging = staging if staging is not None else staging_for(flat.device)
 
         me = my_index
         self.num_my_chunks = self.partition.num_chunks(me)
         start, end = self.partition.part_range(me)
         # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
         # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
-        self.others_sum = torch.empty(end - start, dtype=torch.float32)
+        self.others_sum = torch.empty(end - start, dtype=torch.float32, device=flat.device)
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
         self.chunk_locks = [threading.Lock() for _ in range(self.num_my_chunks)]
         self.arrived_from = [bytearray(self.group_size) for _ in range(self.num_my_chunks)]
@@ -241,6 +250,7 @@ class GroupAllReduce:
             total_s=finished - started,
             absent=sorted(self.absent),
             relayed=sorted(self.relayed),
+            staged_bytes=self.staging.bytes_copied,
         )
 
     def peer_id_of(self, index: int) -> bytes:
@@ -508,9 +518,12 @@ class GroupAllReduce:
         return allowance // len(senders) + (1 if rank < allowance % len(senders) else 0)
 
     def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
-                    resends: list) -> bool:
+                    resends: list, outbox: Outbox, staged: dict, lookahead: Optional[int] = None) -> bool:
         """Encode and send one chunk (unless faults drop it: a dropped chunk to be resent later goes to
-        `resends`); False once this peer is silenced."""
+        `resends`); False once this peer is silenced. `staged`: chunks of this stream already encoded and on
+        their way to host memory; with a device outbox, chunk `lookahead` is encoded and staged before this
+        one is sent, so its copy overlaps with this send."""
+        ready = staged.pop(chunk, None)
         if faults is not None:
             if faults.silenced():
                 return False
@@ -520,11 +533,15 @@ class GroupAllReduce:
             if drop:
                 stats.chunks_dropped_by_faults += 1
                 if faults.resend_after > 0:  # selective resend: keep the bytes, send them when due
-                    payload = self._encode_chunk(phase, part, chunk, codec).clone()
+                    payload = (outbox.payload_of(ready) if ready is not None
+                               else self._encode_chunk(phase, part, chunk, codec)).clone()
                     resends.append((time.monotonic() + faults.resend_after, phase, part, chunk, payload))
                 return True
-        payload = self._encode_chunk(phase, part, chunk, codec)
-        self._transmit(sock, stats, phase, part, chunk, payload)
+        if ready is None:
+            ready = outbox.prepare(self._encode_chunk(phase, part, chunk, codec))
+        if outbox.lookahead and lookahead is not None and lookahead not in staged:
+            staged[lookahead] = outbox.prepare(self._encode_chunk(phase, part, lookahead, codec))
+        self._transmit(sock, stats, phase, part, chunk, outbox.host_bytes(ready))
         return True
 
     def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
@@ -534,14 +551,13 @@ class GroupAllReduce:
             payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
         return payload
 
-    def _transmit(self, sock, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
-        data = memoryview(payload.numpy())
+    def _transmit(self, sock, stats: PhaseStats, phase: int, part: int, chunk: int, data: memoryview) -> None:
         wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
         stats.bytes_sent += wire.HEADER.size + len(data)
         self.fault_counter[0] += 1
 
-    def _send_resends(self, sock, faults, stats: PhaseStats, resends: list, deadline: float) -> None:
+    def _send_resends(self, sock, faults, stats: PhaseStats, resends: list, deadline: float, outbox: Outbox) -> None:
         """DBLP's selective resends of this stream, each when its retransmission timeout is due (before
         the end-of-phase marker: the receiver waits for them, within its budget and the deadline); a
         resend lost again is due one more timeout later."""
@@ -559,7 +575,7 @@ class GroupAllReduce:
             if faults.resend_lost():
                 heapq.heappush(queue, (time.monotonic() + faults.config.retransmit_s, k, (phase, part, chunk, payload)))
                 continue
-            self._transmit(sock, stats, phase, part, chunk, payload)
+            self._transmit(sock, stats, phase, part, chunk, outbox.host_bytes(outbox.prepare(payload)))
 
     def _send_marker(self, sock, faults, phase: int) -> None:
         if faults is not None and faults.silenced():
@@ -570,10 +586,13 @@ class GroupAllReduce:
         faults = self._make_faults(j, "reduce")
         codec = self.compression.reduce_codec
         resends: list = []
-        for c in range(self.partition.num_chunks(j)):
+        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
+        num_chunks = self.partition.num_chunks(j)
+        for c in range(num_chunks):
             if time.monotonic() > self.reduce_deadline:
                 break
-            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends)
+            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends, outbox, staged,
+                                  lookahead=c + 1 if c + 1 < num_chunks else None)
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
@@ -582,19 +601,23 @@ class GroupAllReduce:
         with self.cond:
             self.sent_progress[j] = _DONE  # a chunk waiting for its resend keeps its own copy of the bytes
             self.cond.notify_all()
-        self._send_resends(sock, faults, self.reduce, resends, self.reduce_deadline)
+        self._send_resends(sock, faults, self.reduce, resends, self.reduce_deadline, outbox)
         self._send_marker(sock, faults, wire.PHASE_END_REDUCE)
 
     def _send_gather(self, sock, j: int) -> None:
         faults = self._make_faults(j, "gather")
         codec = self.compression.gather_codec
         resends: list = []
+        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
         for c in range(self.num_my_chunks):
             if not self._wait_finalized_watching(sock, j, c):
                 return
-            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends):
+            # Stage the next chunk early only if it is already averaged (finalized chunks never change).
+            ahead = c + 1 if c + 1 < self.num_my_chunks and self.finalized[c + 1] else None
+            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends,
+                                    outbox, staged, lookahead=ahead):
                 return
-        self._send_resends(sock, faults, self.gather, resends, self.deadline)
+        self._send_resends(sock, faults, self.gather, resends, self.deadline, outbox)
         self._send_marker(sock, faults, wire.PHASE_END_GATHER)
 
     # ---- receiving ----------------------------------------------------------------------------
@@ -630,8 +653,7 @@ class GroupAllReduce:
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
         header = bytearray(wire.HEADER.size)
         header_view = memoryview(header)
-        payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
-        payload_view = memoryview(payload_buffer.numpy())
+        inbox = self.staging.inbox(max_payload)  # received bytes, then (on a device) copied to it
         wire.block_until(sock, self.deadline)
         while True:
             if time.monotonic() >= self.deadline:
@@ -655,8 +677,8 @@ class GroupAllReduce:
                 if phase == wire.PHASE_END_REDUCE:
                     self._finalize_ready_chunks(range(self.num_my_chunks))
                 continue
-            wire.recv_exactly(sock, payload_view[:payload_len])
-            payload = payload_buffer[:payload_len]
+            wire.recv_exactly(sock, inbox.buffer(payload_len))
+            payload = inbox.payload(payload_len)
             if phase == wire.PHASE_REDUCE:
                 self.reduce.bytes_received += wire.HEADER.size + payload_len
                 self._on_reduce_chunk(i, part, chunk, payload, reduce_codec)

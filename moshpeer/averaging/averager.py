@@ -590,12 +590,14 @@ class MoshpitAverager(ServicerBase):
             )
 
     def _flatten(self):
-        """A flat fp32 view of the tensors (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
+        """A flat fp32 vector of the tensors and a write-back. It lives on the first tensor's device, so a round
+        encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
+        fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
         tensors = self.tensors
-        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
-                and tensors[0].device.type == "cpu":
-            return tensors[0].view(-1), lambda: None
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+        device = tensors[0].device
+        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
+            return tensors[0].detach().view(-1), lambda: None
+        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
         def write_back() -> None:
             offset = 0
@@ -628,6 +630,7 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        staged_bytes=sum(r.staged_bytes for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),
