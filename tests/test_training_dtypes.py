@@ -57,6 +57,7 @@ def test_bf16_state_download_and_checkpoint_resume(swarm, tmp_path):
         for extra in (("--checkpoint-dir", str(checkpoints)), ())
     ]
     for donor in donors:
+        donor.wait_ready()
         wait_event(donor, "epoch", timeout=180, predicate=lambda e: e["epoch"] >= 2)
 
     # A newcomer adopts a donor's bf16 state: its parameters are that donor's at that epoch, bit for bit.
