@@ -1,10 +1,12 @@
 """bf16 and fp16 parameters through the real CLI (`moshpeer join --task gpt --device cpu`): two peers average
 in fp32 buffers on the parameters' device and end every full round with identical half-precision parameters;
-a newcomer downloads a bf16 state; a bf16 peer's final checkpoint resumes bit for bit."""
+a newcomer downloads a bf16 state; a bf16 peer's final checkpoint resumes bit for bit. With CUDA (`cuda`
+marker), the same GPT trains on the GPU through `moshpeer join --device cuda`."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from training_swarm import events, start_trainers, wait_event
 
@@ -12,20 +14,20 @@ pytestmark = pytest.mark.timeout(300)
 
 # A tiny GPT (one layer, width 16): what is under test is the dtype and device plumbing, not the model.
 TINY_GPT = ("--task", "gpt", "--task-arg", "context=16", "--task-arg", "d_model=16", "--task-arg", "layers=1",
-            "--task-arg", "max_bytes=100000", "--task-arg", "eval_windows=16", "--device", "cpu",
+            "--task-arg", "max_bytes=100000", "--task-arg", "eval_windows=16",
             "--target-batch-size", "32", "--batch-size", "16", "--group-size", "2")
 
 
-def gpt(dtype: str) -> tuple:
-    return (*TINY_GPT, "--task-arg", f"dtype={dtype}")
+def gpt(dtype: str, device: str = "cpu") -> tuple:
+    return (*TINY_GPT, "--task-arg", f"dtype={dtype}", "--device", device)
 
 
-def assert_averaged_in_lockstep(peers, dtype: str, last_epoch: int = 10**9) -> None:
-    """Both peers trained `dtype` on the CPU and averaged with each other; while every round so far was a
+def assert_averaged_in_lockstep(peers, dtype: str, last_epoch: int = 10**9, device: str = "cpu") -> None:
+    """Both peers trained `dtype` on `device` and averaged with each other; while every round so far was a
     round of both (no step alone, which would make their optimizer states differ), their digests match."""
     for peer in peers:
         (training,) = events(peer, "training")
-        assert training["device"] == "cpu" and training["dtype"] == dtype, training
+        assert training["device"].startswith(device) and training["dtype"] == dtype, training
         assert any(e["ok"] and e["group_size"] == 2 for e in events(peer, "epoch")), peer.describe(20)
     by_epoch = [{e["epoch"]: e for e in events(peer, "epoch")} for peer in peers]
     epoch = 1
@@ -83,3 +85,19 @@ def test_bf16_state_download_and_checkpoint_resume(swarm, tmp_path):
     assert resumed["params_digest"] == final["params_digest"] and resumed["epoch"] == final["epoch"]
     assert resumed_peer.terminate(timeout=20) == 0, resumed_peer.describe()
     assert "Traceback" not in donors[0].stderr + resumed_peer.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_trains_on_cuda_through_join(swarm, dtype):
+    run = f"cuda-{dtype}"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    peers = start_trainers(swarm, 2, run, boot.maddrs, *gpt(dtype, "cuda"), "--min-peers", "2", "--max-epochs", "4")
+    for peer in peers:
+        wait_event(peer, "done", timeout=240)
+        assert peer.wait_exit(30) == 0, peer.describe()
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    assert_averaged_in_lockstep(peers, dtype, device="cuda")
+    losses = [e["loss"] for e in events(peers[0], "epoch")]
+    assert losses[-1] < losses[0], losses

@@ -74,6 +74,7 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
 TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
@@ -595,7 +596,10 @@ class MoshpitAverager(ServicerBase):
         fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
         tensors = self.tensors
         device = tensors[0].device
-        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
+        if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
+            device = torch.device("cpu")
+        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
+                and tensors[0].device == device:
             return tensors[0].detach().view(-1), lambda: None
         flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
