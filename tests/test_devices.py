@@ -12,6 +12,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.device import resolve_device
 from moshpeer.peer.tasks import load_task
+from test_optimizer import batches, collaborative, loss_of, make_model
 
 CUDA = torch.cuda.is_available()
 
@@ -55,6 +56,36 @@ def test_tasks_receive_the_device():
     assert task.model.head.weight is task.model.token.weight
     with pytest.raises(UserError, match="unknown dtype"):
         load_task("gpt", dtype="int8", max_bytes=50_000)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_state_download_adopts_the_donors_state(dht_node):
+    """A newcomer downloads a bf16 donor's state over the real state server: parameters bit for bit, optimizer
+    state in bf16."""
+    run = "bf16-sync"
+    boot = dht_node(run_ids=[run])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    donor_model, newcomer_model = make_model(seed=0).bfloat16(), make_model(seed=5).bfloat16()
+    donor = collaborative(donor_model, dht_node(initial_peers=maddrs, run_ids=[run]), run, batch_size_per_step=32,
+                          target_batch_size=64)
+    newcomer = collaborative(newcomer_model, dht_node(initial_peers=maddrs, run_ids=[run]), run,
+                             batch_size_per_step=32, target_batch_size=64, serve_state=False)
+    try:
+        for x, y in batches(4, 32):  # a few epochs, alone (the newcomer never steps)
+            loss_of(donor_model, (x.bfloat16(), y)).backward()
+            donor.step()
+            donor.zero_grad()
+        assert donor.local_epoch >= 2
+        donor._advertise()
+        downloaded = newcomer.catch_up()
+        assert downloaded is not None and newcomer.local_epoch == donor.local_epoch
+        for p, q in zip(newcomer_model.parameters(), donor_model.parameters()):
+            assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+        moments = newcomer.inner.state[next(newcomer_model.parameters())]["exp_avg"]
+        assert moments.dtype == torch.bfloat16
+    finally:
+        newcomer.shutdown()
+        donor.shutdown()
 
 
 @pytest.mark.cuda
