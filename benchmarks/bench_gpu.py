@@ -68,14 +68,18 @@ def averaging_worker(args) -> int:
     from moshpeer.averaging import wire
     from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
     from moshpeer.averaging.dataplane import DataPlane
+    from moshpeer.averaging.handshake import RoundCredentials
     from moshpeer.compression import get_compression
+    from moshpeer.dht.identity import Identity
     from moshpeer.peer.device import resolve_device
 
     device = resolve_device(args.device)
     numel = args.mbytes * (1 << 20) // 4
-    plane = DataPlane()
-    print(json.dumps({"event": "address", "host": plane.address[0], "port": plane.address[1]}), flush=True)
-    members = [GroupMember(host, port, 1.0) for host, port in json.loads(sys.stdin.readline())["members"]]
+    plane, identity = DataPlane(), Identity.generate()
+    print(json.dumps({"event": "address", "host": plane.address[0], "port": plane.address[1],
+                      "peer_id": identity.peer_id_bytes.hex()}), flush=True)
+    members = [GroupMember(host, port, 1.0, bytes.fromhex(peer_id))
+               for host, port, peer_id in json.loads(sys.stdin.readline())["members"]]
     initial = peer_vector(args.rank, numel, device)
     exact = sum(peer_vector(rank, numel, "cpu").double() for rank in range(len(members))) / len(members)
     flat = torch.empty_like(initial)
@@ -86,9 +90,11 @@ def averaging_worker(args) -> int:
                 break
             flat.copy_(initial)
             synchronize(device)
+            tag = wire.allreduce_tag(bytes(20), order["round"])
             allreduce = GroupAllReduce(
-                plane, flat, members=members, my_index=args.rank, tag=wire.allreduce_tag(bytes(20), order["round"]),
-                secret=b"bench-gpu-secret".ljust(32, b"."), compression=get_compression(order["codec"]),
+                plane, flat, members=members, my_index=args.rank, tag=tag, secret=b"bench-gpu-secret".ljust(32, b"."),
+                credentials=RoundCredentials.create(identity, wire.tag_group(tag), args.rank),
+                compression=get_compression(order["codec"]),
                 chunk_numel=CHUNK_BYTES // 4, deadline=time.monotonic() + 120.0)
             result = allreduce.run()
             synchronize(device)
@@ -112,7 +118,7 @@ def run_averaging(args) -> Dict[str, dict]:
                                 env=env(), cwd=str(REPO), text=True) for rank in range(2)]
     try:
         addresses = [json.loads(_next_json(w, "address", 120)) for w in workers]
-        group = json.dumps({"members": [[a["host"], a["port"]] for a in addresses]})
+        group = json.dumps({"members": [[a["host"], a["port"], a["peer_id"]] for a in addresses]})
         for w in workers:
             w.stdin.write(group + "\n")
             w.stdin.flush()

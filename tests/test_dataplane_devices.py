@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
+from local_group import credentials, members as group_members
 
-from moshpeer.averaging import wire
-from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
+from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.allreduce import GroupAllReduce
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.staging import HostStaging
@@ -34,7 +35,7 @@ CODECS = ["none", "fp16", "int8", "int4", "int4-int8"]
 def two_member_allreduce(spec: str, inputs, *, staging=None, faults=None, chunk_numel: int = 1000):
     """One all-reduce of two members (threads, real TCP data plane); returns (results, reports)."""
     planes = [DataPlane() for _ in inputs]
-    members = [GroupMember(*plane.address, 1.0 + k) for k, plane in enumerate(planes)]
+    members = group_members([plane.address for plane in planes], [1.0 + k for k in range(len(inputs))])
     tensors = [x.clone() for x in inputs]
     reports = [None] * len(inputs)
     tag = wire.allreduce_tag(bytes(20), 0)  # fixed: fault injection draws its drops from it
@@ -42,6 +43,7 @@ def two_member_allreduce(spec: str, inputs, *, staging=None, faults=None, chunk_
     def member(k: int) -> None:
         reports[k] = GroupAllReduce(
             planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32,
+            credentials=credentials(tag, k),
             compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
             faults=faults, staging=staging() if staging else None).run()
 
@@ -97,7 +99,8 @@ def test_round_on_cuda_stages_only_encoded_bytes(spec):
         torch.testing.assert_close(result.cpu(), expected, rtol=1e-6, atol=1e-6)
     header = wire.HEADER.size
     for r in reports:
-        sent = r.reduce.bytes_sent + r.gather.bytes_sent - header * (r.reduce.chunks_sent + r.gather.chunks_sent)
+        sent = (r.reduce.bytes_sent + r.gather.bytes_sent
+                - (header + handshake.MAC_BYTES) * (r.reduce.chunks_sent + r.gather.chunks_sent))
         received = (r.reduce.bytes_received + r.gather.bytes_received
                     - header * (r.reduce.chunks_received + r.gather.chunks_received))
         assert r.staged_bytes == sent + received > 0
