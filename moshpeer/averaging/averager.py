@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -58,6 +58,7 @@ from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
+from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundResult
 from moshpeer.compression.codec import get_compression
@@ -78,6 +79,11 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
+PARTITIONS = ("equal", "bandwidth")
+MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
+# Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
+UPLOAD_ESTIMATE_ALPHA = 0.5
 
 
 @dataclass
@@ -105,13 +111,17 @@ class _MemberInfo:
     nonce: bytes
     # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
     loss_budget: Optional[Tuple[float, str]] = None
+    # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
+    bandwidth: float = 0.0
 
 
 def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
-                      loss_budget: Optional[Tuple[float, str]] = None) -> bytes:
+                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0) -> bytes:
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
         info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
+    if bandwidth > 0:
+        info["bw"] = float(bandwidth)
     return msgpack.packb(info)
 
 
@@ -141,7 +151,10 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
                 or len(phase) > 16:
             raise ProtocolError("bad loss budget")
         declared = (float(budget), phase)
-    return _MemberInfo(host, port, float(weight), nonce, declared)
+    bandwidth = info.get("bw", 0.0)
+    if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
+        raise ProtocolError("bad bandwidth")
+    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth))
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -181,6 +194,12 @@ class MoshpitAverager(ServicerBase):
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
         selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
+    :param partition: "equal" (default): every member owns an equal part; "bandwidth": parts sized by the
+        members' upload bandwidths (`partition.bandwidth_part_sizes`), if every member of the group announces
+        one (a member that asks for equal parts, or knows no bandwidth yet, makes the group split equally)
+    :param upload_bandwidth: this peer's upload in bytes/s, announced for "bandwidth" partitioning; default:
+        measured on the data plane in every round (`upload_bandwidth` property; unknown until a round moved
+        enough data)
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing)
@@ -209,6 +228,8 @@ class MoshpitAverager(ServicerBase):
         loss_budget: Union[LossBudget, float, None] = None,
         transport: str = "auto",
         error_feedback: Optional[EF21M] = None,
+        partition: str = "equal",
+        upload_bandwidth: Optional[float] = None,
         aggregation: str = "mean",
     ):
         validate_run_id(run_id)
@@ -240,6 +261,13 @@ class MoshpitAverager(ServicerBase):
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
+        if partition not in PARTITIONS:
+            raise UserError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+        if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
+            raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
+        self.partition = partition
+        self.declared_upload = upload_bandwidth
+        self.measured_upload: Optional[float] = None  # bytes/s, from the rounds so far
         self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
@@ -376,6 +404,17 @@ class MoshpitAverager(ServicerBase):
         """The data-plane listener's address; announced to group mates unless transport is "libp2p"."""
         return self._plane.address
 
+    @property
+    def upload_bandwidth(self) -> Optional[float]:
+        """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
+        return self.declared_upload if self.declared_upload is not None else self.measured_upload
+
+    def _note_upload(self, measured: Optional[float]) -> None:
+        if measured is None:
+            return
+        old = self.measured_upload
+        self.measured_upload = measured if old is None else old + UPLOAD_ESTIMATE_ALPHA * (measured - old)
+
     def _announced_address(self) -> Tuple[str, int]:
         return ("", 0) if self.transport == "libp2p" else self._plane.address
 
@@ -475,9 +514,10 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, self.faults.declared_weight(weight) if self.faults
-                                              else weight, nonce,
-                                              (self.loss_budget.budget, self.loss_budget.phase)),
+            data_for_gather=_pack_member_info(
+                host, port, self.faults.declared_weight(weight) if self.faults else weight, nonce,
+                (self.loss_budget.budget, self.loss_budget.phase),
+                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=min(get_dht_time() + window, search_end),
             deadline=search_end,
             weight=weight,
@@ -535,11 +575,11 @@ class MoshpitAverager(ServicerBase):
                     f"my index {ids['my_index']}")
         # The data plane has round_timeout from now, never past the round's end.
         data_deadline = min(time.monotonic() + self.round_timeout, deadline.end)
-        loss_budget, loss_phase, data, flagged = self._average_with_group(group, members, ids["my_index"], tensors,
+        loss_budget, loss_phase, data, extra = self._average_with_group(group, members, ids["my_index"], tensors,
                                                                           data_deadline)
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
-                           loss_phase=loss_phase, aggregation=self.aggregation, flagged=flagged, **ids, **common,
+                           loss_phase=loss_phase, aggregation=self.aggregation, **extra, **ids, **common,
                            **{f.name: getattr(data, f.name) for f in fields(data) if f.name != "flagged"})
 
     def _committed(self) -> bool:
@@ -587,10 +627,10 @@ class MoshpitAverager(ServicerBase):
 
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], my_index: int,
                             tensors: List[torch.Tensor], deadline: float
-                            ) -> Tuple[float, str, AllReduceResult, Dict[str, int]]:
+                            ) -> Tuple[float, str, AllReduceResult, Dict[str, Any]]:
         """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
-        plane's counters (summed over the round's all-reduces) and, per member peer id, the chunks of our
-        part in which robust aggregation clipped or trimmed it."""
+        plane's counters (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (per
+        member peer id, the chunks of our part robust aggregation clipped or trimmed) and `part_sizes`."""
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
         credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
@@ -600,6 +640,8 @@ class MoshpitAverager(ServicerBase):
         group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
                          for m, peer_id in zip(members, group.peer_ids)]
         results: List[AllReduceResult] = []
+        bandwidths = [m.bandwidth for m in members]
+        by_bandwidth = all(b > 0 for b in bandwidths)  # else every member splits equally
 
         def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
             """Average one contiguous fp32 vector with this group (the `sequence`-th all-reduce of the round)."""
@@ -618,6 +660,7 @@ class MoshpitAverager(ServicerBase):
                 loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
+                part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
                 aggregation=self.aggregation,
             )
             results.append(allreduce.run())
@@ -640,8 +683,10 @@ class MoshpitAverager(ServicerBase):
                     asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
+        self._note_upload(result.upload_bps)
         flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
         for peer, n in flagged.items():
+
             self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         lost = result.reduce.chunks_lost + result.gather.chunks_lost
         tag = group.group_id.hex()[:8]
@@ -660,14 +705,20 @@ class MoshpitAverager(ServicerBase):
                 f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
                 f"{result.rejected_connections} connections"
             )
-        return loss_budget, loss_phase, result, flagged
+        part_sizes = bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else []
+        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes)
 
     def _flatten(self, tensors: List[torch.Tensor]):
-        """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
+        """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
+        encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
+        fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
+        device = tensors[0].device
+        if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
+            device = torch.device("cpu")
         if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
-                and tensors[0].device.type == "cpu":
-            return tensors[0].view(-1), lambda: None
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+                and tensors[0].device == device:
+            return tensors[0].detach().view(-1), lambda: None
+        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
         def write_back() -> None:
             offset = 0
@@ -700,9 +751,11 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        staged_bytes=sum(r.staged_bytes for r in results),
         flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
         nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),
+        upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
     )

@@ -66,6 +66,8 @@ class RoundResult:
     reduce_scatter_s: float = 0.0
     all_gather_s: float = 0.0
     total_s: float = 0.0  # data plane only (matchmaking excluded)
+    upload_bps: Optional[float] = None  # this peer's upload rate measured in this round (averaging/uplink.py)
+    part_sizes: List[int] = field(default_factory=list)  # values per member's part if sized by bandwidth, else []
     # ---- robust aggregation (aggregation.py) ----
     aggregation: str = "mean"
     # Per member peer id (base58): chunks of our part in which robust aggregation clipped or trimmed it.

@@ -43,7 +43,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.dht import SwarmDHT, validate_run_id
 from moshpeer.errors import UserError
 from moshpeer.peer.dropcompute import BudgetSetting
-from moshpeer.peer.error_feedback import make_error_feedback
+from moshpeer.peer.error_feedback import ERROR_FEEDBACK_MODES, make_error_feedback
 from moshpeer.peer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer_state import OptimizerState
 from moshpeer.peer.progress import ProgressSnapshot
@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 # when the group is complete), and a leader accepts only followers whose window outlasts its own.
 AUX_WINDOW_FACTOR = 10
 STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
+# A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
+# swarm's records to show that the others finished the round it missed.
+MISSED_ROUND_GRACE_S = 5.0
 
 
 class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
@@ -73,8 +76,8 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
     :param daemon / dht / initial_peers: a started `PeerDaemon`; or a running `SwarmDHT`; or multiaddrs of a
         swarm, for a DHT node of this optimizer's own (see swarm_link.py)
     :param averaging: a strategy name ("gradients", "parameters": `strategies.STRATEGIES`) or an
-        `AveragingStrategy` instance; average_parameters, params_every, average_optimizer_state: options
-        of the named strategies (None: the strategy's default)
+        `AveragingStrategy` instance; average_parameters, params_every, average_optimizer_state, inner_steps,
+        outer_optimizer, overlap: options of the named strategies (None: the strategy's default)
     :param compression: codec name for averaging ("none", "fp16", ...); group_size: target Moshpit group size
     :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
     :param error_feedback: gradients mode with a sparsifying codec (arc-topk): keep EF21M state (part of
@@ -111,6 +114,9 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         average_parameters: Union[bool, str] = "auto",
         average_optimizer_state: bool = True,
         params_every: Optional[int] = None,
+        inner_steps: Optional[int] = None,
+        outer_optimizer: Any = None,
+        overlap: Optional[bool] = None,
         matchmaking_time: float = 1.0,
         round_timeout: float = 10.0,
         max_epoch_lag: int = 1,
@@ -129,7 +135,8 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.strategy = make_strategy(averaging, average_parameters=average_parameters, params_every=params_every,
-                                      average_optimizer_state=average_optimizer_state)
+                                      average_optimizer_state=average_optimizer_state, inner_steps=inner_steps,
+                                      outer_optimizer=outer_optimizer, overlap=overlap)
         if role not in ("trainer", "aux"):
             raise UserError(f"role must be 'trainer' or 'aux', got {role!r}")
         if target_batch_size < 1 or (batch_size_per_step is not None and batch_size_per_step < 1):
@@ -151,10 +158,10 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
             averager_kwargs.setdefault("client_mode", True)
         if error_feedback and averager_kwargs.get("error_feedback") is None:
             averager_kwargs["error_feedback"] = make_error_feedback(optimizer, self.averaging, compression)
-        # Error feedback replaces the averaged vector by its own estimate: gradients only, never parameters.
+        # Error feedback replaces the averaged vector by its own estimate: (pseudo-)gradients, never parameters.
         self.error_feedback = averager_kwargs.get("error_feedback")
-        if self.error_feedback is not None and self.averaging != "gradients":
-            raise UserError("error feedback needs averaging='gradients'")
+        if self.error_feedback is not None and self.averaging not in ERROR_FEEDBACK_MODES:
+            raise UserError(f"error feedback needs averaging in {ERROR_FEEDBACK_MODES}")
         self._init_torch_optimizer(optimizer)
 
         self.params: List[torch.nn.Parameter] = [p for group in optimizer.param_groups for p in group["params"]]
@@ -165,6 +172,7 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         self.dropped_samples = 0  # computed but left out of the swarm's average (missed rounds)
         self.failed_rounds = 0  # aux peers: rounds that found no group (the aux retries them)
         self.rounds: List[CollaborativeRound] = []
+        self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
         # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`).
@@ -243,9 +251,11 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
 
     def epoch_is_over(self) -> bool:
         """Whether this peer should average now: its share is done, the swarm reached the target,
-        or the DropCompute budget for this epoch is spent."""
-        if self.timing.budget_spent():
-            return True
+        or the DropCompute budget for this epoch is spent; a strategy that counts its epochs itself
+        (DiLoCo's H inner steps) decides instead of the share and the target."""
+        counted = self.strategy.epoch_is_over()
+        if self.timing.budget_spent() or counted is not None:
+            return self.timing.budget_spent() or counted
         snapshot = self.progress.snapshot()
         return snapshot.ready or self.samples_accumulated >= self.share(snapshot)
 
@@ -275,8 +285,10 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         live = snapshot.num_trainers + snapshot.num_aux
         return max(self.averager.min_group_size, min(self.group_size, live))
 
-    def collaborative_step(self) -> CollaborativeRound:
-        """End this peer's epoch now: catch up if behind, else average and step (alone if no group)."""
+    def collaborative_step(self) -> Optional[CollaborativeRound]:
+        """End this peer's epoch now: catch up if behind, else average and step (alone if no group). Returns
+        the epoch's record; with an overlapping strategy (its round runs in the background while the peer
+        computes) the record of the round resolved now, the previous epoch's (None at the first epoch end)."""
         snapshot = self.progress.snapshot()
         facts = dict(stopped_by_budget=self.timing.finish(), swarm_samples=snapshot.samples_accumulated,
                      num_trainers=snapshot.num_trainers)
@@ -288,17 +300,43 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         alone = snapshot.num_trainers + snapshot.num_aux <= 1
         # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
         # would find nobody, or mix gradients of stale parameters into the next epoch.
-        if not alone and self.timing.every_window_closed() \
-                and self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch:
+        if not alone and self.timing.every_window_closed() and self._swarm_moved_on(within=0.0):
             missed = self._catch_up_instead(self.local_epoch + 1, "missed round; caught up", facts)
             if missed is not None:
                 return missed
+        resolved = self.settle() if self.strategy.overlaps else None
         target, plan = self.group_target(snapshot), self._plan_round(snapshot)
-        # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
-        result = None if alone else self._run_round(plan, float(self.samples_accumulated), target,
-                                                    self.timing.window())
-        return self._end_epoch(plan, result, "alone" if alone else None, samples=self.samples_accumulated,
-                               group_target=target, **facts)
+        facts.update(epoch=self.local_epoch, samples=self.samples_accumulated, group_target=target)
+        if alone:  # a lone peer does not wait for a group that cannot form: it steps on its own data
+            return self._end_epoch(plan, None, "alone", wait_s=0.0, **facts)
+        future = self._start_round(plan, float(self.samples_accumulated), target, self.timing.window())
+        if self.strategy.overlaps:  # resolved at the next epoch end (settle), while the peer computes
+            self._in_flight = (future, plan, facts)
+            with self.lock:
+                self._next_epoch()
+            return resolved
+        started = time.monotonic()
+        result = self._await_round(future, target)
+        if not (result is not None and result.ok) and self.strategy.catches_up_after_missed_round \
+                and self._swarm_moved_on(within=min(self.round_timeout, MISSED_ROUND_GRACE_S)):
+            missed = self._catch_up_instead(self.local_epoch + 1, "missed round; caught up", facts)
+            if missed is not None:
+                return missed
+        return self._end_epoch(plan, result, None, wait_s=time.monotonic() - started, **facts)
+
+    def settle(self) -> Optional[CollaborativeRound]:
+        """Resolve the round still running in the background (overlapping strategies): wait for it within its
+        deadline, apply its outcome, append its record to `rounds` and return it; None if none runs. The
+        training loop calls it once more after its last epoch, so that the last outer step is applied."""
+        if self._in_flight is None:
+            return None
+        (future, plan, facts), self._in_flight = self._in_flight, None
+        waited = time.monotonic()
+        result = self._await_round(future, facts["group_target"])
+        with self.lock:
+            record = self._resolve(plan, result, None, wait_s=time.monotonic() - waited, **facts)
+        self.rounds.append(record)
+        return record
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
         """Aux peers: take part in the swarm's next averaging round with weight 0 (bandwidth: the aux owns
@@ -316,11 +354,12 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
                         self.local_epoch = snapshot.global_epoch
                     self._report_progress(force=True)
                 target, plan = self.group_target(snapshot), self._plan_round(snapshot)
-                result = self._run_round(plan, 0.0, target, AUX_WINDOW_FACTOR * self.matchmaking_time)
+                future = self._start_round(plan, 0.0, target, AUX_WINDOW_FACTOR * self.matchmaking_time)
+                result = self._await_round(future, target)
                 if result is None or not result.ok:
                     self.failed_rounds += 1
                     return None
-                return self._end_epoch(plan, result, None, samples=0, group_target=target,
+                return self._end_epoch(plan, result, None, epoch=self.local_epoch, samples=0, group_target=target,
                                        swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers)
             self.progress.wait_for_refresh(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         return None
@@ -332,12 +371,14 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         with self.lock, self.averager.get_tensors():
             return self.strategy.plan_round(self.local_epoch, snapshot)
 
-    def _run_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Optional[RoundResult]:
-        """One averaging round, behind its future; None if it failed, or if it was abandoned because a stop
-        was requested or its deadline passed."""
-        future = self.averager.step(weight=weight, timeout=2 * window, target_group_size=target,
-                                    matchmaking_time=window, tensors=plan.tensors, averaged=plan.averages,
-                                    wait=False)
+    def _start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
+        """Start one averaging round in the averager's round thread; its `RoundFuture`."""
+        return self.averager.step(weight=weight, timeout=2 * window, target_group_size=target,
+                                  matchmaking_time=window, tensors=plan.tensors, averaged=plan.averages, wait=False)
+
+    def _await_round(self, future: Any, target: int) -> Optional[RoundResult]:
+        """A started round's result; None if it failed, or if it was abandoned because a stop was requested or
+        its deadline passed."""
         while True:
             try:
                 result = future.result(timeout=STOP_POLL_S)
@@ -351,26 +392,46 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
                 logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
                 return None
 
-    @torch.no_grad()
+    def _swarm_moved_on(self, within: float) -> bool:
+        """Whether a trainer's record shows an epoch past ours within `within` seconds: the others averaged
+        this epoch without us (their round may still be finishing when ours gives up)."""
+        deadline = time.monotonic() + within
+        while not self._should_stop():
+            if self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch:
+                return True
+            if deadline <= time.monotonic():
+                return False
+            self.progress.wait_for_refresh(timeout=min(0.5, deadline - time.monotonic()))
+        return False
+
     def _end_epoch(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                    **facts: Any) -> CollaborativeRound:
-        """Apply the round's average (or step alone), record the epoch and start the next one."""
-        ok = result is not None and result.ok
+        """Apply the round's outcome, record the epoch and start the next one."""
         with self.lock:
-            spread = self.strategy.apply_averaged(plan) if ok else self.strategy.apply_alone(plan)
-            if not ok:
-                error = error or (result.error if result is not None else "abandoned")
-            grads = epoch_gradient(self.strategy.averaged_gradient(plan) if ok else None, self.grad_sums,
-                                   self.samples_accumulated)
-            phase, budget, norm = self._loss_phase.after_round(self.local_epoch, result, self.loss_budget, grads)
-            record = CollaborativeRound(epoch=self.local_epoch, result=result, error=error, param_spread=spread,
-                                        loss_phase=phase, loss_budget=budget, grad_norm=norm, **facts)
-            self.local_epoch += 1
-            self._reset_accumulators()
+            record = self._resolve(plan, result, error, **facts)
+            self._next_epoch()
         self.rounds.append(record)
+        return record
+
+    @torch.no_grad()
+    def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
+                 **facts: Any) -> CollaborativeRound:
+        """Apply a round's outcome: the group's average, or this peer's own step (caller holds the lock)."""
+        ok = result is not None and result.ok
+        spread = self.strategy.apply_averaged(plan) if ok else self.strategy.apply_alone(plan)
+        if not ok:
+            error = error or (result.error if result is not None else "abandoned")
+        grads = epoch_gradient(self.strategy.averaged_gradient(plan) if ok else None, self.grad_sums,
+                               self.samples_accumulated)
+        phase, budget, norm = self._loss_phase.after_round(facts["epoch"], result, self.loss_budget, grads)
+        return CollaborativeRound(result=result, error=error, param_spread=spread, loss_phase=phase,
+                                  loss_budget=budget, grad_norm=norm, settings=self.strategy.settings(), **facts)
+
+    def _next_epoch(self) -> None:
+        self.local_epoch += 1
+        self._reset_accumulators()
         self._report_progress(force=True)
         self._advertise()
-        return record
 
     def _reset_accumulators(self) -> None:
         for acc in self.grad_sums:
@@ -382,7 +443,8 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
 
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
-                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force,
+                             upload_bps=self.averager.upload_bandwidth or 0.0)
         self._swarm.publish_flagged(self.averager.flagged_peers)
         if self.state_server is not None and time.monotonic() - self._advertised_at > 5.0:
             self._advertise()

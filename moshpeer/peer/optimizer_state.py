@@ -60,12 +60,13 @@ class OptimizerState:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict plus a "collaborative" entry: epoch, steps and the
-        error-feedback state (None without error feedback)."""
+        """The wrapped optimizer's state dict plus a "collaborative" entry: epoch, steps, the
+        error-feedback state (None without error feedback) and the strategy's state."""
         with self.lock:
             state = self.inner.state_dict()
             state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps,
-                                      "error_feedback": error_feedback_state(self.error_feedback)}
+                                      "error_feedback": error_feedback_state(self.error_feedback),
+                                      "strategy": self.strategy.state_dict()}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -76,6 +77,8 @@ class OptimizerState:
             if collaborative and collaborative.get("error_feedback") is not None:
                 self._load_error_feedback(collaborative["error_feedback"])
             self.inner.load_state_dict(state_dict)
+            if collaborative and collaborative.get("strategy"):
+                self.strategy.load_state_dict(collaborative["strategy"])
             if collaborative:
                 self.local_epoch = int(collaborative.get("epoch", self.local_epoch))
                 self.local_steps = int(collaborative.get("steps", self.local_steps))
@@ -96,6 +99,7 @@ class OptimizerState:
         """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
         self._check_state_fits(state)
         with self.lock, torch.no_grad():
+            self.strategy.load_state_dict(state.get("strategy") or {})  # checked: it changes nothing if it fails
             if state["has_model"]:
                 self.model.load_state_dict(state["model"])
             else:
@@ -107,19 +111,20 @@ class OptimizerState:
             elif self.error_feedback is not None:
                 # The donor keeps none: start ours afresh rather than keep an estimate of other parameters.
                 self._load_error_feedback(fresh_error_feedback_state(self.error_feedback))
-            self.strategy.load_state_dict(state.get("strategy") or {})
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
 
     def checkpoint_state(self) -> Dict[str, Any]:
         """This peer's own training state for a local checkpoint (moshpeer.peer.checkpoint): the wrapped
-        optimizer's state, epoch, steps and the progress of the current epoch (gradient accumulators,
-        samples). The tensors are the live ones, not copies: snapshot them before training goes on."""
+        optimizer's state, epoch, steps, the progress of the current epoch (gradient accumulators,
+        samples) and the strategy's state (e.g. DiLoCo's outer parameters and momentum). The tensors are
+        the live ones, not copies: snapshot them before training goes on."""
         with self.lock:
             return {"epoch": self.local_epoch, "steps": self.local_steps,
                     "samples_accumulated": self.samples_accumulated, "total_samples": self.total_samples,
-                    "grad_accumulators": list(self.grad_sums), "optimizer": self.inner.state_dict()}
+                    "grad_accumulators": list(self.grad_sums), "optimizer": self.inner.state_dict(),
+                    "strategy": self.strategy.state_dict()}
 
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Continue exactly from a `checkpoint_state()` (the model's parameters are the caller's to load)."""
@@ -129,6 +134,7 @@ class OptimizerState:
             raise ValueError("checkpoint's gradient accumulators do not match this model")
         with self.lock, torch.no_grad():
             self.inner.load_state_dict(state["optimizer"])
+            self.strategy.load_state_dict(state.get("strategy") or {})
             for acc, value in zip(self.grad_sums, saved):
                 acc.copy_(value)
             self.local_epoch, self.local_steps = int(state["epoch"]), int(state["steps"])
@@ -155,6 +161,7 @@ class OptimizerState:
         feedback = state.get("error_feedback")
         if feedback is not None and self.error_feedback is not None:
             check_error_feedback_state(self.error_feedback, feedback)
+        self.strategy.check_state_dict(state.get("strategy") or {})
 
     def _load_error_feedback(self, feedback: Dict[str, Any]) -> None:
         if self.error_feedback is None:
@@ -172,6 +179,7 @@ class OptimizerState:
 
     def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor and adopt it; None if no donor delivered."""
+        self.settle()  # a round still in the background must not land on the downloaded state
         try:
             downloaded = download_state(self.dht, self.run_id, exclude=(self.peer_id,), min_epoch=min_epoch,
                                         timeout=self.state_download_timeout, show_progress=self.show_progress,
@@ -193,7 +201,8 @@ class OptimizerState:
         if self.catch_up(min_epoch=min_epoch) is None:
             return None
         self.dropped_samples += stale
-        record = CollaborativeRound(epoch=epoch, samples=0, error=why, dropped_samples=stale, **facts)
+        record = CollaborativeRound(**{**facts, "epoch": epoch, "samples": 0, "error": why, "dropped_samples": stale,
+                                       "settings": self.strategy.settings()})
         self.rounds.append(record)
         return record
 

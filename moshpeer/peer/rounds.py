@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
 
 from moshpeer.averaging.report import RoundResult
@@ -28,6 +28,10 @@ class CollaborativeRound:
     loss_phase: Optional[str] = None
     loss_budget: Optional[float] = None
     grad_norm: Optional[float] = None
+    # The averaging strategy's settings (e.g. DiLoCo: inner_steps, outer_optimizer, delta_codec, overlap).
+    settings: Dict[str, Any] = field(default_factory=dict)
+    # How long training waited for this round: all of it, unless the strategy overlaps rounds with compute.
+    wait_s: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -64,10 +68,11 @@ class CollaborativeRound:
         return self.result.averaged if self.ok else ()
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain values for an event line: the epoch's facts, the round's summary (ok, group_size,
-        chunks_lost, lost_fraction, matchmaking_s, averaging_s, bytes_sent, averaged) and, under "round",
-        the whole `RoundResult`."""
-        facts = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "result"}
+        """Plain values for an event line: the epoch's facts (`epoch` as "round_epoch", the strategy's
+        settings spread out), the round's summary (ok, group_size, chunks_lost, lost_fraction,
+        matchmaking_s, averaging_s, bytes_sent, averaged) and, under "round", the whole `RoundResult`."""
+        facts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("result", "epoch", "settings")}
+        facts.update(round_epoch=self.epoch, **self.settings)
         summary = {name: getattr(self, name) for name in ("ok", "group_size", "chunks_lost", "lost_fraction",
                                                           "matchmaking_s", "averaging_s", "bytes_sent")}
         return {**facts, **summary, "averaged": list(self.averaged),

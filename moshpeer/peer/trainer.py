@@ -37,6 +37,7 @@ import torch
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
 from moshpeer.peer.optimizer import CollaborativeOptimizer
+from moshpeer.peer.rounds import CollaborativeRound
 from moshpeer.peer.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class TrainerConfig:
     batch_size: Optional[int] = None  # micro-batch; default: the task's
     averaging: str = "gradients"
     params_every: Optional[int] = None  # gradients mode: epochs between parameter rounds (None: the default)
+    inner_steps: Optional[int] = None  # diloco: inner steps per outer step (None: the default, 50)
+    outer_optimizer: Any = None  # diloco: an outer optimizer factory, e.g. moshpeer.peer.diloco.OuterOptimizer
+    overlap: Optional[bool] = None  # diloco: average Δ while computing the next inner steps
     compression: str = "none"
     error_feedback: bool = False  # EF21M state around a sparsifying codec (arc-topk)
     group_size: int = 4
@@ -90,7 +94,8 @@ def params_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        # Raw bytes, whatever the dtype (numpy has no bfloat16).
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -118,7 +123,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
-        params_every=config.params_every,
+        params_every=config.params_every, inner_steps=config.inner_steps, outer_optimizer=config.outer_optimizer,
+        overlap=config.overlap,
         compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
         compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
@@ -147,10 +153,11 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         daemon.add_shutdown_hook(lambda: _final_checkpoint(checkpointer, micro_steps, daemon, emit),
                                  name="final checkpoint")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
+          "device": str(task.device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
           "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
-          "loss_budget": optimizer.loss_budget.describe()})
+          "loss_budget": optimizer.loss_budget.describe(), **optimizer.strategy.settings()})
 
     _wait_for_peers(daemon, optimizer, config)
     snapshot = optimizer.progress.refresh_now()
@@ -197,12 +204,15 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             if path is not None:
                 emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
-        if len(optimizer.rounds) == rounds_before:
+        if len(optimizer.rounds) == rounds_before and optimizer.local_epoch == epoch_before:
             if stream is None and _reached_limit(optimizer, config):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
                 break
             continue
-        round_ = optimizer.rounds[-1]
+        # An overlapping strategy (DiLoCo with overlap) resolves each round one epoch later: the record is
+        # the round resolved now, and there is none at the first epoch end (its round is in flight).
+        round_ = optimizer.rounds[-1] if len(optimizer.rounds) > rounds_before else CollaborativeRound(
+            epoch=epoch_before, samples=0, error="round in flight", settings=optimizer.strategy.settings())
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
@@ -225,6 +235,10 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                 and not task.is_better(config.target_metric, metrics[task.metric])):
             reason = "target_metric"
             break
+    settled = optimizer.settle()  # the last round of an overlapping strategy: its outer step counts
+    if settled is not None:
+        emit({"event": "settled", "epoch": optimizer.local_epoch, "time": round(time.monotonic() - started, 3),
+              "train_time": round(time.monotonic() - train_started, 3), **settled.to_dict()})
     if checkpointer is not None:
         _final_checkpoint(checkpointer, micro_steps, daemon, emit, reason=None if daemon.stop_requested else reason)
     if not daemon.stop_requested or not metrics:
@@ -315,9 +329,11 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
 
 def _loopback_or_any(daemon: Any) -> str:
     """The IPv4 address others reach this peer at (from its DHT's visible multiaddrs) for averaging and
-    state donations; 127.0.0.1 in local swarms."""
+    state donations: a non-loopback one if the DHT listens on any (e.g. on all interfaces: peers in other
+    network namespaces or on other machines cannot reach 127.0.0.1); 127.0.0.1 in local swarms."""
+    addresses = []
     for maddr in daemon.visible_maddrs:
         parts = maddr.split("/")
         if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            return parts[2]
-    return "127.0.0.1"
+            addresses.append(parts[2])
+    return next((a for a in addresses if not a.startswith("127.")), addresses[0] if addresses else "127.0.0.1")
