@@ -19,16 +19,14 @@ Three concepts, each in one place:
   training never stops for lack of peers.
 - The averaging mode (strategies/): what a round averages and how its average is applied:
   "gradients", "parameters", or any `AveragingStrategy` instance.
-- Rounds behind a future: `MoshpitAverager.step(wait=False)` returns a future of one `RoundResult`;
-  it is kept unchanged in this epoch's `CollaborativeRound` (rounds.py), which the join event line
-  serialises. Every wait is bounded (the round's own deadline, download timeout).
+- Rounds behind a future: `MoshpitAverager.step(wait=False)` returns a future of one `RoundResult`,
+  awaited within its own deadline (round_timing.py) and kept unchanged in the epoch's `CollaborativeRound`.
 
-State (state_dict, catching up from a donor, serving newcomers, checkpoints) is in optimizer_state.py.
+State (state_dict, catch-up, donating, checkpoints): optimizer_state.py; aux peers: aux_rounds.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
 import threading
@@ -45,6 +43,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.dropcompute import BudgetSetting
 from moshpeer.peer.error_feedback import ERROR_FEEDBACK_MODES, make_error_feedback
 from moshpeer.peer.loss_phase import LossPhaseTracker, epoch_gradient
+from moshpeer.peer.aux_rounds import AuxRounds
 from moshpeer.peer.optimizer_state import OptimizerState
 from moshpeer.peer.progress import ProgressSnapshot
 from moshpeer.peer.round_timing import RoundTiming
@@ -57,16 +56,12 @@ from moshpeer.peer.swarm_link import link_to_swarm
 
 logger = logging.getLogger(__name__)
 
-# An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
-# when the group is complete), and a leader accepts only followers whose window outlasts its own.
-AUX_WINDOW_FACTOR = 10
-STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
 # A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
 # swarm's records to show that the others finished the round it missed.
 MISSED_ROUND_GRACE_S = 5.0
 
 
-class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
+class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
     """Wraps a local optimizer so that a swarm of peers trains one model; see the module docstring.
 
     :param optimizer: the local optimizer over the model's parameters (Adam, SGD, ...)
@@ -263,14 +258,10 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         """Block until at least `min_trainers` trainers (this one included) are visible, or `timeout`
         passes, or a stop is requested; returns how many are visible. Peers started together call it
         so that nobody races ahead alone before the others show up."""
-        deadline = time.monotonic() + timeout
-        while True:
-            visible = self.progress.refresh_now().num_trainers
-            if visible >= min_trainers or time.monotonic() >= deadline or self._should_stop():
-                if self.samples_accumulated == 0:
-                    self.timing.begin_epoch()  # waiting for peers is not this epoch's compute time
-                return visible
-            self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        visible = self._swarm.wait_for_trainers(min_trainers, timeout, self._should_stop)
+        if self.samples_accumulated == 0:
+            self.timing.begin_epoch()  # waiting for peers is not this epoch's compute time
+        return visible
 
     def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This peer's share of the target batch: target / live trainers, rounded up."""
@@ -300,7 +291,7 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         alone = snapshot.num_trainers + snapshot.num_aux <= 1
         # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
         # would find nobody, or mix gradients of stale parameters into the next epoch.
-        if not alone and self.timing.every_window_closed() and self._swarm_moved_on(within=0.0):
+        if not alone and self.timing.every_window_closed() and self._swarm.moved_past(self.local_epoch, 0.0, self._should_stop):
             missed = self._catch_up_instead(self.local_epoch + 1, "missed round; caught up", facts)
             if missed is not None:
                 return missed
@@ -316,9 +307,10 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
                 self._next_epoch()
             return resolved
         started = time.monotonic()
-        result = self._await_round(future, target)
+        result = self.timing.await_result(future, target, self._should_stop)
         if not (result is not None and result.ok) and self.strategy.catches_up_after_missed_round \
-                and self._swarm_moved_on(within=min(self.round_timeout, MISSED_ROUND_GRACE_S)):
+                and self._swarm.moved_past(self.local_epoch, min(self.round_timeout, MISSED_ROUND_GRACE_S),
+                                         self._should_stop):
             missed = self._catch_up_instead(self.local_epoch + 1, "missed round; caught up", facts)
             if missed is not None:
                 return missed
@@ -332,37 +324,11 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
             return None
         (future, plan, facts), self._in_flight = self._in_flight, None
         waited = time.monotonic()
-        result = self._await_round(future, facts["group_target"])
+        result = self.timing.await_result(future, facts["group_target"], self._should_stop)
         with self.lock:
             record = self._resolve(plan, result, None, wait_s=time.monotonic() - waited, **facts)
         self.rounds.append(record)
         return record
-
-    def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
-        """Aux peers: take part in the swarm's next averaging round with weight 0 (bandwidth: the aux owns
-        a part of every reduce-scatter and all-gather of its group; no samples, no weight). The aux follows
-        the trainers' epoch and waits in matchmaking as a follower, so the trainers' leader finds it there.
-        Returns the round if it averaged, None if no group formed or no trainer showed up by `timeout`."""
-        if self.role != "aux":
-            raise UserError("wait_and_average is for aux peers; trainers call step()")
-        deadline = time.monotonic() + (timeout if timeout is not None else self.round_timeout * 3)
-        while time.monotonic() < deadline and not self._should_stop():
-            snapshot = self.progress.snapshot()
-            if snapshot.num_trainers > 0:
-                if snapshot.global_epoch > self.local_epoch:
-                    with self.lock:
-                        self.local_epoch = snapshot.global_epoch
-                    self._report_progress(force=True)
-                target, plan = self.group_target(snapshot), self._plan_round(snapshot)
-                future = self._start_round(plan, 0.0, target, AUX_WINDOW_FACTOR * self.matchmaking_time)
-                result = self._await_round(future, target)
-                if result is None or not result.ok:
-                    self.failed_rounds += 1
-                    return None
-                return self._end_epoch(plan, result, None, epoch=self.local_epoch, samples=0, group_target=target,
-                                       swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers)
-            self.progress.wait_for_refresh(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-        return None
 
     # ---- rounds -------------------------------------------------------------------------------
 
@@ -375,34 +341,6 @@ class CollaborativeOptimizer(OptimizerState, torch.optim.Optimizer):
         """Start one averaging round in the averager's round thread; its `RoundFuture`."""
         return self.averager.step(weight=weight, timeout=2 * window, target_group_size=target,
                                   matchmaking_time=window, tensors=plan.tensors, averaged=plan.averages, wait=False)
-
-    def _await_round(self, future: Any, target: int) -> Optional[RoundResult]:
-        """A started round's result; None if it failed, or if it was abandoned because a stop was requested or
-        its deadline passed."""
-        while True:
-            try:
-                result = future.result(timeout=STOP_POLL_S)
-                self.timing.note_assembly(result, target)
-                return result
-            except concurrent.futures.TimeoutError:
-                if self._should_stop() or future.deadline.remaining() == 0.0:
-                    future.cancel()
-                    return None
-            except Exception as e:
-                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
-                return None
-
-    def _swarm_moved_on(self, within: float) -> bool:
-        """Whether a trainer's record shows an epoch past ours within `within` seconds: the others averaged
-        this epoch without us (their round may still be finishing when ours gives up)."""
-        deadline = time.monotonic() + within
-        while not self._should_stop():
-            if self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch:
-                return True
-            if deadline <= time.monotonic():
-                return False
-            self.progress.wait_for_refresh(timeout=min(0.5, deadline - time.monotonic()))
-        return False
 
     def _end_epoch(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                    **facts: Any) -> CollaborativeRound:

@@ -1,4 +1,4 @@
-"""When a collaborative epoch ends and how long its round waits for a group: `RoundTiming`.
+"""When a collaborative epoch ends, how long its round waits for a group, and waiting for the round: `RoundTiming`.
 
 The DropCompute budget (dropcompute.py) bounds an epoch's compute; with a budget, the swarm waits for
 nobody past the budget deadline of the epoch (a straggler still inside a micro-batch is left out), but
@@ -7,7 +7,9 @@ at least the time a complete group needs to assemble. Without a budget a round w
 
 from __future__ import annotations
 
-from typing import List, Optional
+import concurrent.futures
+import logging
+from typing import Any, Callable, List, Optional
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
@@ -18,6 +20,9 @@ from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 MIN_BUDGET_WINDOW_S = 0.2
 ASSEMBLY_MARGIN = 3.0
 ASSEMBLY_HISTORY = 8
+STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
+
+logger = logging.getLogger(__name__)
 
 
 class RoundTiming:
@@ -65,6 +70,22 @@ class RoundTiming:
     def note_assembly(self, result: Optional[RoundResult], target: int) -> None:
         if result is not None and result.ok and result.group_size >= target:
             self.assembly_s = (self.assembly_s + [result.matchmaking_s])[-ASSEMBLY_HISTORY:]
+
+    def await_result(self, future: Any, target: int, should_stop: Callable[[], bool]) -> Optional[RoundResult]:
+        """A started round's `RoundResult` (from its `RoundFuture`); None if it failed, or if it is abandoned
+        because `should_stop()` or its own deadline passed."""
+        while True:
+            try:
+                result = future.result(timeout=STOP_POLL_S)
+                self.note_assembly(result, target)
+                return result
+            except concurrent.futures.TimeoutError:
+                if should_stop() or future.deadline.remaining() == 0.0:
+                    future.cancel()
+                    return None
+            except Exception as e:
+                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
+                return None
 
     def every_window_closed(self) -> bool:
         """With a budget: has every window of this epoch closed (the peer is too late for its round)?"""

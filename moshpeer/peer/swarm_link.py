@@ -4,6 +4,7 @@ node of its own; its signed record is published and the swarm's progress read (`
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -29,6 +30,28 @@ class SwarmLink:
         if flagged != self._published_flagged:
             self._published_flagged = dict(flagged)
             self.publish(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
+
+    def wait_for_trainers(self, min_trainers: int, timeout: float, should_stop: Callable[[], bool]) -> int:
+        """Wait until at least `min_trainers` trainers are visible, `timeout` passes or `should_stop()`;
+        returns how many are visible."""
+        deadline = time.monotonic() + timeout
+        while True:
+            visible = self.progress.refresh_now().num_trainers
+            if visible >= min_trainers or time.monotonic() >= deadline or should_stop():
+                return visible
+            self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def moved_past(self, epoch: int, within: float, should_stop: Callable[[], bool]) -> bool:
+        """Whether a trainer's record shows an epoch past `epoch` within `within` seconds (the others
+        averaged that epoch without us; their round may still be finishing when ours gives up)."""
+        deadline = time.monotonic() + within
+        while not should_stop():
+            if self.progress.refresh_now(timeout=1.0).global_epoch > epoch:
+                return True
+            if deadline <= time.monotonic():
+                return False
+            self.progress.wait_for_refresh(timeout=min(0.5, deadline - time.monotonic()))
+        return False
 
     def close(self) -> None:
         """Stop reading progress; withdraw our record and stop the DHT if they are ours. Idempotent; a
