@@ -43,7 +43,8 @@ def publish_record(
     try:
         return bool(future.result(timeout=timeout))
     except concurrent.futures.TimeoutError:
-        future.cancel()
+        # Not cancelled: hivemind sets the result of an MPFuture when it arrives, and on a cancelled one
+        # that logs an InvalidStateError traceback. The DHT call ends by its own timeout; we ignore it.
         return False
 
 
@@ -75,8 +76,7 @@ def list_peers(
     future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
         found = future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
+    except concurrent.futures.TimeoutError:  # not cancelled: see publish_record
         raise TimeoutError(f"listing peers of run {run_id!r} took longer than {timeout} s") from None
     if found is None or not isinstance(found.value, dict):
         return []

@@ -1,5 +1,6 @@
 """Error-feedback (EF21M) state of a `CollaborativeOptimizer`: creating it and checking a state before
-adopting it (from a checkpoint or a donor). Gradients mode with a sparsifying codec only."""
+adopting it (from a checkpoint or a donor). Gradients or DiLoCo (its pseudo-gradient changes slowly,
+which error feedback suits) with a sparsifying codec only."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ import torch
 
 from moshpeer.errors import UserError
 
+# Averaging modes whose averaged vector may be EF21M's estimate: a gradient or a pseudo-gradient, never parameters.
+ERROR_FEEDBACK_MODES = ("gradients", "diloco")
 # The tensors of an EF21M state (momentum estimate, what the group knows, the update estimate).
 STATE_TENSORS = ("h", "e", "e_bar")
 
 
 def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
     """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
-    unless averaging is "gradients" and the codec sparsifies."""
+    unless averaging is one of ERROR_FEEDBACK_MODES and the codec sparsifies."""
     from moshpeer.compression import get_compression  # peer > compression: allowed
     from moshpeer.compression.ef21m import EF21M
 
     sparsifier = get_compression(compression).sparsifier
-    if averaging != "gradients" or sparsifier is None:
-        raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
+    if averaging not in ERROR_FEEDBACK_MODES or sparsifier is None:
+        raise UserError(f"error_feedback needs averaging in {ERROR_FEEDBACK_MODES} and a sparsifying codec such as "
                         f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
     numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     return EF21M(numel, sparsifier)
