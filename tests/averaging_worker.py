@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from moshpeer.averaging import FaultConfig, MoshpitAverager  # noqa: E402
 from moshpeer.dht import start_dht  # noqa: E402
+from moshpeer.logs import quiet_expected_peer_failures  # noqa: E402
 
 
 def peer_values(seed: int, index: int, numel: int) -> torch.Tensor:
@@ -55,6 +56,7 @@ def main() -> int:
     parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
 
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     tensor = peer_values(0, args.index, args.numel)

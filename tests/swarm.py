@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
@@ -34,6 +34,35 @@ PROC_TAG = "MOSHPEER_TEST_PROC"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # How long a peer may take from spawn to readiness on a slow shared machine (imports torch + p2pd).
 READY_TIMEOUT = 60.0
+
+
+# ---- stderr that must stay clean ---------------------------------------------------------------
+
+# A peer leaving is one log line; a traceback or an asyncio task left pending means a bug (or an
+# expected failure logged as one). conftest fails a test whose spawned processes printed either.
+FORBIDDEN_STDERR = ("Traceback (most recent call last)", "Task was destroyed but it is pending")
+_watched_stderr: List[Tuple[str, Callable[[], str]]] = []
+
+
+def watch_stderr(name: str, read: Callable[[], str]) -> None:
+    """Have conftest check what `read()` returns (a spawned process's stderr so far) after the test."""
+    _watched_stderr.append((name, read))
+
+
+def forbidden_stderr(*, forget: bool = True) -> List[str]:
+    """'name: line' for each forbidden line (with 20 lines of context) that watched processes printed;
+    then forget them (the next test starts with none)."""
+    found = []
+    for name, read in _watched_stderr:
+        lines = read().splitlines()
+        for k, line in enumerate(lines):
+            if any(marker in line for marker in FORBIDDEN_STDERR):
+                context = "\n    ".join(lines[k : k + 20])
+                found.append(f"{name}: {context}")
+                break
+    if forget:
+        _watched_stderr.clear()
+    return found
 
 
 # ---- /proc (Linux) ------------------------------------------------------------------------------
@@ -137,6 +166,7 @@ class Proc:
         for reader in self._readers:
             reader.start()
         self.ready: Optional[dict] = None
+        watch_stderr(f"{self.name} ({' '.join(self.args[:1])})", lambda: self.stderr)
 
     def _read(self, stream, lines: List[str]) -> None:
         for raw in iter(stream.readline, b""):

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NoReturn
 from moshpeer.dht import DEFAULT_HOST_MADDRS, Role
 from moshpeer.dht.maddrs import maddrs_for_port
 from moshpeer.errors import UserError
+from moshpeer.logs import quiet_expected_peer_failures
 from moshpeer.peer.daemon import PeerDaemon
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
@@ -124,6 +125,7 @@ def configure_logging(verbose: bool) -> None:
 
     use_hivemind_log_handler("nowhere")  # hivemind's records go through the root handler, in our format
     logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    quiet_expected_peer_failures()  # a peer leaving is one line (with -v), not hivemind's traceback
     # Forked DHT processes inherit these settings; p2pd's output is logged (and filtered) through them.
 
 
