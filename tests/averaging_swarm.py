@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from swarm import SWARM_TAG, tagged_processes, watch_stderr
 
@@ -22,10 +22,12 @@ READY_TIMEOUT = 90.0
 class Worker:
     """One worker process; `send` a command, `read_event` its answers (each with a deadline)."""
 
-    def __init__(self, index: int, args: Sequence[str], env: dict, script: Path = WORKER):
+    def __init__(self, index: int, args: Sequence[str], env: dict, script: Path = WORKER,
+                 wrap: Optional[Callable[[int, List[str]], List[str]]] = None):
         self.index = index
+        argv = [sys.executable, str(script), "--index", str(index), *args]
         self.popen = subprocess.Popen(
-            [sys.executable, str(script), "--index", str(index), *args],
+            wrap(index, argv) if wrap is not None else argv,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, start_new_session=True, text=True, bufsize=1,
         )
@@ -90,9 +92,11 @@ class Worker:
 class AveragingSwarm:
     """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit.
 
-    `script` is the worker program: any script speaking averaging_worker.py's stdin/stdout protocol."""
+    `script` is the worker program: any script speaking averaging_worker.py's stdin/stdout protocol.
+    `wrap(index, argv)` -> the command line that runs worker `index` (e.g. `Netlab.command`: in its namespace)."""
 
-    def __init__(self, n: int, *args: str, per_worker_args=None, script: Path = WORKER):
+    def __init__(self, n: int, *args: str, per_worker_args=None, script: Path = WORKER,
+                 wrap: Optional[Callable[[int, List[str]], List[str]]] = None):
         self.tag = uuid.uuid4().hex
         repo = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_TAG: self.tag,
@@ -100,12 +104,13 @@ class AveragingSwarm:
         self.workers: List[Worker] = []
         try:
             extra = (per_worker_args or (lambda k: []))
-            first = Worker(0, [*args, *extra(0)], env, script)
+            first = Worker(0, [*args, *extra(0)], env, script, wrap)
             self.workers.append(first)
             boot = first.read_event("ready", READY_TIMEOUT)
             first.ready = boot
             for k in range(1, n):
-                self.workers.append(Worker(k, [*args, *extra(k), "--initial-peers", *boot["maddrs"]], env, script))
+                self.workers.append(Worker(k, [*args, *extra(k), "--initial-peers", *boot["maddrs"]], env, script,
+                                           wrap))
             for worker in self.workers[1:]:
                 worker.ready = worker.read_event("ready", READY_TIMEOUT)
         except BaseException:

@@ -54,11 +54,12 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=20.0)
     parser.add_argument("--faults", default="")
     parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
+    parser.add_argument("--host", default="127.0.0.1", help="address of this peer's DHT and data plane")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
 
-    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
     tensor = peer_values(0, args.index, args.numel)
     averager = MoshpitAverager(
         [tensor],
@@ -73,6 +74,7 @@ def main() -> int:
         round_timeout=args.round_timeout,
         faults=FaultConfig.parse(args.faults) if args.faults else None,
         transport=args.transport,
+        host=args.host,
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print(json.dumps({"event": "ready", "maddrs": maddrs, "index": args.index, "pid": os.getpid(),
@@ -95,7 +97,8 @@ def main() -> int:
                 averager.faults = FaultConfig.parse(command["faults"]) if command["faults"] else None
             started = time.monotonic()
             report = averager.step(weight=command.get("weight", 1.0), timeout=command.get("search_s"))
-            print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, **report.to_dict()}), flush=True)
+            print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, "ended_at": time.time(),
+                              **report.to_dict()}), flush=True)
         elif command["cmd"] == "dump":
             with averager.get_tensors() as (t,):
                 torch.save(t.clone(), command["path"])

@@ -1,0 +1,109 @@
+"""netlab (moshpeer.testing.netlab): shaped links in network namespaces, and MoshpitAverager over them.
+
+Every test here needs root and iproute2; where namespaces cannot be made they skip with netlab's reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from averaging_swarm import AveragingSwarm
+from averaging_worker import peer_values
+from moshpeer.testing import netlab
+from moshpeer.testing.netlab import Netlab
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netlab.unavailable()))]
+
+# A TCP stream between two namespaces; prints the receiver's MB/s.
+STREAM = textwrap.dedent("""
+    import socket, sys, time
+    if sys.argv[1] == "recv":
+        server = socket.create_server((sys.argv[2], 5555))
+        print("listening", flush=True)
+        conn, _ = server.accept()
+        buf, got, started = bytearray(1 << 16), 0, time.monotonic()
+        while (n := conn.recv_into(buf)):
+            got += n
+        print(got / (time.monotonic() - started) / 1e6, flush=True)
+    else:
+        with socket.create_connection((sys.argv[2], 5555)) as conn:
+            conn.sendall(b"x" * int(sys.argv[3]))
+""")
+
+
+def lab_names(lab_id: str) -> list:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    return [word for word in listed.split() if lab_id in word]
+
+
+def test_shaped_private_links_and_teardown():
+    with Netlab([20, None]) as lab:
+        assert lab_names(lab.lab_id)
+        # Nothing outside the bridge is reachable: no route out of a namespace.
+        route = lab.run(0, ["ip", "route", "get", "192.0.2.1"], capture_output=True, text=True)
+        assert route.returncode != 0
+        receiver = lab.popen(1, [sys.executable, "-c", STREAM, "recv", lab.nodes[1].address],
+                             stdout=subprocess.PIPE, text=True)
+        assert receiver.stdout.readline().strip() == "listening"
+        sender = lab.run(0, [sys.executable, "-c", STREAM, "send", lab.nodes[1].address, str(5_000_000)])
+        assert sender.returncode == 0
+        rate = float(receiver.stdout.readline())
+        receiver.wait(10)
+        assert 2.5 * 0.8 < rate < 2.5 * 1.05  # 20 Mbit/s = 2.5 MB/s on the wire, ~96% of it is payload
+        assert lab.tx_bytes(0) > 5_000_000
+    assert not lab_names(lab.lab_id)
+
+
+def test_leftovers_of_a_killed_owner_are_cleaned_up():
+    code = ("import os, subprocess; from moshpeer.testing.netlab import Netlab; lab = Netlab([10, 10]).up(); "
+            "lab.popen(0, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "print(lab.lab_id, flush=True); os.kill(os.getpid(), 9)")
+    crashed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    lab_id = crashed.stdout.strip()
+    assert crashed.returncode == -9 and lab_id and lab_names(lab_id)
+    removed = netlab.cleanup()
+    assert any(lab_id in name for name in removed)
+    assert not lab_names(lab_id)
+
+
+def average_once(lab: Netlab, numel: int, tmp_path, *extra: str) -> tuple:
+    """One group all-reduce of all peers in `lab`; -> (reports, max relative error vs the exact mean)."""
+    n = len(lab.nodes)
+    with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(n), "--min-group-size", str(n),
+                        "--matchmaking-time", "3.0", "--round-timeout", "60", *extra,
+                        per_worker_args=lambda k: ["--host", lab.nodes[k].address], wrap=lab.command) as swarm:
+        swarm.all("set", 60, cmd="set", seed=3)
+        reports = swarm.all("report", 120, cmd="step")
+        assert all(r["ok"] and r["group_size"] == n and not r["absent"] and not r["relayed"] for r in reports), \
+            [(r["ok"], r["error"], r["absent"], r["relayed"]) for r in reports]
+        exact = torch.stack([peer_values(3, k, numel) for k in range(n)]).double().mean(0)
+        errors = []
+        for worker in swarm.workers:
+            path = tmp_path / f"values{worker.index}.pt"
+            worker.send(cmd="dump", path=str(path))
+            worker.read_event("dumped", 60)
+            values = torch.load(path).double()
+            errors.append(float((values - exact).norm() / exact.norm()))
+    return reports, max(errors)
+
+
+def test_three_peers_at_20_mbit_average_8_mb_exactly_near_the_lower_bound(tmp_path):
+    numel, rate = 2_000_000, 20.0  # 8 MB of fp32
+    with Netlab([rate] * 3) as lab:
+        reports, err = average_once(lab, numel, tmp_path)
+    n, size, upload = 3, numel * 4, rate * 1e6 / 8
+    lower_bound = 2 * (n - 1) / n * size / upload
+    # From the moment the last member learned the group (no one can finish before) to the last one done.
+    round_s = max(r["ended_at"] for r in reports) - max(r["ended_at"] - r["total_s"] for r in reports)
+    assert err <= 1e-6
+    assert round_s <= 1.3 * lower_bound, (round_s, lower_bound, [r["total_s"] for r in reports])
