@@ -103,6 +103,23 @@ def add_membership_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_metrics_argument(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
+    extra = " (the bootstrap node; training peer k gets N+k)" if demo else ""
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help=f"serve Prometheus metrics at http://0.0.0.0:N/metrics{extra}; 0: any free port, "
+                        "announced in the ready line (see docs/metrics.md)")
+
+
+def metrics_from_args(args: argparse.Namespace, command: str):
+    """A `PeerMetrics` for --metrics-port (served by `announce_ready`, once the DHT process has forked, so
+    it does not inherit the listening socket), or None without the flag."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from moshpeer.peer.metrics import PeerMetrics
+
+    return PeerMetrics(run_id=args.run_id, role=getattr(args, "role", "bootstrap"), command=command)
+
+
 def host_maddrs_from_args(args: argparse.Namespace) -> List[str]:
     """--host-maddrs, or --port on all interfaces, or the default (any free port on all interfaces)."""
     if args.host_maddrs and args.port is not None:
@@ -117,6 +134,67 @@ def membership_timing_from_args(args: argparse.Namespace) -> Dict[str, float]:
     if expiration <= args.heartbeat:
         raise UserError(f"--expiration ({expiration:g} s) must be longer than --heartbeat ({args.heartbeat:g} s)")
     return {"heartbeat": args.heartbeat, "expiration": expiration}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Check every flag a command has before anything starts (no DHT, no peer record, no file written).
+
+    Codec, task and its arguments, compute budget, error feedback with its codec, and the paths
+    (--checkpoint-dir, --out, --preemption-notice), and that --metrics-port is free. The library's own parsers do the checking, so the
+    command accepts exactly what the library does. Flags a command lacks are skipped; with `--no-train`
+    the training flags are. (Multiaddrs, ports and the identity file are checked by the DHT's start,
+    before anything listens.)
+
+    :raises UserError: the first bad flag, as one line
+    """
+    if not getattr(args, "no_train", False):
+        if getattr(args, "compression", None) is not None:
+            from moshpeer.compression import get_compression
+
+            get_compression(args.compression)
+        if getattr(args, "error_feedback", False):
+            from moshpeer.peer.error_feedback import error_feedback_sparsifier
+
+            error_feedback_sparsifier(args.averaging, args.compression)
+        if getattr(args, "compute_budget", None) is not None:
+            from moshpeer.peer.dropcompute import parse_compute_budget
+
+            parse_compute_budget(args.compute_budget)
+        if getattr(args, "task", None) is not None:
+            from moshpeer.peer.tasks import check_task, parse_task_kwargs
+
+            check_task(args.task, **parse_task_kwargs(getattr(args, "task_arg", [])))
+    for flag in ("checkpoint_dir", "out"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            check_directory_flag(f"--{flag.replace('_', '-')}", path)
+    if getattr(args, "preemption_notice", None) is not None:
+        check_file_flag("--preemption-notice", args.preemption_notice)
+    if getattr(args, "metrics_port", None) is not None:
+        from moshpeer.peer.metrics import check_metrics_port
+
+        check_metrics_port(args.metrics_port)
+
+
+def check_directory_flag(flag: str, path: str) -> None:
+    """UserError unless `path` is a directory, or one this user can create."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write in {existing}")
+
+
+def check_file_flag(flag: str, path: str) -> None:
+    """UserError unless `path` names a file (existing or not) in an existing directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory, expected a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UserError(f"{flag} {path}: directory {os.path.dirname(path)} does not exist")
 
 
 def configure_logging(verbose: bool) -> None:
@@ -155,12 +233,20 @@ def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = Fal
     )
 
 
-def announce_ready(daemon: PeerDaemon, command: str) -> None:
-    """Tell humans (stderr) how to join, and scripts (stdout, one JSON line) that the peer is ready."""
+def announce_ready(daemon: PeerDaemon, command: str, metrics=None, metrics_port: int = 0) -> None:
+    """Tell humans (stderr) how to join, and scripts (stdout, one JSON line) that the peer is ready.
+    With `metrics` (a `PeerMetrics`): label them with the peer id, serve them on `metrics_port` and
+    announce the port (UserError if it was taken since check_flags)."""
     joining = join_command(daemon.visible_maddrs, daemon.run_id)
     log = logging.getLogger(f"moshpeer.cli.{command}")
     log.info(f"peer {daemon.peer_id} listening on {' '.join(daemon.visible_maddrs)}")
     log.info(f"to join this swarm, run:\n\n    {joining}\n")
+    extra = {}
+    if metrics is not None:
+        metrics.set_identity(run_id=daemon.run_id, peer_id=daemon.peer_id, role=daemon.role, command=command)
+        metrics.serve(metrics_port)
+        log.info(f"Prometheus metrics at http://0.0.0.0:{metrics.port}/metrics")
+        extra["metrics_port"] = metrics.port
     print_ready_line(
         command=command,
         peer_id=daemon.peer_id,
@@ -169,6 +255,7 @@ def announce_ready(daemon: PeerDaemon, command: str) -> None:
         role=daemon.role,
         pid=os.getpid(),
         join_command=joining,
+        **extra,
     )
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from moshpeer.cli.common import positive_float
+from moshpeer.cli.common import check_flags, positive_float
 from moshpeer.errors import UserError
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    check_flags(args)  # a bad codec or task fails here, not in every peer
     demo = Demo(args)
     console = Console(stderr=True)
     # Our own SIGTERM handler: clean up children like Ctrl-C does.

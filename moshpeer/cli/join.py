@@ -9,18 +9,22 @@ collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the p
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import threading
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
     add_membership_arguments,
+    add_metrics_argument,
     add_network_arguments,
     add_run_id_argument,
     announce_ready,
+    check_flags,
     configure_logging,
     exit_now,
     make_daemon,
+    metrics_from_args,
     positive_float,
 )
 from moshpeer.errors import UserError
@@ -51,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_training_arguments(parser)
     add_loss_budget_arguments(parser)
     add_checkpoint_arguments(parser)
+    add_metrics_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -207,10 +212,13 @@ def trainer_config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    check_flags(args)  # every flag, before the DHT starts
+    metrics = metrics_from_args(args, "join")
+    ready = functools.partial(announce_ready, command="join", metrics=metrics, metrics_port=args.metrics_port)
     if args.no_train:
         daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
         daemon.configure_preemption(notice_file=args.preemption_notice)
-        exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "join")))
+        exit_now(daemon.run(on_ready=ready))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
     from moshpeer.peer.tasks import load_task, parse_task_kwargs
 
@@ -232,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 task = load_task(args.task, **task_kwargs)
                 if not daemon.stop_requested:
-                    run_training(daemon, task, config)
+                    run_training(daemon, task, config, peer_metrics=metrics)
             except UserError as e:
                 failure.append(e)
             except Exception as e:
@@ -253,4 +261,4 @@ def run(args: argparse.Namespace) -> int:
         if failure:
             raise failure[0]
 
-    exit_now(daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join")))
+    exit_now(daemon.run(work=train, on_ready=ready))

@@ -13,16 +13,24 @@ from moshpeer.errors import UserError
 STATE_TENSORS = ("h", "e", "e_bar")
 
 
-def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
-    """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
-    unless averaging is "gradients" and the codec sparsifies."""
+def error_feedback_sparsifier(averaging: str, compression: str) -> Any:
+    """The sparsifier error feedback would run around; UserError unless averaging is "gradients" and the
+    codec `compression` (a spec such as arc-topk:0.01) is valid and sparsifies."""
     from moshpeer.compression import get_compression  # peer > compression: allowed
-    from moshpeer.compression.ef21m import EF21M
 
     sparsifier = get_compression(compression).sparsifier
     if averaging != "gradients" or sparsifier is None:
         raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
                         f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
+    return sparsifier
+
+
+def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
+    """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
+    unless averaging is "gradients" and the codec sparsifies."""
+    from moshpeer.compression.ef21m import EF21M
+
+    sparsifier = error_feedback_sparsifier(averaging, compression)
     numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     return EF21M(numel, sparsifier)
 

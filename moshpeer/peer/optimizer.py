@@ -416,6 +416,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                                     target_group_size=round_.group_target,
                                                     matchmaking_time=self._matchmaking_window())
         self._note_assembly(report, round_.group_target)
+        round_.result = report
         with self.lock:
             if report is not None and getattr(report, "ok", False):
                 self._adopt_round(round_, report, with_params)
@@ -519,6 +520,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _adopt_round(self, round_: CollaborativeRound, report: Any, with_params: bool) -> None:
         """Apply a successful round's averages and copy its report into `round_` (caller holds the lock)."""
         round_.ok = True
+        round_.result = report
         round_.group_size = int(report.group_size)
         round_.chunks_lost = int(report.chunks_lost)
         round_.lost_fraction = float(report.lost_fraction)

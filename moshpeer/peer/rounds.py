@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from moshpeer.averaging.report import RoundReport
+
 
 @dataclass
 class CollaborativeRound:
@@ -30,6 +32,7 @@ class CollaborativeRound:
     loss_phase: Optional[str] = None
     loss_budget: Optional[float] = None
     grad_norm: Optional[float] = None
+    result: Optional[RoundReport] = None  # the averaging round's own report, unchanged (None: no round ran)
 
     def to_dict(self) -> dict:
         return asdict(self)
