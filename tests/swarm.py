@@ -157,21 +157,25 @@ class Proc:
             start_new_session=True,  # own process group: signals to pytest's group do not reach it
         )
         self.stdout_lines: List[str] = []
+        self.stdout_times: List[float] = []  # time.monotonic() at which each stdout line arrived
         self.stderr_lines: List[str] = []
         self._changed = threading.Condition()
         self._readers = [
-            threading.Thread(target=self._read, args=(self.popen.stdout, self.stdout_lines), daemon=True),
-            threading.Thread(target=self._read, args=(self.popen.stderr, self.stderr_lines), daemon=True),
+            threading.Thread(target=self._read, args=(self.popen.stdout, self.stdout_lines, self.stdout_times),
+                             daemon=True),
+            threading.Thread(target=self._read, args=(self.popen.stderr, self.stderr_lines, None), daemon=True),
         ]
         for reader in self._readers:
             reader.start()
         self.ready: Optional[dict] = None
         watch_stderr(f"{self.name} ({' '.join(self.args[:1])})", lambda: self.stderr)
 
-    def _read(self, stream, lines: List[str]) -> None:
+    def _read(self, stream, lines: List[str], times: Optional[List[float]]) -> None:
         for raw in iter(stream.readline, b""):
             with self._changed:
                 lines.append(raw.decode(errors="replace").rstrip("\n"))
+                if times is not None:
+                    times.append(time.monotonic())
                 self._changed.notify_all()
         stream.close()
         with self._changed:
@@ -194,6 +198,11 @@ class Proc:
     def stdout(self) -> str:
         with self._changed:
             return "\n".join(self.stdout_lines)
+
+    def timed_stdout(self) -> List[Tuple[float, str]]:
+        """(time.monotonic() at arrival, line) of every stdout line so far."""
+        with self._changed:
+            return list(zip(self.stdout_times, self.stdout_lines))
 
     @property
     def stderr(self) -> str:

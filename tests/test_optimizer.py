@@ -279,3 +279,31 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
         assert opt._matchmaking_window() == 1.0  # no budget: the configured matchmaking time
     finally:
         opt.shutdown()
+
+
+def test_gradient_rounds_send_the_parameters_only_every_k_epochs(dht_node):
+    run = "every"
+    boot = dht_node(run_ids=[run])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    models = [make_model(seed=0), make_model(seed=1)]  # they start apart: the first parameter round joins them
+    peers = [collaborative(model, dht_node(initial_peers=maddrs, run_ids=[run]), run, batch_size_per_step=32,
+                           params_every=3) for model in models]
+    try:
+        assert all(opt.wait_for_peers(2, timeout=30) == 2 for opt in peers)
+        _train_together(peers, models, epochs=7)
+        for opt in peers:
+            ok = [r for r in opt.rounds if r.ok]
+            for r in ok:
+                assert r.averaged == (("gradients", "parameters") if r.epoch % 3 == 0 else ("gradients",)), r
+            grads_only = [r.bytes_sent for r in ok if r.averaged == ("gradients",)]
+            with_params = [r.bytes_sent for r in ok if "parameters" in r.averaged]
+            assert grads_only and with_params, [(r.epoch, r.ok, r.error) for r in opt.rounds]
+            assert max(grads_only) < 0.55 * min(with_params), (grads_only, with_params)
+            first = next(r for r in ok if "parameters" in r.averaged)
+            assert first.param_spread > 0 if first.epoch == 0 else True
+        if all(r.ok for opt in peers for r in opt.rounds):  # then nobody ever stepped alone since epoch 0
+            for p, q in zip(*(m.parameters() for m in models)):
+                assert torch.equal(p, q)
+    finally:
+        for opt in peers:
+            opt.shutdown()

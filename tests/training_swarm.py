@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from swarm import LOOPBACK, Proc, Swarm
 
@@ -11,31 +11,39 @@ from swarm import LOOPBACK, Proc, Swarm
 FAST_TRAINING = ("--matchmaking-time", "1.0", "--round-timeout", "10", "--heartbeat", "1")
 
 
+def _parse_event(line: str) -> Optional[dict]:
+    """The JSON object of an event line, or None for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def timed_events(proc: Proc, kind: str) -> List[Tuple[float, dict]]:
+    """Every `{"event": kind, ...}` JSON line the process printed so far, with the time.monotonic()
+    at which it arrived here (one clock for every process of a swarm)."""
+    found = []
+    for received, line in proc.timed_stdout():
+        event = _parse_event(line)
+        if event is not None and event.get("event") == kind:
+            found.append((received, event))
+    return found
+
+
 def events(proc: Proc, kind: str) -> List[dict]:
     """Every `{"event": kind, ...}` JSON line the process printed so far."""
-    found = []
-    for line in list(proc.stdout_lines):
-        if line.startswith("{"):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == kind:
-                found.append(event)
-    return found
+    return [event for _, event in timed_events(proc, kind)]
 
 
 def wait_event(proc: Proc, kind: str, timeout: float, predicate=lambda event: True) -> dict:
     """The first `kind` event satisfying `predicate`, waiting up to `timeout` seconds."""
 
     def matches(line: str) -> bool:
-        if not line.startswith("{"):
-            return False
-        try:
-            event = json.loads(line)
-        except ValueError:
-            return False
-        return event.get("event") == kind and predicate(event)
+        event = _parse_event(line)
+        return event is not None and event.get("event") == kind and predicate(event)
 
     return json.loads(proc.wait_for_line(matches, timeout))
 

@@ -85,6 +85,7 @@ class _StepRequest:
     scheduled_time: float
     deadline: float  # search end (DHT time): no new declarations or join requests after it
     weight: float
+    schema_hash: bytes  # of this round's tensors: peers group only with peers averaging the same schema
     target_group_size: int = 4
     matchmaking_time: float = 3.0
     grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
@@ -396,8 +397,10 @@ class MoshpitAverager(ServicerBase):
     # ---- one round ----------------------------------------------------------------------------
 
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
-             target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None) -> RoundReport:
-        """Find a group and average `self.tensors` with it in place; blocks; returns the round's report.
+             target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
+             tensors: Optional[Sequence[torch.Tensor]] = None) -> RoundReport:
+        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place; blocks;
+        returns the round's report.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
@@ -407,6 +410,9 @@ class MoshpitAverager(ServicerBase):
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
             compute-budget deadline); default: the configured one
+        :param tensors: this round only: average these instead of `self.tensors` (e.g. views of a part of
+            them: a round that needs less sends less). Peers group only with peers whose round averages the
+            same shapes (the schema hash covers them); UserError for non-float tensors
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
@@ -416,6 +422,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
         if self._loop is None or not self._ready.is_set():
             raise UserError("averager is not started")
+        tensors = self._round_tensors(tensors)
         window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
         timeout = timeout if timeout is not None else 5 * window
         started = time.monotonic()
@@ -428,6 +435,7 @@ class MoshpitAverager(ServicerBase):
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
             weight=float(weight),
+            schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
             target_group_size=target_group_size or self.target_group_size,
             matchmaking_time=window,
             grace=self.request_timeout + ASSEMBLY_GRACE_S,
@@ -454,12 +462,23 @@ class MoshpitAverager(ServicerBase):
                 logger.warning(f"matchmaking: {report.error}")
             return report
         try:
-            self._step_with_group(group, report, matchmaking_s)
+            self._step_with_group(group, report, matchmaking_s, tensors)
         finally:
             self._plane.close_group(group_prefix)
         return report
 
-    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float) -> None:
+    def _round_tensors(self, tensors: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+        if tensors is None:
+            return self.tensors
+        tensors = list(tensors)
+        if not tensors or any(not t.is_floating_point() for t in tensors):
+            raise UserError("a round averages one or more floating-point tensors")
+        if self.error_feedback is not None and sum(t.numel() for t in tensors) != self._numel:
+            raise UserError("with error feedback every round averages all the averager's values")
+        return tensors
+
+    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float,
+                         tensors: List[torch.Tensor]) -> None:
         report.group_id, report.group_size = group.group_id.hex(), group.group_size
         report.my_index = group.peer_ids.index(self.peer_id)
         try:
@@ -472,7 +491,7 @@ class MoshpitAverager(ServicerBase):
             f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
             f"my index {report.my_index}"
         )
-        self._average_with_group(group, members, report)
+        self._average_with_group(group, members, report, tensors)
         report.group_bits, report.coordinates = self.group_bits, self.coordinates
         self.rounds_done += 1
 
@@ -509,6 +528,7 @@ class MoshpitAverager(ServicerBase):
         # Per-round settings, set in the loop thread before this round's search starts. hivemind's
         # Matchmaking reads them on every join request; the group-key manager keeps the configured
         # size (it sets the grid, which must not change between rounds).
+        self._matchmaking.schema_hash = request.schema_hash
         self._matchmaking.target_group_size = request.target_group_size
         self._matchmaking.min_matchmaking_time = request.matchmaking_time
         self._matchmaking.potential_leaders.target_group_size = request.target_group_size
@@ -518,7 +538,8 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
         return await self._matchmaking.look_for_group(request)
 
-    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport) -> None:
+    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
+                            tensors: List[torch.Tensor]) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
@@ -550,7 +571,7 @@ class MoshpitAverager(ServicerBase):
             return flat
 
         with self._lock_tensors:
-            flat, write_back = self._flatten()
+            flat, write_back = self._flatten(tensors)
             sparsifier = self.compression.sparsifier
             if sparsifier is None:
                 dense_allreduce_blocking(flat)
@@ -590,9 +611,8 @@ class MoshpitAverager(ServicerBase):
                 f"{result.rejected_connections} connections"
             )
 
-    def _flatten(self):
-        """A flat fp32 view of the tensors (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
-        tensors = self.tensors
+    def _flatten(self, tensors: List[torch.Tensor]):
+        """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
         if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
                 and tensors[0].device.type == "cpu":
             return tensors[0].view(-1), lambda: None

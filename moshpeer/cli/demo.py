@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from moshpeer.cli.common import check_flags, positive_float
 from moshpeer.errors import UserError
+from moshpeer.peer.strategies import STRATEGIES
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -41,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-seconds", type=positive_float, default=120.0, metavar="S",
                         help="stop after S seconds of training (default: 120)")
     parser.add_argument("--max-epochs", type=int, metavar="N", help="stop peers after N collaborative epochs")
-    parser.add_argument("--averaging", choices=("gradients", "parameters"), default="gradients")
+    parser.add_argument("--averaging", choices=tuple(STRATEGIES), default="gradients")
     parser.add_argument("--compression", default="none", metavar="CODEC")
     parser.add_argument("--group-size", type=int, metavar="N", help="Moshpit group size (default: min(peers, 4))")
     parser.add_argument("--target-batch-size", type=int, metavar="N", help="global batch (default: the task's)")

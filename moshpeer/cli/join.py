@@ -28,6 +28,7 @@ from moshpeer.cli.common import (
     positive_float,
 )
 from moshpeer.errors import UserError
+from moshpeer.peer.strategies import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -81,8 +82,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="samples the swarm gathers per collaborative epoch (default: the task's)")
     group.add_argument("--batch-size", type=_positive_int, metavar="N",
                        help="micro-batch size of this peer (default: the task's)")
-    group.add_argument("--averaging", choices=("gradients", "parameters"), default="gradients",
+    group.add_argument("--averaging", choices=tuple(STRATEGIES), default="gradients",
                        help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
+    group.add_argument("--params-every", type=_positive_int, metavar="K",
+                       help="gradients mode: rounds send gradients only, and every K epochs the parameters too, "
+                       "to pull peers back together (default: 10; 1: every round)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
@@ -198,6 +202,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
     return TrainerConfig(
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
+        params_every=args.params_every,
         compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,

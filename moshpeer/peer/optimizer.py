@@ -10,19 +10,13 @@
 It *is* a `torch.optim.Optimizer` (its `param_groups` and `state` are the wrapped optimizer's),
 so LR schedulers and `transformers.Trainer(optimizers=(opt, scheduler))` work unchanged.
 
-averaging="gradients" (large-batch training across the swarm)
-  `step()` adds the current gradients, weighted by the samples they came from, to an accumulator.
-  The collaborative epoch ends when this peer has computed its share of `target_batch_size`
-  (target / live trainers), or the swarm as a whole reports the target reached, or the DropCompute
-  budget for the epoch is spent. Then the peer averages its mean gradient with a Moshpit group,
-  weighted by samples, and every peer applies the same averaged gradient with the wrapped
-  optimizer. When the swarm is larger than one group, groups receive different averages; the
-  Moshpit SGD recipe keeps peers together by averaging the parameters in the same round (they
-  travel with the gradients), and `last_round.param_spread` reports how far this peer's
-  parameters were from its group's mean before that.
-averaging="parameters" (Moshpit SGD / local SGD)
-  every `step()` is a local optimizer step; at the end of each collaborative epoch the peer
-  averages its parameters and the optimizer's per-parameter statistics (e.g. Adam's moments).
+The collaborative epoch ends when this peer has computed its share of `target_batch_size`
+(target / live trainers), or the swarm as a whole reports the target reached, or the DropCompute
+budget for the epoch is spent. Then the peer averages with a Moshpit group. What a round averages
+and how the average is applied is the averaging strategy's job (moshpeer/peer/strategies/):
+"gradients" (large-batch training: the epoch's mean gradient, weighted by samples, then one inner
+step on the group's average), "parameters" (Moshpit SGD / local SGD: local steps, then the
+parameters and optimizer statistics are averaged), or any `AveragingStrategy` instance.
 
 Epochs: every peer publishes (epoch, samples) in its signed DHT record (`SwarmProgress`). A peer
 whose epoch is behind the swarm's by more than `max_epoch_lag` downloads the state of the most
@@ -30,8 +24,8 @@ advanced donor (`state_sync`) instead of averaging stale gradients. A peer that 
 (alone, or everyone else timed out) steps on its own gradients: training never stops for lack of
 peers. Every wait is bounded (matchmaking time, round timeout, download timeout).
 
-This module runs the epochs; its helpers each do one job: rounds.py (`CollaborativeRound`, the record
-of one epoch), averaged_buffers.py (what is averaged and where it lies), loss_phase.py (the DBLP
+This module runs the epochs; its helpers each do one job: strategies/ (what a round averages and how
+it is applied), rounds.py (`CollaborativeRound`, the record of one epoch), loss_phase.py (the DBLP
 phase signal), error_feedback.py (EF21M state), speed_meter.py (samples per second), and progress.py /
 state_sync.py / dropcompute.py (swarm progress, state download, compute budget).
 """
@@ -49,7 +43,6 @@ import torch
 
 from moshpeer.dht import SwarmDHT, start_dht, validate_run_id
 from moshpeer.errors import UserError
-from moshpeer.peer.averaged_buffers import flat_buffer_views, optimizer_statistics, param_spread
 from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 from moshpeer.peer.error_feedback import (
     check_error_feedback_state,
@@ -61,6 +54,8 @@ from moshpeer.peer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.progress import ProgressSnapshot, RecordPublisher, SwarmProgress
 from moshpeer.peer.rounds import CollaborativeRound  # also imported from here: keep this path
 from moshpeer.peer.speed_meter import SpeedMeter
+from moshpeer.peer.strategies import make_strategy
+from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
 from moshpeer.peer.state_sync import (
     DownloadedState,
     StateDownloadFailed,
@@ -71,7 +66,6 @@ from moshpeer.peer.state_sync import (
 
 logger = logging.getLogger(__name__)
 
-AVERAGING_MODES = ("gradients", "parameters")
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
 # takes a few round trips), even when the budget deadline is closer than this. Under load the round
 # trips take longer: the floor is then ASSEMBLY_MARGIN x the fastest recent assembly of a full group.
@@ -94,7 +88,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param daemon: a started `PeerDaemon` (membership, heartbeat); or
     :param dht: a running `SwarmDHT` (this optimizer then publishes its own record); or
     :param initial_peers: multiaddrs of a swarm; this optimizer starts its own DHT node
-    :param averaging: "gradients" or "parameters"
+    :param averaging: a strategy name from `STRATEGIES` ("gradients", "parameters") or an
+        `AveragingStrategy` instance (then average_parameters / average_optimizer_state are its own)
     :param compression: codec name for averaging ("none", "fp16", ...)
     :param group_size: target Moshpit group size
     :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
@@ -104,9 +99,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         EF21M's estimate is meaningful for gradients only). An `EF21M` given in
         `averager_kwargs["error_feedback"]` is used the same way.
     :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
-    :param average_parameters: gradients mode: also adopt the group's average parameters each round
-        ("auto": always without compression; with a lossy codec only when the swarm has more
-        trainers than `group_size`, where groups would drift apart)
+    :param average_parameters, params_every, average_optimizer_state: options of the "gradients" and
+        "parameters" strategies (see GradientsStrategy, ParametersStrategy; None: the strategy's default)
     :param matchmaking_time, round_timeout: averaging deadlines (seconds)
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
@@ -130,7 +124,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         dht: Optional[SwarmDHT] = None,
         initial_peers: Sequence[str] = (),
         host: str = "127.0.0.1",
-        averaging: str = "gradients",
+        averaging: Union[str, AveragingStrategy] = "gradients",
         compression: str = "none",
         group_size: int = 4,
         min_group_size: int = 2,
@@ -139,6 +133,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         role: str = "trainer",
         average_parameters: Union[bool, str] = "auto",
         average_optimizer_state: bool = True,
+        params_every: Optional[int] = None,
         matchmaking_time: float = 1.0,
         round_timeout: float = 10.0,
         max_epoch_lag: int = 1,
@@ -156,8 +151,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if averaging not in AVERAGING_MODES:
-            raise UserError(f"averaging must be one of {AVERAGING_MODES}, got {averaging!r}")
+        self.strategy = make_strategy(averaging, average_parameters=average_parameters, params_every=params_every,
+                                      average_optimizer_state=average_optimizer_state)
+        averaging = self.strategy.name
         if role not in ("trainer", "aux"):
             raise UserError(f"role must be 'trainer' or 'aux', got {role!r}")
         if target_batch_size < 1 or (batch_size_per_step is not None and batch_size_per_step < 1):
@@ -176,8 +172,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.compression = compression
         self.group_size = group_size
         self.role = role
-        self.average_parameters = average_parameters
-        self.average_optimizer_state = average_optimizer_state
         self.matchmaking_time = matchmaking_time
         self.round_timeout = round_timeout
         self.max_epoch_lag = max_epoch_lag
@@ -220,7 +214,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.rounds: List[CollaborativeRound] = []
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
-        self._grad_accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`).
+        self.grad_sums = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self._loss_phase = LossPhaseTracker()
         self._speed = SpeedMeter()
         # "auto" simulates a synchronous group of `group_size` workers from this peer's own times.
@@ -252,14 +247,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                       own_record=own_record, publish=publish, refresh_interval=progress_refresh,
                                       on_refresh=on_refresh)
 
-        # ---- averaging: one Moshpit averager over a fixed set of buffers ----
-        self._averaged = self._averaged_buffers()
+        # ---- averaging: the strategy's buffer, one Moshpit averager over it ----
+        self.strategy.bind(self)
         from moshpeer.averaging import MoshpitAverager  # peer > averaging: allowed, imported late (heavy)
 
         averager_kwargs.setdefault("loss_budget", self._loss_budget_setting)
 
         self.averager = MoshpitAverager(
-            [self._flat], dht=self.dht, run_id=f"{run_id}.{averaging}", target_group_size=group_size,
+            [self.strategy.buffer], dht=self.dht, run_id=f"{run_id}.{averaging}", target_group_size=group_size,
             min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
             round_timeout=round_timeout, host=host, **averager_kwargs)
 
@@ -336,17 +331,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if batch_size is None:
             raise UserError("pass step(batch_size=...) or set batch_size_per_step")
         with self.lock:
-            # Gradients mode averages the accumulated gradients; parameters mode keeps them only as the
+            # Gradient sums are what the gradients strategy averages; the others keep them only as the
             # phase signal of a phase-aware loss budget.
-            if self.averaging == "gradients" or self._loss_budget_setting.phase_aware:
-                for acc, p in zip(self._grad_accumulators, self.params):
+            if self.strategy.accumulates_gradients or self._loss_budget_setting.phase_aware:
+                for acc, p in zip(self.grad_sums, self.params):
                     if p.grad is not None:
                         acc.add_(p.grad, alpha=float(batch_size))
-            if self.averaging != "gradients":
-                self.inner.step()
-                self.local_steps += 1
+            if self.strategy.steps_locally:
+                self.inner_step()
             self.samples_accumulated += int(batch_size)
             self.total_samples += int(batch_size)
+            self.strategy.on_micro_batch(int(batch_size))
         self._speed.add(batch_size)
         self._record_micro_batch(batch_size)
         self._report_progress()
@@ -408,23 +403,22 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         round_ = CollaborativeRound(epoch=self.local_epoch, samples=self.samples_accumulated, ok=False,
                                     stopped_by_budget=stopped_by_budget, swarm_samples=snapshot.samples_accumulated,
                                     num_trainers=snapshot.num_trainers, group_target=self.group_target(snapshot))
-        with_params = self._average_params_now(snapshot)
         with self.lock:
-            self._fill_averaged_buffers(with_params)
+            plan = self.strategy.plan_round(self.local_epoch, snapshot)
         # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
-        report = None if alone else self._run_round(weight=float(self.samples_accumulated),
+        report = None if alone else self._run_round(plan, weight=float(self.samples_accumulated),
                                                     target_group_size=round_.group_target,
                                                     matchmaking_time=self._matchmaking_window())
         self._note_assembly(report, round_.group_target)
         round_.result = report
         with self.lock:
             if report is not None and getattr(report, "ok", False):
-                self._adopt_round(round_, report, with_params)
+                self._adopt_round(round_, report, plan)
             else:
                 round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
                                                       else "abandoned")
-                self._apply_local()
-            self._update_loss_phase(round_, report)
+                self.strategy.apply_alone(plan)
+            self._update_loss_phase(round_, report, plan)
             self._finish_epoch()
         self.rounds.append(round_)
         return round_
@@ -485,12 +479,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         """The averager's `LossBudget` (phase, current budget P)."""
         return self.averager.loss_budget
 
-    def _update_loss_phase(self, round_: CollaborativeRound, report: Any) -> None:
-        """Let the loss budget see this epoch's gradient: averaged in gradients mode (after a round),
+    def _update_loss_phase(self, round_: CollaborativeRound, report: Any, plan: RoundPlan) -> None:
+        """Let the loss budget see this epoch's gradient: the round's average if the strategy averaged one,
         else this peer's mean local gradient."""
-        averaged = self._averaged[:len(self.params)] if self.averaging == "gradients" and round_.ok else None
+        averaged = self.strategy.averaged_gradient(plan) if round_.ok else None
         self._loss_phase.after_round(round_, report, self.averager.loss_budget,
-                                     epoch_gradient(averaged, self._grad_accumulators, self.samples_accumulated))
+                                     epoch_gradient(averaged, self.grad_sums, self.samples_accumulated))
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
         """Aux peers: take part in the swarm's next averaging round with weight 0.
@@ -517,7 +511,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return None
 
     @torch.no_grad()
-    def _adopt_round(self, round_: CollaborativeRound, report: Any, with_params: bool) -> None:
+    def _adopt_round(self, round_: CollaborativeRound, report: Any, plan: RoundPlan) -> None:
         """Apply a successful round's averages and copy its report into `round_` (caller holds the lock)."""
         round_.ok = True
         round_.result = report
@@ -526,23 +520,24 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         round_.lost_fraction = float(report.lost_fraction)
         round_.matchmaking_s = float(report.matchmaking_s)
         round_.averaging_s = float(report.total_s)
-        round_.param_spread = self._apply_averaged(with_params)
+        round_.bytes_sent = int(report.bytes_sent)
+        round_.averaged = plan.averages
+        round_.param_spread = self.strategy.apply_averaged(plan)
 
     def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
         """One weight-0 round of an aux peer; it advances its epoch only when it averaged."""
         round_ = CollaborativeRound(epoch=self.local_epoch, samples=0, ok=False,
                                     swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers,
                                     group_target=self.group_target(snapshot))
-        with_params = self._average_params_now(snapshot)
         with self.lock:
-            self._fill_averaged_buffers(with_params)
-        report = self._run_round(weight=0.0, target_group_size=round_.group_target,
+            plan = self.strategy.plan_round(self.local_epoch, snapshot)
+        report = self._run_round(plan, weight=0.0, target_group_size=round_.group_target,
                                  matchmaking_time=AUX_WINDOW_FACTOR * self.matchmaking_time)
         if report is None or not getattr(report, "ok", False):
             self.failed_rounds += 1
             return None
         with self.lock:
-            self._adopt_round(round_, report, with_params)
+            self._adopt_round(round_, report, plan)
             self._finish_epoch()
         self.rounds.append(round_)
         return round_
@@ -575,7 +570,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 model_state = {str(i): p.detach().clone() for i, p in enumerate(self.params)}
             return {"format": 1, "epoch": self.local_epoch, "steps": self.local_steps, "model": model_state,
                     "optimizer": self.inner.state_dict(), "has_model": self.model is not None,
-                    "error_feedback": error_feedback_state(self.error_feedback)}
+                    "error_feedback": error_feedback_state(self.error_feedback),
+                    "strategy": self.strategy.state_dict()}
 
     def load_collaborative_state(self, state: Dict[str, Any]) -> None:
         """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
@@ -592,6 +588,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             elif self.error_feedback is not None:
                 # The donor keeps none: start ours afresh rather than keep an estimate of other parameters.
                 self._load_error_feedback(fresh_error_feedback_state(self.error_feedback))
+            self.strategy.load_state_dict(state.get("strategy") or {})
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
@@ -603,17 +600,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         with self.lock:
             return {"epoch": self.local_epoch, "steps": self.local_steps,
                     "samples_accumulated": self.samples_accumulated, "total_samples": self.total_samples,
-                    "grad_accumulators": list(self._grad_accumulators), "optimizer": self.inner.state_dict()}
+                    "grad_accumulators": list(self.grad_sums), "optimizer": self.inner.state_dict()}
 
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Continue exactly from a `checkpoint_state()` (the model's parameters are the caller's to load)."""
         saved = state["grad_accumulators"]
-        if len(saved) != len(self._grad_accumulators) or any(
-                s.shape != a.shape for s, a in zip(saved, self._grad_accumulators)):
+        if len(saved) != len(self.grad_sums) or any(
+                s.shape != a.shape for s, a in zip(saved, self.grad_sums)):
             raise ValueError("checkpoint's gradient accumulators do not match this model")
         with self.lock, torch.no_grad():
             self.inner.load_state_dict(state["optimizer"])
-            for acc, value in zip(self._grad_accumulators, saved):
+            for acc, value in zip(self.grad_sums, saved):
                 acc.copy_(value)
             self.local_epoch, self.local_steps = int(state["epoch"]), int(state["steps"])
             self.samples_accumulated = int(state["samples_accumulated"])
@@ -663,46 +660,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _averaged_buffers(self) -> List[torch.Tensor]:
-        """The averager's tensors, as views of one flat fp32 buffer (the averager then works on it
-        without copying). gradients: [grads..., params...]; parameters: [params..., optimizer stats...]."""
-        copies = 1 if self.error_feedback is not None else 2  # error feedback: gradients only
-        self._flat, views = flat_buffer_views(self.params, copies)
-        return views
-
-    def _average_params_now(self, snapshot: ProgressSnapshot) -> bool:
-        if self.averaging == "parameters":
-            return True
-        if self.error_feedback is not None:
-            return False  # parameters are not in the averaged buffer
-        if self.average_parameters == "auto":
-            # The parameters travel in every round anyway (one fixed buffer). Adopting their average
-            # re-syncs peers that once stepped alone; with a lossy codec it would also add codec
-            # noise to the weights, so then only when groups drift apart (swarm larger than a group).
-            return self.compression == "none" or snapshot.num_trainers > self.group_size
-        return bool(self.average_parameters)
-
-    def _fill_averaged_buffers(self, with_params: bool) -> None:
-        n = len(self.params)
-        if self.averaging == "gradients":
-            scale = 1.0 / max(self.samples_accumulated, 1)
-            for buf, acc in zip(self._averaged[:n], self._grad_accumulators):
-                buf.copy_(acc).mul_(scale)
-            for buf, p in zip(self._averaged[n:], self.params):
-                buf.copy_(p.detach())  # sent even when not averaged: a fixed tensor list; see _apply
-        else:
-            for buf, p in zip(self._averaged[:n], self.params):
-                buf.copy_(p.detach())
-            stats = self._optimizer_statistics()
-            for buf, p in zip(self._averaged[n:], self.params):
-                stat = stats.get(p)
-                buf.copy_(stat) if stat is not None else buf.zero_()
-
-    def _optimizer_statistics(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
-        """One averaged statistic per parameter: Adam's second moment / SGD's momentum, if present."""
-        return optimizer_statistics(self.inner, self.params) if self.average_optimizer_state else {}
-
-    def _run_round(self, weight: float, target_group_size: Optional[int] = None,
+    def _run_round(self, plan: RoundPlan, weight: float, target_group_size: Optional[int] = None,
                    matchmaking_time: Optional[float] = None) -> Any:
         """Run one averaging round in a helper thread; abandon it if a stop is requested."""
         result: Dict[str, Any] = {}
@@ -711,7 +669,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         def target() -> None:
             try:
                 result["report"] = self.averager.step(weight=weight, timeout=2 * window,
-                                                      target_group_size=target_group_size, matchmaking_time=window)
+                                                      target_group_size=target_group_size, matchmaking_time=window,
+                                                      tensors=plan.tensors)
             except Exception as e:
                 logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
                 result["error"] = e
@@ -725,46 +684,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 return None
         return result.get("report")
 
-    def _apply_averaged(self, with_params: bool) -> Optional[float]:
-        n = len(self.params)
-        spread = None
-        if self.averaging == "gradients":
-            if with_params:
-                spread = param_spread(self.params, self._averaged[n:])
-                for p, avg in zip(self.params, self._averaged[n:]):
-                    p.copy_(avg)
-            for p, avg in zip(self.params, self._averaged[:n]):
-                p.grad = avg.to(device=p.device, dtype=p.dtype).clone()
-            self.inner.step()
-            self.local_steps += 1
-        else:
-            spread = param_spread(self.params, self._averaged[:n])
-            for p, avg in zip(self.params, self._averaged[:n]):
-                p.copy_(avg)
-            for p, buf in zip(self.params, self._averaged[n:]):
-                stat = self._optimizer_statistics().get(p)
-                if stat is not None:
-                    stat.copy_(buf.clamp_min(0) if self.inner.state[p].get("exp_avg_sq") is stat else buf)
-        return spread
-
-    def _apply_local(self) -> None:
-        if self.averaging == "gradients" and self.samples_accumulated > 0:
-            scale = 1.0 / self.samples_accumulated
-            for p, acc in zip(self.params, self._grad_accumulators):
-                p.grad = (acc * scale).to(dtype=p.dtype)
-            self.inner.step()
-            self.local_steps += 1
+    def inner_step(self) -> None:
+        """One step of the wrapped optimizer on the current `.grad`s (strategies call it), counted."""
+        self.inner.step()
+        self.local_steps += 1
 
     def _finish_epoch(self) -> None:
         self.local_epoch += 1
         self._reset_accumulators()
-        if self.averaging == "gradients":
-            self.inner.zero_grad(set_to_none=True)
         self._report_progress(force=True)
         self._advertise()
 
     def _reset_accumulators(self) -> None:
-        for acc in self._grad_accumulators:
+        for acc in self.grad_sums:
             acc.zero_()
         self.samples_accumulated = 0
         self._begin_budget_step()

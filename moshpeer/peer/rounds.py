@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from moshpeer.averaging.report import RoundReport
 
@@ -20,6 +20,8 @@ class CollaborativeRound:
     lost_fraction: float = 0.0
     matchmaking_s: float = 0.0
     averaging_s: float = 0.0
+    bytes_sent: int = 0  # this peer, both phases of the round
+    averaged: Tuple[str, ...] = ()  # what the round averaged, e.g. ("gradients",) or ("gradients", "parameters")
     param_spread: Optional[float] = None  # ||params - group mean|| / ||group mean|| before the round
     stopped_by_budget: bool = False
     dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)

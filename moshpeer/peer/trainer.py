@@ -52,6 +52,7 @@ class TrainerConfig:
     target_batch_size: Optional[int] = None  # default: the task's
     batch_size: Optional[int] = None  # micro-batch; default: the task's
     averaging: str = "gradients"
+    params_every: Optional[int] = None  # gradients mode: epochs between parameter rounds (None: the default)
     compression: str = "none"
     error_feedback: bool = False  # EF21M state around a sparsifying codec (arc-topk)
     group_size: int = 4
@@ -120,6 +121,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
+        params_every=config.params_every,
         compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
         compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
@@ -224,6 +226,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
             "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
             "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
+            "bytes_sent": round_.bytes_sent, "averaged": list(round_.averaged),
             "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
             "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
             "num_trainers": round_.num_trainers, "error": round_.error,

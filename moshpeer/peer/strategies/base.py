@@ -1,0 +1,117 @@
+"""Averaging strategies: what a collaborative round averages and how its average is applied.
+
+`CollaborativeOptimizer` runs the epochs (progress toward the target batch, catch-up, deadlines, the
+commit decision); an `AveragingStrategy` is everything that differs between averaging modes. Adding
+a mode (e.g. DiLoCo) means adding one subclass and, if it should be selectable by name, one entry in
+`moshpeer.peer.strategies.STRATEGIES`.
+
+Life of a strategy inside a `CollaborativeOptimizer` (all calls under the optimizer's lock, from the
+training thread, except `state_dict`, which the state server may call from another thread):
+
+    bind(host)              once, before the averager exists: keep the host, allocate `buffer`
+    buffer                  one flat fp32 tensor; the averager is built over [buffer] and every round
+                            averages a list of views of it (the `RoundPlan`)
+    on_micro_batch(n)       after each `step()` that accounted n samples (the gradients are already
+                            added to host.grad_sums when `accumulates_gradients` is True)
+    plan_round(epoch, swarm) the epoch is over: fill the buffer, say what this round averages
+    apply_averaged(plan)    the round succeeded: the plan's tensors hold the group's (weighted) average;
+                            make the model and the inner optimizer use it; returns the parameter spread
+                            (||params - group mean|| / ||group mean|| before adopting) or None
+    apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
+    averaged_gradient(plan) the gradient of this epoch after a successful round, if the strategy averages
+                            one (the DBLP phase signal uses it; else the local mean gradient is used)
+    state_dict() / load_state_dict(state)
+                            strategy state a newcomer or a checkpoint needs besides the model and the
+                            inner optimizer (e.g. DiLoCo's anchor parameters and outer optimizer);
+                            load_state_dict raises ValueError when the state does not fit
+
+The host (`StrategyHost`, in practice the `CollaborativeOptimizer`) offers: `params`, `inner` (the wrapped
+torch optimizer), `grad_sums` (per parameter, gradients x samples summed over this epoch),
+`samples_accumulated`, the averaging settings `compression`, `group_size` and `error_feedback` (an EF21M
+state or None), and `inner_step()` (one inner optimizer step, counted in `local_steps`).
+
+Failure: a strategy raises `UserError` from its constructor or `bind` for settings that cannot work; it
+never sees the network (the averager checks everything that arrives) and its apply methods only do
+tensor arithmetic on tensors it allocated.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from moshpeer.peer.progress import ProgressSnapshot
+
+
+class StrategyHost(Protocol):
+    """What a strategy may use of its optimizer (see the module docstring)."""
+
+    params: List[torch.nn.Parameter]
+    inner: torch.optim.Optimizer
+    grad_sums: List[torch.Tensor]
+    samples_accumulated: int
+    compression: str
+    group_size: int
+    error_feedback: Any
+
+    def inner_step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round averages: `tensors` (views of the strategy's buffer, filled) and what they hold,
+    e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`."""
+
+    tensors: Tuple[torch.Tensor, ...]
+    averages: Tuple[str, ...]
+
+
+class AveragingStrategy(abc.ABC):
+    """One averaging mode of `CollaborativeOptimizer`; see the module docstring for the call order."""
+
+    name: ClassVar[str]
+    # step() adds each micro-batch's gradients, times its samples, to host.grad_sums.
+    accumulates_gradients: ClassVar[bool] = False
+    # Every step() is an inner optimizer step (local SGD); else the inner optimizer steps at the epoch end.
+    steps_locally: ClassVar[bool] = False
+
+    host: StrategyHost
+    buffer: torch.Tensor
+
+    def bind(self, host: StrategyHost) -> None:
+        """Attach to an optimizer and allocate `buffer` (once, before the averager is built)."""
+        self.host = host
+
+    def on_micro_batch(self, batch_size: int) -> None:
+        """After each step() of `batch_size` samples (gradients accounted, local step taken)."""
+
+    @abc.abstractmethod
+    def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
+        """Fill the buffer for this epoch's round and say what it averages."""
+
+    @abc.abstractmethod
+    def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
+        """Apply a successful round (the plan's tensors hold the average); returns the parameter spread."""
+
+    @abc.abstractmethod
+    def apply_alone(self, plan: Optional[RoundPlan]) -> None:
+        """This epoch ends without a group: step on local data (plan is None if none was made)."""
+
+    def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:
+        """This epoch's averaged gradient after a successful round, if the round averaged one."""
+        return None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Strategy state that travels with checkpoints and downloaded states (tensors are copies)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Adopt a `state_dict()`; ValueError when it does not fit."""
+        if state:
+            raise ValueError(f"{self.name} strategy keeps no state, got {sorted(state)}")
+
+    def describe(self) -> str:
+        return self.name
