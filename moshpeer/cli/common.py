@@ -140,7 +140,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Check every flag a command has before anything starts (no DHT, no peer record, no file written).
 
     Codec, task and its arguments, compute budget, error feedback with its codec, and the paths
-    (--checkpoint-dir, --out, --preemption-notice), and that --metrics-port is free. The library's own parsers do the checking, so the
+    (--checkpoint-dir, --out, --preemption-notice, --events), and that --metrics-port is free. The library's own parsers do the checking, so the
     command accepts exactly what the library does. Flags a command lacks are skipped; with `--no-train`
     the training flags are. (Multiaddrs, ports and the identity file are checked by the DHT's start,
     before anything listens.)
@@ -168,8 +168,10 @@ def check_flags(args: argparse.Namespace) -> None:
         path = getattr(args, flag, None)
         if path is not None:
             check_directory_flag(f"--{flag.replace('_', '-')}", path)
-    if getattr(args, "preemption_notice", None) is not None:
-        check_file_flag("--preemption-notice", args.preemption_notice)
+    for flag in ("preemption_notice", "events"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            check_file_flag(f"--{flag.replace('_', '-')}", path)
     if getattr(args, "metrics_port", None) is not None:
         from moshpeer.peer.metrics import check_metrics_port
 
