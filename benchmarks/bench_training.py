@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -163,7 +163,9 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
 # ---- moshpeer -----------------------------------------------------------------------------------
 
 
-def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str) -> dict:
+def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str,
+                 extra_args: Optional[Callable[[int], List[str]]] = None) -> dict:
+    """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults)."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
@@ -184,6 +186,8 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 argv += ["--compute-budget", budget]
             if straggler and i == 0:
                 argv += ["--straggler", straggler]
+            if extra_args is not None:
+                argv += extra_args(i)
             peers.append(Child(argv, e))
         children += peers
         for i in range(args.aux):  # weight-0 helpers: not in `peers`, so not in the figures

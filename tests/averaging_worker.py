@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--round-timeout", type=float, default=20.0)
     parser.add_argument("--faults", default="")
+    parser.add_argument("--aggregation", default="mean")
     parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
     parser.add_argument("--host", default="127.0.0.1", help="address of this peer's DHT and data plane")
     args = parser.parse_args()
@@ -75,6 +76,7 @@ def main() -> int:
         faults=FaultConfig.parse(args.faults) if args.faults else None,
         transport=args.transport,
         host=args.host,
+        aggregation=args.aggregation,
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print(json.dumps({"event": "ready", "maddrs": maddrs, "index": args.index, "pid": os.getpid(),

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, GroupMember, wire
+from local_group import credentials, members as group_members
+
+from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, wire
 from moshpeer.averaging.loss_budget import CRITICAL, NORMAL, LossBudget
 from moshpeer.compression import get_compression
 
@@ -88,15 +90,16 @@ def _round(loss_budget: float, slow_delay: float = 0.15, faults=None, group_id: 
     or, with `faults`, every member's outgoing chunks go through that FaultConfig."""
     n, numel, chunk = 4, 4096, 64
     planes = [DataPlane() for _ in range(n)]
-    members = [GroupMember(*p.address, 1.0) for p in planes]
+    members = group_members([p.address for p in planes])
     tensors = [torch.randn(numel) + k for k in range(n)]
     group_id = group_id or os.urandom(20)  # a fixed id replays the same fault decisions (their RNG is seeded by it)
     results = [None] * n
 
     def run(k: int) -> None:
+        tag = wire.allreduce_tag(group_id, 0)
         results[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=wire.allreduce_tag(group_id, 0),
-            secret=b"s" * 32, compression=get_compression("none"), chunk_numel=chunk,
+            planes[k], tensors[k], members=members, my_index=k, tag=tag,
+            secret=b"s" * 32, credentials=credentials(tag, k), compression=get_compression("none"), chunk_numel=chunk,
             deadline=time.monotonic() + 8.0, loss_budget=loss_budget,
             faults=faults if faults is not None else (FaultConfig(delay_s=slow_delay) if k == 3 else None),
         ).run()
@@ -180,9 +183,10 @@ def test_allowance_is_per_receiver_and_phase():
     n, numel, chunk, budget = 4, 4096 + 100, 64, 0.05
     planes = [DataPlane() for _ in range(n)]
     try:
-        members = [GroupMember(*p.address, 1.0) for p in planes]
+        members = group_members([p.address for p in planes])
         rounds = [GroupAllReduce(planes[k], torch.zeros(numel), members=members, my_index=k,
                                  tag=wire.allreduce_tag(b"a" * 20, 0), secret=b"s" * 32,
+                                 credentials=credentials(wire.allreduce_tag(b"a" * 20, 0), k),
                                  compression=get_compression("none"), chunk_numel=chunk,
                                  deadline=time.monotonic() + 5, loss_budget=budget) for k in range(n)]
         partition = rounds[0].partition

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 from compression_bounds import allreduce_error_bound, exact_mean
+from local_group import credentials, members as group_members
 
 from moshpeer.averaging import wire
-from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
+from moshpeer.averaging.allreduce import GroupAllReduce
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.compression import get_compression
 
@@ -24,14 +25,14 @@ CODECS = ["none", "fp16", "bf16", "int8", "int4", "int4-int8", "int8:sr", "int4-
 def group_allreduce(spec: str, inputs, weights, chunk_numel: int):
     """One all-reduce of `inputs` (one member per thread); returns (results, reports)."""
     planes = [DataPlane() for _ in inputs]
-    members = [GroupMember(*plane.address, w) for plane, w in zip(planes, weights)]
+    members = group_members([plane.address for plane in planes], weights)
     tensors = [x.clone() for x in inputs]
     reports = [None] * len(inputs)
     tag = wire.allreduce_tag(os.urandom(20), 0)
 
     def member(k: int) -> None:
         reports[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"k" * 32,
+            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"k" * 32, credentials=credentials(tag, k),
             compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
         ).run()
 

@@ -19,18 +19,19 @@ chunk keeps its own value for it. Every wait is bounded by the round's absolute 
 Connections: direct TCP to a member's announced address; when a member announced none, or the
 direct connection cannot be opened, the sender asks `relay` for a libp2p stream to the member's peer
 id (bridged into a local socket pair, see relay.py) and runs the same handshake and protocol on it.
-A member that refuses our authenticated hello (it is not in this round: matchmaking disagreed) or
-cannot prove the group secret itself is "absent": nothing is expected from it and the report says so.
+Every connection is authenticated (`handshake.py`): each end proves it is the libp2p peer that
+matchmaking named for its index, and every frame carries a MAC under a key only the two ends hold.
+One inbound connection per member per all-reduce: a second one is refused. A frame whose MAC fails
+ends its connection; what it would have delivered counts as lost. A member that refuses our hello
+(it is not in this round: matchmaking disagreed) or cannot prove its identity is "absent": nothing
+is expected from it and the report says so.
 """
 
 from __future__ import annotations
 
 import heapq
-import hmac
 import logging
 import math
-import os
-import select
 import socket
 import threading
 import time
@@ -39,8 +40,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from moshpeer.averaging import wire
+from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weights, check_aggregation, robust_combine,
+                                            weight_cap_factor)
 from moshpeer.averaging.dataplane import DataPlane, _close
+from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
 from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
@@ -87,12 +91,15 @@ class GroupMember:
 RelayConnect = Callable[[bytes, float], socket.socket]
 
 
-class MemberRefused(ConnectionError):
-    """The member closed the connection after our hello: it is not in this round (or rejected our proof)."""
+@dataclass
+class _Outbound:
+    """Our authenticated connection to one member: the socket and the MACs of our frames on it."""
 
+    sock: socket.socket
+    auth: FrameAuth
 
-class MemberNotAuthentic(ProtocolError):
-    """The member answered our hello without proving it knows the group secret."""
+    def send(self, header: bytes, payload=b"") -> None:
+        handshake.send_frame(self.sock, self.auth, header, payload)
 
 
 @dataclass
@@ -108,6 +115,9 @@ class AllReduceResult:
     total_s: float
     absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
     relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
+    # Per member index: chunks of our part in which the robust aggregation clipped or trimmed its contribution.
+    flagged: List[int] = field(default_factory=list)
+    nonfinite_averages: int = 0  # chunks whose average was not finite: our own value was kept and sent instead
 
 
 class GroupAllReduce:
@@ -115,12 +125,17 @@ class GroupAllReduce:
 
     :param plane: this peer's data-plane server (already listening at members[my_index])
     :param tag: 8-byte tag of this all-reduce (see `wire.allreduce_tag`); secret: the group secret
+    :param credentials: this member's signed round key (`RoundCredentials.create(identity,
+        wire.tag_group(tag), my_index)`); every member's `peer_id` must be its libp2p peer id
     :param deadline: absolute `time.monotonic()` by which everything ends; reduce_deadline: by which
         owners stop waiting for contributions (defaults to 60% of the way to `deadline`)
     :param loss_budget: DBLP budget P: stop waiting once at most this fraction of a phase's chunks is missing
         (0 = wait for everything until the deadlines)
     :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
     :param force_relay: send to every member over `relay`, never directly
+    :param aggregation: how this owner combines its part's contributions: "mean", "clipped" or "trimmed"
+        (aggregation.py); declared weights are capped in every mode
+    :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
     """
 
     def __init__(
@@ -132,6 +147,7 @@ class GroupAllReduce:
         my_index: int,
         tag: bytes,
         secret: bytes,
+        credentials: RoundCredentials,
         compression: Compression,
         chunk_numel: int,
         deadline: float,
@@ -140,6 +156,8 @@ class GroupAllReduce:
         loss_budget: float = 0.0,
         relay: Optional[RelayConnect] = None,
         force_relay: bool = False,
+        aggregation: str = "mean",
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -148,6 +166,9 @@ class GroupAllReduce:
         self.plane, self.flat, self.members = plane, flat, list(members)
         self.my_index, self.group_size = my_index, len(self.members)
         self.tag, self.secret = tag, secret
+        if credentials.index != my_index or credentials.group_prefix != wire.tag_group(tag):
+            raise ValueError("credentials were made for another group or member index")
+        self.credentials = credentials
         self.compression, self.faults, self.loss_budget = compression, faults, loss_budget
         self.deadline = deadline
         self.relay, self.force_relay = relay, force_relay
@@ -156,7 +177,8 @@ class GroupAllReduce:
         now = time.monotonic()
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
-        self.weights = [float(m.weight) for m in self.members]
+        self.aggregation = check_aggregation(aggregation)
+        self.weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         self.others = [i for i in range(self.group_size) if i != my_index]
 
         me = my_index
@@ -165,6 +187,15 @@ class GroupAllReduce:
         # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
         # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
         self.others_sum = torch.empty(end - start, dtype=torch.float32)
+        # Robust modes: each member's contribution to our part, a row per member (ours stays in `flat`).
+        self.contributions: Optional[torch.Tensor] = None
+        if self.aggregation != "mean":
+            if self.group_size * (end - start) * 4 > max_buffer_bytes:
+                raise ValueError(f"{self.aggregation} aggregation would buffer {self.group_size * (end - start) * 4} "
+                                 f"bytes, over the limit of {max_buffer_bytes}")
+            self.contributions = torch.empty(self.group_size, end - start, dtype=torch.float32)
+        self.flagged = [0] * self.group_size
+        self.nonfinite_averages = 0
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
         self.chunk_locks = [threading.Lock() for _ in range(self.num_my_chunks)]
         self.arrived_from = [bytearray(self.group_size) for _ in range(self.num_my_chunks)]
@@ -175,6 +206,7 @@ class GroupAllReduce:
         # Guarded by cond:
         self.finalized_count = 0
         self.sent_any = bytearray(self.group_size)  # sender delivered at least one valid REDUCE chunk
+        self.inbound_admitted = bytearray(self.group_size)  # one authenticated connection per member
         self.reduce_finished = bytearray(self.group_size)  # sender will send no more REDUCE chunks
         self.gather_finished = bytearray(self.group_size)
         self.gather_received = [bytearray(self.partition.num_chunks(j)) for j in range(self.group_size)]
@@ -241,6 +273,8 @@ class GroupAllReduce:
             total_s=finished - started,
             absent=sorted(self.absent),
             relayed=sorted(self.relayed),
+            flagged=list(self.flagged),
+            nonfinite_averages=self.nonfinite_averages,
         )
 
     def peer_id_of(self, index: int) -> bytes:
@@ -331,13 +365,17 @@ class GroupAllReduce:
             present = [i for i in self.others if i not in self.departed]
         start, end = self.partition.chunk_range(me, c)
         part_start = self.partition.part_starts[me]
-        combine_unbiased(
-            self.flat[start:end],
-            self.weights[me],
-            self.others_sum[start - part_start : end - part_start],
-            self.arrived_weight[c],
-            sum(self.weights[i] for i in present),
-        )
+        values = self.flat[start:end]
+        own = values.clone()
+        if self.contributions is None:
+            combine_unbiased(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
+                             self.arrived_weight[c], sum(self.weights[i] for i in present))
+        else:
+            self._combine_robust(c, values, start - part_start, end - part_start)
+        if not bool(torch.isfinite(values).all()):  # e.g. finite contributions that overflow in the sum
+            values.copy_(own)
+            self.nonfinite_averages += 1
+            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
         self._encode_gather_chunk(c, start, end)
         self.finalized[c] = True
         with self.cond:
@@ -345,6 +383,19 @@ class GroupAllReduce:
             if self.finalized_count == self.num_my_chunks:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
+
+    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> None:
+        """With chunk lock c held: CenteredClip or trimmed mean of our value and every contribution that arrived."""
+        me = self.my_index
+        rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
+        if len(rows) == 1:
+            return
+        self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
+        stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
+        result, flagged = robust_combine(self.aggregation, stacked, [self.weights[i] for i in rows])
+        values.copy_(result)
+        for i, hit in zip(rows, flagged.tolist()):
+            self.flagged[i] += int(hit)
 
     def _encode_gather_chunk(self, c: int, start: int, end: int) -> None:
         """Encode finalized chunk c of our part for the all-gather and replace our values by the decoded ones."""
@@ -366,9 +417,9 @@ class GroupAllReduce:
 
     # ---- sending ------------------------------------------------------------------------------
 
-    def _connect(self, j: int) -> Optional[socket.socket]:
+    def _connect(self, j: int) -> Optional[_Outbound]:
         """An authenticated connection to member j: direct TCP if possible, else a libp2p stream; None if
-        neither opens. Raises MemberRefused / MemberNotAuthentic when j answers but is not in this round."""
+        neither opens. Raises PeerRefused / PeerNotAuthentic when j answers but is not in this round."""
         member = self.members[j]
         if member.has_direct_address and not self.force_relay:
             last_error: Optional[BaseException] = None
@@ -396,53 +447,36 @@ class GroupAllReduce:
         except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
             logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
             return None
-        sock = self._handshake(sock, j)
+        link = self._handshake(sock, j)
         with self.cond:
             self.relayed.append(j)
-        return sock
+        return link
 
-    def _handshake(self, sock: socket.socket, j: int) -> socket.socket:
-        """Run the sender's side of the mutual handshake (see wire.py) on a fresh connection to member j."""
+    def _handshake(self, sock: socket.socket, j: int) -> _Outbound:
+        """Run the sender's side of the authenticated handshake (handshake.py) on a fresh connection to member j."""
         try:
             wire.tune_socket(sock)
             # The receiver may wait a little for its session to be registered: allow up to the deadline.
-            sock.settimeout(max(self.deadline - time.monotonic(), 0.01))
-            challenge = bytearray(wire.CHALLENGE.size)
-            wire.recv_exactly(sock, memoryview(challenge))
-            challenge_r = wire.parse_challenge(bytes(challenge))
-            challenge_s = os.urandom(32)
-            peers = (self.peer_id_of(self.my_index), self.peer_id_of(j))
-            sock.sendall(wire.pack_hello(self.secret, challenge_r, self.tag, self.my_index, j, *peers,
-                                         challenge_s=challenge_s))
-            welcome = bytearray(wire.WELCOME.size)
-            try:
-                wire.recv_exactly(sock, memoryview(welcome))
-            except ConnectionError:
-                raise MemberRefused(f"member {j} closed the connection after our hello") from None
-            mac = wire.parse_welcome(bytes(welcome))
-            expected = wire.welcome_mac(self.secret, challenge_r, challenge_s, self.tag, self.my_index, j, *peers)
-            if not hmac.compare_digest(mac, expected):
-                raise MemberNotAuthentic(f"member {j} did not prove the group secret")
+            auth = handshake.connect(sock, self.deadline, credentials=self.credentials, tag=self.tag, receiver=j,
+                                     receiver_peer=self.peer_id_of(j), group_secret=self.secret)
             wire.block_until(sock, self.deadline)
-            return sock
+            return _Outbound(sock, auth)
         except BaseException:
             _close(sock)
             raise
 
     def _sender(self, j: int) -> None:
-        sock = None
+        link = None
         try:
             try:
-                sock = self._connect(j)
-            except (MemberRefused, MemberNotAuthentic, socket.timeout) as e:
-                if isinstance(e, MemberNotAuthentic):
+                link = self._connect(j)
+            except (PeerRefused, PeerNotAuthentic, socket.timeout) as e:
+                if isinstance(e, PeerNotAuthentic):
                     self.plane.count_rejected(str(e), f"member {j}")
                 logger.warning(f"group member {j} is not in this round: {e}")
-                sock = None
             except (OSError, ProtocolError) as e:
                 logger.warning(f"handshake with group member {j} failed: {type(e).__name__}: {e}")
-                sock = None
-            if sock is None:
+            if link is None:
                 if not self._closing:
                     logger.warning(f"group member {j} is absent from this round; averaging without it")
                     with self.cond:
@@ -451,11 +485,11 @@ class GroupAllReduce:
                 return
             with self.cond:
                 if self._closing:
-                    _close(sock)
+                    _close(link.sock)
                     return
-                self._sockets.append(sock)
-            self._send_reduce(sock, j)
-            self._send_gather(sock, j)
+                self._sockets.append(link.sock)
+            self._send_reduce(link, j)
+            self._send_gather(link, j)
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")
             if not self._closing:
@@ -466,7 +500,7 @@ class GroupAllReduce:
                 self.senders_done += 1
                 self.cond.notify_all()
 
-    def _wait_finalized_watching(self, sock: socket.socket, j: int, c: int) -> bool:
+    def _wait_finalized_watching(self, link: _Outbound, j: int, c: int) -> bool:
         """Wait for chunk c of our part to be finalized; meanwhile notice if member j's end of our connection
         closed (it never sends on it, so readable means EOF or reset: j is gone). False = stop sending."""
         while True:
@@ -475,7 +509,7 @@ class GroupAllReduce:
                     return True
                 if time.monotonic() >= self.deadline or self._closing:
                     return False
-            if _peer_closed(sock):
+            if _peer_closed(link.sock):
                 logger.debug(f"member {j} closed its connection: it left the round")
                 self._give_up_on(j)
                 return False
@@ -507,7 +541,7 @@ class GroupAllReduce:
         rank = senders.index(self.my_index)
         return allowance // len(senders) + (1 if rank < allowance % len(senders) else 0)
 
-    def _send_chunk(self, sock, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
+    def _send_chunk(self, link: _Outbound, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
                     resends: list) -> bool:
         """Encode and send one chunk (unless faults drop it: a dropped chunk to be resent later goes to
         `resends`); False once this peer is silenced."""
@@ -524,24 +558,27 @@ class GroupAllReduce:
                     resends.append((time.monotonic() + faults.resend_after, phase, part, chunk, payload))
                 return True
         payload = self._encode_chunk(phase, part, chunk, codec)
-        self._transmit(sock, stats, phase, part, chunk, payload)
+        self._transmit(link, stats, phase, part, chunk, payload)
         return True
 
     def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
         payload = self._gather_payloads[chunk] if phase == wire.PHASE_GATHER and part == self.my_index else None
         if payload is None:
             start, end = self.partition.chunk_range(part, chunk)
-            payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
+            values = self.flat[start:end]
+            if phase == wire.PHASE_REDUCE and self.faults is not None:
+                values = self.faults.hostile(values)  # a byzantine fault replaces what we contribute
+            payload = codec.encode(values, seed=self._chunk_seed(part, chunk))
         return payload
 
-    def _transmit(self, sock, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
+    def _transmit(self, link: _Outbound, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
         data = memoryview(payload.numpy())
-        wire.send_parts(sock, wire.pack_header(phase, part, chunk, len(data), self.tag), data)
+        link.send(wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
-        stats.bytes_sent += wire.HEADER.size + len(data)
+        stats.bytes_sent += wire.HEADER.size + len(data) + handshake.MAC_BYTES
         self.fault_counter[0] += 1
 
-    def _send_resends(self, sock, faults, stats: PhaseStats, resends: list, deadline: float) -> None:
+    def _send_resends(self, link: _Outbound, faults, stats: PhaseStats, resends: list, deadline: float) -> None:
         """DBLP's selective resends of this stream, each when its retransmission timeout is due (before
         the end-of-phase marker: the receiver waits for them, within its budget and the deadline); a
         resend lost again is due one more timeout later."""
@@ -559,21 +596,21 @@ class GroupAllReduce:
             if faults.resend_lost():
                 heapq.heappush(queue, (time.monotonic() + faults.config.retransmit_s, k, (phase, part, chunk, payload)))
                 continue
-            self._transmit(sock, stats, phase, part, chunk, payload)
+            self._transmit(link, stats, phase, part, chunk, payload)
 
-    def _send_marker(self, sock, faults, phase: int) -> None:
+    def _send_marker(self, link: _Outbound, faults, phase: int) -> None:
         if faults is not None and faults.silenced():
             return
-        sock.sendall(wire.pack_header(phase, 0, 0, 0, self.tag))
+        link.send(wire.pack_header(phase, 0, 0, 0, self.tag))
 
-    def _send_reduce(self, sock, j: int) -> None:
+    def _send_reduce(self, link: _Outbound, j: int) -> None:
         faults = self._make_faults(j, "reduce")
         codec = self.compression.reduce_codec
         resends: list = []
         for c in range(self.partition.num_chunks(j)):
             if time.monotonic() > self.reduce_deadline:
                 break
-            ok = self._send_chunk(sock, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends)
+            ok = self._send_chunk(link, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends)
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
@@ -582,24 +619,32 @@ class GroupAllReduce:
         with self.cond:
             self.sent_progress[j] = _DONE  # a chunk waiting for its resend keeps its own copy of the bytes
             self.cond.notify_all()
-        self._send_resends(sock, faults, self.reduce, resends, self.reduce_deadline)
-        self._send_marker(sock, faults, wire.PHASE_END_REDUCE)
+        self._send_resends(link, faults, self.reduce, resends, self.reduce_deadline)
+        self._send_marker(link, faults, wire.PHASE_END_REDUCE)
 
-    def _send_gather(self, sock, j: int) -> None:
+    def _send_gather(self, link: _Outbound, j: int) -> None:
         faults = self._make_faults(j, "gather")
         codec = self.compression.gather_codec
         resends: list = []
         for c in range(self.num_my_chunks):
-            if not self._wait_finalized_watching(sock, j, c):
+            if not self._wait_finalized_watching(link, j, c):
                 return
-            if not self._send_chunk(sock, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends):
+            if not self._send_chunk(link, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends):
                 return
-        self._send_resends(sock, faults, self.gather, resends, self.deadline)
-        self._send_marker(sock, faults, wire.PHASE_END_GATHER)
+        self._send_resends(link, faults, self.gather, resends, self.deadline)
+        self._send_marker(link, faults, wire.PHASE_END_GATHER)
 
     # ---- receiving ----------------------------------------------------------------------------
 
-    def serve_inbound(self, i: int, sock: socket.socket) -> None:
+    def admit_inbound(self, i: int) -> None:
+        """The data plane authenticated a connection from member i: refuse it (ProtocolError) if it is not
+        the first in this all-reduce (a member has one connection to us; a second one is an attack or a bug)."""
+        with self.cond:
+            if self.inbound_admitted[i]:
+                raise ProtocolError(f"second connection from member {i} in this round")
+            self.inbound_admitted[i] = 1
+
+    def serve_inbound(self, i: int, sock: socket.socket, auth: FrameAuth) -> None:
         """Called by DataPlane (in its connection thread) with an authenticated connection from member i."""
         with self.cond:
             if self._closing or self.reduce_finished[i] and self.gather_finished[i]:
@@ -608,7 +653,7 @@ class GroupAllReduce:
             self._sockets.append(sock)
             self._threads.append(threading.current_thread())
         try:
-            self._receive(i, sock)
+            self._receive(i, sock, auth)
         except (OSError, ConnectionError) as e:
             logger.debug(f"connection from member {i} ended: {e}")
         except ProtocolError as e:
@@ -624,7 +669,7 @@ class GroupAllReduce:
             self.rejected_messages += 1
         logger.warning(f"data plane: rejected a message from member {i}: {why}")
 
-    def _receive(self, i: int, sock: socket.socket) -> None:
+    def _receive(self, i: int, sock: socket.socket, auth: FrameAuth) -> None:
         reduce_codec, gather_codec = self.compression.reduce_codec, self.compression.gather_codec
         chunk_numel = self.partition.chunk_numel
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
@@ -632,6 +677,8 @@ class GroupAllReduce:
         header_view = memoryview(header)
         payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
         payload_view = memoryview(payload_buffer.numpy())
+        mac = bytearray(handshake.MAC_BYTES)
+        mac_view = memoryview(mac)
         wire.block_until(sock, self.deadline)
         while True:
             if time.monotonic() >= self.deadline:
@@ -646,6 +693,8 @@ class GroupAllReduce:
             if phase == wire.PHASE_END_REDUCE or phase == wire.PHASE_END_GATHER:
                 if payload_len:
                     raise ProtocolError("end marker with a payload")
+                wire.recv_exactly(sock, mac_view)
+                auth.check(header, b"", mac)
                 with self.cond:
                     if phase == wire.PHASE_END_REDUCE:
                         self.reduce_finished[i] = 1
@@ -656,6 +705,8 @@ class GroupAllReduce:
                     self._finalize_ready_chunks(range(self.num_my_chunks))
                 continue
             wire.recv_exactly(sock, payload_view[:payload_len])
+            wire.recv_exactly(sock, mac_view)
+            auth.check(header, payload_view[:payload_len], mac)  # before anything reads the payload
             payload = payload_buffer[:payload_len]
             if phase == wire.PHASE_REDUCE:
                 self.reduce.bytes_received += wire.HEADER.size + payload_len
@@ -684,8 +735,11 @@ class GroupAllReduce:
             if departed:
                 return self._reject(i, f"reduce chunk {chunk} from a member already counted as departed")
             try:
-                decode = codec.decode_accumulate if any(self.arrived_from[chunk]) else codec.decode_into
-                decode(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
+                if self.contributions is not None:  # robust: keep each member's values apart
+                    codec.decode_into(payload, self.contributions[i, start - part_start : end - part_start])
+                else:
+                    decode = codec.decode_accumulate if any(self.arrived_from[chunk]) else codec.decode_into
+                    decode(payload, self.others_sum[start - part_start : end - part_start], self.weights[i])
             except ProtocolError as e:
                 return self._reject(i, f"reduce chunk {chunk}: {e}")
             self.arrived_from[chunk][i] = 1
@@ -737,11 +791,11 @@ class GroupAllReduce:
 
 
 def _peer_closed(sock: socket.socket) -> bool:
-    """True if the other end closed or reset `sock` (checked without blocking or consuming data)."""
+    """True if the other end closed or reset `sock` (checked without blocking or consuming data; no select(),
+    which fails on descriptors >= 1024)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
     except (OSError, ValueError):
         return True

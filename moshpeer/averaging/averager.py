@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -50,9 +50,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
+from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
@@ -154,7 +156,8 @@ class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
     :param tensors: what to average (any float dtype / shape; averaged in fp32, written back in place)
-    :param dht: a running hivemind DHT (e.g. `moshpeer.dht.start_dht(...)`)
+    :param dht: a running DHT from `moshpeer.dht.start_dht(...)`: its identity (the libp2p key) signs this
+        peer's data-plane connections
     :param run_id: run whose peers to average with (group keys live under it)
     :param target_group_size: group size g (a power of two keeps the grid exact); min_group_size: smallest
         group worth averaging with
@@ -180,6 +183,8 @@ class MoshpitAverager(ServicerBase):
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
+    :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
+        (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
     """
 
     def __init__(
@@ -203,6 +208,7 @@ class MoshpitAverager(ServicerBase):
         loss_budget: Union[LossBudget, float, None] = None,
         transport: Optional[str] = None,
         error_feedback: Optional[EF21M] = None,
+        aggregation: str = "mean",
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -213,6 +219,13 @@ class MoshpitAverager(ServicerBase):
             raise UserError("need 2 <= min_group_size <= target_group_size")
         if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
             raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        self.identity = getattr(dht, "identity", None)
+        if self.identity is None:
+            raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
+                            "the data plane)")
+        self.aggregation = check_aggregation(aggregation)
+        # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
+        self.flagged_peers: Dict[str, int] = {}
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -297,6 +310,8 @@ class MoshpitAverager(ServicerBase):
         # first one's loop (late, or never once that loop stopped).
         self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         self.peer_id = self._p2p.peer_id
+        if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
+            raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")
         if not self.client_mode:
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
@@ -430,7 +445,8 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         now = get_dht_time()
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, float(weight), nonce,
+            data_for_gather=_pack_member_info(host, port, self.faults.declared_weight(float(weight)) if self.faults
+                                              else float(weight), nonce,
                                               (self.loss_budget.budget, self.loss_budget.phase)),
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
@@ -541,6 +557,8 @@ class MoshpitAverager(ServicerBase):
     def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
                             tensors: List[torch.Tensor]) -> None:
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), report.my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         report.loss_budget, report.loss_phase = group_budget(
@@ -559,6 +577,7 @@ class MoshpitAverager(ServicerBase):
                 my_index=report.my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
+                credentials=credentials,
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
@@ -566,6 +585,7 @@ class MoshpitAverager(ServicerBase):
                 loss_budget=report.loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
+                aggregation=self.aggregation,
             )
             results.append(allreduce.run())
             return flat
@@ -593,6 +613,10 @@ class MoshpitAverager(ServicerBase):
         report.absent, report.relayed = result.absent, result.relayed
         report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
         report.missing_chunks = result.missing_chunks
+        report.aggregation, report.nonfinite_averages = self.aggregation, result.nonfinite_averages
+        report.flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        for peer, n in report.flagged.items():
+            self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         report.reduce_scatter_s, report.all_gather_s, report.total_s = (
             result.reduce_scatter_s, result.all_gather_s, result.total_s)
         expected = result.reduce.chunks_expected + result.gather.chunks_expected
@@ -603,6 +627,9 @@ class MoshpitAverager(ServicerBase):
                 f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
+        if report.flagged:
+            logger.warning(f"round {report.group_id[:8]}: {self.aggregation} aggregation flagged contributions of "
+                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in report.flagged.items()))
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
                 f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
@@ -649,6 +676,8 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
+        nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),

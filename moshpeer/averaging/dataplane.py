@@ -1,11 +1,17 @@
 """The data-plane server: one listening TCP socket per averager, shared by all of its rounds.
 
-Every incoming connection runs the mutual handshake of `wire`: the connecting member proves it
-knows the group secret (HELLO), then this server proves it too (WELCOME). The server hands an
-authenticated connection to the all-reduce session it names (by tag); anything else (wrong magic or
-version, unknown tag, bad MAC, impossible indices, silence) is closed and counted in
-`rejected_connections`. Connections relayed over libp2p streams (see `relay.py`) arrive as local
-socket pairs through `accept_socket` and go through exactly the same handshake.
+Every incoming connection runs the mutual handshake of `handshake.py`: the connecting member proves
+that it is the libp2p peer matchmaking named for its index, this server proves the same of itself,
+and both derive the connection key that MACs every frame. The server hands an authenticated
+connection to the all-reduce session it names (by tag); anything else (wrong magic or version,
+unknown tag, a wrong identity, bad MAC, impossible indices, silence past the handshake deadline,
+a second connection from the same member) is closed and counted in `rejected_connections`.
+Connections relayed over libp2p streams (see `relay.py`) arrive as local socket pairs through
+`accept_socket` and go through exactly the same handshake.
+
+Resources are bounded: at most MAX_HANDSHAKES connections handshake at once and at most
+MAX_PER_ADDRESS are open from one address; more are closed at once (counted). Each handshake has one
+deadline for all its reads. Rejections are logged at most a few per interval (`RateLimitedLog`).
 
 In strict mode (the averager's) a connection for a group this peer is not in is refused at once,
 unless the peer is still matchmaking (it may be about to learn the group): a member that matchmaking
@@ -15,7 +21,6 @@ makes its mates fail fast, not wait for the handshake timeout.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -23,7 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
-from moshpeer.averaging import wire
+from moshpeer.averaging import handshake, wire
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,35 @@ logger = logging.getLogger(__name__)
 # How long a connecting member may take to say hello, and how long the server waits for the
 # session it names to be registered (members finish matchmaking a few milliseconds apart).
 HANDSHAKE_TIMEOUT = 10.0
+MAX_HANDSHAKES = 64
+MAX_PER_ADDRESS = 32
+REJECTION_LOG_INTERVAL_S = 10.0
+REJECTION_LOGS_PER_INTERVAL = 5
+
+
+class RateLimitedLog:
+    """Logs at most `per_interval` warnings per `interval_s`; the next one after a quiet spell says how many
+    were suppressed (a flood of bad connections must not flood the log)."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = REJECTION_LOG_INTERVAL_S,
+                 per_interval: int = REJECTION_LOGS_PER_INTERVAL):
+        self._log, self._interval, self._per_interval = log, interval_s, per_interval
+        self._lock = threading.Lock()
+        self._window_start, self._in_window, self.suppressed = 0.0, 0, 0
+
+    def warning(self, message: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self._interval:
+                self._window_start, self._in_window = now, 0
+            self._in_window += 1
+            if self._in_window > self._per_interval:
+                self.suppressed += 1
+                return
+            suppressed, self.suppressed = self.suppressed, 0
+        if suppressed:
+            message += f" ({suppressed} similar messages suppressed)"
+        self._log.warning(message)
 
 
 class DataPlane:
@@ -55,6 +89,9 @@ class DataPlane:
         self._cond = threading.Condition()
         self._lock = threading.Lock()
         self.rejected_connections = 0
+        self._rejection_log = RateLimitedLog(logger)
+        self._handshaking = 0
+        self._per_address: Dict[str, int] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
         self._thread.start()
@@ -104,7 +141,7 @@ class DataPlane:
     def count_rejected(self, why: str, peer=None) -> None:
         with self._lock:
             self.rejected_connections += 1
-        logger.warning(f"data plane: rejected connection from {peer}: {why}")
+        self._rejection_log.warning(f"data plane: rejected connection from {peer}: {why}")
 
     # -- serving --
 
@@ -121,39 +158,50 @@ class DataPlane:
 
     def accept_socket(self, conn: socket.socket, peer) -> None:
         """Serve a connection on its own thread: one from the listener, or one that arrived another way
-        (a libp2p stream relayed into a local socket pair)."""
+        (a libp2p stream relayed into a local socket pair). Over the caps it is closed at once."""
         if self._closed:
             _close(conn)
             return
-        threading.Thread(target=self._handle, args=(conn, peer), name="moshpeer-dataplane-conn",
+        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        with self._lock:
+            over = ("too many handshakes in progress" if self._handshaking >= MAX_HANDSHAKES else
+                    "too many connections from this address" if self._per_address.get(address, 0) >= MAX_PER_ADDRESS
+                    else None)
+            if over is None:
+                self._handshaking += 1
+                self._per_address[address] = self._per_address.get(address, 0) + 1
+        if over is not None:
+            _close(conn)
+            self.count_rejected(over, peer)
+            return
+        threading.Thread(target=self._handle, args=(conn, peer, address), name="moshpeer-dataplane-conn",
                          daemon=True).start()
 
-    def _handle(self, conn: socket.socket, peer) -> None:
+    def _handle(self, conn: socket.socket, peer, address: str) -> None:
+        handshaking = True
         try:
             wire.tune_socket(conn)
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            challenge_msg = wire.new_challenge()
-            conn.sendall(challenge_msg)
-            hello = bytearray(wire.HELLO.size)
-            wire.recv_exactly(conn, memoryview(hello))
-            tag, sender, receiver, challenge_s, mac = wire.parse_hello(bytes(hello))
-            session = self._wait_for_session(tag, time.monotonic() + HANDSHAKE_TIMEOUT)
-            if session is None:
-                raise ProtocolError("unknown or finished round (not in this group)")
-            if receiver != session.my_index or not 0 <= sender < session.group_size or sender == receiver:
-                raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
-            challenge_r = wire.parse_challenge(challenge_msg)
-            peers = (session.peer_id_of(sender), session.peer_id_of(receiver))
-            expected = wire.hello_mac(session.secret, challenge_r, challenge_s, tag, sender, receiver, *peers)
-            if not hmac.compare_digest(expected, mac):
-                raise ProtocolError("authentication failed (wrong group secret)")
-            conn.sendall(wire.pack_welcome(
-                wire.welcome_mac(session.secret, challenge_r, challenge_s, tag, sender, receiver, *peers)))
-        except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
-            self.count_rejected(str(e) or type(e).__name__, peer)
-            _close(conn)
-            return
-        session.serve_inbound(sender, conn)  # returns when the round is over; the session closes conn
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # one deadline for the whole handshake
+            try:
+                session, sender, auth = handshake.accept(
+                    conn, deadline, lambda tag: self._wait_for_session(tag, deadline))
+                session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
+            except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
+                self.count_rejected(str(e) or type(e).__name__, peer)
+                _close(conn)
+                return
+            with self._lock:
+                self._handshaking -= 1
+                handshaking = False
+            session.serve_inbound(sender, conn, auth)  # returns when the round is over; the session closes conn
+        finally:
+            with self._lock:
+                self._handshaking -= handshaking
+                left = self._per_address.get(address, 1) - 1
+                if left > 0:
+                    self._per_address[address] = left
+                else:
+                    self._per_address.pop(address, None)
 
     def _wait_for_session(self, tag: bytes, deadline: float):
         with self._cond:

@@ -1,4 +1,5 @@
-"""Fault injection inside the real transport: dropped, delayed and burst-lost chunks, a peer that goes silent.
+"""Fault injection inside the real transport: dropped, delayed and burst-lost chunks, a peer that goes silent,
+a hostile (byzantine) peer.
 
 The sender consults a `ChunkFaults` before every chunk it puts on the wire. With `faults=None`
 (the default) the transport never builds one, so normal runs pay nothing. Decisions come from a
@@ -7,6 +8,11 @@ seeded RNG per (round, destination, phase), so a test can replay a run exactly.
 Environment (used when an averager is built without an explicit `faults`): MOSHPEER_FAULTS holds
 comma-separated `key=value` pairs with FaultConfig's field names, e.g.
 `MOSHPEER_FAULTS=drop_prob=0.1,delay_s=0.002,phases=reduce`.
+
+A byzantine peer (`byzantine=-100,weight=1e6`) runs the real protocol but sends `scale` x its own
+contribution (or the constant `byzantine_value`) in the reduce phase and declares `weight` in
+matchmaking; as a part's owner it stays honest (see docs/security.md: a hostile owner is out of the
+aggregators' reach).
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ import random
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
+import torch
+
 from moshpeer.errors import UserError
 
 PHASES = ("reduce", "gather")
 ENV_VAR = "MOSHPEER_FAULTS"
 # Short names accepted by `FaultConfig.parse` (CLI: `moshpeer join --faults drop=0.1,delay=0.05`).
 ALIASES = {"drop": "drop_prob", "delay": "delay_s", "jitter": "jitter_s", "burst": "burst_prob",
-           "stop": "stop_after_chunks", "retransmit": "retransmit_s"}
+           "stop": "stop_after_chunks", "retransmit": "retransmit_s", "byzantine": "byzantine_scale",
+           "weight": "byzantine_weight", "value": "byzantine_value"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,9 @@ class FaultConfig:
         no end-of-phase markers) until the round ends, like a peer that hangs
     :param phases: which phases the faults apply to ("reduce", "gather")
     :param seed: base seed of the fault RNG
+    :param byzantine_scale: multiply this peer's reduce contributions by this factor (e.g. -100)
+    :param byzantine_value: send this constant as every reduce contribution instead (e.g. 3e38)
+    :param byzantine_weight: declare this averaging weight in matchmaking instead of the real one
     """
 
     drop_prob: float = 0.0
@@ -57,6 +69,9 @@ class FaultConfig:
     stop_after_chunks: Optional[int] = None
     phases: Tuple[str, ...] = PHASES
     seed: int = 0
+    byzantine_scale: Optional[float] = None
+    byzantine_value: Optional[float] = None
+    byzantine_weight: Optional[float] = None
 
     def __post_init__(self):
         for name in ("drop_prob", "burst_prob", "burst_loss"):
@@ -65,10 +80,11 @@ class FaultConfig:
                 raise UserError(f"fault {name} must be within [0, 1], got {value}")
         if self.retransmit_s is not None and self.retransmit_s < 0:
             raise UserError("fault retransmit_s must be non-negative")
-        for name in ("delay_s", "jitter_s", "retransmit_s"):
+        for name in ("delay_s", "jitter_s", "retransmit_s", "byzantine_scale", "byzantine_value", "byzantine_weight"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
-                raise UserError(f"fault {name} must be a finite number of seconds, got {value}")
+                unit = " of seconds" if name.endswith("_s") else ""
+                raise UserError(f"fault {name} must be a finite number{unit}, got {value}")
         if self.delay_s < 0 or self.jitter_s < 0 or self.burst_len < 0:
             raise UserError("fault delays and burst length must be non-negative")
         if self.stop_after_chunks is not None and self.stop_after_chunks < 0:
@@ -106,6 +122,18 @@ class FaultConfig:
             except ValueError:
                 raise UserError(f"bad value for fault {key}: {raw!r}") from None
         return cls(**values)
+
+    def hostile(self, values: torch.Tensor) -> torch.Tensor:
+        """What a byzantine peer sends instead of its contribution `values` (`values` itself if not byzantine)."""
+        if self.byzantine_value is not None:
+            return torch.full_like(values, self.byzantine_value)
+        if self.byzantine_scale is not None:
+            return values * self.byzantine_scale
+        return values
+
+    def declared_weight(self, weight: float) -> float:
+        """The averaging weight this peer announces (a byzantine peer lies about it)."""
+        return self.byzantine_weight if self.byzantine_weight is not None else weight
 
     @classmethod
     def from_env(cls) -> Optional["FaultConfig"]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -55,6 +55,10 @@ class RoundReport:
     error: Optional[str] = None
     loss_budget: Optional[float] = None
     loss_phase: Optional[str] = None
+    aggregation: str = "mean"
+    # Per member peer id (base58): chunks of our part in which robust aggregation clipped or trimmed it.
+    flagged: Dict[str, int] = field(default_factory=dict)
+    nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
 
     @property
     def chunks_lost(self) -> int:

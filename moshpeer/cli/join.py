@@ -177,8 +177,12 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
     group.add_argument("--faults", metavar="SPEC",
                        help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
-                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2 (testing; default: "
-                       "$MOSHPEER_FAULTS)")
+                       "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2, or play a hostile peer: "
+                       "byzantine=-100,weight=1e6 (testing; default: $MOSHPEER_FAULTS)")
+    group.add_argument("--aggregation", default="mean", choices=("mean", "clipped", "trimmed"),
+                       help="how this peer combines the contributions to the part it owns in a round: mean, "
+                       "clipped (CenteredClip) or trimmed (coordinate-wise trimmed mean); the robust modes "
+                       "resist hostile peers, see docs/security.md (default: mean)")
 
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
@@ -194,6 +198,8 @@ def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
         averager_kwargs["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "faults", None):
         averager_kwargs["faults"] = FaultConfig.parse(args.faults)
+    if getattr(args, "aggregation", "mean") != "mean":
+        averager_kwargs["aggregation"] = args.aggregation
     return {"loss_budget": spec, "phase_threshold": eta, "phase_window": window, "averager_kwargs": averager_kwargs}
 
 

@@ -100,6 +100,11 @@ def print_table(run_id: str, peers: List[PeerRecord], now: float) -> None:
     table.add_column("epoch/step", justify="right")
     table.add_column("samples/s", justify="right")
     table.add_column("last seen", justify="right")
+    table.add_column("flagged", justify="right")  # chunks in which other peers' robust aggregation clipped it
+    flagged: Dict[str, int] = {}
+    for peer in peers:
+        for other, n in peer.flagged.items():
+            flagged[other] = flagged.get(other, 0) + n
     for peer in peers:
         table.add_row(
             short_peer_id(peer.peer_id),
@@ -108,6 +113,7 @@ def print_table(run_id: str, peers: List[PeerRecord], now: float) -> None:
             f"{peer.epoch}/{peer.step}",
             f"{peer.samples_per_second:.1f}",
             f"{max(0.0, now - peer.updated_at):.1f} s ago",
+            str(flagged.get(peer.peer_id, 0)),
         )
     # Not a terminal (a pipe, a file, a test): keep lines long enough that addresses stay whole.
     console = Console(width=None if sys.stdout.isatty() else 160)

@@ -44,13 +44,18 @@ def _private_key_from_der(der: bytes) -> RSAPrivateKey:
     return key
 
 
-def peer_id_from_public_key(public_key: RSAPublicKey) -> str:
-    """The base58 libp2p peer id of an RSA public key (same rule as p2pd and hivemind's PeerID.from_identity)."""
+def peer_id_bytes_from_public_key(public_key: RSAPublicKey) -> bytes:
+    """The binary libp2p peer id (multihash, what hivemind's `PeerID.to_bytes()` holds) of an RSA public key."""
     der = serialization.load_ssh_public_key(public_key.to_bytes()).public_bytes(
         encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
     )
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return base58.b58encode(_MULTIHASH_SHA2_256 + hashlib.sha256(encoded).digest()).decode()
+    return _MULTIHASH_SHA2_256 + hashlib.sha256(encoded).digest()
+
+
+def peer_id_from_public_key(public_key: RSAPublicKey) -> str:
+    """The base58 libp2p peer id of an RSA public key (same rule as p2pd and hivemind's PeerID.from_identity)."""
+    return base58.b58encode(peer_id_bytes_from_public_key(public_key)).decode()
 
 
 def peer_id_from_owner_key(owner_subkey: bytes) -> Optional[str]:
@@ -79,6 +84,11 @@ class Identity:
     def peer_id(self) -> str:
         """Base58 libp2p peer id, exactly what p2pd reports for this key."""
         return peer_id_from_public_key(self.public_key)
+
+    @property
+    def peer_id_bytes(self) -> bytes:
+        """Binary libp2p peer id (hivemind's `PeerID.to_bytes()`), as matchmaking names group members."""
+        return peer_id_bytes_from_public_key(self.public_key)
 
     @property
     def owner_subkey(self) -> bytes:

@@ -7,7 +7,7 @@ is the one way to turn untrusted data into a record.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, List, Literal, Mapping
+from typing import Annotated, Any, Dict, List, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -20,6 +20,7 @@ MAX_ADDRESS_CHARS = 256
 MAX_GRID_DIMS = 32
 MAX_GRID_COORD = 1 << 16
 MAX_GROUP_BITS = 64
+MAX_FLAGGED_PEERS = 16
 
 _PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58
 _Address = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ADDRESS_CHARS)]
@@ -28,7 +29,7 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
-    {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second"}
+    {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged"}
 )
 
 
@@ -57,6 +58,9 @@ class PeerRecord(BaseModel):
     started_at: _Seconds  # unix time the peer started, by its own clock
     updated_at: _Seconds  # unix time of this publication, by the owner's clock: "last seen"
     leaving: bool = False  # set by a peer that withdraws; readers drop it at once
+    # Peers whose contributions this peer's robust aggregation clipped or trimmed, and in how many chunks
+    # (the most flagged ones; `moshpeer status` adds up what every record says about each peer).
+    flagged: Dict[_PeerIdStr, _Count] = Field(default_factory=dict, max_length=MAX_FLAGGED_PEERS)
 
     @classmethod
     def from_wire(cls, value: Any) -> "PeerRecord":

@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from moshpeer.dht import SwarmDHT, start_dht, validate_run_id
+from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 from moshpeer.peer.error_feedback import (
@@ -243,6 +244,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             own_record, publish, on_refresh = (lambda: self._publisher.record), self._publisher.update, \
                 self._publisher.refresh_if_stale
         self.peer_id = self.dht.identity.peer_id
+        self._publish_record, self._published_flagged = publish, {}
         self.progress = SwarmProgress(self.dht, run_id, target_batch_size=self.target_batch_size,
                                       own_record=own_record, publish=publish, refresh_interval=progress_refresh,
                                       on_refresh=on_refresh)
@@ -712,6 +714,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
                              samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+        flagged = self.averager.flagged_peers
+        if flagged != self._published_flagged:  # robust aggregation clipped someone: say so in our record
+            self._published_flagged = dict(flagged)
+            self._publish_record(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
         if self.state_server is not None and time.monotonic() - getattr(self, "_advertised_at", 0.0) > 5.0:
             self._advertise()
 

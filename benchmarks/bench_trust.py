@@ -1,0 +1,180 @@
+"""What trust costs and what it buys (issue 14): MACs, CenteredClip, and a hostile peer in digits training.
+
+1. Round cost, in one process over loopback TCP: 4 members (threads) average --numel fp32 values with the
+   real `GroupAllReduce`, --rounds times each with `mean` and with `clipped`; the median round times give
+   `clipped_over_mean`. Every frame's MAC is timed inside the same rounds (the benchmark wraps
+   `FrameAuth.tag`): `mac_overhead` = MAC seconds per member / round seconds, i.e. the fraction of a member's
+   round spent computing and checking MACs (a member's MAC work runs in its own sender and receiver threads,
+   so this is what it would save without them).
+2. Training: 4 `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
+   (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
+   the same with `--aggregation clipped` on every peer. Final test accuracy of the honest peers.
+
+    python benchmarks/bench_trust.py [--numel 4000000] [--rounds 5] [--epochs 25] [--skip-training]
+
+Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
+byzantine_mean_acc, byzantine_clipped_acc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import List
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from moshpeer.averaging import DataPlane, GroupAllReduce, GroupMember, handshake, wire  # noqa: E402
+from moshpeer.averaging.handshake import RoundCredentials  # noqa: E402
+from moshpeer.compression import get_compression  # noqa: E402
+from moshpeer.dht.identity import Identity  # noqa: E402
+
+MEMBERS = 4
+HOSTILE = "byzantine=-100,weight=1e6"
+
+
+class MacClock:
+    """Wraps FrameAuth.tag (senders and receivers both call it) and adds up the seconds spent in it."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._original = handshake.FrameAuth.tag
+        clock = self
+
+        def timed(auth, header, payload=b""):
+            started = time.perf_counter()
+            try:
+                return clock._original(auth, header, payload)
+            finally:
+                elapsed = time.perf_counter() - started
+                with clock._lock:
+                    clock.seconds += elapsed
+
+        handshake.FrameAuth.tag = timed
+
+    def take(self) -> float:
+        with self._lock:
+            seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregation: str, chunk_numel: int) -> float:
+    """One all-reduce of `inputs` among MEMBERS threads -> the slowest member's data-plane seconds."""
+    planes = [DataPlane() for _ in inputs]
+    members = [GroupMember(*p.address, 1.0, ident.peer_id_bytes) for p, ident in zip(planes, identities)]
+    tag = wire.allreduce_tag(os.urandom(20), 0)
+    tensors = [x.clone() for x in inputs]
+    results = [None] * len(inputs)
+    creds = [RoundCredentials.create(ident, wire.tag_group(tag), k) for k, ident in enumerate(identities)]
+
+    def run(k: int) -> None:
+        results[k] = GroupAllReduce(
+            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32, credentials=creds[k],
+            compression=get_compression("none"), chunk_numel=chunk_numel, deadline=time.monotonic() + 120,
+            aggregation=aggregation).run()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p in planes:
+        p.close()
+    if any(r is None or r.reduce.chunks_lost or r.gather.chunks_lost for r in results):
+        raise RuntimeError("a benchmark round lost chunks: the machine is too loaded to time it")
+    return max(r.total_s for r in results)
+
+
+def round_costs(args) -> dict:
+    identities = [Identity.generate() for _ in range(MEMBERS)]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(args.numel, generator=g) for _ in range(MEMBERS)]
+    clock = MacClock()
+    one_round(identities, inputs, "mean", args.chunk_numel)  # warm-up: threads, allocator, sockets
+    times = {"mean": [], "clipped": []}
+    mac_fractions = []
+    for _ in range(args.rounds):
+        for mode in ("mean", "clipped"):  # interleaved: load on a shared machine hits both alike
+            clock.take()
+            seconds = one_round(identities, inputs, mode, args.chunk_numel)
+            times[mode].append(seconds)
+            if mode == "mean":
+                mac_fractions.append(clock.take() / MEMBERS / seconds)
+    mean_s, clipped_s = statistics.median(times["mean"]), statistics.median(times["clipped"])
+    return {"mean_round_s": mean_s, "clipped_round_s": clipped_s, "clipped_over_mean": clipped_s / mean_s,
+            "mac_overhead": statistics.median(mac_fractions), "round_times": times}
+
+
+def training(args) -> dict:
+    import bench_training
+
+    run_args = SimpleNamespace(peers=MEMBERS, group_size=MEMBERS, aux=0, epochs=args.epochs, target=args.target,
+                               matchmaking_time=args.matchmaking_time, timeout=args.timeout)
+    hostile = MEMBERS - 1
+
+    out = {}
+    for name, extra in (
+        ("honest", None),
+        ("byzantine_mean", lambda i: ["--faults", HOSTILE] if i == hostile else []),
+        ("byzantine_clipped", lambda i: ["--aggregation", "clipped"] + (["--faults", HOSTILE] if i == hostile else [])),
+    ):
+        summary = bench_training.run_moshpeer(run_args, straggler=None, budget=None, tag=name.replace("_", "-"),
+                                              extra_args=extra)
+        events = bench_training.ALL_EVENTS[f"moshpeer-{name.replace('_', '-')}"]
+        finals = [e["metrics"]["accuracy"] for k, peer in enumerate(events) if name == "honest" or k != hostile
+                  for e in peer if e.get("event") == "done"]
+        out[name] = {"acc": sum(finals) / len(finals) if finals else None, "peers_finished": len(finals),
+                     "train_s": summary["train_s"]}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=4_000_000, help="values averaged per round timing (fp32)")
+    parser.add_argument("--chunk-numel", type=int, default=1 << 18)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=25, help="collaborative epochs of each training run")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=400.0, help="per training run")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args()
+    # The 4 members already share the machine's cores; intra-op threads on top of them only add barrier waits
+    # (bench_training runs its peers with OMP_NUM_THREADS=1 for the same reason).
+    torch.set_num_threads(1)
+
+    costs = round_costs(args)
+    print(f"round of {args.numel} fp32 values, {MEMBERS} members in one process over loopback, median of "
+          f"{args.rounds}")
+    print(f"{'aggregation':<14}{'round (s)':>12}")
+    for mode in ("mean", "clipped"):
+        print(f"{mode:<14}{statistics.median(costs['round_times'][mode]):>12.3f}")
+    print(f"clipped / mean: {costs['clipped_over_mean']:.3f}   MAC share of a mean round: {costs['mac_overhead']:.3%}")
+    figures = {k: v for k, v in costs.items() if k != "round_times"}
+    if not args.skip_training:
+        runs = training(args)
+        print(f"\n{'digits, 4 peers':<22}{'final acc':>11}{'peers':>7}{'train (s)':>11}")
+        for name, r in runs.items():
+            acc = f"{r['acc']:.4f}" if r["acc"] is not None else "-"
+            print(f"{name:<22}{acc:>11}{r['peers_finished']:>7}{(r['train_s'] or 0):>11.1f}")
+        figures.update(honest_acc=runs["honest"]["acc"], byzantine_mean_acc=runs["byzantine_mean"]["acc"],
+                       byzantine_clipped_acc=runs["byzantine_clipped"]["acc"], epochs=args.epochs)
+    figures.update(numel=args.numel, members=MEMBERS)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Who is on the other end of a data-plane connection, and a MAC on everything it carries.
+
+Per round, each member signs a fresh X25519 key with its libp2p identity (`RoundCredentials`: one
+RSA signature per round, over the group, the member's index and that key). A connection, sender ->
+receiver (one per ordered pair of members per all-reduce), then runs:
+
+    sender   -> receiver HELLO:   "MSHH" | version u8 | tag 8 | sender u16 | receiver u16 | c_s 32 |
+                                  x25519_s 32 | key_len u16 | sig_len u16 | public key | signature
+    receiver -> sender   REPLY:   "MSHR" | version u8 | c_r 32 | x25519_r 32 | key_len u16 | sig_len u16 |
+                                  public key | signature | MAC_r 16
+    sender   -> receiver CONFIRM: "MSHK" | version u8 | MAC_s 16
+
+Each side checks that the other's public key hashes to the libp2p peer id that matchmaking gave for
+that member index, and that the key signed the other's X25519 key for this group and index. The
+connection key is BLAKE2b keyed with the group secret over the X25519 shared secret and the whole
+transcript (version, tag, indices, peer ids, both challenges, both X25519 keys); MAC_r and MAC_s
+(under distinct labels) prove both sides derived it. So:
+
+- a member cannot pose as another: it has the other's signed X25519 key (it got it in a REPLY) but
+  not its private half, so it cannot derive the key or produce MAC_s;
+- a replayed or reflected message fails: the other side's challenge and X25519 key are fresh;
+- an on-path proxy, even one that knows the group secret, cannot derive the connection key (it would
+  have to replace an X25519 key, which the signature covers).
+
+After the handshake every frame (chunk header + payload, end markers) carries a 16-byte tag:
+ChaCha20-Poly1305 under the connection key with the frame's sequence number as nonce, the header as
+the (encrypted, then discarded) message and the payload as associated data, i.e. a Poly1305 MAC over
+both with a one-time key per frame. The payload is authenticated, not encrypted (see
+docs/security.md). A frame that fails its MAC ends the connection (`ProtocolError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from hivemind.utils.crypto import RSAPublicKey
+
+from moshpeer.averaging import wire
+from moshpeer.dht.identity import Identity, peer_id_bytes_from_public_key
+from moshpeer.errors import ProtocolError
+from moshpeer.version import PROTOCOL_VERSION
+
+HELLO = struct.Struct("!4sB8sHH32s32sHH")
+REPLY = struct.Struct("!4sB32s32sHH")
+CONFIRM = struct.Struct("!4sB16s")
+HELLO_MAGIC, REPLY_MAGIC, CONFIRM_MAGIC = b"MSHH", b"MSHR", b"MSHK"
+MAC_BYTES = 16
+# An OpenSSH RSA public key is ~380 bytes at 2048 bits, ~720 at 4096; a signature is base64 (344 / 684):
+# anything larger is not a key we would spend time verifying.
+MAX_PUBLIC_KEY_BYTES = 1024
+MAX_SIGNATURE_BYTES = 1024
+_CERT_LABEL = b"moshpeer-round-key|"
+
+
+def _x25519_public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _certificate(group_prefix: bytes, index: int, x25519_public: bytes) -> bytes:
+    """What a member's identity signs once per round."""
+    return b"".join((_CERT_LABEL, struct.pack("!B", PROTOCOL_VERSION), group_prefix, struct.pack("!H", index),
+                     x25519_public))
+
+
+@dataclass(frozen=True)
+class RoundCredentials:
+    """This member's identity for one group: a fresh X25519 key signed by its libp2p key."""
+
+    group_prefix: bytes  # wire.group_tag_prefix(group id)
+    index: int
+    peer_id: bytes  # binary libp2p peer id of `public_key`
+    public_key: bytes  # OpenSSH RSA public key
+    signature: bytes
+    x25519: X25519PrivateKey
+    x25519_public: bytes
+
+    @classmethod
+    def create(cls, identity: Identity, group_prefix: bytes, index: int) -> "RoundCredentials":
+        """Sign a fresh X25519 key for member `index` of the group (one RSA signature)."""
+        key = X25519PrivateKey.generate()
+        public = _x25519_public_bytes(key)
+        signature = identity.private_key.sign(_certificate(group_prefix, index, public))
+        return cls(group_prefix, index, identity.peer_id_bytes, identity.public_key.to_bytes(), signature, key,
+                   public)
+
+
+def _check_certificate(public_key: bytes, signature: bytes, expected_peer: bytes, group_prefix: bytes, index: int,
+                       x25519_public: bytes) -> None:
+    """Raise ProtocolError unless `public_key` is member `index`'s (peer id from matchmaking) and signed its key."""
+    try:
+        key = RSAPublicKey.from_bytes(public_key)
+    except Exception:  # cryptography raises several types for malformed keys
+        raise ProtocolError("not an RSA public key") from None
+    if not expected_peer or not hmac.compare_digest(peer_id_bytes_from_public_key(key), expected_peer):
+        raise ProtocolError(f"identity is not member {index}'s peer id")
+    if not key.verify(_certificate(group_prefix, index, x25519_public), signature):
+        raise ProtocolError(f"bad signature on member {index}'s round key")
+
+
+def _transcript(tag: bytes, sender: int, receiver: int, sender_peer: bytes, receiver_peer: bytes, c_s: bytes,
+                x_s: bytes, c_r: bytes, x_r: bytes) -> bytes:
+    return b"".join((
+        struct.pack("!B", PROTOCOL_VERSION), tag, struct.pack("!HH", sender, receiver),
+        struct.pack("!H", len(sender_peer)), sender_peer, struct.pack("!H", len(receiver_peer)), receiver_peer,
+        c_s, x_s, c_r, x_r,
+    ))
+
+
+def _connection_key(group_secret: bytes, own: X25519PrivateKey, their_public: bytes, transcript: bytes) -> bytes:
+    try:
+        shared = own.exchange(X25519PublicKey.from_public_bytes(their_public))
+    except ValueError as e:  # a low-order point: no shared secret
+        raise ProtocolError(f"bad X25519 key: {e}") from None
+    h = hashlib.blake2b(key=hashlib.blake2b(group_secret, digest_size=32).digest(), digest_size=32,
+                        person=b"moshpeer-conn")
+    h.update(shared)
+    h.update(transcript)
+    return h.digest()
+
+
+def _label_mac(key: bytes, label: bytes) -> bytes:
+    return hashlib.blake2b(label, key=key, digest_size=MAC_BYTES, person=b"moshpeer-hs").digest()
+
+
+class FrameAuth:
+    """The MACs of one connection's frames, in order (each side keeps its own counter: TCP keeps order)."""
+
+    def __init__(self, connection_key: bytes):
+        self._aead = ChaCha20Poly1305(hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest())
+        self._sequence = 0
+
+    def tag(self, header: bytes, payload=b"") -> bytes:
+        """The MAC of the next frame (a header and its payload, any bytes-like object)."""
+        nonce = self._sequence.to_bytes(12, "little")
+        self._sequence += 1
+        return self._aead.encrypt(nonce, bytes(header), payload if len(payload) else None)[-MAC_BYTES:]
+
+    def check(self, header: bytes, payload, mac: bytes) -> None:
+        """Raise ProtocolError unless `mac` is the next frame's MAC."""
+        if not hmac.compare_digest(self.tag(header, payload), bytes(mac)):
+            raise ProtocolError("frame MAC mismatch (altered or forged on the way)")
+
+
+def recv_until(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """Read exactly `size` bytes by `deadline` (time.monotonic()): one deadline for every read of a
+    handshake, however slowly the bytes trickle in. Raises socket.timeout / ConnectionError."""
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("handshake deadline passed")
+        sock.settimeout(remaining)
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError("connection closed")
+        got += n
+    return bytes(data)
+
+
+def _read_identity(sock: socket.socket, key_len: int, sig_len: int, deadline: float) -> Tuple[bytes, bytes]:
+    if not 0 < key_len <= MAX_PUBLIC_KEY_BYTES or not 0 < sig_len <= MAX_SIGNATURE_BYTES:
+        raise ProtocolError(f"identity of impossible size (key {key_len}, signature {sig_len} bytes)")
+    blob = recv_until(sock, key_len + sig_len, deadline)
+    return blob[:key_len], blob[key_len:]
+
+
+def _check_magic(magic: bytes, version: int, expected: bytes, what: str) -> None:
+    if magic != expected or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"bad {what} (magic {magic!r}, version {version})")
+
+
+# What the data plane needs of the all-reduce a connection names (see GroupAllReduce).
+SessionLookup = Callable[[bytes], Optional[object]]
+
+
+def accept(sock: socket.socket, deadline: float, find_session: SessionLookup) -> Tuple[object, int, FrameAuth]:
+    """Receiver side: -> (session, sender index, the MACs of its frames). Raises ProtocolError (bad or
+    unauthentic hello, no such round), ConnectionError or socket.timeout; the caller closes `sock`."""
+    magic, version, tag, sender, receiver, c_s, x_s, key_len, sig_len = HELLO.unpack(
+        recv_until(sock, HELLO.size, deadline))
+    _check_magic(magic, version, HELLO_MAGIC, "hello")
+    public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
+    session = find_session(tag)
+    if session is None:
+        raise ProtocolError("unknown or finished round (not in this group)")
+    creds: RoundCredentials = session.credentials
+    if receiver != creds.index or not 0 <= sender < session.group_size or sender == receiver:
+        raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
+    sender_peer = session.peer_id_of(sender)
+    _check_certificate(public_key, signature, sender_peer, creds.group_prefix, sender, x_s)
+    c_r = os.urandom(32)
+    transcript = _transcript(tag, sender, receiver, sender_peer, creds.peer_id, c_s, x_s, c_r, creds.x25519_public)
+    key = _connection_key(session.secret, creds.x25519, x_s, transcript)
+    sock.sendall(REPLY.pack(REPLY_MAGIC, PROTOCOL_VERSION, c_r, creds.x25519_public, len(creds.public_key),
+                            len(creds.signature)) + creds.public_key + creds.signature + _label_mac(key, b"reply"))
+    magic, version, mac = CONFIRM.unpack(recv_until(sock, CONFIRM.size, deadline))
+    _check_magic(magic, version, CONFIRM_MAGIC, "confirmation")
+    if not hmac.compare_digest(mac, _label_mac(key, b"confirm")):
+        raise ProtocolError(f"member {sender} did not prove its round key (impersonation or a stale hello)")
+    return session, sender, FrameAuth(key)
+
+
+def pack_hello(credentials: RoundCredentials, tag: bytes, receiver: int, challenge: bytes) -> bytes:
+    """The HELLO of member `credentials.index` to member `receiver` for the all-reduce `tag`."""
+    me = credentials
+    return HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, tag, me.index, receiver, challenge, me.x25519_public,
+                      len(me.public_key), len(me.signature)) + me.public_key + me.signature
+
+
+class PeerRefused(ConnectionError):
+    """The receiver closed the connection after our hello: it is not in this round (or refused our identity)."""
+
+
+class PeerNotAuthentic(ProtocolError):
+    """The receiver answered without proving that it is the member matchmaking named."""
+
+
+def connect(sock: socket.socket, deadline: float, *, credentials: RoundCredentials, tag: bytes, receiver: int,
+            receiver_peer: bytes, group_secret: bytes) -> FrameAuth:
+    """Sender side, on a fresh connection to member `receiver`: -> the MACs of our frames. Raises PeerRefused,
+    PeerNotAuthentic, ProtocolError, socket.timeout or OSError; the caller closes `sock`."""
+    c_s = os.urandom(32)
+    me = credentials
+    sock.sendall(pack_hello(me, tag, receiver, c_s))
+    try:
+        magic, version, c_r, x_r, key_len, sig_len = REPLY.unpack(recv_until(sock, REPLY.size, deadline))
+    except ConnectionError:
+        raise PeerRefused(f"member {receiver} closed the connection after our hello") from None
+    _check_magic(magic, version, REPLY_MAGIC, "reply")
+    public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
+    mac = recv_until(sock, MAC_BYTES, deadline)
+    try:
+        _check_certificate(public_key, signature, receiver_peer, me.group_prefix, receiver, x_r)
+    except ProtocolError as e:
+        raise PeerNotAuthentic(str(e)) from None
+    transcript = _transcript(tag, me.index, receiver, me.peer_id, receiver_peer, c_s, me.x25519_public, c_r, x_r)
+    key = _connection_key(group_secret, me.x25519, x_r, transcript)
+    if not hmac.compare_digest(mac, _label_mac(key, b"reply")):
+        raise PeerNotAuthentic(f"member {receiver} did not prove its round key")
+    sock.sendall(CONFIRM.pack(CONFIRM_MAGIC, PROTOCOL_VERSION, _label_mac(key, b"confirm")))
+    return FrameAuth(key)
+
+
+def send_frame(sock: socket.socket, auth: FrameAuth, header: bytes, payload=b"") -> None:
+    """Send header + payload + MAC with one syscall where possible (no Python-level copy of the payload)."""
+    wire.send_parts(sock, [header, payload, auth.tag(header, payload)] if len(payload) else [header, auth.tag(header)])

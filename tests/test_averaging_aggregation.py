@@ -1,0 +1,123 @@
+"""Byzantine-robust aggregation (issue 14): capped weights, CenteredClip, trimmed mean, finite averages.
+
+The attacks run through the real group all-reduce (members in threads over the TCP data plane); the
+hostile member is the `byzantine` fault mode wrapping its real sender. A swarm test with real processes
+is in test_averaging_swarm_byzantine.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from local_group import credentials, members as group_members
+
+from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, wire
+from moshpeer.averaging.aggregation import cap_weights, centered_clip, trimmed_mean
+from moshpeer.compression import get_compression
+from moshpeer.errors import UserError
+
+pytestmark = pytest.mark.timeout(90)
+
+N, NUMEL, CHUNK = 4, 4096, 256
+
+
+def group_round(originals, faults, weights, aggregation: str):
+    """One all-reduce of `originals` (one member per thread) -> (values, results)."""
+    planes = [DataPlane() for _ in originals]
+    members = group_members([p.address for p in planes], weights)
+    tensors = [x.clone() for x in originals]
+    results = [None] * len(originals)
+    tag = wire.allreduce_tag(os.urandom(20), 0)
+
+    def run(k: int) -> None:
+        results[k] = GroupAllReduce(
+            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32,
+            credentials=credentials(tag, k), compression=get_compression("none"), chunk_numel=CHUNK,
+            deadline=time.monotonic() + 20.0, faults=faults[k], aggregation=aggregation,
+        ).run()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(originals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    for p in planes:
+        p.close()
+    assert all(r is not None for r in results)
+    return tensors, results
+
+
+def honest_values(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [1.0 + 0.1 * torch.randn(NUMEL, generator=g) for _ in range(N)]
+
+
+HOSTILE = FaultConfig.parse("byzantine=-100,weight=1e6")  # the hostile member also declares weight 1e6
+
+
+def test_weights_are_capped_at_a_multiple_of_the_median():
+    assert cap_weights([1.0, 1.0, 2.0, 1e6], 2.0) == [1.0, 1.0, 2.0, 3.0]
+    assert cap_weights([0.0, 0.0, 5.0], 1.0) == [0.0, 0.0, 5.0]
+    assert cap_weights([0.0, 0.0], 2.0) == [0.0, 0.0]
+
+
+def test_centered_clip_and_trimmed_mean_resist_one_outlier_and_are_exact_without_one():
+    g = torch.Generator().manual_seed(1)
+    honest = torch.randn(3, 1000, generator=g)
+    rows = torch.cat([honest, torch.full((1, 1000), -1e4)])
+    for aggregate, flagged in (centered_clip(rows, torch.ones(4)), trimmed_mean(rows)):
+        assert (aggregate - honest.mean(0)).norm() < 1.5 * honest.std(0).norm()  # the outlier moved it little
+        assert flagged.tolist() == [False, False, False, True]
+    clean = torch.cat([honest, torch.randn(1, 1000, generator=g)])
+    value, flagged = centered_clip(clean, torch.ones(4))
+    assert torch.allclose(value, clean.mean(0), atol=1e-5) and not flagged.any()  # no honest member clipped
+
+
+def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
+    """Member 3 sends -100x its values with weight 1e6. With the (capped) mean the honest members' values move
+    far from 1; with CenteredClip and the trimmed mean they stay near the honest mean, every owner flags member 3
+    in each chunk, and no honest member is flagged."""
+    originals = honest_values()
+    honest_mean = sum(originals[:3]) / 3
+    faults = [None, None, None, HOSTILE]
+    weights = [1.0, 1.0, 1.0, 1e6]
+    values, _ = group_round(originals, faults, weights, "mean")
+    for v in values[:3]:
+        assert float((v - honest_mean).abs().mean()) > 10  # e.g. 1 -> about -39
+    for mode in ("clipped", "trimmed"):
+        values, results = group_round(originals, faults, weights, mode)
+        for v in values[:3]:
+            assert float((v - honest_mean).abs().mean()) < 0.3, mode
+        for k in range(3):  # owners of honest parts flagged member 3 in every chunk of their part
+            assert results[k].flagged[3] == NUMEL // N // CHUNK and sum(results[k].flagged[:3]) == 0, mode
+
+
+def test_overflowing_contributions_never_leave_an_infinite_average():
+    """Two members send 3e38 (finite, but their sum overflows): each owner keeps and sends its own value for
+    such chunks, so every member holds finite, identical values (before: inf at the owner, and the others
+    silently kept different values)."""
+    originals = honest_values(2)
+    overflow = FaultConfig.parse("value=3e38")
+    values, results = group_round(originals, [None, overflow, overflow, None], [1.0] * N, "mean")
+    for v in values:
+        assert torch.isfinite(v).all()
+        assert torch.equal(v, values[0])
+    assert sum(r.nonfinite_averages for r in results) > 0
+
+
+def test_bad_aggregation_and_byzantine_spec_are_user_errors():
+    with pytest.raises(UserError):
+        FaultConfig.parse("byzantine=nan")
+    plane = DataPlane()
+    try:
+        tag = wire.allreduce_tag(b"g" * 20, 0)
+        with pytest.raises(UserError):
+            GroupAllReduce(plane, torch.zeros(8), members=group_members([plane.address]), my_index=0, tag=tag,
+                           secret=b"s" * 32, credentials=credentials(tag, 0), compression=get_compression("none"),
+                           chunk_numel=16, deadline=time.monotonic() + 1, aggregation="median-of-means")
+    finally:
+        plane.close()
