@@ -88,3 +88,20 @@ def test_scraped_metrics_cover_rounds_training_state_and_checkpoints(swarm, tmp_
     node = scrape(boot)
     assert value(node, "moshpeer_peer_info", run_id=run, peer_id=boot.peer_id, role="bootstrap", command="dht") == 1
     assert value(node, "process_cpu_seconds_total") > 0
+
+
+def test_the_grafana_dashboard_only_queries_metrics_that_exist():
+    import json
+    import re
+    from pathlib import Path
+
+    from moshpeer.peer.metrics import PeerMetrics
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "moshpeer.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\b(?:moshpeer|process)_[a-z_]+", target["expr"])}
+    exposed = {family.name for family in PeerMetrics().registry.collect()}
+    suffixes = re.compile(r"_(total|bucket|count|sum)$")
+    missing = sorted(name for name in queried if suffixes.sub("", name) not in exposed and name not in exposed)
+    assert not missing, missing
+    assert {"moshpeer_round_seconds_bucket", "moshpeer_sent_bytes_total", "moshpeer_chunks_lost_total"} <= queried

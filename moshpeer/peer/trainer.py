@@ -36,6 +36,7 @@ import torch
 
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
+from moshpeer.peer.health import round_health
 from moshpeer.peer.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.tasks import Task
@@ -234,6 +235,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
             "params_digest": params_digest(model),
         })
+        daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
         if peer_metrics is not None:
             peer_metrics.observe_round(round_)
             peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
