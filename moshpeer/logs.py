@@ -9,8 +9,11 @@ the failed request (our averager logs "matchmaking failed: ..." as one line), so
 single DEBUG line, shown with `-v`.
 
 Only records from hivemind's and asyncio's loggers are touched, and only when they carry one of the
-exceptions in `EXPECTED_PEER_FAILURES`; every other record, tracebacks of real bugs included, passes
-unchanged. Our own code reports peer failures as one line where it handles them.
+exceptions in `EXPECTED_PEER_FAILURES`, or an exception raised while its task was being cancelled (our
+averager cancels hivemind's matchmaking search at the round's deadline; hivemind's cleanup of a
+half-torn-down search can fail, and that is logged with a traceback). Every other record, tracebacks
+of real bugs included, passes unchanged. Our own code reports peer failures as one line where it
+handles them.
 """
 
 from __future__ import annotations
@@ -47,25 +50,48 @@ def is_expected_peer_failure(error: BaseException) -> bool:
 
 
 class PeerFailureFilter(logging.Filter):
-    """A handler filter: hivemind's / asyncio's records of expected peer failures become one DEBUG line
-    (dropped unless the source logger is at DEBUG); everything else passes unchanged."""
+    """A handler filter: hivemind's / asyncio's records of expected peer failures (and of failures while a
+    task was being cancelled) become one DEBUG line (dropped unless the source logger is at DEBUG);
+    everything else passes unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or not _from_filtered_logger(record.name):
             return True
         error = record.exc_info[1]
-        if error is None or not is_expected_peer_failure(error):
+        if error is None:
+            return True
+        if is_expected_peer_failure(error):
+            what = "a peer went away"
+        elif _raised_while_cancelled(error):
+            what = "a cancelled task ended"
+        else:
             return True
         where = _CORO_NAME.search(record.getMessage())
         context = f" in {where.group(1).replace('.<locals>.', '.')}" if where else ""
         detail = f": {error}" if str(error) else ""
-        record.msg = f"a peer went away{context}: {type(error).__name__}{detail}"
+        record.msg = f"{what}{context}: {type(error).__name__}{detail}"
         record.args = ()
         record.exc_info = record.exc_text = None
         record.stack_info = None
         record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
         # The handler's level check ran before this filter: apply the source logger's level to the new one.
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def _raised_while_cancelled(error: BaseException) -> bool:
+    """Was `error` raised while its task was being cancelled (a CancelledError in its context chain)?
+
+    Our averager cancels hivemind's matchmaking search when the round's deadline passes; hivemind's
+    cleanup can then fail on the half-torn-down search, and `cancel_and_wait` logs that with a traceback.
+    The cancellation was the intent, so what its cleanup raised is not a bug of this peer."""
+    seen = set()
+    link = error.__context__
+    while link is not None and id(link) not in seen:
+        if isinstance(link, asyncio.CancelledError):
+            return True
+        seen.add(id(link))
+        link = link.__context__
+    return False
 
 
 def _from_filtered_logger(name: str) -> bool:

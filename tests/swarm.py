@@ -50,14 +50,14 @@ def watch_stderr(name: str, read: Callable[[], str]) -> None:
 
 
 def forbidden_stderr(*, forget: bool = True) -> List[str]:
-    """'name: line' for each forbidden line (with 20 lines of context) that watched processes printed;
-    then forget them (the next test starts with none)."""
+    """'name: line' for the first forbidden line of each watched process (with the log line before it and
+    the 60 after: the whole traceback); then forget them (the next test starts with none)."""
     found = []
     for name, read in _watched_stderr:
         lines = read().splitlines()
         for k, line in enumerate(lines):
             if any(marker in line for marker in FORBIDDEN_STDERR):
-                context = "\n    ".join(lines[k : k + 20])
+                context = "\n    ".join(lines[max(k - 1, 0) : k + 60])
                 found.append(f"{name}: {context}")
                 break
     if forget:

@@ -77,3 +77,34 @@ def test_installing_twice_adds_one_filter():
     quiet_expected_peer_failures(handlers=[handler])
     quiet_expected_peer_failures(handlers=[handler])
     assert sum(isinstance(f, PeerFailureFilter) for f in handler.filters) == 1
+
+
+def test_what_a_task_raises_while_cancelled_is_one_debug_line():
+    async def cleanup_fails_after_cancel() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            raise KeyError("half-torn-down search")  # raised while the CancelledError propagates
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("hivemind.utils.asyncio")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    quiet_expected_peer_failures(handlers=[handler])
+
+    async def main() -> None:
+        task = asyncio.create_task(cleanup_fails_after_cancel())
+        await asyncio.sleep(0)
+        task.cancel()
+        await await_cancelled(task)
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+    output = stream.getvalue()
+    assert "Traceback" not in output and output.count("\n") == 1, output
+    assert "a cancelled task ended in" in output and "KeyError" in output
