@@ -20,6 +20,7 @@ Ends with one JSON line of the figures.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -74,31 +75,41 @@ def moshpeer_worker(args) -> None:
     from moshpeer.averaging import FaultConfig, MoshpitAverager
     from moshpeer.dht import start_dht
 
-    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
     initial = peer_values(args.rank, args.numel)
     exact = exact_mean(args.peers, args.numel)
     tensor = initial.clone()
     faults = FaultConfig(drop_prob=args.drop, seed=args.rank) if args.drop > 0 else None
-    averager = MoshpitAverager([tensor], dht=dht, run_id="bench", target_group_size=args.peers,
-                               min_group_size=args.peers, compression=args.compression,
-                               matchmaking_time=args.matchmaking_time, round_timeout=60.0, faults=faults)
+    extra = {"upload_bandwidth": args.bandwidth} if args.bandwidth else {}
+    # One averager per codec (in turn, each in a run of its own), all on this process's DHT.
+    averagers = {codec: MoshpitAverager([tensor], dht=dht, run_id=f"bench{k}", target_group_size=args.peers,
+                                        min_group_size=args.peers, compression=codec, host=args.host,
+                                        chunk_bytes=args.chunk_bytes, matchmaking_time=args.matchmaking_time,
+                                        round_timeout=args.round_timeout, faults=faults, start=False,
+                                        partition=args.partition, **extra)
+                 for k, codec in enumerate(args.compression.split(","))}
+    for averager in averagers.values():
+        averager.start()
     emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
-    for round_index in range(args.rounds + 1):
-        with averager.get_tensors():
-            tensor.copy_(initial)
-        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-        report = averager.step(timeout=60)
-        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-        ended_at = time.time()
-        emit(event="round", round=round_index, ok=report.ok, group_size=report.group_size, seconds=report.total_s,
-             started_at=ended_at - report.total_s, ended_at=ended_at,
-             cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime, cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime,
-             matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
-             all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
-             rel_err=rel_err(tensor, exact))
+    for codec, averager in averagers.items():
+        for round_index in range(args.rounds + 1):
+            with averager.get_tensors():
+                tensor.copy_(initial)
+            cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+            report = averager.step(timeout=60)
+            cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+            ended_at = time.time()
+            emit(event="round", codec=codec, round=round_index, ok=report.ok, group_size=report.group_size,
+                 seconds=report.total_s, started_at=ended_at - report.total_s, ended_at=ended_at,
+                 cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime,
+                 cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime,
+                 matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
+                 all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
+                 rel_err=rel_err(tensor, exact))
     emit(event="done")
     wait_for_exit()
-    averager.shutdown()
+    for averager in averagers.values():
+        averager.shutdown()
     dht.stop()
 
 
@@ -106,13 +117,14 @@ def hivemind_worker(args) -> None:
     import hivemind
     from hivemind.averaging.control import AveragingStage
 
-    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
     initial = peer_values(args.rank, args.numel)
     exact = exact_mean(args.peers, args.numel)
     tensor = initial.clone()
     averager = hivemind.DecentralizedAverager(
         [tensor], dht=dht, prefix="bench", target_group_size=args.peers, min_group_size=args.peers,
         min_matchmaking_time=args.matchmaking_time, request_timeout=args.matchmaking_time / 2, start=True,
+        bandwidth=args.bandwidth,  # hivemind balances its parts by it (None: equal parts)
     )
     emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
     for round_index in range(args.rounds + 1):
@@ -126,7 +138,7 @@ def hivemind_worker(args) -> None:
         control.allow_allreduce()
         ok = True
         try:
-            control.result(timeout=120)
+            control.result(timeout=args.round_timeout)
         except Exception:
             ok = False
         finished = time.monotonic()
@@ -144,8 +156,8 @@ def gloo_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.peers)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
+                            world_size=args.peers, timeout=datetime.timedelta(seconds=args.round_timeout * 2))
     initial = peer_values(args.rank, args.numel)
     exact = exact_mean(args.peers, args.numel)
     tensor = initial.clone()
@@ -182,23 +194,43 @@ def _read_json(proc, event: str, timeout: float) -> dict:
     raise RuntimeError(f"no {event!r} within {timeout} s")
 
 
-def run_system(system: str, args, compression: str = "none") -> List[List[dict]]:
-    """Run `peers` workers of `system`; returns rounds[round][peer] (timed rounds only)."""
+def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[str, List[List[dict]]]:
+    """Run `peers` workers of `system` (in the namespaces of a `moshpeer.testing.netlab.Netlab` if given; its
+    node k's upload is passed as peer k's bandwidth); returns {codec: rounds[round][peer]} (timed rounds only;
+    one codec, "none", for hivemind and gloo)."""
+    codecs = compression.split(",") if system == "moshpeer" else ["none"]
     base = [sys.executable, os.path.abspath(__file__), "--role", system, "--peers", str(args.peers),
-            "--numel", str(args.numel), "--rounds", str(args.rounds), "--compression", compression,
+            "--numel", str(args.numel), "--rounds", str(args.rounds), "--compression", ",".join(codecs),
             "--drop", str(args.drop if system == "moshpeer" else 0.0),
-            "--matchmaking-time", str(args.matchmaking_time), "--torch-threads", str(args.torch_threads)]
+            "--matchmaking-time", str(args.matchmaking_time), "--torch-threads", str(args.torch_threads),
+            "--round-timeout", str(args.round_timeout), "--chunk-bytes", str(args.chunk_bytes),
+            "--partition", getattr(args, "partition", "equal")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    master = "127.0.0.1"
+    if lab is not None:
+        from moshpeer.testing.netlab import IFNAME
+
+        env["GLOO_SOCKET_IFNAME"] = IFNAME  # gloo would otherwise pick an interface by the host name
+        master = lab.nodes[0].address
     procs = []
-    spawn = lambda rank, extra: subprocess.Popen(  # noqa: E731
-        [*base, "--rank", str(rank), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True, env=env)
+
+    def spawn(rank: int, extra: List[str]) -> subprocess.Popen:
+        argv = [*base, "--rank", str(rank), *extra]
+        if lab is not None:
+            node = lab.nodes[rank]
+            argv += ["--host", node.address]
+            if node.upload_bytes_per_s and (system != "moshpeer" or getattr(args, "declare_bandwidth", True)):
+                argv += ["--bandwidth", str(node.upload_bytes_per_s)]
+            argv = lab.command(rank, argv)
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=env)
+
     try:
         if system == "gloo":
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            procs = [spawn(rank, ["--port", str(port)]) for rank in range(args.peers)]
+            procs = [spawn(rank, ["--port", str(port), "--master", master]) for rank in range(args.peers)]
             for proc in procs:
                 _read_json(proc, "ready", 120)
         else:
@@ -207,18 +239,13 @@ def run_system(system: str, args, compression: str = "none") -> List[List[dict]]
             procs += [spawn(rank, ["--initial-peers", *maddrs]) for rank in range(1, args.peers)]
             for proc in procs[1:]:
                 _read_json(proc, "ready", 120)
-        per_peer = []
-        for proc in procs:
-            rounds = []
-            while True:
-                message = _read_json(proc, "round", 600) if len(rounds) <= args.rounds else None
-                if message is None:
-                    break
-                rounds.append(message)
-            per_peer.append(rounds)
+        per_peer = [[_read_json(proc, "round", 600 + 3 * args.round_timeout)
+                     for _ in range(len(codecs) * (args.rounds + 1))] for proc in procs]
         for proc in procs:
             _read_json(proc, "done", 60)
-        return [[per_peer[p][r] for p in range(args.peers)] for r in range(1, args.rounds + 1)]  # skip warm-up
+        rounds = args.rounds + 1
+        return {codec: [[per_peer[p][k * rounds + r] for p in range(args.peers)] for r in range(1, rounds)]
+                for k, codec in enumerate(codecs)}  # skip each codec's warm-up round
     finally:
         for proc in procs:
             try:
@@ -272,7 +299,13 @@ def main() -> int:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads in every worker of every system (1: no OpenMP spinning "
                              "on top of the communication threads; the same for all systems)")
+    parser.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round may take")
+    parser.add_argument("--chunk-bytes", type=int, default=1 << 20, help="moshpeer chunk size (fp32 bytes)")
     parser.add_argument("--role", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidth", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--partition", default="equal", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -286,11 +319,12 @@ def main() -> int:
 
     systems = args.systems.split(",")
     results: Dict[str, Dict[str, float]] = {}
-    for codec in args.compression.split(",") if "moshpeer" in systems else []:
-        results[f"moshpeer[{codec}]"] = summarize(run_system("moshpeer", args, codec))
+    if "moshpeer" in systems:
+        for codec, rounds in run_system("moshpeer", args, args.compression).items():
+            results[f"moshpeer[{codec}]"] = summarize(rounds)
     for system in ("hivemind", "gloo"):
         if system in systems:
-            results[system] = summarize(run_system(system, args))
+            results[system] = summarize(run_system(system, args)["none"])
 
     mb = args.numel * 4 / 1e6
     print(f"\n{args.peers} peers, {args.numel} float32 values ({mb:.0f} MB), median of {args.rounds} rounds, "

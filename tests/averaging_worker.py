@@ -56,6 +56,8 @@ def main() -> int:
     parser.add_argument("--aggregation", default="mean")
     parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
     parser.add_argument("--host", default="127.0.0.1", help="address of this peer's DHT and data plane")
+    parser.add_argument("--partition", default="equal", help="equal | bandwidth (see MoshpitAverager)")
+    parser.add_argument("--bandwidth", type=float, default=None, help="declared upload, bytes/s (default: measured)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
@@ -76,6 +78,8 @@ def main() -> int:
         faults=FaultConfig.parse(args.faults) if args.faults else None,
         transport=args.transport,
         host=args.host,
+        partition=args.partition,
+        upload_bandwidth=args.bandwidth,
         aggregation=args.aggregation,
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]

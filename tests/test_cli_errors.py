@@ -102,7 +102,7 @@ CASES = {
     ),
     "error feedback without a sparsifying codec": Case(
         "join", lambda c: ("--run-id", "r", "--error-feedback", "--compression", "int8"),
-        lambda c: "error_feedback needs averaging='gradients' and a sparsifying codec",
+        lambda c: "error_feedback needs averaging in ('gradients', 'diloco') and a sparsifying codec",
     ),
     "unknown task argument": Case(
         "join", lambda c: ("--run-id", "r", "--task-arg", "nosuch=1"),

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 CODECS = ["none", "fp16", "bf16", "int8", "int4", "int4-int8", "int8:sr", "int4-int8:64:sr"]
 
 
-def group_allreduce(spec: str, inputs, weights, chunk_numel: int):
-    """One all-reduce of `inputs` (one member per thread); returns (results, reports)."""
+def group_allreduce(spec: str, inputs, weights, chunk_numel: int, part_sizes=None):
+    """One all-reduce of `inputs` (one member per thread; parts of `part_sizes`); returns (results, reports)."""
     planes = [DataPlane() for _ in inputs]
     members = group_members([plane.address for plane in planes], weights)
     tensors = [x.clone() for x in inputs]
@@ -34,6 +34,7 @@ def group_allreduce(spec: str, inputs, weights, chunk_numel: int):
         reports[k] = GroupAllReduce(
             planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"k" * 32, credentials=credentials(tag, k),
             compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
+            part_sizes=part_sizes,
         ).run()
 
     threads = [threading.Thread(target=member, args=(k,)) for k in range(len(inputs))]

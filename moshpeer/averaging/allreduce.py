@@ -49,6 +49,7 @@ from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
+from moshpeer.averaging.uplink import UplinkMeter
 from moshpeer.compression.codec import Compression, NoCompression
 from moshpeer.errors import ProtocolError
 
@@ -115,6 +116,7 @@ class AllReduceResult:
     total_s: float
     absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
     relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
+    upload_bps: Optional[float] = None  # this peer's upload rate measured on its direct connections (uplink.py)
     # Per member index: chunks of our part in which the robust aggregation clipped or trimmed its contribution.
     flagged: List[int] = field(default_factory=list)
     nonfinite_averages: int = 0  # chunks whose average was not finite: our own value was kept and sent instead
@@ -133,6 +135,8 @@ class GroupAllReduce:
         (0 = wait for everything until the deadlines)
     :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
     :param force_relay: send to every member over `relay`, never directly
+    :param part_sizes: values per member's part (e.g. `partition.bandwidth_part_sizes`; every member must pass
+        the same); default: equal parts
     :param aggregation: how this owner combines its part's contributions: "mean", "clipped" or "trimmed"
         (aggregation.py); declared weights are capped in every mode
     :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
@@ -156,6 +160,7 @@ class GroupAllReduce:
         loss_budget: float = 0.0,
         relay: Optional[RelayConnect] = None,
         force_relay: bool = False,
+        part_sizes: Optional[Sequence[int]] = None,
         aggregation: str = "mean",
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     ):
@@ -176,7 +181,7 @@ class GroupAllReduce:
             raise ValueError("force_relay needs a relay")
         now = time.monotonic()
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
-        self.partition = Partition(flat.numel(), self.group_size, chunk_numel)
+        self.partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes)
         self.aggregation = check_aggregation(aggregation)
         self.weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         self.others = [i for i in range(self.group_size) if i != my_index]
@@ -219,6 +224,7 @@ class GroupAllReduce:
         self.rejected_messages = 0
         self.fault_counter = [0]
         self._sockets: List[socket.socket] = []
+        self._uplink: Optional[UplinkMeter] = None
         self._threads: List[threading.Thread] = []
         self._closing = False
         self._reduce_done_at: Optional[float] = None
@@ -239,6 +245,7 @@ class GroupAllReduce:
         if self.num_my_chunks == 0 or not self.others:
             self._force_finalize_all()
         self.plane.register(self.tag, self)
+        self._uplink = UplinkMeter()
         try:
             for j in self.others:
                 thread = threading.Thread(target=self._sender, args=(j,), name=f"moshpeer-send-{j}", daemon=True)
@@ -252,6 +259,7 @@ class GroupAllReduce:
                 self._wait(self._gather_done_or_within_budget, self.deadline)
         finally:
             self.plane.unregister(self.tag)
+            upload_bps = self._uplink.stop()
             self._teardown()
         finished = time.monotonic()
         reduce_done = self._reduce_done_at or finished
@@ -273,6 +281,7 @@ class GroupAllReduce:
             total_s=finished - started,
             absent=sorted(self.absent),
             relayed=sorted(self.relayed),
+            upload_bps=upload_bps,
             flagged=list(self.flagged),
             nonfinite_averages=self.nonfinite_averages,
         )
@@ -488,6 +497,7 @@ class GroupAllReduce:
                     _close(link.sock)
                     return
                 self._sockets.append(link.sock)
+            self._uplink.add(link.sock)
             self._send_reduce(link, j)
             self._send_gather(link, j)
         except (OSError, ConnectionError) as e:

@@ -56,6 +56,7 @@ from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
+from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundReport
 from moshpeer.compression.codec import get_compression
@@ -76,6 +77,10 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+PARTITIONS = ("equal", "bandwidth")
+MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
+# Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
+UPLOAD_ESTIMATE_ALPHA = 0.5
 TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
@@ -104,13 +109,17 @@ class _MemberInfo:
     nonce: bytes
     # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
     loss_budget: Optional[Tuple[float, str]] = None
+    # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
+    bandwidth: float = 0.0
 
 
 def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
-                      loss_budget: Optional[Tuple[float, str]] = None) -> bytes:
+                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0) -> bytes:
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
         info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
+    if bandwidth > 0:
+        info["bw"] = float(bandwidth)
     return msgpack.packb(info)
 
 
@@ -140,7 +149,10 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
                 or len(phase) > 16:
             raise ProtocolError("bad loss budget")
         declared = (float(budget), phase)
-    return _MemberInfo(host, port, float(weight), nonce, declared)
+    bandwidth = info.get("bw", 0.0)
+    if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
+        raise ProtocolError("bad bandwidth")
+    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth))
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -180,6 +192,12 @@ class MoshpitAverager(ServicerBase):
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
         selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
         state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
+    :param partition: "equal" (default): every member owns an equal part; "bandwidth": parts sized by the
+        members' upload bandwidths (`partition.bandwidth_part_sizes`), if every member of the group announces
+        one (a member that asks for equal parts, or knows no bandwidth yet, makes the group split equally)
+    :param upload_bandwidth: this peer's upload in bytes/s, announced for "bandwidth" partitioning; default:
+        measured on the data plane in every round (`upload_bandwidth` property; unknown until a round moved
+        enough data)
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
         streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
@@ -208,6 +226,8 @@ class MoshpitAverager(ServicerBase):
         loss_budget: Union[LossBudget, float, None] = None,
         transport: Optional[str] = None,
         error_feedback: Optional[EF21M] = None,
+        partition: str = "equal",
+        upload_bandwidth: Optional[float] = None,
         aggregation: str = "mean",
     ):
         validate_run_id(run_id)
@@ -240,6 +260,13 @@ class MoshpitAverager(ServicerBase):
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
+        if partition not in PARTITIONS:
+            raise UserError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+        if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
+            raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
+        self.partition = partition
+        self.declared_upload = upload_bandwidth
+        self.measured_upload: Optional[float] = None  # bytes/s, from the rounds so far
         self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
@@ -373,6 +400,17 @@ class MoshpitAverager(ServicerBase):
         """The data-plane listener's address; announced to group mates unless transport is "libp2p"."""
         return self._plane.address
 
+    @property
+    def upload_bandwidth(self) -> Optional[float]:
+        """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
+        return self.declared_upload if self.declared_upload is not None else self.measured_upload
+
+    def _note_upload(self, measured: Optional[float]) -> None:
+        if measured is None:
+            return
+        old = self.measured_upload
+        self.measured_upload = measured if old is None else old + UPLOAD_ESTIMATE_ALPHA * (measured - old)
+
     def _announced_address(self) -> Tuple[str, int]:
         return ("", 0) if self.transport == "libp2p" else self._plane.address
 
@@ -445,9 +483,10 @@ class MoshpitAverager(ServicerBase):
         host, port = self._announced_address()
         now = get_dht_time()
         request = _StepRequest(
-            data_for_gather=_pack_member_info(host, port, self.faults.declared_weight(float(weight)) if self.faults
-                                              else float(weight), nonce,
-                                              (self.loss_budget.budget, self.loss_budget.phase)),
+            data_for_gather=_pack_member_info(
+                host, port, self.faults.declared_weight(float(weight)) if self.faults else float(weight), nonce,
+                (self.loss_budget.budget, self.loss_budget.phase),
+                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=now + window,
             deadline=now + max(timeout, window),
             weight=float(weight),
@@ -567,6 +606,8 @@ class MoshpitAverager(ServicerBase):
                          for m, peer_id in zip(members, group.peer_ids)]
         deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
+        bandwidths = [m.bandwidth for m in members]
+        by_bandwidth = all(b > 0 for b in bandwidths)  # else every member splits equally
 
         def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
             """Average one contiguous fp32 vector with this group (the `sequence`-th all-reduce of the round)."""
@@ -585,6 +626,7 @@ class MoshpitAverager(ServicerBase):
                 loss_budget=report.loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
+                part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
                 aggregation=self.aggregation,
             )
             results.append(allreduce.run())
@@ -607,6 +649,9 @@ class MoshpitAverager(ServicerBase):
                     asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
             write_back()
         result = _merge_results(results)
+        self._note_upload(result.upload_bps)
+        report.upload_bps = result.upload_bps
+        report.part_sizes = bandwidth_part_sizes(self._numel, bandwidths) if by_bandwidth else []
         report.ok = True
         report.reduce, report.gather = result.reduce, result.gather
         report.departed = result.departed
@@ -681,6 +726,7 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),
         total_s=sum(r.total_s for r in results),
+        upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
     )
 
 

@@ -1,25 +1,79 @@
-"""How a flat vector is split among a group: one contiguous part per member, each part in chunks."""
+"""How a flat vector is split among a group: one contiguous part per member, each part in chunks.
+
+Parts are equal by default. Given every member's upload bandwidth, `bandwidth_part_sizes` sizes them so
+that the slowest uplink finishes no later than it must (see its docstring and docs/averaging.md).
+"""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+
+def bandwidth_part_sizes(numel: int, bandwidths: Sequence[float]) -> List[int]:
+    """Part sizes (summing to `numel`) that minimize the round time of reduce-scatter + all-gather when
+    member i uploads at `bandwidths[i]` (downloads unconstrained). Raises ValueError on a non-positive bandwidth.
+
+    Member i uploads S - s_i (its contribution to every other part) plus (n-1) s_i (its averaged part to
+    every other member): U_i = S + (n-2) s_i, so the round takes T = max_i U_i / B_i. Equalizing U_i / B_i
+    gives s_i = (T B_i - S) / (n-2) with T = 2(n-1) S / sum(B) -- parts grow with bandwidth -- as long as
+    every s_i >= 0. A member too slow for that (B_i < S / T) owns nothing and still uploads S; the others
+    share the vector as above, with T computed over them alone (water-filling). For two members U_i = S
+    whatever the split; parts are then proportional to bandwidth.
+    """
+    n = len(bandwidths)
+    if any(not b > 0 for b in bandwidths):
+        raise ValueError(f"bandwidths must be positive, got {list(bandwidths)}")
+    if n <= 2:
+        shares = [float(b) for b in bandwidths]
+    else:
+        active = list(range(n))
+        while True:
+            total = sum(bandwidths[i] for i in active)
+            # With k owners: sum over owners of (T B_i - S)/(n-2) = S  ->  T = S (n - 2 + k) / sum(B_owners).
+            t = (n - 2 + len(active)) / total  # in units of S
+            shares_active = {i: (t * bandwidths[i] - 1.0) / (n - 2) for i in active}
+            negative = [i for i, share in shares_active.items() if share < 0]
+            if not negative:
+                break
+            active = [i for i in active if i not in negative]
+        shares = [shares_active.get(i, 0.0) for i in range(n)]
+    total_share = sum(shares)
+    sizes = [int(numel * share / total_share) for share in shares]
+    # Hand the rounding remainder to the largest parts, one value each.
+    for i in sorted(range(n), key=lambda i: -shares[i])[: numel - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def reduce_allgather_seconds(numel_bytes: float, bandwidths: Sequence[float], sizes: Sequence[int]) -> float:
+    """Time reduce-scatter + all-gather of `numel_bytes` takes with these part sizes if every member's upload
+    is its only limit: max_i (S - s_i + (n-1) s_i) / B_i (see `bandwidth_part_sizes`)."""
+    n, numel = len(sizes), sum(sizes)
+    per_value = numel_bytes / numel if numel else 0.0
+    return max((numel - s + (n - 1) * s) * per_value / b for s, b in zip(sizes, bandwidths))
 
 
 class Partition:
     """Part j = [part_starts[j], part_starts[j+1]); chunk c of part j = `chunk_numel` values (the last shorter).
 
-    Every member computes the same partition from (numel, group size, chunk_numel), so nothing about
-    it travels on the wire; receivers check chunk indices and sizes against it.
+    Every member computes the same partition from (numel, group size, chunk_numel, part sizes), so nothing
+    about it travels on the wire; receivers check chunk indices and sizes against it.
+
+    :param sizes: values per part (must sum to numel; a part may be empty); default: equal parts
     """
 
-    def __init__(self, numel: int, group_size: int, chunk_numel: int):
+    def __init__(self, numel: int, group_size: int, chunk_numel: int, sizes: Optional[Sequence[int]] = None):
         if numel < 0 or group_size < 1 or chunk_numel < 1:
             raise ValueError(f"bad partition numel={numel} group_size={group_size} chunk_numel={chunk_numel}")
+        if sizes is None:
+            base, extra = divmod(numel, group_size)
+            sizes = [base + (1 if j < extra else 0) for j in range(group_size)]
+        elif len(sizes) != group_size or sum(sizes) != numel or any(s < 0 for s in sizes):
+            raise ValueError(f"bad part sizes {list(sizes)} for numel={numel} group_size={group_size}")
         self.numel, self.group_size, self.chunk_numel = numel, group_size, chunk_numel
-        base, extra = divmod(numel, group_size)
         starts = [0]
-        for j in range(group_size):
-            starts.append(starts[-1] + base + (1 if j < extra else 0))
+        for size in sizes:
+            starts.append(starts[-1] + size)
         self.part_starts: List[int] = starts
 
     def part_range(self, part: int) -> Tuple[int, int]:

@@ -55,6 +55,8 @@ class RoundReport:
     error: Optional[str] = None
     loss_budget: Optional[float] = None
     loss_phase: Optional[str] = None
+    upload_bps: Optional[float] = None  # this peer's upload rate measured in this round (averaging/uplink.py)
+    part_sizes: List[int] = field(default_factory=list)  # values per member's part if sized by bandwidth, else []
     aggregation: str = "mean"
     # Per member peer id (base58): chunks of our part in which robust aggregation clipped or trimmed it.
     flagged: Dict[str, int] = field(default_factory=dict)

@@ -87,15 +87,29 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=_positive_int, metavar="N",
                        help="micro-batch size of this peer (default: the task's)")
     group.add_argument("--averaging", choices=tuple(STRATEGIES), default="gradients",
-                       help="gradients: large-batch training; parameters: Moshpit SGD (default: gradients)")
+                       help="gradients: large-batch training; parameters: Moshpit SGD; diloco: H inner steps, then an "
+                       "outer step on the group's average pseudo-gradient (default: gradients)")
     group.add_argument("--params-every", type=_positive_int, metavar="K",
                        help="gradients mode: rounds send gradients only, and every K epochs the parameters too, "
                        "to pull peers back together (default: 10; 1: every round)")
+    group.add_argument("--inner-steps", type=_positive_int, metavar="H",
+                       help="diloco: inner optimizer steps per outer step (default: 50)")
+    group.add_argument("--outer-optimizer", metavar="KIND[:lr=X,momentum=Y]",
+                       help="diloco: nesterov, sgd or adam (default: nesterov:lr=0.7,momentum=0.9)")
+    group.add_argument("--diloco-overlap", action="store_true",
+                       help="diloco: average the pseudo-gradient while computing the next inner steps "
+                       "(one-outer-step delay)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
-                       help="with a sparsifying codec (arc-topk:FRACTION) in gradient mode: keep EF21M error-feedback "
+                       help="with a sparsifying codec (arc-topk:FRACTION) in gradients or diloco mode: keep EF21M error-feedback "
                        "state (checkpointed and downloaded by newcomers with the parameters)")
+    group.add_argument("--bandwidth", type=positive_float, metavar="MBIT",
+                       help="this peer's upload in Mbit/s, announced to its averaging groups (default: measured "
+                       "on the averaging traffic of every round)")
+    group.add_argument("--partition", choices=("bandwidth", "equal"), default="bandwidth",
+                       help="bandwidth: a group sizes each member's part by its upload, so a slow uplink owns less; "
+                       "equal: equal parts (default: bandwidth)")
     group.add_argument("--group-size", type=_positive_int, default=4, metavar="N",
                        help="target Moshpit group size (default: 4)")
     group.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none",
@@ -210,9 +224,20 @@ def trainer_config_from_args(args: argparse.Namespace):
 
     if args.role == "aux" and args.compute_budget not in ("none", None):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
+    diloco_flags = [flag for flag, value in (("--inner-steps", args.inner_steps), ("--outer-optimizer", args.outer_optimizer),
+                                              ("--diloco-overlap", args.diloco_overlap)) if value]
+    if diloco_flags and args.averaging != "diloco":
+        raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
+    from moshpeer.peer.diloco import parse_outer_optimizer
+    settings = loss_budget_settings_from_args(args)
+    settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
+    if getattr(args, "bandwidth", None) is not None:
+        settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8
     return TrainerConfig(
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
-        params_every=args.params_every,
+        params_every=args.params_every, inner_steps=args.inner_steps,
+        outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None,
+        overlap=args.diloco_overlap or None,
         compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
@@ -220,7 +245,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         round_timeout=args.round_timeout, seed=args.seed,
         straggler=parse_straggler(args.straggler) if args.straggler else None,
         state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
-        **loss_budget_settings_from_args(args),
+        **settings,
         checkpoint=checkpoint_policy_from_args(args) if hasattr(args, "checkpoint_dir") else None,
     )
 

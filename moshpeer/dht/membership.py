@@ -43,8 +43,8 @@ def publish_record(
     try:
         return bool(future.result(timeout=timeout))
     except concurrent.futures.TimeoutError:
-        # Not cancelled: the DHT process finishes the request on its own clock, and a result arriving
-        # for a cancelled MPFuture makes hivemind log an InvalidStateError traceback.
+        # Not cancelled: hivemind sets the result of an MPFuture when it arrives, and on a cancelled one
+        # that logs an InvalidStateError traceback. The DHT call ends by its own timeout; we ignore it.
         return False
 
 
@@ -76,7 +76,7 @@ def list_peers(
     future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
         found = future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:  # left running, not cancelled: see publish_record
+    except concurrent.futures.TimeoutError:  # not cancelled: see publish_record
         raise TimeoutError(f"listing peers of run {run_id!r} took longer than {timeout} s") from None
     if found is None or not isinstance(found.value, dict):
         return []

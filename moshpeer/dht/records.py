@@ -31,7 +31,7 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size"}
+     "round_health", "target_batch_size", "upload_bps"}
 )
 
 
@@ -73,6 +73,8 @@ class PeerRecord(BaseModel):
     # Samples this peer has processed toward the current collaborative epoch (swarm progress).
     samples_accumulated: _Count = 0
     samples_per_second: _Seconds = 0.0
+    # Upload bandwidth in bytes/s the peer measured on its averaging traffic (or declared); 0 = unknown.
+    upload_bps: Annotated[float, Field(ge=0.0, le=1e12)] = 0.0
     version: Annotated[str, StringConstraints(max_length=64)]
     protocol: Annotated[int, Field(ge=0, le=2**31)]
     started_at: _Seconds  # unix time the peer started, by its own clock

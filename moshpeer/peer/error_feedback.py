@@ -1,5 +1,6 @@
 """Error-feedback (EF21M) state of a `CollaborativeOptimizer`: creating it and checking a state before
-adopting it (from a checkpoint or a donor). Gradients mode with a sparsifying codec only."""
+adopting it (from a checkpoint or a donor). Gradients or DiLoCo (its pseudo-gradient changes slowly,
+which error feedback suits) with a sparsifying codec only."""
 
 from __future__ import annotations
 
@@ -9,25 +10,27 @@ import torch
 
 from moshpeer.errors import UserError
 
+# Averaging modes whose averaged vector may be EF21M's estimate: a gradient or a pseudo-gradient, never parameters.
+ERROR_FEEDBACK_MODES = ("gradients", "diloco")
 # The tensors of an EF21M state (momentum estimate, what the group knows, the update estimate).
 STATE_TENSORS = ("h", "e", "e_bar")
 
 
 def error_feedback_sparsifier(averaging: str, compression: str) -> Any:
-    """The sparsifier error feedback would run around; UserError unless averaging is "gradients" and the
-    codec `compression` (a spec such as arc-topk:0.01) is valid and sparsifies."""
+    """The sparsifier error feedback would run around; UserError unless averaging is one of
+    ERROR_FEEDBACK_MODES and the codec `compression` (a spec such as arc-topk:0.01) is valid and sparsifies."""
     from moshpeer.compression import get_compression  # peer > compression: allowed
 
     sparsifier = get_compression(compression).sparsifier
-    if averaging != "gradients" or sparsifier is None:
-        raise UserError(f"error_feedback needs averaging='gradients' and a sparsifying codec such as "
+    if averaging not in ERROR_FEEDBACK_MODES or sparsifier is None:
+        raise UserError(f"error_feedback needs averaging in {ERROR_FEEDBACK_MODES} and a sparsifying codec such as "
                         f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
     return sparsifier
 
 
 def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
     """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
-    unless averaging is "gradients" and the codec sparsifies."""
+    unless averaging is one of ERROR_FEEDBACK_MODES and the codec sparsifies."""
     from moshpeer.compression.ef21m import EF21M
 
     sparsifier = error_feedback_sparsifier(averaging, compression)

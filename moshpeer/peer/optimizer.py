@@ -46,6 +46,7 @@ from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 from moshpeer.peer.error_feedback import (
+    ERROR_FEEDBACK_MODES,
     check_error_feedback_state,
     error_feedback_state,
     fresh_error_feedback_state,
@@ -77,6 +78,9 @@ ASSEMBLY_HISTORY = 8
 # leader decides when the group is complete), and a follower is only accepted by a leader whose window
 # ends before the follower's, so the aux's window must outlast the trainers' next one.
 AUX_WINDOW_FACTOR = 10
+# A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
+# swarm's records to show that the others finished the round it missed.
+MISSED_ROUND_GRACE_S = 5.0
 
 
 class CollaborativeOptimizer(torch.optim.Optimizer):
@@ -102,6 +106,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param role: "trainer" or "aux" (aux peers average with weight 0 and never compute)
     :param average_parameters, params_every, average_optimizer_state: options of the "gradients" and
         "parameters" strategies (see GradientsStrategy, ParametersStrategy; None: the strategy's default)
+    :param inner_steps, outer_optimizer, overlap: options of the "diloco" strategy (DiLoCoStrategy: H, the
+        outer optimizer factory, the one-outer-step delay; None: its default)
     :param matchmaking_time, round_timeout: averaging deadlines (seconds)
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
@@ -135,6 +141,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         average_parameters: Union[bool, str] = "auto",
         average_optimizer_state: bool = True,
         params_every: Optional[int] = None,
+        inner_steps: Optional[int] = None,
+        outer_optimizer: Any = None,
+        overlap: Optional[bool] = None,
         matchmaking_time: float = 1.0,
         round_timeout: float = 10.0,
         max_epoch_lag: int = 1,
@@ -153,7 +162,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.strategy = make_strategy(averaging, average_parameters=average_parameters, params_every=params_every,
-                                      average_optimizer_state=average_optimizer_state)
+                                      average_optimizer_state=average_optimizer_state, inner_steps=inner_steps,
+                                      outer_optimizer=outer_optimizer, overlap=overlap)
         averaging = self.strategy.name
         if role not in ("trainer", "aux"):
             raise UserError(f"role must be 'trainer' or 'aux', got {role!r}")
@@ -187,10 +197,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             averager_kwargs.setdefault("client_mode", True)
         if error_feedback and averager_kwargs.get("error_feedback") is None:
             averager_kwargs["error_feedback"] = make_error_feedback(optimizer, averaging, compression)
-        # Error feedback replaces the averaged vector by its own estimate: gradients only, never parameters.
+        # Error feedback replaces the averaged vector by its own estimate: gradients or DiLoCo's pseudo-gradient
+        # only, never parameters.
         self.error_feedback = averager_kwargs.get("error_feedback")
-        if self.error_feedback is not None and averaging != "gradients":
-            raise UserError("error feedback needs averaging='gradients'")
+        if self.error_feedback is not None and averaging not in ERROR_FEEDBACK_MODES:
+            raise UserError(f"error feedback needs averaging in {ERROR_FEEDBACK_MODES}")
 
         # torch.optim.Optimizer's own machinery, without its __init__ (param_groups live in `inner`).
         self.defaults = optimizer.defaults
@@ -213,6 +224,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.failed_rounds = 0  # aux peers: rounds that found no group (the aux retries them)
         self._assembly_s: List[float] = []  # matchmaking times of recent rounds whose group was complete
         self.rounds: List[CollaborativeRound] = []
+        self._in_flight: Optional[tuple] = None  # (running round, its record, its plan): overlapping strategies
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
         # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`).
@@ -293,12 +305,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict plus a "collaborative" entry: epoch, steps and the
-        error-feedback state (None without error feedback)."""
+        """The wrapped optimizer's state dict plus a "collaborative" entry: epoch, steps, the
+        error-feedback state (None without error feedback) and the strategy's state."""
         with self.lock:
             state = self.inner.state_dict()
             state["collaborative"] = {"epoch": self.local_epoch, "steps": self.local_steps,
-                                      "error_feedback": error_feedback_state(self.error_feedback)}
+                                      "error_feedback": error_feedback_state(self.error_feedback),
+                                      "strategy": self.strategy.state_dict()}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -309,6 +322,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if collaborative and collaborative.get("error_feedback") is not None:
                 self._load_error_feedback(collaborative["error_feedback"])
             self.inner.load_state_dict(state_dict)
+            if collaborative and collaborative.get("strategy"):
+                self.strategy.load_state_dict(collaborative["strategy"])
             if collaborative:
                 self.local_epoch = int(collaborative.get("epoch", self.local_epoch))
                 self.local_steps = int(collaborative.get("steps", self.local_steps))
@@ -353,9 +368,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def epoch_is_over(self) -> bool:
         """Whether this peer should average now: its share is done, the swarm reached the target,
-        or the DropCompute budget for this epoch is spent."""
+        or the DropCompute budget for this epoch is spent; a strategy that counts its epochs itself
+        (DiLoCo's H inner steps) decides instead of the share and the target."""
         if self._budget_step is not None and not self._budget_step.should_continue():
             return True
+        counted = self.strategy.epoch_is_over()
+        if counted is not None:
+            return counted
         snapshot = self.progress.snapshot()
         if snapshot.ready:
             return True
@@ -379,8 +398,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         snapshot = snapshot or self.progress.snapshot()
         return math.ceil(self.target_batch_size / max(snapshot.num_trainers, 1))
 
-    def collaborative_step(self) -> CollaborativeRound:
-        """End this peer's epoch now: catch up if behind, else average and step (alone if no group)."""
+    def collaborative_step(self) -> Optional[CollaborativeRound]:
+        """End this peer's epoch now: catch up if behind, else average and step (alone if no group).
+        Returns the round's record; with an overlapping strategy the record of the round resolved now (the
+        previous epoch's), None at the first epoch end."""
         snapshot = self.progress.snapshot()
         stopped_by_budget = False
         if self._budget_step is not None:
@@ -391,10 +412,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             downloaded = self.catch_up(min_epoch=snapshot.global_epoch - self.max_epoch_lag)
             if downloaded is not None:
                 self.dropped_samples += stale_samples
-                caught = CollaborativeRound(epoch=downloaded.epoch, samples=0, ok=False, error="caught up",
-                                            stopped_by_budget=stopped_by_budget, dropped_samples=stale_samples,
-                                            swarm_samples=snapshot.samples_accumulated,
-                                            num_trainers=snapshot.num_trainers)
+                caught = self._new_round(epoch=downloaded.epoch, samples=0, ok=False, error="caught up",
+                                         stopped_by_budget=stopped_by_budget, dropped_samples=stale_samples,
+                                         swarm_samples=snapshot.samples_accumulated,
+                                         num_trainers=snapshot.num_trainers)
                 self.rounds.append(caught)
                 return caught
         alone = snapshot.num_trainers + snapshot.num_aux <= 1
@@ -402,9 +423,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             missed = self._catch_up_after_missed_round(stopped_by_budget)
             if missed is not None:
                 return missed
-        round_ = CollaborativeRound(epoch=self.local_epoch, samples=self.samples_accumulated, ok=False,
-                                    stopped_by_budget=stopped_by_budget, swarm_samples=snapshot.samples_accumulated,
-                                    num_trainers=snapshot.num_trainers, group_target=self.group_target(snapshot))
+        round_ = self._new_round(epoch=self.local_epoch, samples=self.samples_accumulated, ok=False,
+                                 stopped_by_budget=stopped_by_budget, swarm_samples=snapshot.samples_accumulated,
+                                 num_trainers=snapshot.num_trainers, group_target=self.group_target(snapshot))
+        if self.strategy.overlaps:
+            return self._overlapped_step(round_, snapshot, alone)
         with self.lock:
             plan = self.strategy.plan_round(self.local_epoch, snapshot)
         # A lone peer does not wait for a group that cannot form: it steps on its own gradients.
@@ -412,16 +435,65 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                                     target_group_size=round_.group_target,
                                                     matchmaking_time=self._matchmaking_window())
         self._note_assembly(report, round_.group_target)
+        if not alone and not getattr(report, "ok", False) and self.strategy.catches_up_after_missed_round \
+                and self._swarm_moved_on(within=min(self.round_timeout, MISSED_ROUND_GRACE_S)):
+            missed = self._catch_up_after_missed_round(stopped_by_budget)
+            if missed is not None:
+                return missed
         round_.result = report
         with self.lock:
-            if report is not None and getattr(report, "ok", False):
-                self._adopt_round(round_, report, plan)
-            else:
-                round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
-                                                      else "abandoned")
-                self.strategy.apply_alone(plan)
-            self._update_loss_phase(round_, report, plan)
+            self._resolve(round_, report, plan, alone)
             self._finish_epoch()
+        round_.wait_s = round_.matchmaking_s + round_.averaging_s
+        self.rounds.append(round_)
+        return round_
+
+    def _resolve(self, round_: CollaborativeRound, report: Any, plan: RoundPlan, alone: bool) -> None:
+        """Apply a round's outcome: the group's average, or this peer's own step (caller holds the lock)."""
+        if report is not None and getattr(report, "ok", False):
+            self._adopt_round(round_, report, plan)
+        else:
+            round_.error = "alone" if alone else (getattr(report, "error", None) if report is not None
+                                                  else "abandoned")
+            if report is not None:
+                round_.matchmaking_s = float(report.matchmaking_s)
+            self.strategy.apply_alone(plan)
+        self._update_loss_phase(round_, report, plan)
+
+    def _overlapped_step(self, round_: CollaborativeRound, snapshot: ProgressSnapshot, alone: bool) -> Optional[CollaborativeRound]:
+        """End the epoch of a strategy that overlaps rounds with compute: resolve the round started at the
+        previous epoch end (waiting for it if it still runs: that wait is the communication compute did not
+        hide), start this epoch's round in the background, and go on at once. Returns the resolved round
+        (also appended to `rounds`), None at the first epoch end."""
+        resolved = self.settle()
+        with self.lock:
+            plan = self.strategy.plan_round(self.local_epoch, snapshot)
+            if alone:  # nobody to average with: this epoch's step is taken now, on local data
+                round_.error = "alone"
+                self.strategy.apply_alone(plan)
+            self._finish_epoch()
+        if alone:
+            round_.wait_s = 0.0
+            self.rounds.append(round_)
+            return round_
+        self._in_flight = (self._start_round(plan, weight=float(round_.samples), target_group_size=round_.group_target,
+                                             matchmaking_time=self._matchmaking_window()), round_, plan)
+        return resolved
+
+    def settle(self) -> Optional[CollaborativeRound]:
+        """Resolve the round still running in the background (overlapping strategies): wait for it within its
+        deadline, apply its outcome, append its record to `rounds` and return it; None if none runs. The
+        training loop calls it once more after its last epoch, so that the last outer step is applied."""
+        if self._in_flight is None:
+            return None
+        running, round_, plan = self._in_flight
+        self._in_flight = None
+        waited = time.monotonic()
+        report = self._await_round(running)
+        round_.wait_s = time.monotonic() - waited
+        self._note_assembly(report, round_.group_target)
+        with self.lock:
+            self._resolve(round_, report, plan, alone=False)
         self.rounds.append(round_)
         return round_
 
@@ -464,6 +536,23 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return False
         return self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch
 
+    def _new_round(self, **fields: Any) -> CollaborativeRound:
+        """A round record (CollaborativeRound's fields) that carries the strategy's settings."""
+        return CollaborativeRound(settings=self.strategy.settings(), **fields)
+
+    def _swarm_moved_on(self, within: float) -> bool:
+        """Whether a trainer's record shows an epoch past ours within `within` seconds: the others averaged
+        this epoch without us (their round may still be finishing when ours gives up)."""
+        deadline = time.monotonic() + within
+        while not self._should_stop():
+            if self.progress.refresh_now(timeout=1.0).global_epoch > self.local_epoch:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.progress.wait_for_refresh(timeout=min(0.5, left))
+        return False
+
     def _catch_up_after_missed_round(self, stopped_by_budget: bool) -> Optional[CollaborativeRound]:
         """Drop this epoch's late samples and adopt the state the swarm reached without them."""
         late_samples, epoch = self.samples_accumulated, self.local_epoch
@@ -471,8 +560,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if downloaded is None:
             return None  # no donor: average as usual (alone if nobody is left)
         self.dropped_samples += late_samples
-        missed = CollaborativeRound(epoch=epoch, samples=0, ok=False, error="missed round; caught up",
-                                    stopped_by_budget=stopped_by_budget, dropped_samples=late_samples)
+        missed = self._new_round(epoch=epoch, samples=0, ok=False, error="missed round; caught up",
+                                 stopped_by_budget=stopped_by_budget, dropped_samples=late_samples)
         self.rounds.append(missed)
         return missed
 
@@ -528,9 +617,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _aux_round(self, snapshot: ProgressSnapshot) -> Optional[CollaborativeRound]:
         """One weight-0 round of an aux peer; it advances its epoch only when it averaged."""
-        round_ = CollaborativeRound(epoch=self.local_epoch, samples=0, ok=False,
-                                    swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers,
-                                    group_target=self.group_target(snapshot))
+        round_ = self._new_round(epoch=self.local_epoch, samples=0, ok=False,
+                                 swarm_samples=snapshot.samples_accumulated, num_trainers=snapshot.num_trainers,
+                                 group_target=self.group_target(snapshot))
         with self.lock:
             plan = self.strategy.plan_round(self.local_epoch, snapshot)
         report = self._run_round(plan, weight=0.0, target_group_size=round_.group_target,
@@ -546,6 +635,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor and adopt it; None if no donor delivered."""
+        self.settle()  # a round still in the background must not land on the downloaded state
         try:
             downloaded = download_state(self.dht, self.run_id, exclude=(self.peer_id,), min_epoch=min_epoch,
                                         timeout=self.state_download_timeout, show_progress=self.show_progress,
@@ -579,6 +669,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         """Adopt a state from `collaborative_state` (e.g. downloaded): parameters, optimizer, epoch."""
         self._check_state_fits(state)
         with self.lock, torch.no_grad():
+            self.strategy.load_state_dict(state.get("strategy") or {})  # checked: it changes nothing if it fails
             if state["has_model"]:
                 self.model.load_state_dict(state["model"])
             else:
@@ -590,19 +681,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             elif self.error_feedback is not None:
                 # The donor keeps none: start ours afresh rather than keep an estimate of other parameters.
                 self._load_error_feedback(fresh_error_feedback_state(self.error_feedback))
-            self.strategy.load_state_dict(state.get("strategy") or {})
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
             self._reset_accumulators()
 
     def checkpoint_state(self) -> Dict[str, Any]:
         """This peer's own training state for a local checkpoint (moshpeer.peer.checkpoint): the wrapped
-        optimizer's state, epoch, steps and the progress of the current epoch (gradient accumulators,
-        samples). The tensors are the live ones, not copies: snapshot them before training goes on."""
+        optimizer's state, epoch, steps, the progress of the current epoch (gradient accumulators,
+        samples) and the strategy's state (e.g. DiLoCo's outer parameters and momentum). The tensors are the live ones, not copies: snapshot them before training goes on."""
         with self.lock:
             return {"epoch": self.local_epoch, "steps": self.local_steps,
                     "samples_accumulated": self.samples_accumulated, "total_samples": self.total_samples,
-                    "grad_accumulators": list(self.grad_sums), "optimizer": self.inner.state_dict()}
+                    "grad_accumulators": list(self.grad_sums), "optimizer": self.inner.state_dict(),
+                    "strategy": self.strategy.state_dict()}
 
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Continue exactly from a `checkpoint_state()` (the model's parameters are the caller's to load)."""
@@ -612,6 +703,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise ValueError("checkpoint's gradient accumulators do not match this model")
         with self.lock, torch.no_grad():
             self.inner.load_state_dict(state["optimizer"])
+            self.strategy.load_state_dict(state.get("strategy") or {})
             for acc, value in zip(self.grad_sums, saved):
                 acc.copy_(value)
             self.local_epoch, self.local_steps = int(state["epoch"]), int(state["steps"])
@@ -638,6 +730,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         feedback = state.get("error_feedback")
         if feedback is not None and self.error_feedback is not None:
             check_error_feedback_state(self.error_feedback, feedback)
+        self.strategy.check_state_dict(state.get("strategy") or {})
 
     # ---- error feedback -----------------------------------------------------------------------
 
@@ -665,6 +758,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _run_round(self, plan: RoundPlan, weight: float, target_group_size: Optional[int] = None,
                    matchmaking_time: Optional[float] = None) -> Any:
         """Run one averaging round in a helper thread; abandon it if a stop is requested."""
+        return self._await_round(self._start_round(plan, weight, target_group_size, matchmaking_time))
+
+    def _start_round(self, plan: RoundPlan, weight: float, target_group_size: Optional[int] = None,
+                     matchmaking_time: Optional[float] = None) -> tuple:
+        """Start one averaging round in a helper thread; `_await_round` gets its report."""
         result: Dict[str, Any] = {}
         window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
 
@@ -679,7 +777,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
         thread = threading.Thread(target=target, name="moshpeer-round", daemon=True)
         thread.start()
-        deadline = time.monotonic() + 2 * window + self.round_timeout + 5.0
+        return thread, result, time.monotonic() + 2 * window + self.round_timeout + 5.0
+
+    def _await_round(self, running: tuple) -> Any:
+        """The report of a round from `_start_round`; None if it failed, ran past its deadline or a stop
+        was requested meanwhile (the round is then abandoned)."""
+        thread, result, deadline = running
         while thread.is_alive():
             thread.join(timeout=0.1)
             if self._should_stop() or time.monotonic() > deadline:
@@ -713,7 +816,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _report_progress(self, force: bool = False) -> None:
         self.progress.report(epoch=self.local_epoch, samples_accumulated=self.samples_accumulated,
-                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force)
+                             samples_per_second=self._speed.rate(), step=self.local_steps, force=force,
+                             upload_bps=self.averager.upload_bandwidth or 0.0)
         flagged = self.averager.flagged_peers
         if flagged != self._published_flagged:  # robust aggregation clipped someone: say so in our record
             self._published_flagged = dict(flagged)

@@ -191,15 +191,16 @@ class SwarmProgress:
     # ---- local progress -------------------------------------------------------------------------
 
     def report(self, *, epoch: int, samples_accumulated: int, samples_per_second: float, step: int,
-               force: bool = False) -> None:
-        """Publish this peer's progress; throttled to one DHT store per MIN_PUBLISH_INTERVAL unless
-        the epoch changed or `force`."""
+               force: bool = False, upload_bps: float = 0.0) -> None:
+        """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per
+        MIN_PUBLISH_INTERVAL unless the epoch changed or `force`."""
         now = time.monotonic()
         if not force and epoch == self._last_published_epoch and now - self._last_publish < MIN_PUBLISH_INTERVAL:
             return
         self._last_publish, self._last_published_epoch = now, epoch
         self._publish(epoch=epoch, samples_accumulated=samples_accumulated,
-                      samples_per_second=float(max(samples_per_second, 0.0)), step=step)
+                      samples_per_second=float(max(samples_per_second, 0.0)), step=step,
+                      upload_bps=float(max(upload_bps, 0.0)))
 
     # ---- swarm view -----------------------------------------------------------------------------
 

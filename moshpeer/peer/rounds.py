@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 from moshpeer.averaging.report import RoundReport
 
@@ -34,6 +34,10 @@ class CollaborativeRound:
     loss_phase: Optional[str] = None
     loss_budget: Optional[float] = None
     grad_norm: Optional[float] = None
+    # The averaging strategy's settings (e.g. DiLoCo: inner_steps, outer_optimizer, delta_codec, overlap).
+    settings: Dict[str, Any] = field(default_factory=dict)
+    # How long training waited for this round: all of it, unless the strategy overlaps rounds with compute.
+    wait_s: Optional[float] = None
     result: Optional[RoundReport] = None  # the averaging round's own report, unchanged (None: no round ran)
 
     def to_dict(self) -> dict:

@@ -39,6 +39,7 @@ from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
 from moshpeer.peer.health import round_health
 from moshpeer.peer.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
+from moshpeer.peer.rounds import CollaborativeRound
 from moshpeer.peer.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class TrainerConfig:
     batch_size: Optional[int] = None  # micro-batch; default: the task's
     averaging: str = "gradients"
     params_every: Optional[int] = None  # gradients mode: epochs between parameter rounds (None: the default)
+    inner_steps: Optional[int] = None  # diloco: inner steps per outer step (None: the default, 50)
+    outer_optimizer: Any = None  # diloco: an outer optimizer factory, e.g. moshpeer.peer.diloco.OuterOptimizer
+    overlap: Optional[bool] = None  # diloco: average Δ while computing the next inner steps
     compression: str = "none"
     error_feedback: bool = False  # EF21M state around a sparsifying codec (arc-topk)
     group_size: int = 4
@@ -122,7 +126,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
-        params_every=config.params_every,
+        params_every=config.params_every, inner_steps=config.inner_steps, outer_optimizer=config.outer_optimizer,
+        overlap=config.overlap,
         compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
         compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
@@ -154,7 +159,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
           "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
-          "loss_budget": optimizer.loss_budget.describe()})
+          "loss_budget": optimizer.loss_budget.describe(), **optimizer.strategy.settings()})
 
     _wait_for_peers(daemon, optimizer, config)
     snapshot = optimizer.progress.refresh_now()
@@ -206,12 +211,15 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
         if peer_metrics is not None and checkpointer is not None:
             peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
-        if len(optimizer.rounds) == rounds_before:
+        if len(optimizer.rounds) == rounds_before and optimizer.local_epoch == epoch_before:
             if stream is None and _reached_limit(optimizer, config):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
                 break
             continue
-        round_ = optimizer.rounds[-1]
+        # An overlapping strategy (DiLoCo with overlap) resolves each round one epoch later: the record is
+        # the round resolved now, and there is none at the first epoch end (its round is in flight).
+        round_ = optimizer.rounds[-1] if len(optimizer.rounds) > rounds_before else CollaborativeRound(
+            epoch=epoch_before, samples=0, ok=False, error="round in flight", settings=optimizer.strategy.settings())
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
@@ -222,18 +230,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "loss": round(loss_sum / loss_count, 5) if loss_count else None,
             "metric": metrics.get(task.metric) if evaluate else None,
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,
-            "samples": round_.samples, "samples_total": optimizer.total_samples,
-            "samples_per_second": round(optimizer._speed.rate(), 1),
-            "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
-            "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
-            "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
-            "bytes_sent": round_.bytes_sent, "averaged": list(round_.averaged),
-            "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
-            "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
-            "num_trainers": round_.num_trainers, "error": round_.error,
-            "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
-            "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
-            "params_digest": params_digest(model),
+            "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
+            **round_fields(round_), "params_digest": params_digest(model),
         })
         daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
         if peer_metrics is not None:
@@ -249,6 +247,10 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                 and not task.is_better(config.target_metric, metrics[task.metric])):
             reason = "target_metric"
             break
+    settled = optimizer.settle()  # the last round of an overlapping strategy: its outer step counts
+    if settled is not None:
+        emit({"event": "settled", "epoch": optimizer.local_epoch, "time": round(time.monotonic() - started, 3),
+              "train_time": round(time.monotonic() - train_started, 3), **round_fields(settled)})
     if checkpointer is not None:
         _final_checkpoint(checkpointer, micro_steps, daemon, emit, reason=None if daemon.stop_requested else reason)
     if not daemon.stop_requested or not metrics:
@@ -259,6 +261,24 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "rounds_ok": sum(r.ok for r in optimizer.rounds), "rounds": len(optimizer.rounds),
           "downloads": len(optimizer.downloads)})
     return summary
+
+
+def round_fields(round_: CollaborativeRound) -> Dict[str, Any]:
+    """A round's record as the fields of an event line."""
+    return {
+        "round_epoch": round_.epoch, "samples": round_.samples,
+        "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
+        "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
+        "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
+        "wait_s": round(round_.wait_s, 3) if round_.wait_s is not None else None,
+        "bytes_sent": round_.bytes_sent, "averaged": list(round_.averaged),
+        "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
+        "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
+        "num_trainers": round_.num_trainers, "error": round_.error,
+        "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
+        "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
+        **round_.settings,
+    }
 
 
 def _optimizer_call(call: Callable[[], Any], checkpointer: Optional[PeerCheckpointer],
@@ -339,9 +359,11 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
 
 def _loopback_or_any(daemon: Any) -> str:
     """The IPv4 address others reach this peer at (from its DHT's visible multiaddrs) for averaging and
-    state donations; 127.0.0.1 in local swarms."""
+    state donations: a non-loopback one if the DHT listens on any (e.g. on all interfaces: peers in other
+    network namespaces or on other machines cannot reach 127.0.0.1); 127.0.0.1 in local swarms."""
+    addresses = []
     for maddr in daemon.visible_maddrs:
         parts = maddr.split("/")
         if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            return parts[2]
-    return "127.0.0.1"
+            addresses.append(parts[2])
+    return next((a for a in addresses if not a.startswith("127.")), addresses[0] if addresses else "127.0.0.1")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 STRATEGIES: Dict[str, str] = {
     "gradients": "moshpeer.peer.strategies.gradients:GradientsStrategy",
     "parameters": "moshpeer.peer.strategies.parameters:ParametersStrategy",
+    "diloco": "moshpeer.peer.strategies.diloco:DiLoCoStrategy",
 }
 _EXPORTS = {
     "AveragingStrategy": "moshpeer.peer.strategies.base",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "StrategyHost": "moshpeer.peer.strategies.base",
     "GradientsStrategy": "moshpeer.peer.strategies.gradients",
     "ParametersStrategy": "moshpeer.peer.strategies.parameters",
+    "DiLoCoStrategy": "moshpeer.peer.strategies.diloco",
 }
 
 

@@ -13,6 +13,7 @@ training thread, except `state_dict`, which the state server may call from anoth
                             averages a list of views of it (the `RoundPlan`)
     on_micro_batch(n)       after each `step()` that accounted n samples (the gradients are already
                             added to host.grad_sums when `accumulates_gradients` is True)
+    epoch_is_over()         True/False: the strategy counts the epoch itself; None: the optimizer does
     plan_round(epoch, swarm) the epoch is over: fill the buffer, say what this round averages
     apply_averaged(plan)    the round succeeded: the plan's tensors hold the group's (weighted) average;
                             make the model and the inner optimizer use it; returns the parameter spread
@@ -20,10 +21,11 @@ training thread, except `state_dict`, which the state server may call from anoth
     apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
     averaged_gradient(plan) the gradient of this epoch after a successful round, if the strategy averages
                             one (the DBLP phase signal uses it; else the local mean gradient is used)
-    state_dict() / load_state_dict(state)
+    state_dict() / load_state_dict(state) / check_state_dict(state)
                             strategy state a newcomer or a checkpoint needs besides the model and the
                             inner optimizer (e.g. DiLoCo's anchor parameters and outer optimizer);
-                            load_state_dict raises ValueError when the state does not fit
+                            load_state_dict raises ValueError when the state does not fit, and then
+                            changes nothing; check_state_dict only checks
 
 The host (`StrategyHost`, in practice the `CollaborativeOptimizer`) offers: `params`, `inner` (the wrapped
 torch optimizer), `grad_sums` (per parameter, gradients x samples summed over this epoch),
@@ -77,6 +79,12 @@ class AveragingStrategy(abc.ABC):
     accumulates_gradients: ClassVar[bool] = False
     # Every step() is an inner optimizer step (local SGD); else the inner optimizer steps at the epoch end.
     steps_locally: ClassVar[bool] = False
+    # The optimizer runs this strategy's round in the background and resolves it (apply_averaged or
+    # apply_alone) at the next epoch end, while the peer computes (DiLoCo's one-outer-step delay).
+    overlaps: bool = False
+    # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
+    # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).
+    catches_up_after_missed_round: ClassVar[bool] = False
 
     host: StrategyHost
     buffer: torch.Tensor
@@ -87,6 +95,11 @@ class AveragingStrategy(abc.ABC):
 
     def on_micro_batch(self, batch_size: int) -> None:
         """After each step() of `batch_size` samples (gradients accounted, local step taken)."""
+
+    def epoch_is_over(self) -> Optional[bool]:
+        """Whether the epoch is over by this strategy's own count (e.g. DiLoCo's H inner steps); None: the
+        optimizer decides (this peer's share of the target batch, the swarm's progress)."""
+        return None
 
     @abc.abstractmethod
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
@@ -109,9 +122,17 @@ class AveragingStrategy(abc.ABC):
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Adopt a `state_dict()`; ValueError when it does not fit."""
+        """Adopt a `state_dict()`; ValueError (and nothing changed) when it does not fit."""
+        self.check_state_dict(state)
+
+    def check_state_dict(self, state: Dict[str, Any]) -> None:
+        """ValueError unless `state` is a `state_dict()` this strategy can adopt (a donor's, a checkpoint's)."""
         if state:
             raise ValueError(f"{self.name} strategy keeps no state, got {sorted(state)}")
 
     def describe(self) -> str:
         return self.name
+
+    def settings(self) -> Dict[str, Any]:
+        """This strategy's settings as the join event line and every round result show them."""
+        return {}

@@ -1,0 +1,290 @@
+"""DiLoCo on Moshpit groups vs gradient and parameter averaging, 4 peers on 50 Mbit/s links.
+
+Task: the built-in `charlm` byte-level transformer, widened to 5.2M parameters (d_model 288, 5 layers,
+context 32) so that communication matters, with micro-batches of 4 windows per peer (the 2-core sandbox
+computes one in ~0.1 s). Every arm trains on the same number of samples: STEPS micro-batches per peer.
+
+- gradients: `--averaging gradients`, target batch = peers x micro-batch, so one round (41 MB of fp32
+  gradients and parameters per peer) per micro-batch;
+- parameters: Moshpit SGD, `--averaging parameters`, averaging parameters and Adam's second moment every
+  50 local steps (the period of DiLoCo H=50);
+- diloco-h50 / diloco-h200: `--averaging diloco --inner-steps H`, Δ uncompressed;
+- diloco-h50-int4: Δ as int4; diloco-h50-int4-overlap: the same with the one-outer-step delay;
+- single: one process (`train_locally`), global batch peers x micro-batch, the same samples.
+
+Links: with --netlab (default when network namespaces can be made) every peer runs in its own namespace
+behind a tbf-shaped 50 Mbit/s upload (moshpeer.testing.netlab); --loopback runs on 127.0.0.1 unshaped.
+
+What is measured and what is derived (said again in the table):
+- A gradients round at 50 Mbit/s takes ~10 s, so the arm's STEPS rounds would take an hour. It runs
+  GRADIENT_STEPS real rounds on the shaped links to measure seconds and bytes per step; its loss curve
+  is the single process's (a full group averaging fp32 gradients of peers x micro-batch samples is
+  the same Adam step as one process on that batch; the benchmark checks the losses after
+  GRADIENT_STEPS steps agree), so its time to the target is (single's steps to the target) x (measured
+  seconds per step), and its bytes are (measured bytes of a gradients round) x STEPS, plus the
+  parameters every 10th round (gradients mode's --params-every default).
+- Time to target: from training start until a peer first evaluates at or below the target loss
+  (the single process's eval loss at half its samples). Every DiLoCo/parameters peer evaluates after
+  every outer step.
+- bytes/peer: payload bytes sent by the averaging rounds (RoundReport.bytes_sent), mean over peers;
+  with --netlab also the bytes each peer's link carried (all traffic: DHT, state, headers).
+- hidden communication (overlap arm): 1 - (time the training loop waited for rounds) / (time the rounds
+  took, matchmaking included).
+
+    flock -x /work/notes/cpu.lock python benchmarks/bench_diloco.py [--loopback] [--steps 400]
+
+Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco, time_to_target_speedup,
+hidden_comm_fraction, single_loss, and per-arm figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_training import Child, env  # noqa: E402  (same process handling as the training benchmark)
+
+TASK_ARGS = {"d_model": 288, "layers": 5, "heads": 4, "context": 32, "max_bytes": 1_000_000}
+LOOPBACK = "127.0.0.1"
+HEADLINE = "diloco-h50-int4"  # the DiLoCo arm of the JSON figures: H and the Δ codec together
+
+
+def arms(args) -> List[dict]:
+    steps, h = args.steps, 50
+    return [
+        {"name": "gradients", "averaging": "gradients", "epochs": args.gradient_steps, "target_batch": args.peers * args.batch,
+         "compression": "none", "round_timeout": 120},
+        {"name": "parameters", "averaging": "parameters", "epochs": steps // h,
+         "target_batch": args.peers * args.batch * h, "compression": "none", "round_timeout": 120},
+        {"name": "diloco-h50", "averaging": "diloco", "epochs": steps // h, "inner_steps": h, "compression": "none",
+         "round_timeout": 60},
+        {"name": "diloco-h200", "averaging": "diloco", "epochs": steps // 200, "inner_steps": 200,
+         "compression": "none", "round_timeout": 60},
+        {"name": "diloco-h50-int4", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
+         "compression": "int4", "round_timeout": 30},
+        {"name": "diloco-h50-int4-overlap", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
+         "compression": "int4", "overlap": True, "round_timeout": 30},
+    ]
+
+
+def task_flags() -> List[str]:
+    flags = ["--task", "charlm"]
+    for key, value in TASK_ARGS.items():
+        flags += ["--task-arg", f"{key}={value}"]
+    return flags
+
+
+def run_arm(args, arm: dict, lab) -> dict:
+    """One swarm of args.peers `moshpeer join` peers (plus a `moshpeer dht` bootstrap) for one arm."""
+    e = env()
+    run_id = f"bench-diloco-{arm['name']}-{os.getpid()}"
+    hosts = lab.addresses if lab is not None else [LOOPBACK] * args.peers
+
+    def wrap(index: int, argv: List[str]) -> List[str]:
+        return lab.command(index, argv) if lab is not None else argv
+
+    boot = Child(wrap(0, [sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs",
+                          f"/ip4/{hosts[0]}/tcp/0", "--heartbeat", "1"]), e)
+    children = [boot]
+    tx_before = [lab.tx_bytes(i) for i in range(args.peers)] if lab is not None else None
+    try:
+        ready = boot.wait_event("ready", 120)
+        if ready is None:
+            raise RuntimeError("bootstrap did not start")
+        peers = []
+        for i in range(args.peers):
+            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
+                    "--host-maddrs", f"/ip4/{hosts[i]}/tcp/0", "--heartbeat", "1", *task_flags(),
+                    "--group-size", str(args.peers), "--min-peers", str(args.peers), "--wait-peers", "120",
+                    "--max-epochs", str(arm["epochs"]), "--batch-size", str(args.batch),
+                    "--target-batch-size", str(arm.get("target_batch", args.peers * args.batch)),
+                    "--averaging", arm["averaging"], "--compression", arm["compression"],
+                    "--eval-every", str(arm["epochs"] if arm["averaging"] == "gradients" else 1),
+                    "--matchmaking-time", str(args.matchmaking_time), "--round-timeout", str(arm["round_timeout"]),
+                    "--seed", str(i)]
+            if "inner_steps" in arm:
+                argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
+            if arm.get("overlap"):
+                argv += ["--diloco-overlap"]
+            peers.append(Child(wrap(i, argv), e))
+        children += peers
+        for peer in peers:
+            peer.wait_event("done", args.timeout)
+        figures = summarize(arm, peers)
+        if lab is not None:
+            figures["link_bytes_per_peer"] = sum(lab.tx_bytes(i) - b for i, b in enumerate(tx_before)) / args.peers
+        return figures
+    finally:
+        for child in children:
+            child.stop()
+
+
+def summarize(arm: dict, peers: List[Child]) -> dict:
+    done = [p.wait_event("done", 0) for p in peers]
+    if not all(done):
+        raise RuntimeError(f"arm {arm['name']}: {sum(d is None for d in done)} peers did not finish")
+    epochs = [[e for e in p.events if e.get("event") in ("epoch", "settled")] for p in peers]
+    starts = [e["received_at"] for p in peers for e in p.events if e.get("event") == "started"]
+    evals = sorted((e["received_at"] - min(starts), e["eval_loss"]) for eps in epochs for e in eps
+                   if e.get("eval_loss") is not None)
+    comm = [sum(e.get("matchmaking_s", 0) + e.get("averaging_s", 0) for e in eps) for eps in epochs]
+    waited = [sum(e.get("wait_s") or 0 for e in eps) for eps in epochs]
+    rounds = [e for eps in epochs for e in eps if e.get("event") == "epoch"]
+    sent = [e["bytes_sent"] for e in rounds if e.get("ok")]
+    with_params = [e["bytes_sent"] for e in rounds if e.get("ok") and "parameters" in (e.get("averaged") or [])]
+    without = [b for e, b in zip([e for e in rounds if e.get("ok")], sent) if "parameters" not in (e.get("averaged") or [])]
+    return {
+        "round_bytes": sum(sent) / max(len(sent), 1),
+        "round_bytes_without_params": sum(without) / len(without) if without else None,
+        "round_bytes_with_params": sum(with_params) / len(with_params) if with_params else None,
+        "final_loss": sum(d["metrics"]["loss"] for d in done) / len(done),
+        "train_s": max(d["seconds"] for d in done),
+        "evals": evals,
+        "bytes_per_peer": sum(sum(e.get("bytes_sent") or 0 for e in eps) for eps in epochs) / len(peers),
+        "rounds": max(len(eps) for eps in epochs),
+        "rounds_ok_fraction": sum(bool(e.get("ok")) for e in rounds) / max(len(rounds), 1),
+        "comm_s": sum(comm) / len(comm),
+        "waited_s": sum(waited) / len(waited),
+        "hidden_comm_fraction": (1.0 - sum(waited) / sum(comm)) if sum(comm) > 0 else None,
+        "seconds_per_epoch": _seconds_per_epoch(epochs),
+    }
+
+
+def _seconds_per_epoch(epochs: List[List[dict]]) -> Optional[float]:
+    spans = [(eps[-1]["train_time"] - eps[0]["train_time"], eps[-1]["epoch"] - eps[0]["epoch"])
+             for eps in ([e for e in p if e.get("event") == "epoch"] for p in epochs)
+             if len(eps) >= 2 and eps[-1]["epoch"] > eps[0]["epoch"]]
+    seconds, advanced = sum(s for s, _ in spans), sum(n for _, n in spans)
+    return seconds / advanced if advanced else None
+
+
+def run_single(args) -> dict:
+    import torch
+
+    from moshpeer.peer.tasks import load_task, train_locally
+
+    torch.set_num_threads(2)
+    batch = args.peers * args.batch
+    started = time.monotonic()
+    run = train_locally(load_task("charlm", **TASK_ARGS), num_samples=args.steps * batch, global_batch_size=batch,
+                        micro_batch_size=batch, eval_every=args.gradient_steps)
+    return {"final_loss": run.metrics["loss"], "train_s": time.monotonic() - started,
+            "curve": [(samples // batch, metrics["loss"]) for samples, metrics in run.history]}
+
+
+def first_time_at(evals: List[tuple], target: float) -> Optional[float]:
+    return next((t for t, loss in evals if loss <= target), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=50.0, help="upload Mbit/s per peer (netlab)")
+    parser.add_argument("--steps", type=int, default=400, help="micro-batches per peer in every arm")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch (windows) per peer")
+    parser.add_argument("--gradient-steps", type=int, default=5, help="real rounds of the gradients arm")
+    parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--outer-optimizer", default="sgd:lr=1,momentum=0",
+                        help="DiLoCo arms' outer optimizer (a run of 2-8 outer steps: momentum overshoots; see docs)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per arm")
+    parser.add_argument("--arms", default="", help="comma-separated arm names (default: all)")
+    links = parser.add_mutually_exclusive_group()
+    links.add_argument("--netlab", action="store_true", help="shaped links in network namespaces (default if possible)")
+    links.add_argument("--loopback", action="store_true", help="127.0.0.1, unshaped")
+    parser.add_argument("--events-out", help="write every arm's figures (with eval curves) here as JSON")
+    args = parser.parse_args()
+    if args.steps % 200:
+        parser.error("--steps must be a multiple of 200 (H=200 arm)")
+
+    lab = None
+    if not args.loopback:
+        try:
+            from moshpeer.testing.netlab import Netlab, unavailable
+        except ImportError:
+            unavailable, Netlab = (lambda: "moshpeer.testing.netlab is not installed"), None
+        reason = unavailable()
+        if reason is not None:
+            if args.netlab:
+                print(f"netlab unavailable: {reason}", file=sys.stderr)
+                return 2
+            print(f"# netlab unavailable ({reason}): running on loopback, unshaped", file=sys.stderr)
+        else:
+            lab = Netlab([args.rate] * args.peers).up()
+    links_desc = f"netlab, {args.rate:g} Mbit/s upload per peer" if lab is not None else "loopback (unshaped)"
+    wanted = set(filter(None, args.arms.split(",")))
+    results: Dict[str, dict] = {}
+    try:
+        results["single"] = run_single(args)
+        for arm in arms(args):
+            if wanted and arm["name"] not in wanted:
+                continue
+            print(f"# {arm['name']} ...", file=sys.stderr, flush=True)
+            results[arm["name"]] = run_arm(args, arm, lab)
+    finally:
+        if lab is not None:
+            lab.down()
+
+    single = results["single"]
+    curve = single["curve"]
+    target = next(loss for step, loss in curve if step >= args.steps // 2)
+    steps_to_target = next(step for step, loss in curve if loss <= target)
+    grad = results.get("gradients")
+    if grad is not None:
+        # The gradients arm's loss curve is the single process's (see the module docstring).
+        per_step = grad["seconds_per_epoch"] or grad["train_s"] / args.gradient_steps
+        grad["time_to_target_s"] = steps_to_target * per_step
+        grad["measured_loss"], grad["final_loss"] = grad["final_loss"], single["final_loss"]
+        grad["single_loss_at_measured"] = next(loss for step, loss in curve if step >= args.gradient_steps)
+        # Gradients mode sends the parameters too every --params-every (10) epochs: scale each kind of round.
+        plain = grad["round_bytes_without_params"] or grad["round_bytes"]
+        heavy = grad["round_bytes_with_params"] or 2 * plain
+        grad["bytes_per_peer"] = (args.steps - args.steps // 10) * plain + (args.steps // 10) * heavy
+        grad["derived"] = True
+    for name, figures in results.items():
+        if "evals" in figures:
+            figures["time_to_target_s"] = first_time_at(figures["evals"], target)
+
+    print(f"\n{args.peers} peers, {links_desc}; charlm {TASK_ARGS}; {args.steps} micro-batches of {args.batch} per peer; "
+          f"target loss {target:.4f} (single process at half its samples)")
+    print(f"{'arm':26s} {'final loss':>10s} {'to target s':>11s} {'MB/peer':>10s} {'comm s':>8s} {'hidden':>7s} {'train s':>8s}")
+    for name, f in results.items():
+        tt = f.get("time_to_target_s")
+        hidden = f.get("hidden_comm_fraction")
+        print(f"{name + (' *' if f.get('derived') else ''):26s} {f['final_loss']:10.4f} "
+              f"{(f'{tt:.1f}' if tt is not None else '-'):>11s} {f.get('bytes_per_peer', 0) / 1e6:10.2f} "
+              f"{f.get('comm_s', 0):8.1f} {(f'{hidden:.2f}' if hidden is not None else '-'):>7s} {f['train_s']:8.1f}")
+    if grad is not None:
+        print(f"* gradients: {args.gradient_steps} real rounds measured ({grad['seconds_per_epoch']:.2f} s/step, loss "
+              f"{grad['measured_loss']:.4f} vs single {grad['single_loss_at_measured']:.4f} at that step); time to target "
+              f"and bytes scaled to {args.steps} steps (a parameter round every 10), final loss = single process's")
+
+    figures = {"links": links_desc, "steps_per_peer": args.steps, "target_loss": target,
+               "single_loss": single["final_loss"]}
+    head = results.get(HEADLINE)
+    if grad is not None and head is not None:
+        figures["diloco_loss_over_gradients"] = head["final_loss"] / grad["final_loss"]
+        figures["gradients_bytes_over_diloco"] = grad["bytes_per_peer"] / max(head["bytes_per_peer"], 1)
+        if head.get("time_to_target_s"):
+            figures["time_to_target_speedup"] = grad["time_to_target_s"] / head["time_to_target_s"]
+    overlap = results.get("diloco-h50-int4-overlap")
+    if overlap is not None:
+        figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]
+    figures["arms"] = {name: {k: v for k, v in f.items() if k not in ("evals", "curve")} for name, f in results.items()}
+    if args.events_out:
+        with open(args.events_out, "w") as out:
+            json.dump(results, out)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Parts sized by upload bandwidth: the optimum of `bandwidth_part_sizes`, and exact averages with uneven or empty parts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_compression_allreduce import group_allreduce
+
+from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("bandwidths", [[1, 1, 1, 1], [100, 100, 100, 10], [1, 1, 1, 2], [3, 5, 7], [8, 1], [1, 2, 4, 8, 16]])
+def test_bandwidth_parts_are_optimal_over_a_grid_of_splits(bandwidths):
+    numel, n = 1200, len(bandwidths)
+    sizes = bandwidth_part_sizes(numel, bandwidths)
+    assert sum(sizes) == numel and all(s >= 0 for s in sizes)
+    best = reduce_allgather_seconds(4 * numel, bandwidths, sizes)
+    # No split on a grid of 1/12ths does better (up to the rounding of sizes to whole values).
+    step = numel // 12
+    for cut in itertools.product(range(0, 13), repeat=n - 1):
+        if sum(cut) <= 12:
+            split = [c * step for c in cut] + [numel - step * sum(cut)]
+            assert reduce_allgather_seconds(4 * numel, bandwidths, split) >= best * (1 - 1e-3)
+
+
+def test_uniform_bandwidth_gives_equal_parts_and_a_slow_member_owns_nothing():
+    assert bandwidth_part_sizes(1000, [5.0] * 4) == [250] * 4
+    sizes = bandwidth_part_sizes(9000, [100, 100, 100, 10])
+    assert sizes == [3000, 3000, 3000, 0]
+    # Its own upload then sets the pace: S / B_slow, the floor of any exact scheme.
+    assert reduce_allgather_seconds(9000 * 4, [100, 100, 100, 10], sizes) == pytest.approx(9000 * 4 / 10)
+    with pytest.raises(ValueError):
+        bandwidth_part_sizes(10, [1.0, 0.0])
+
+
+def test_group_allreduce_with_uneven_and_empty_parts_is_exact():
+    g = torch.Generator().manual_seed(5)
+    numel = 10_001
+    inputs = [torch.randn(numel, generator=g) + k for k in range(4)]
+    weights = [1.0, 2.0, 0.5, 3.0]
+    results, reports = group_allreduce("none", inputs, weights, 1000, part_sizes=[6001, 0, 3000, 1000])
+    mean = sum(w * x.double() for w, x in zip(weights, inputs)) / sum(weights)
+    for result, report in zip(results, reports):
+        assert report.reduce.chunks_lost == 0 and report.gather.chunks_lost == 0
+        assert float((result.double() - mean).norm() / mean.norm()) <= 1e-6
