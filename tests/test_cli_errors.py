@@ -91,6 +91,15 @@ CASES = {
     "client mode without initial peers": Case(
         "join", lambda c: (*JOIN, "--client-mode"), lambda c: "client-mode peer cannot start a new swarm"
     ),
+    "nonexistent device (join)": Case(
+        "join", lambda c: ("--run-id", "r", "--device", "cuda:7"), lambda c: "device 'cuda:7' does not exist"
+    ),
+    "nonexistent device (demo)": Case(
+        "demo", lambda c: ("--peers", "2", "--device", "cuda:7"), lambda c: "device 'cuda:7' does not exist"
+    ),
+    "unknown device": Case(
+        "join", lambda c: (*JOIN, "--device", "tpu"), lambda c: "unknown device 'tpu'; expected auto|cpu|cuda|cuda:N"
+    ),
     "expiration not longer than heartbeat": Case(
         "join",
         lambda c: (*JOIN, "--heartbeat", "2", "--expiration", "2"),

@@ -77,6 +77,7 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
 PARTITIONS = ("equal", "bandwidth")
 MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
 # Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
@@ -684,11 +685,16 @@ class MoshpitAverager(ServicerBase):
             )
 
     def _flatten(self, tensors: List[torch.Tensor]):
-        """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
+        """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
+        encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
+        fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
+        device = tensors[0].device
+        if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
+            device = torch.device("cpu")
         if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
-                and tensors[0].device.type == "cpu":
-            return tensors[0].view(-1), lambda: None
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+                and tensors[0].device == device:
+            return tensors[0].detach().view(-1), lambda: None
+        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
         def write_back() -> None:
             offset = 0
@@ -721,6 +727,7 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        staged_bytes=sum(r.staged_bytes for r in results),
         flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
         nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),

@@ -47,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--group-size", type=int, metavar="N", help="Moshpit group size (default: min(peers, 4))")
     parser.add_argument("--target-batch-size", type=int, metavar="N", help="global batch (default: the task's)")
     parser.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none")
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                        help="where every peer trains (auto: CUDA when available; default: auto)")
     parser.add_argument("--out", default="moshpeer-demo", metavar="DIR",
                         help="where to write loss.png and summary.json (default: ./moshpeer-demo)")
     parser.add_argument("--no-live", action="store_true", help="print progress lines instead of a live table")
@@ -79,6 +81,9 @@ class Demo:
     def __init__(self, args: argparse.Namespace):
         if args.peers < 1 or args.peers > 32:
             raise UserError("--peers must be between 1 and 32")
+        from moshpeer.peer.device import resolve_device
+
+        resolve_device(args.device)  # one clear line now rather than N failing peers later
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.procs: List[subprocess.Popen] = []
@@ -105,7 +110,7 @@ class Demo:
         extra = ["--group-size", str(max(group, 2)), "--min-peers", str(args.peers), "--heartbeat", "1",
                  "--averaging", args.averaging, "--compression", args.compression, "--task", args.task,
                  "--compute-budget", args.compute_budget, "--max-seconds", str(args.max_seconds),
-                 "--target-metric", str(args.target_metric), "--matchmaking-time", "1.0"]
+                 "--target-metric", str(args.target_metric), "--matchmaking-time", "1.0", "--device", args.device]
         if args.max_epochs:
             extra += ["--max-epochs", str(args.max_epochs)]
         if args.target_batch_size:

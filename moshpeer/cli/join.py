@@ -81,6 +81,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="built-in task name, package.module:make_task or path/to/file.py:make_task (default: digits)")
     group.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument for the task factory (repeatable)")
+    group.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                       help="where the task trains and rounds average (auto: CUDA when available; default: auto)")
     group.add_argument("--no-train", action="store_true", help="only stay in the swarm, do not train")
     group.add_argument("--target-batch-size", type=_positive_int, metavar="N",
                        help="samples the swarm gathers per collaborative epoch (default: the task's)")
@@ -275,6 +277,9 @@ def events_emitter(path: Optional[str]) -> Callable[[dict], None]:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    from moshpeer.peer.device import resolve_device
+
+    device = resolve_device(args.device)  # a device this machine lacks fails before anything starts
     check_flags(args)  # every flag, before the DHT starts
     metrics = metrics_from_args(args, "join")
     ready = functools.partial(announce_ready, command="join", metrics=metrics, metrics_port=args.metrics_port)
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             from moshpeer.peer.trainer import run_training
 
             try:
-                task = load_task(args.task, **task_kwargs)
+                task = load_task(args.task, device=device, **task_kwargs)
                 if not daemon.stop_requested:
                     run_training(daemon, task, config, emit=emit, peer_metrics=metrics)
             except UserError as e:

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from moshpeer.errors import UserError
+from moshpeer.peer.device import common_device
 
 # Averaging modes whose averaged vector may be EF21M's estimate: a gradient or a pseudo-gradient, never parameters.
 ERROR_FEEDBACK_MODES = ("gradients", "diloco")
@@ -34,8 +35,9 @@ def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compre
     from moshpeer.compression.ef21m import EF21M
 
     sparsifier = error_feedback_sparsifier(averaging, compression)
-    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    return EF21M(numel, sparsifier)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # On the parameters' device, like the averaged buffers it is folded into (averaged_buffers.py).
+    return EF21M(sum(p.numel() for p in params), sparsifier, device=common_device(params))
 
 
 def error_feedback_state(error_feedback: Any) -> Optional[Dict[str, Any]]:

@@ -96,7 +96,8 @@ def params_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        # Raw bytes, whatever the dtype (numpy has no bfloat16).
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -156,6 +157,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         daemon.add_shutdown_hook(lambda: _final_checkpoint(checkpointer, micro_steps, daemon, emit),
                                  name="final checkpoint")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
+          "device": str(task.device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
           "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
