@@ -225,6 +225,13 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
+        # Metrics and the record first: whoever reads the epoch line finds them up to date.
+        daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
+        if peer_metrics is not None:
+            peer_metrics.observe_round(round_)
+            peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
+                                          loss=loss_sum / loss_count if loss_count else None,
+                                          metrics=metrics if evaluate else None)
         emit({
             "event": "epoch", "epoch": optimizer.local_epoch, "previous_epoch": epoch_before,
             "time": round(time.monotonic() - started, 3),
@@ -235,12 +242,6 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
             **round_fields(round_), "params_digest": params_digest(model),
         })
-        daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
-        if peer_metrics is not None:
-            peer_metrics.observe_round(round_)
-            peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
-                                          loss=loss_sum / loss_count if loss_count else None,
-                                          metrics=metrics if evaluate else None)
         loss_sum, loss_count = 0.0, 0
         if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
             reason = "max_epochs"
