@@ -440,6 +440,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             missed = self._catch_up_after_missed_round(stopped_by_budget)
             if missed is not None:
                 return missed
+        round_.result = report
         with self.lock:
             self._resolve(round_, report, plan, alone)
             self._finish_epoch()
@@ -604,6 +605,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _adopt_round(self, round_: CollaborativeRound, report: Any, plan: RoundPlan) -> None:
         """Apply a successful round's averages and copy its report into `round_` (caller holds the lock)."""
         round_.ok = True
+        round_.result = report
         round_.group_size = int(report.group_size)
         round_.chunks_lost = int(report.chunks_lost)
         round_.lost_fraction = float(report.lost_fraction)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from moshpeer.averaging.report import RoundReport
+
 
 @dataclass
 class CollaborativeRound:
@@ -36,6 +38,7 @@ class CollaborativeRound:
     settings: Dict[str, Any] = field(default_factory=dict)
     # How long training waited for this round: all of it, unless the strategy overlaps rounds with compute.
     wait_s: Optional[float] = None
+    result: Optional[RoundReport] = None  # the averaging round's own report, unchanged (None: no round ran)
 
     def to_dict(self) -> dict:
         return asdict(self)
