@@ -130,6 +130,8 @@ def main() -> int:
                 results.update(run_in_lab(system, settings, uploads, "none"))
         for name, summary in results.items():
             rows.append((scenario, name, summary, bound["optimum_s"]))
+            print(f"  {scenario} {name}: round {summary['seconds']:.3f} s, bound {bound['optimum_s']:.3f} s, "
+                  f"rel err {summary['rel_err']:.1e}, cpu/peer {summary['cpu_s']:.2f} s", flush=True)
 
         prefix = {"100mbit": "", "1gbit": "gbit_", "hetero": "hetero_"}.get(scenario, f"{scenario}_")
         none = results.get("moshpeer[none]", {}).get("seconds")

@@ -105,6 +105,29 @@ CASES = {
         lambda c: (*JOIN, "--heartbeat", "2", "--expiration", "2"),
         lambda c: "--expiration (2 s) must be longer than --heartbeat (2 s)",
     ),
+    # Training flags are checked before the DHT starts (one line means: no "peer ... is in run" line).
+    "unknown codec": Case(
+        "join", lambda c: ("--run-id", "r", "--compression", "bogus"), lambda c: "unknown compression 'bogus'"
+    ),
+    "error feedback without a sparsifying codec": Case(
+        "join", lambda c: ("--run-id", "r", "--error-feedback", "--compression", "int8"),
+        lambda c: "error_feedback needs averaging in ('gradients', 'diloco') and a sparsifying codec",
+    ),
+    "unknown task argument": Case(
+        "join", lambda c: ("--run-id", "r", "--task-arg", "nosuch=1"),
+        lambda c: "task factory 'digits' got an unexpected keyword argument 'nosuch'",
+    ),
+    "checkpoint dir is a file": Case(
+        "join", lambda c: ("--run-id", "r", "--checkpoint-dir", str(c.garbage_key)), lambda c: "is not a directory"
+    ),
+    "preemption notice in a missing directory": Case(
+        "join", lambda c: ("--run-id", "r", "--preemption-notice", str(c.tmp / "nope" / "notice")),
+        lambda c: "does not exist",
+    ),
+    "demo with an unknown codec": Case(
+        "demo", lambda c: ("--compression", "bogus", "--out", str(c.tmp / "demo")),
+        lambda c: "unknown compression 'bogus'",
+    ),
 }
 
 

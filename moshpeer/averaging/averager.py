@@ -331,6 +331,7 @@ class MoshpitAverager(ServicerBase):
         self._ready.set()
         loop.run_forever()
         loop.run_until_complete(self._teardown())
+        _finish_pending_tasks(loop)
         loop.close()
 
     async def _setup(self) -> None:
@@ -759,3 +760,15 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         total_s=sum(r.total_s for r in results),
         upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
     )
+
+
+def _finish_pending_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 1.0) -> None:
+    """Cancel the tasks still on `loop` (hivemind's matchmaking leaves waiters behind, our relay its copy
+    tasks) and give them `timeout` to end, as asyncio.run does: a task garbage-collected while pending
+    logs "Task was destroyed but it is pending!" """
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=timeout))
+    loop.run_until_complete(loop.shutdown_asyncgens())

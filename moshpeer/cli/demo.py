@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from moshpeer.cli.common import positive_float
+from moshpeer.cli.common import add_metrics_argument, check_flags, positive_float
 from moshpeer.errors import UserError
 from moshpeer.peer.strategies import STRATEGIES
 
@@ -52,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="moshpeer-demo", metavar="DIR",
                         help="where to write loss.png and summary.json (default: ./moshpeer-demo)")
     parser.add_argument("--no-live", action="store_true", help="print progress lines instead of a live table")
+    add_metrics_argument(parser, demo=True)
     parser.set_defaults(run=run)
 
 
@@ -102,7 +103,8 @@ class Demo:
 
     def start(self) -> None:
         args = self.args
-        boot = self.spawn("dht", "--run-id", args.run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1")
+        boot = self.spawn("dht", "--run-id", args.run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1",
+                          *self._metrics_flag(0))
         ready = _read_ready(boot, timeout=60)
         group = args.group_size or min(args.peers, 4)
         extra = ["--group-size", str(max(group, 2)), "--min-peers", str(args.peers), "--heartbeat", "1",
@@ -115,11 +117,18 @@ class Demo:
             extra += ["--target-batch-size", str(args.target_batch_size)]
         for i in range(args.peers):
             proc = self.spawn("join", "--initial-peers", *ready["maddrs"], "--run-id", args.run_id,
-                              "--host-maddrs", LOOPBACK, *extra)
+                              "--host-maddrs", LOOPBACK, *extra, *self._metrics_flag(i + 1))
             view = PeerView(name=f"peer{i + 1}", proc=proc)
             self.peers.append(view)
             threading.Thread(target=self._read_stdout, args=(view,), daemon=True).start()
             threading.Thread(target=self._read_stderr, args=(view,), daemon=True).start()
+
+    def _metrics_flag(self, k: int) -> List[str]:
+        """--metrics-port for process k (0: the bootstrap node): N + k, or any free port with N = 0."""
+        port = self.args.metrics_port
+        if port is None:
+            return []
+        return ["--metrics-port", str(port + k if port else 0)]
 
     def _read_stdout(self, view: PeerView) -> None:
         for raw in iter(view.proc.stdout.readline, b""):
@@ -284,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    check_flags(args)  # a bad codec or task fails here, not in every peer
     demo = Demo(args)
     console = Console(stderr=True)
     # Our own SIGTERM handler: clean up children like Ctrl-C does.

@@ -9,18 +9,24 @@ collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the p
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import threading
+from typing import Callable, Optional
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
     add_membership_arguments,
+    add_metrics_argument,
     add_network_arguments,
     add_run_id_argument,
     announce_ready,
+    check_flags,
     configure_logging,
     exit_now,
     make_daemon,
+    metrics_from_args,
     positive_float,
 )
 from moshpeer.errors import UserError
@@ -52,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_training_arguments(parser)
     add_loss_budget_arguments(parser)
     add_checkpoint_arguments(parser)
+    add_metrics_argument(parser)
+    parser.add_argument("--events", metavar="FILE",
+                        help="also append the JSON event lines to FILE (input for 'moshpeer plot')")
     parser.set_defaults(run=run)
 
 
@@ -243,19 +252,46 @@ def trainer_config_from_args(args: argparse.Namespace):
     )
 
 
+def events_emitter(path: Optional[str]) -> Callable[[dict], None]:
+    """The trainer's event output: JSON lines on stdout and, with `path`, appended to that file as well
+    (flushed line by line, so a crash loses nothing printed).
+
+    :raises UserError: the file cannot be opened
+    """
+    from moshpeer.peer.trainer import emit_json
+
+    if path is None:
+        return emit_json
+    try:
+        copy = open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--events {path}: {e.strerror or e}") from None
+
+    def emit(event: dict) -> None:
+        emit_json(event)
+        copy.write(json.dumps(event, separators=(",", ":")) + "\n")
+        copy.flush()
+
+    return emit
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     from moshpeer.peer.device import resolve_device
 
     device = resolve_device(args.device)  # a device this machine lacks fails before anything starts
+    check_flags(args)  # every flag, before the DHT starts
+    metrics = metrics_from_args(args, "join")
+    ready = functools.partial(announce_ready, command="join", metrics=metrics, metrics_port=args.metrics_port)
     if args.no_train:
         daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
         daemon.configure_preemption(notice_file=args.preemption_notice)
-        exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "join")))
+        exit_now(daemon.run(on_ready=ready))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
     from moshpeer.peer.tasks import load_task, parse_task_kwargs
 
     task_kwargs = parse_task_kwargs(args.task_arg)
+    emit = events_emitter(args.events)
     daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
     # With checkpoints a stop has a deadline: the round in flight and the final checkpoint get the grace period.
     daemon.configure_preemption(grace_period=args.grace_period if config.checkpoint else None,
@@ -273,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 task = load_task(args.task, device=device, **task_kwargs)
                 if not daemon.stop_requested:
-                    run_training(daemon, task, config)
+                    run_training(daemon, task, config, emit=emit, peer_metrics=metrics)
             except UserError as e:
                 failure.append(e)
             except Exception as e:
@@ -294,4 +330,4 @@ def run(args: argparse.Namespace) -> int:
         if failure:
             raise failure[0]
 
-    exit_now(daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join")))
+    exit_now(daemon.run(work=train, on_ready=ready))

@@ -36,6 +36,8 @@ import torch
 
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
+from moshpeer.peer.health import round_health
+from moshpeer.peer.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.rounds import CollaborativeRound
 from moshpeer.peer.tasks import Task
@@ -105,8 +107,10 @@ def emit_json(event: Dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = emit_json) -> TrainingSummary:
-    """Train `task` as a peer of `daemon`'s run until a stop condition; see the module docstring."""
+def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = emit_json,
+                 peer_metrics: Optional[PeerMetrics] = None) -> TrainingSummary:
+    """Train `task` as a peer of `daemon`'s run until a stop condition; see the module docstring.
+    With `peer_metrics`, every round, epoch, state download and checkpoint write updates them."""
     model = task.model
     model.train()
     target = config.target_batch_size or task.target_batch_size
@@ -171,6 +175,9 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                   "sha256": downloaded.sha256, "bytes": downloaded.nbytes, "seconds": round(downloaded.seconds, 3),
                   "params_digest": params_digest(model), "failed_donors": [d for d, _ in downloaded.failed_donors],
                   "time": round(time.monotonic() - started, 3)})
+            if peer_metrics is not None:
+                peer_metrics.observe_state_download(seconds=downloaded.seconds, nbytes=downloaded.nbytes,
+                                                    failed_donors=len(downloaded.failed_donors))
 
     train_started = time.monotonic()  # after waiting for peers and catching up: time spent training
     emit({"event": "started", "epoch": optimizer.local_epoch, "step": micro_steps,
@@ -204,6 +211,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             if path is not None:
                 emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
+        if peer_metrics is not None and checkpointer is not None:
+            peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
         if len(optimizer.rounds) == rounds_before and optimizer.local_epoch == epoch_before:
             if stream is None and _reached_limit(optimizer, config):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
@@ -216,6 +225,13 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
+        # Metrics and the record first: whoever reads the epoch line finds them up to date.
+        daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
+        if peer_metrics is not None:
+            peer_metrics.observe_round(round_)
+            peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
+                                          loss=loss_sum / loss_count if loss_count else None,
+                                          metrics=metrics if evaluate else None)
         emit({  # the epoch's record and its round result, serialised here, once
             **round_.to_dict(),
             "event": "epoch", "epoch": optimizer.local_epoch, "previous_epoch": epoch_before,

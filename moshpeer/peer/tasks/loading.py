@@ -42,13 +42,23 @@ DEFAULT_FACTORY = "make_task"
 _SPEC_RE = re.compile(r"^(?P<target>.+?)(?::(?P<attribute>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*))?$")
 
 
+def check_task(spec: str = DEFAULT_TASK, **kwargs: Any) -> Callable[..., Any]:
+    """The factory `spec` names, checked to accept `kwargs`, not called (so nothing is built or downloaded).
+
+    :raises UserError: a bad spec, a module that does not import, a missing factory, or arguments it
+        does not take
+    """
+    factory = resolve_task_factory(spec)
+    _check_kwargs(spec, factory, kwargs)
+    return factory
+
+
 def load_task(spec: str = DEFAULT_TASK, *, device: Optional[torch.device] = None, **kwargs: Any) -> Task:
     """Build the task named by `spec`, passing `kwargs` to its factory.
 
     `device`: where to train. A factory with a `device` parameter receives it (unless `kwargs` already
     names one), and the task's model is moved there afterwards in any case."""
-    factory = resolve_task_factory(spec)
-    _check_kwargs(spec, factory, kwargs)
+    factory = check_task(spec, **kwargs)
     if device is not None and "device" not in kwargs and _accepts(factory, "device"):
         kwargs["device"] = device
     try:
