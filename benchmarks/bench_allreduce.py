@@ -32,6 +32,8 @@ import time
 from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# How long a worker may take to import torch + hivemind and start its DHT (minutes on a loaded 2-core machine).
+READY_TIMEOUT_S = 300
 sys.path.insert(0, REPO)
 
 
@@ -232,13 +234,13 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
                 port = s.getsockname()[1]
             procs = [spawn(rank, ["--port", str(port), "--master", master]) for rank in range(args.peers)]
             for proc in procs:
-                _read_json(proc, "ready", 120)
+                _read_json(proc, "ready", READY_TIMEOUT_S)
         else:
             procs.append(spawn(0, []))
-            maddrs = _read_json(procs[0], "ready", 120)["maddrs"]
+            maddrs = _read_json(procs[0], "ready", READY_TIMEOUT_S)["maddrs"]
             procs += [spawn(rank, ["--initial-peers", *maddrs]) for rank in range(1, args.peers)]
             for proc in procs[1:]:
-                _read_json(proc, "ready", 120)
+                _read_json(proc, "ready", READY_TIMEOUT_S)
         per_peer = [[_read_json(proc, "round", 600 + 3 * args.round_timeout)
                      for _ in range(len(codecs) * (args.rounds + 1))] for proc in procs]
         for proc in procs:

@@ -28,7 +28,10 @@ Reports per run: end-to-end training time (slowest peer), p50 / p99 of the round
 one averaging round: what the budget governs; matchmaking excluded) over every round of every peer,
 final test accuracy (mean of the peers), mean fraction of chunks lost, and rounds per phase.
 
-    python benchmarks/bench_lossy.py [--epochs 30] [--peers 4]
+    python benchmarks/bench_lossy.py [--epochs 30] [--peers 4] [--netlab RATE]
+
+`--netlab RATE` runs the peers on shaped links instead of 127.0.0.1 (see bench_training.py); the faults
+are still the injector's (netem is not available), now on top of real bandwidth limits.
 
 Ends with one JSON line: lossless_metric, loss10_metric, burst_p99_baseline_s, burst_p99_budget_s,
 burst_total_baseline_s, burst_total_budget_s, and more.
@@ -44,7 +47,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from bench_training import LOOPBACK, Child, emit, env  # same directory: the process helpers of the training benchmark
+from bench_training import (Child, Placement, add_netlab_argument, emit, env,  # same directory: the process
+                            placement_from_args)  # helpers of the training benchmark
 
 GLOBAL_BATCH, MICRO_BATCH = 256, 32
 RETRANSMIT_S = 0.2  # TCP's minimum retransmission timeout
@@ -81,8 +85,9 @@ def run_swarm(args, scenario: str, loss_budget: str) -> dict:
     """One training run of `args.peers` peers; returns its figures."""
     e = env()
     run_id = f"lossy-{scenario}-{abs(hash(loss_budget)) % 10**6}-{os.getpid()}"
-    boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
-                  "--heartbeat", "1"], e)
+    where = getattr(args, "placement", None) or Placement()
+    boot = Child(where.argv(args.peers, [sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id,
+                                         "--host-maddrs", where.maddr(args.peers), "--heartbeat", "1"]), e)
     children = [boot]
     try:
         ready = boot.wait_event("ready", 120)  # a loaded machine may take a while to import and start p2pd
@@ -92,14 +97,14 @@ def run_swarm(args, scenario: str, loss_budget: str) -> dict:
         peers = []
         for i in range(args.peers):
             argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.peers),
+                    "--host-maddrs", where.maddr(i), "--heartbeat", "1", "--group-size", str(args.peers),
                     "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", str(args.epochs),
                     "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                     "--matchmaking-time", str(args.matchmaking_time), "--round-timeout", str(args.round_timeout),
                     "--seed", str(i), "--chunk-bytes", str(args.chunk_bytes), "--loss-budget", loss_budget]
             if faults:
                 argv += ["--faults", faults]
-            peers.append(Child(argv, e))
+            peers.append(Child(where.argv(i, argv), e))
         children += peers
         for peer in peers:
             peer.wait_event("done", args.timeout)
@@ -153,8 +158,13 @@ def main() -> int:
                         "fixed P such as 0.0001 waits for everything over the selective-resend transport)")
     parser.add_argument("--budget", default=BUDGET, help="loss budget of the budgeted runs")
     parser.add_argument("--events-out", metavar="PATH", help="write every run's figures here (debugging)")
+    add_netlab_argument(parser)
     args = parser.parse_args()
+    with placement_from_args(args, extra_nodes=1) as args.placement:
+        return run_all(args)
 
+
+def run_all(args) -> int:
     print(f"peers={args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"chunk_bytes={args.chunk_bytes} bursts={scenario_faults('bursts', args)!r} "
           f"retransmit_s={RETRANSMIT_S} baseline={args.baseline!r} budget={args.budget!r} "

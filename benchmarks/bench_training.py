@@ -9,12 +9,20 @@ budget (epochs x 256), 4 peers as real processes on 127.0.0.1:
 - single: one process, `train_locally`, same global batch and samples.
 
 Reports wall time to the target accuracy (first evaluation at or above it; every peer evaluates after
-every epoch) and final accuracy. `--straggler` slows one peer with heavy-tailed delays per micro-batch
+every epoch), final accuracy, and the bytes one moshpeer peer sends per averaging round: with the
+default settings (gradients only, parameters every 16 epochs) and, as `bytes_per_round_before`, in a
+second moshpeer run that averages the parameters in every round (`--params-every 1`, what moshpeer
+did before; skip it with --skip-before). `--straggler` slows one peer with heavy-tailed delays per micro-batch
 and adds a moshpeer run with a DropCompute budget, to compare step times with and without it.
 
-    python benchmarks/bench_training.py [--epochs 40] [--target 0.95] [--straggler]
+    python benchmarks/bench_training.py [--epochs 40] [--target 0.95] [--straggler] [--netlab RATE]
 
-Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind, ...
+`--netlab RATE` (e.g. 100mbit, or 100,100,100,10 per peer; needs root) runs every peer of both swarms
+in a network namespace of its own whose upload is shaped to RATE (`moshpeer.testing.netlab`; bootstrap
+and aux peers unshaped), instead of all on 127.0.0.1.
+
+Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind,
+bytes_per_round, bytes_per_round_before, bytes_vs_before, ...
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -108,6 +117,43 @@ class Child:
                 continue
 
 
+class Placement:
+    """Where the processes of a run live: all on 127.0.0.1, or process k in namespace k of a netlab lab
+    (training peers first, then the bootstrap and aux peers)."""
+
+    def __init__(self, lab=None):
+        self.lab = lab
+
+    def maddr(self, k: int) -> str:
+        return LOOPBACK if self.lab is None else f"/ip4/{self.lab.nodes[k].address}/tcp/0"
+
+    def argv(self, k: int, argv: List[str]) -> List[str]:
+        return argv if self.lab is None else self.lab.command(k, argv)
+
+
+def add_netlab_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--netlab", metavar="RATE", default=None,
+                        help="run every peer in a network namespace with its upload shaped to RATE (100mbit, 1gbit, "
+                        "or one rate per peer: 100,100,100,10); needs root")
+
+
+@contextmanager
+def placement_from_args(args, extra_nodes: int) -> Iterator[Placement]:
+    """A Placement for `args.peers` training peers plus `extra_nodes` more processes (bootstrap, aux)."""
+    if not getattr(args, "netlab", None):
+        yield Placement()
+        return
+    from moshpeer.testing import netlab
+
+    reason = netlab.unavailable()
+    if reason is not None:
+        raise SystemExit(reason)
+    uploads = netlab.parse_rates(args.netlab, args.peers) + [None] * extra_nodes
+    with netlab.Netlab(uploads) as lab:
+        print(f"netlab: peers' uploads {uploads[:args.peers]} Mbit/s on a private bridge", flush=True)
+        yield Placement(lab)
+
+
 def env() -> Dict[str, str]:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
@@ -157,6 +203,9 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
         "mean_group_size": (sum(e.get("group_size", 0) for e in rounds if e.get("ok"))
                             / max(sum(bool(e.get("ok")) for e in rounds), 1)) if rounds else None,
         "dropped_samples": sum(e.get("dropped_samples") or 0 for e in rounds),
+        # Bytes one peer sent in one round, over the rounds that averaged with a group.
+        "bytes_per_round": (sum(e.get("bytes_sent", 0) for e in rounds if e.get("ok"))
+                            / max(sum(bool(e.get("ok")) for e in rounds), 1)) if rounds else None,
     }
 
 
@@ -168,8 +217,9 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
     """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults)."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
-    boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
-                  "--heartbeat", "1"], e)
+    where = getattr(args, "placement", None) or Placement()
+    boot = Child(where.argv(args.peers, [sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id,
+                                         "--host-maddrs", where.maddr(args.peers), "--heartbeat", "1"]), e)
     children = [boot]
     try:
         ready = boot.wait_event("ready", 60)
@@ -178,7 +228,8 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
         peers = []
         for i in range(args.peers):
             argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--group-size", str(args.group_size or args.peers),
+                    "--host-maddrs", where.maddr(i), "--heartbeat", "1", "--group-size",
+                    str(args.group_size or args.peers),
                     "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
                     "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                     "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
@@ -188,14 +239,15 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 argv += ["--straggler", straggler]
             if extra_args is not None:
                 argv += extra_args(i)
-            peers.append(Child(argv, e))
+            peers.append(Child(where.argv(i, argv), e))
         children += peers
         for i in range(args.aux):  # weight-0 helpers: not in `peers`, so not in the figures
-            children.append(Child([sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"],
-                                   "--run-id", run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--role", "aux",
-                                   "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
-                                   "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time)],
-                                  e))
+            node = args.peers + 1 + i
+            children.append(Child(where.argv(node, [
+                sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
+                "--host-maddrs", where.maddr(node), "--heartbeat", "1", "--role", "aux",
+                "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
+                "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time)]), e))
         for peer in peers:
             peer.wait_event("done", args.timeout)
         return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")
@@ -209,15 +261,18 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
 
 def run_hivemind(args, *, straggler: Optional[str]) -> dict:
     e = env()
-    first = Child([sys.executable, __file__, "--hivemind-worker", "--index", "0", *_worker_args(args, straggler, 0)], e)
+    where = getattr(args, "placement", None) or Placement()
+    first = Child(where.argv(0, [sys.executable, __file__, "--hivemind-worker", "--index", "0",
+                                 *_worker_args(args, straggler, 0, where)]), e)
     children = [first]
     try:
         ready = first.wait_event("ready", 60)
         if ready is None:
             raise RuntimeError("first hivemind peer did not start")
         for i in range(1, args.peers):
-            children.append(Child([sys.executable, __file__, "--hivemind-worker", "--index", str(i),
-                                   "--initial-peers", *ready["maddrs"], *_worker_args(args, straggler, i)], e))
+            children.append(Child(where.argv(i, [sys.executable, __file__, "--hivemind-worker", "--index", str(i),
+                                                 "--initial-peers", *ready["maddrs"],
+                                                 *_worker_args(args, straggler, i, where)]), e))
         for child in children:
             child.wait_event("done", args.timeout)
         return summarize(children, args.target, "train_time", "hivemind")
@@ -226,8 +281,9 @@ def run_hivemind(args, *, straggler: Optional[str]) -> dict:
             child.stop()
 
 
-def _worker_args(args, straggler: Optional[str], index: int) -> List[str]:
-    out = ["--epochs", str(args.epochs), "--peers", str(args.peers), "--matchmaking-time", str(args.matchmaking_time)]
+def _worker_args(args, straggler: Optional[str], index: int, where: Placement) -> List[str]:
+    out = ["--epochs", str(args.epochs), "--peers", str(args.peers), "--matchmaking-time", str(args.matchmaking_time),
+           "--host-maddr", where.maddr(index)]
     if straggler and index == 0:
         out += ["--straggler-spec", straggler]
     return out
@@ -242,7 +298,7 @@ def hivemind_worker(args) -> int:
     from moshpeer.peer.tasks import load_task
 
     task = load_task("digits")
-    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[LOOPBACK], start=True)
+    dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[args.host_maddr], start=True)
     print(json.dumps({"event": "ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
     settings = {**HIVEMIND_SETTINGS, "matchmaking_time": args.matchmaking_time}
     opt = hivemind.Optimizer(dht=dht, run_id="bench-hivemind", target_batch_size=GLOBAL_BATCH,
@@ -320,13 +376,22 @@ def main() -> int:
                         help="mean injected delay per micro-batch of the straggler (s), lognormal sigma 1.5")
     parser.add_argument("--budget", default="0.25", help="DropCompute budget (s) for the --straggler comparison")
     parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--skip-before", action="store_true",
+                        help="skip the moshpeer run that averages the parameters every round (bytes_per_round_before)")
     parser.add_argument("--events-out", metavar="PATH", help="write every peer's JSON events here (debugging)")
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--host-maddr", default=LOOPBACK, help=argparse.SUPPRESS)
+    add_netlab_argument(parser)
     args = parser.parse_args()
     if args.hivemind_worker:
         return hivemind_worker(args)
+    with placement_from_args(args, extra_nodes=1 + args.aux) as args.placement:
+        return run_all(args)
+
+
+def run_all(args) -> int:
 
     straggler = f"lognormal:mean_s={args.straggler_mean},sigma=1.5,seed=7" if args.straggler else None
     print(f"peers={args.peers} aux={args.aux} group_size={args.group_size or args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
@@ -335,17 +400,22 @@ def main() -> int:
           f"tracker_opts={HIVEMIND_TRACKER}")
     results = {"single": run_single(args)}
     results["moshpeer"] = run_moshpeer(args, straggler=straggler, budget=None, tag="plain")
+    if not args.skip_before:
+        results["moshpeer_params_every_round"] = run_moshpeer(args, straggler=straggler, budget=None, tag="before",
+                                                              extra_args=lambda i: ["--params-every", "1"])
     if args.straggler:
         results["moshpeer_dropcompute"] = run_moshpeer(args, straggler=straggler, budget=args.budget, tag="budget")
     if not args.skip_hivemind:
         results["hivemind"] = run_hivemind(args, straggler=straggler)
 
-    print(f"\n{'system':<22}{'to target (s)':>15}{'final acc':>11}{'mean step (s)':>15}{'train (s)':>11}")
+    print(f"\n{'system':<28}{'to target (s)':>15}{'final acc':>11}{'mean step (s)':>15}{'train (s)':>11}"
+          f"{'bytes/round':>13}")
     for name, r in results.items():
         def fmt(value, spec):
-            return format(value, spec) if value is not None else "-"
-        print(f"{name:<22}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
-              f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}")
+            return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
+        print(f"{name:<28}{fmt(r.get('time_to_target_s'), '15.2f')}{fmt(r.get('final_acc'), '11.4f')}"
+              f"{fmt(r.get('mean_step_s'), '15.3f')}{fmt(r.get('train_s'), '11.2f')}"
+              f"{fmt(r.get('bytes_per_round'), '13.0f')}")
 
     moshpeer, hive = results["moshpeer"], results.get("hivemind", {})
     figures = {
@@ -356,8 +426,14 @@ def main() -> int:
                                 if hive.get("time_to_target_s") and moshpeer["time_to_target_s"] else None),
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
-        "group_size": args.group_size or args.peers, "aux": args.aux,
+        "group_size": args.group_size or args.peers, "aux": args.aux, "netlab": args.netlab,
+        "bytes_per_round": moshpeer["bytes_per_round"],
     }
+    if not args.skip_before:
+        before = results["moshpeer_params_every_round"]["bytes_per_round"]
+        figures["bytes_per_round_before"] = before
+        figures["bytes_vs_before"] = moshpeer["bytes_per_round"] / before if before and moshpeer["bytes_per_round"] else None
+        figures["before_acc"] = results["moshpeer_params_every_round"]["final_acc"]
     if args.straggler:
         budgeted = results["moshpeer_dropcompute"]
         figures["dropcompute_step_s"] = budgeted["mean_step_s"]

@@ -106,13 +106,14 @@ def main() -> int:
     systems = args.systems.split(",")
 
     rows = []  # (scenario, name, summary, bound)
-    figures: Dict[str, Optional[float]] = {"peers": args.peers, "size_mb": args.size, "hetero_size_mb": args.hetero_size}
+    figures: Dict[str, Optional[float]] = {"peers": args.peers, "size_mb": args.size, "hetero_size_mb": args.hetero_size,
+                                           "load_at_start": os.getloadavg()[0]}
     for scenario in scenarios:
         uploads = uploads_of(scenario, args.peers)
         size_mb = args.hetero_size if scenario == "hetero" else args.size
         numel = int(size_mb * 1e6 / 4)
         bound = bounds(numel * 4, uploads, numel)
-        slowest_round = max(bound["equal_split_s"] * 3, 30.0)
+        slowest_round = max(bound["equal_split_s"] * 5, 60.0)
         settings = SimpleNamespace(peers=args.peers, numel=numel, rounds=args.rounds, drop=0.0,
                                    matchmaking_time=args.matchmaking_time, torch_threads=1,
                                    round_timeout=slowest_round, chunk_bytes=args.chunk_bytes,
@@ -129,6 +130,8 @@ def main() -> int:
                 results.update(run_in_lab(system, settings, uploads, "none"))
         for name, summary in results.items():
             rows.append((scenario, name, summary, bound["optimum_s"]))
+            print(f"  {scenario} {name}: round {summary['seconds']:.3f} s, bound {bound['optimum_s']:.3f} s, "
+                  f"rel err {summary['rel_err']:.1e}, cpu/peer {summary['cpu_s']:.2f} s", flush=True)
 
         prefix = {"100mbit": "", "1gbit": "gbit_", "hetero": "hetero_"}.get(scenario, f"{scenario}_")
         none = results.get("moshpeer[none]", {}).get("seconds")
@@ -156,8 +159,10 @@ def main() -> int:
                 figures["hetero_speedup_vs_equal_split"] = equal_s / none
                 figures["hetero_equal_split_s"] = equal_s
 
+    figures["load_at_end"] = os.getloadavg()[0]
     print(f"\n{args.peers} peers on netlab links (tbf upload shaping, no added latency or loss); median of "
-          f"{args.rounds} rounds, slowest peer per round")
+          f"{args.rounds} rounds, slowest peer per round; load average {figures['load_at_start']:.1f} at the start, "
+          f"{figures['load_at_end']:.1f} at the end")
     print(f"{'scenario':<9}{'system':<30}{'round s':>9}{'bound s':>9}{'util':>7}{'MB sent/peer':>14}"
           f"{'link MB/peer':>14}{'cpu s/peer':>11}{'rel err':>10}{'ok':>4}")
     for scenario, name, r, bound_s in rows:

@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="data order of this peer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from moshpeer.logs import quiet_expected_peer_failures
+
+    quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
 
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_linear_schedule_with_warmup
 

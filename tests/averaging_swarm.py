@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from swarm import SWARM_TAG, tagged_processes
+from swarm import SWARM_TAG, tagged_processes, watch_stderr
 
 WORKER = Path(__file__).with_name("averaging_worker.py")
 READY_TIMEOUT = 90.0
@@ -37,6 +37,7 @@ class Worker:
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         self.ready: Optional[dict] = None
+        watch_stderr(f"worker {index} ({script.name})", lambda: "\n".join(self.stderr_lines))
 
     def _read_stdout(self) -> None:
         for raw in self.popen.stdout:

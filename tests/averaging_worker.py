@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from moshpeer.averaging import FaultConfig, MoshpitAverager  # noqa: E402
 from moshpeer.dht import start_dht  # noqa: E402
+from moshpeer.logs import quiet_expected_peer_failures  # noqa: E402
 
 
 def peer_values(seed: int, index: int, numel: int) -> torch.Tensor:
@@ -59,6 +60,7 @@ def main() -> int:
     parser.add_argument("--bandwidth", type=float, default=None, help="declared upload, bytes/s (default: measured)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
 
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
     tensor = peer_values(0, args.index, args.numel)

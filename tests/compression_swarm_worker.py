@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from moshpeer.averaging import MoshpitAverager  # noqa: E402
 from moshpeer.compression import get_compression  # noqa: E402
 from moshpeer.compression.ef21m import EF21M  # noqa: E402
+from moshpeer.logs import quiet_expected_peer_failures  # noqa: E402
 from moshpeer.dht import start_dht  # noqa: E402
 
 
@@ -60,6 +61,7 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=30.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
     torch.set_num_threads(1)  # four peers share a small machine
 
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

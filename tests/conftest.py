@@ -1,6 +1,10 @@
 """Shared fixtures: real multi-process swarms (`swarm`) and in-process DHT nodes (`dht_node`).
 
-Both clean up whatever happens in the test: no moshpeer process and no p2pd survives a test.
+Both clean up whatever happens in the test: no moshpeer process and no p2pd survives a test. And
+every test fails if a process it spawned (through tests/swarm.py, tests/averaging_swarm.py or
+tests/trainer_process.py) printed a traceback or "Task was destroyed but it is pending!" on stderr:
+a peer leaving is one log line, never a traceback. A test that provokes a real bug on purpose says
+so with `@pytest.mark.allow_stderr_tracebacks`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,21 @@ from typing import Callable, List
 
 import pytest
 
-from swarm import LOOPBACK, Swarm, process_group  # tests/ is on sys.path (pytest rootdir conftest)
+from swarm import LOOPBACK, Swarm, forbidden_stderr, process_group  # tests/ is on sys.path (rootdir conftest)
+
+
+@pytest.fixture(autouse=True)
+def clean_process_stderr(request):
+    """Fail the test if a process it spawned printed a traceback or a pending-task line (see module doc).
+
+    Autouse fixtures are set up first and torn down last: by then the test's swarms are stopped and
+    their stderr is complete."""
+    forbidden_stderr()  # start clean, whatever an earlier test left
+    yield
+    found = forbidden_stderr()
+    if found and request.node.get_closest_marker("allow_stderr_tracebacks") is None:
+        pytest.fail("spawned processes printed a traceback or a pending-task line:\n" + "\n".join(found),
+                    pytrace=False)
 
 
 @pytest.fixture

@@ -36,6 +36,35 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 READY_TIMEOUT = 60.0
 
 
+# ---- stderr that must stay clean ---------------------------------------------------------------
+
+# A peer leaving is one log line; a traceback or an asyncio task left pending means a bug (or an
+# expected failure logged as one). conftest fails a test whose spawned processes printed either.
+FORBIDDEN_STDERR = ("Traceback (most recent call last)", "Task was destroyed but it is pending")
+_watched_stderr: List[Tuple[str, Callable[[], str]]] = []
+
+
+def watch_stderr(name: str, read: Callable[[], str]) -> None:
+    """Have conftest check what `read()` returns (a spawned process's stderr so far) after the test."""
+    _watched_stderr.append((name, read))
+
+
+def forbidden_stderr(*, forget: bool = True) -> List[str]:
+    """'name: line' for the first forbidden line of each watched process (with the log line before it and
+    the 60 after: the whole traceback); then forget them (the next test starts with none)."""
+    found = []
+    for name, read in _watched_stderr:
+        lines = read().splitlines()
+        for k, line in enumerate(lines):
+            if any(marker in line for marker in FORBIDDEN_STDERR):
+                context = "\n    ".join(lines[max(k - 1, 0) : k + 60])
+                found.append(f"{name}: {context}")
+                break
+    if forget:
+        _watched_stderr.clear()
+    return found
+
+
 # ---- /proc (Linux) ------------------------------------------------------------------------------
 
 
@@ -139,6 +168,7 @@ class Proc:
         for reader in self._readers:
             reader.start()
         self.ready: Optional[dict] = None
+        watch_stderr(f"{self.name} ({' '.join(self.args[:1])})", lambda: self.stderr)
 
     def _read(self, stream, lines: List[str], times: Optional[List[float]]) -> None:
         for raw in iter(stream.readline, b""):

@@ -91,10 +91,42 @@ CASES = {
     "client mode without initial peers": Case(
         "join", lambda c: (*JOIN, "--client-mode"), lambda c: "client-mode peer cannot start a new swarm"
     ),
+    "nonexistent device (join)": Case(
+        "join", lambda c: ("--run-id", "r", "--device", "cuda:7"), lambda c: "device 'cuda:7' does not exist"
+    ),
+    "nonexistent device (demo)": Case(
+        "demo", lambda c: ("--peers", "2", "--device", "cuda:7"), lambda c: "device 'cuda:7' does not exist"
+    ),
+    "unknown device": Case(
+        "join", lambda c: (*JOIN, "--device", "tpu"), lambda c: "unknown device 'tpu'; expected auto|cpu|cuda|cuda:N"
+    ),
     "expiration not longer than heartbeat": Case(
         "join",
         lambda c: (*JOIN, "--heartbeat", "2", "--expiration", "2"),
         lambda c: "--expiration (2 s) must be longer than --heartbeat (2 s)",
+    ),
+    # Training flags are checked before the DHT starts (one line means: no "peer ... is in run" line).
+    "unknown codec": Case(
+        "join", lambda c: ("--run-id", "r", "--compression", "bogus"), lambda c: "unknown compression 'bogus'"
+    ),
+    "error feedback without a sparsifying codec": Case(
+        "join", lambda c: ("--run-id", "r", "--error-feedback", "--compression", "int8"),
+        lambda c: "error_feedback needs averaging in ('gradients', 'diloco') and a sparsifying codec",
+    ),
+    "unknown task argument": Case(
+        "join", lambda c: ("--run-id", "r", "--task-arg", "nosuch=1"),
+        lambda c: "task factory 'digits' got an unexpected keyword argument 'nosuch'",
+    ),
+    "checkpoint dir is a file": Case(
+        "join", lambda c: ("--run-id", "r", "--checkpoint-dir", str(c.garbage_key)), lambda c: "is not a directory"
+    ),
+    "preemption notice in a missing directory": Case(
+        "join", lambda c: ("--run-id", "r", "--preemption-notice", str(c.tmp / "nope" / "notice")),
+        lambda c: "does not exist",
+    ),
+    "demo with an unknown codec": Case(
+        "demo", lambda c: ("--compression", "bogus", "--out", str(c.tmp / "demo")),
+        lambda c: "unknown compression 'bogus'",
     ),
 }
 

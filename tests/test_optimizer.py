@@ -252,7 +252,7 @@ def test_error_feedback_needs_a_sparsifying_codec(dht_node):
 
 
 def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
-    from moshpeer.peer.optimizer import MIN_BUDGET_WINDOW_S
+    from moshpeer.peer.round_timing import MIN_BUDGET_WINDOW_S
     from moshpeer.peer.progress import ProgressSnapshot
 
     def swarm(trainers: int, aux: int = 0) -> ProgressSnapshot:
@@ -262,21 +262,22 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
     model = make_model()
     opt = collaborative(model, dht_node(run_ids=["target"]), "target", batch_size_per_step=16, group_size=4,
                         compute_budget=0.4)
-    opt.matchmaking_time = 1.0
+    timing = opt.timing
+    timing.matchmaking_time = 1.0
     try:
         assert [opt.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
         assert opt.group_target(swarm(2, aux=1)) == 3 and opt.group_target(swarm(4, aux=1)) == 4
         # The window ends at the budget deadline of the epoch (0.4 s after it began), never below the floor.
-        opt._begin_budget_step()  # the epoch begins now
-        window = opt._matchmaking_window()
+        timing.begin_epoch()  # the epoch begins now
+        window = timing.window()
         assert MIN_BUDGET_WINDOW_S < window <= 0.4
-        opt._budget_step._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
-        assert opt._matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
-        opt._assembly_s = [0.15]  # complete groups took 0.15 s to assemble lately (a loaded machine)
-        assert opt._matchmaking_window() == pytest.approx(0.45)
-        opt.budget = None
-        opt._begin_budget_step()
-        assert opt._matchmaking_window() == 1.0  # no budget: the configured matchmaking time
+        timing.step._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
+        assert timing.window() == pytest.approx(MIN_BUDGET_WINDOW_S)
+        timing.assembly_s = [0.15]  # complete groups took 0.15 s to assemble lately (a loaded machine)
+        assert timing.window() == pytest.approx(0.45)
+        timing.budget = None
+        timing.begin_epoch()
+        assert timing.window() == 1.0  # no budget: the configured matchmaking time
     finally:
         opt.shutdown()
 

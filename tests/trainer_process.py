@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from swarm import watch_stderr
+
 TRAINER = Path(__file__).resolve().parent / "preemption_trainer.py"
 REPO = TRAINER.parents[1]
 
@@ -28,6 +30,7 @@ class TrainerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=self._stderr, env=env, cwd=REPO
         )
+        watch_stderr(f"trainer {TRAINER.name}", lambda: self.stderr_path.read_text(errors="replace"))
         self.events: List[Dict[str, Any]] = []
         self._queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

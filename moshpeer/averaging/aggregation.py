@@ -112,7 +112,7 @@ def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Aggregate the contributions `rows` (n x d) with `mode` ("clipped" or "trimmed") -> (d values, flagged rows)."""
     if mode == "clipped":
-        return centered_clip(rows, torch.tensor(weights, dtype=torch.float32))
+        return centered_clip(rows, torch.tensor(weights, dtype=torch.float32, device=rows.device))
     if mode == "trimmed":
         return trimmed_mean(rows)
     raise ValueError(f"not a robust aggregation: {mode}")

@@ -49,6 +49,7 @@ from moshpeer.averaging.estimator import combine_unbiased
 from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
+from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
 from moshpeer.compression.codec import Compression, NoCompression
 from moshpeer.errors import ProtocolError
@@ -116,6 +117,7 @@ class AllReduceResult:
     total_s: float
     absent: List[int] = field(default_factory=list)  # members that refused us, could not prove the secret, or were unreachable
     relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams (no direct TCP connection)
+    staged_bytes: int = 0  # encoded bytes copied between the device and pinned host memory (0 on a CPU peer)
     upload_bps: Optional[float] = None  # this peer's upload rate measured on its direct connections (uplink.py)
     # Per member index: chunks of our part in which the robust aggregation clipped or trimmed its contribution.
     flagged: List[int] = field(default_factory=list)
@@ -124,6 +126,9 @@ class AllReduceResult:
 
 class GroupAllReduce:
     """Average `flat` (1-D contiguous fp32, modified in place) with the group; `run()` blocks until done.
+
+    `flat` may live on any device: chunks are encoded and decoded there, and only encoded bytes are staged
+    through pinned host memory to and from the sockets (staging.py).
 
     :param plane: this peer's data-plane server (already listening at members[my_index])
     :param tag: 8-byte tag of this all-reduce (see `wire.allreduce_tag`); secret: the group secret
@@ -163,6 +168,7 @@ class GroupAllReduce:
         part_sizes: Optional[Sequence[int]] = None,
         aggregation: str = "mean",
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+        staging: Optional[HostStaging] = None,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -185,20 +191,21 @@ class GroupAllReduce:
         self.aggregation = check_aggregation(aggregation)
         self.weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         self.others = [i for i in range(self.group_size) if i != my_index]
+        self.staging = staging if staging is not None else staging_for(flat.device)
 
         me = my_index
         self.num_my_chunks = self.partition.num_chunks(me)
         start, end = self.partition.part_range(me)
         # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
         # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
-        self.others_sum = torch.empty(end - start, dtype=torch.float32)
+        self.others_sum = torch.empty(end - start, dtype=torch.float32, device=flat.device)
         # Robust modes: each member's contribution to our part, a row per member (ours stays in `flat`).
         self.contributions: Optional[torch.Tensor] = None
         if self.aggregation != "mean":
             if self.group_size * (end - start) * 4 > max_buffer_bytes:
                 raise ValueError(f"{self.aggregation} aggregation would buffer {self.group_size * (end - start) * 4} "
                                  f"bytes, over the limit of {max_buffer_bytes}")
-            self.contributions = torch.empty(self.group_size, end - start, dtype=torch.float32)
+            self.contributions = torch.empty(self.group_size, end - start, dtype=torch.float32, device=flat.device)
         self.flagged = [0] * self.group_size
         self.nonfinite_averages = 0
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
@@ -281,6 +288,7 @@ class GroupAllReduce:
             total_s=finished - started,
             absent=sorted(self.absent),
             relayed=sorted(self.relayed),
+            staged_bytes=self.staging.bytes_copied,
             upload_bps=upload_bps,
             flagged=list(self.flagged),
             nonfinite_averages=self.nonfinite_averages,
@@ -552,9 +560,12 @@ class GroupAllReduce:
         return allowance // len(senders) + (1 if rank < allowance % len(senders) else 0)
 
     def _send_chunk(self, link: _Outbound, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
-                    resends: list) -> bool:
+                    resends: list, outbox: Outbox, staged: dict, lookahead: Optional[int] = None) -> bool:
         """Encode and send one chunk (unless faults drop it: a dropped chunk to be resent later goes to
-        `resends`); False once this peer is silenced."""
+        `resends`); False once this peer is silenced. `staged`: chunks of this stream already encoded and on
+        their way to host memory; with a device outbox, chunk `lookahead` is encoded and staged before this
+        one is sent, so its copy overlaps with this send."""
+        ready = staged.pop(chunk, None)
         if faults is not None:
             if faults.silenced():
                 return False
@@ -564,11 +575,15 @@ class GroupAllReduce:
             if drop:
                 stats.chunks_dropped_by_faults += 1
                 if faults.resend_after > 0:  # selective resend: keep the bytes, send them when due
-                    payload = self._encode_chunk(phase, part, chunk, codec).clone()
+                    payload = (outbox.payload_of(ready) if ready is not None
+                               else self._encode_chunk(phase, part, chunk, codec)).clone()
                     resends.append((time.monotonic() + faults.resend_after, phase, part, chunk, payload))
                 return True
-        payload = self._encode_chunk(phase, part, chunk, codec)
-        self._transmit(link, stats, phase, part, chunk, payload)
+        if ready is None:
+            ready = outbox.prepare(self._encode_chunk(phase, part, chunk, codec))
+        if outbox.lookahead and lookahead is not None and lookahead not in staged:
+            staged[lookahead] = outbox.prepare(self._encode_chunk(phase, part, lookahead, codec))
+        self._transmit(link, stats, phase, part, chunk, outbox.host_bytes(ready))
         return True
 
     def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
@@ -581,14 +596,15 @@ class GroupAllReduce:
             payload = codec.encode(values, seed=self._chunk_seed(part, chunk))
         return payload
 
-    def _transmit(self, link: _Outbound, stats: PhaseStats, phase: int, part: int, chunk: int, payload) -> None:
-        data = memoryview(payload.numpy())
+    def _transmit(self, link: _Outbound, stats: PhaseStats, phase: int, part: int, chunk: int,
+                  data: memoryview) -> None:
         link.send(wire.pack_header(phase, part, chunk, len(data), self.tag), data)
         stats.chunks_sent += 1
         stats.bytes_sent += wire.HEADER.size + len(data) + handshake.MAC_BYTES
         self.fault_counter[0] += 1
 
-    def _send_resends(self, link: _Outbound, faults, stats: PhaseStats, resends: list, deadline: float) -> None:
+    def _send_resends(self, link: _Outbound, faults, stats: PhaseStats, resends: list, deadline: float,
+                      outbox: Outbox) -> None:
         """DBLP's selective resends of this stream, each when its retransmission timeout is due (before
         the end-of-phase marker: the receiver waits for them, within its budget and the deadline); a
         resend lost again is due one more timeout later."""
@@ -606,7 +622,7 @@ class GroupAllReduce:
             if faults.resend_lost():
                 heapq.heappush(queue, (time.monotonic() + faults.config.retransmit_s, k, (phase, part, chunk, payload)))
                 continue
-            self._transmit(link, stats, phase, part, chunk, payload)
+            self._transmit(link, stats, phase, part, chunk, outbox.host_bytes(outbox.prepare(payload)))
 
     def _send_marker(self, link: _Outbound, faults, phase: int) -> None:
         if faults is not None and faults.silenced():
@@ -617,10 +633,13 @@ class GroupAllReduce:
         faults = self._make_faults(j, "reduce")
         codec = self.compression.reduce_codec
         resends: list = []
-        for c in range(self.partition.num_chunks(j)):
+        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
+        num_chunks = self.partition.num_chunks(j)
+        for c in range(num_chunks):
             if time.monotonic() > self.reduce_deadline:
                 break
-            ok = self._send_chunk(link, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends)
+            ok = self._send_chunk(link, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends, outbox, staged,
+                                  lookahead=c + 1 if c + 1 < num_chunks else None)
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
@@ -629,19 +648,23 @@ class GroupAllReduce:
         with self.cond:
             self.sent_progress[j] = _DONE  # a chunk waiting for its resend keeps its own copy of the bytes
             self.cond.notify_all()
-        self._send_resends(link, faults, self.reduce, resends, self.reduce_deadline)
+        self._send_resends(link, faults, self.reduce, resends, self.reduce_deadline, outbox)
         self._send_marker(link, faults, wire.PHASE_END_REDUCE)
 
     def _send_gather(self, link: _Outbound, j: int) -> None:
         faults = self._make_faults(j, "gather")
         codec = self.compression.gather_codec
         resends: list = []
+        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
         for c in range(self.num_my_chunks):
             if not self._wait_finalized_watching(link, j, c):
                 return
-            if not self._send_chunk(link, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends):
+            # Stage the next chunk early only if it is already averaged (finalized chunks never change).
+            ahead = c + 1 if c + 1 < self.num_my_chunks and self.finalized[c + 1] else None
+            if not self._send_chunk(link, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends,
+                                    outbox, staged, lookahead=ahead):
                 return
-        self._send_resends(link, faults, self.gather, resends, self.deadline)
+        self._send_resends(link, faults, self.gather, resends, self.deadline, outbox)
         self._send_marker(link, faults, wire.PHASE_END_GATHER)
 
     # ---- receiving ----------------------------------------------------------------------------
@@ -685,8 +708,7 @@ class GroupAllReduce:
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
         header = bytearray(wire.HEADER.size)
         header_view = memoryview(header)
-        payload_buffer = torch.empty(max_payload, dtype=torch.uint8)
-        payload_view = memoryview(payload_buffer.numpy())
+        inbox = self.staging.inbox(max_payload)  # received bytes, then (on a device) copied to it
         mac = bytearray(handshake.MAC_BYTES)
         mac_view = memoryview(mac)
         wire.block_until(sock, self.deadline)
@@ -714,10 +736,11 @@ class GroupAllReduce:
                 if phase == wire.PHASE_END_REDUCE:
                     self._finalize_ready_chunks(range(self.num_my_chunks))
                 continue
-            wire.recv_exactly(sock, payload_view[:payload_len])
+            received = inbox.buffer(payload_len)
+            wire.recv_exactly(sock, received)
             wire.recv_exactly(sock, mac_view)
-            auth.check(header, payload_view[:payload_len], mac)  # before anything reads the payload
-            payload = payload_buffer[:payload_len]
+            auth.check(header, received, mac)  # before anything reads the payload
+            payload = inbox.payload(payload_len)
             if phase == wire.PHASE_REDUCE:
                 self.reduce.bytes_received += wire.HEADER.size + payload_len
                 self._on_reduce_chunk(i, part, chunk, payload, reduce_codec)

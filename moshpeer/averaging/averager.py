@@ -23,12 +23,13 @@ own bound on a leader's answer), and only while it is committed (accepted by a l
 followers, or a join request in flight); an uncommitted peer stops at the search end. Should
 matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
 visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
-report it in `RoundReport.absent`, and the left-out peer's report says it gave up while committed.
+report it in `RoundResult.absent`, and the left-out peer's result says it gave up while committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -36,8 +37,8 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -53,12 +54,13 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
-from moshpeer.averaging.report import PhaseStats, RoundReport
+from moshpeer.averaging.report import PhaseStats, RoundResult
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
@@ -77,11 +79,11 @@ COMMITMENT_POLL_S = 0.02
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
+ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
 PARTITIONS = ("equal", "bandwidth")
 MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
 # Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
 UPLOAD_ESTIMATE_ALPHA = 0.5
-TRANSPORT_ENV_VAR = "MOSHPEER_TRANSPORT"
 
 
 @dataclass
@@ -182,7 +184,7 @@ class MoshpitAverager(ServicerBase):
     :param matchmaking_time: how long a peer waits for others to join its group
     :param request_timeout: matchmaking request timeout (default: matchmaking_time / 2)
     :param round_timeout: absolute budget of the data plane of one round (reduce-scatter ends at 60% of it)
-    :param faults: fault injection for this peer's outgoing chunks (default: from $MOSHPEER_FAULTS, else none)
+    :param faults: fault injection for this peer's outgoing chunks (tests, benchmarks, `join --faults`); None: none
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
@@ -200,7 +202,7 @@ class MoshpitAverager(ServicerBase):
         enough data)
     :param transport: "auto" (default): direct TCP to members that announced an address and can be reached,
         libp2p streams to the others; "libp2p": announce no direct address and send everything over libp2p
-        streams (a peer behind NAT; also for testing). Default: $MOSHPEER_TRANSPORT, else "auto"
+        streams (a peer behind NAT; also for testing)
     :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
         (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
     """
@@ -224,7 +226,7 @@ class MoshpitAverager(ServicerBase):
         client_mode: bool = False,
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
-        transport: Optional[str] = None,
+        transport: str = "auto",
         error_feedback: Optional[EF21M] = None,
         partition: str = "equal",
         upload_bandwidth: Optional[float] = None,
@@ -254,9 +256,8 @@ class MoshpitAverager(ServicerBase):
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.faults = faults if faults is not None else FaultConfig.from_env()
+        self.faults = faults
         self.client_mode = client_mode
-        transport = transport or os.environ.get(TRANSPORT_ENV_VAR, "").strip() or "auto"
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
@@ -280,6 +281,8 @@ class MoshpitAverager(ServicerBase):
         self._plane = DataPlane(host, strict=True)
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
+        # Rounds run here, one at a time (step() queues them; see RoundFuture).
+        self._rounds = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moshpeer-round")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._ready = threading.Event()
@@ -328,6 +331,7 @@ class MoshpitAverager(ServicerBase):
         self._ready.set()
         loop.run_forever()
         loop.run_until_complete(self._teardown())
+        _finish_pending_tasks(loop)
         loop.close()
 
     async def _setup(self) -> None:
@@ -367,7 +371,9 @@ class MoshpitAverager(ServicerBase):
                 await self._p2p.shutdown()  # our replica only: the daemon belongs to the DHT
 
     def shutdown(self) -> None:
-        """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it)."""
+        """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it).
+        Rounds not started yet are cancelled; a round in flight ends by its deadline."""
+        self._rounds.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
@@ -450,14 +456,20 @@ class MoshpitAverager(ServicerBase):
 
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
-             tensors: Optional[Sequence[torch.Tensor]] = None) -> RoundReport:
-        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place; blocks;
-        returns the round's report.
+             tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
+             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+        """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
+
+        wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
+        at once a `RoundFuture` of it, resolved by its `deadline`. Rounds run one at a time, in the order
+        they were asked for, in the averager's round thread. The round's deadlines are computed here, once
+        (`RoundDeadline`). Bad arguments raise UserError here; an error inside the round becomes the
+        future's exception (raised by wait=True). A round that finds no group is a result with ok=False.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
             accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see the
-            module docstring); the data plane then has `round_timeout` on top
+            module docstring); the data plane then has `round_timeout` from the group's assembly
         :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
@@ -465,6 +477,7 @@ class MoshpitAverager(ServicerBase):
         :param tensors: this round only: average these instead of `self.tensors` (e.g. views of a part of
             them: a round that needs less sends less). Peers group only with peers whose round averages the
             same shapes (the schema hash covers them); UserError for non-float tensors
+        :param averaged: what the tensors hold, e.g. ("gradients",); the result reports it
         """
         if not math.isfinite(weight) or weight < 0:
             raise UserError(f"weight must be finite and >= 0, got {weight}")
@@ -476,50 +489,68 @@ class MoshpitAverager(ServicerBase):
             raise UserError("averager is not started")
         tensors = self._round_tensors(tensors)
         window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
-        timeout = timeout if timeout is not None else 5 * window
+        search_s = max(timeout if timeout is not None else 5 * window, window)
+        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout)
+        future = RoundFuture(deadline)
+        round_args = (deadline, float(weight), window, target_group_size or self.target_group_size, tensors,
+                      tuple(averaged))
+        try:
+            self._rounds.submit(self._run_round, future, *round_args)
+        except RuntimeError:  # the executor is shut down
+            raise UserError("averager is shut down") from None
+        return future.result() if wait else future
+
+    def _run_round(self, future: "RoundFuture", *round_args) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started
+        try:
+            future.set_result(self._round(*round_args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...]) -> RoundResult:
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
         host, port = self._announced_address()
-        now = get_dht_time()
+        search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
             data_for_gather=_pack_member_info(
-                host, port, self.faults.declared_weight(float(weight)) if self.faults else float(weight), nonce,
+                host, port, self.faults.declared_weight(weight) if self.faults else weight, nonce,
                 (self.loss_budget.budget, self.loss_budget.phase),
                 (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
-            scheduled_time=now + window,
-            deadline=now + max(timeout, window),
-            weight=float(weight),
+            scheduled_time=min(get_dht_time() + window, search_end),
+            deadline=search_end,
+            weight=weight,
             schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
-            target_group_size=target_group_size or self.target_group_size,
+            target_group_size=target_group_size,
             matchmaking_time=window,
-            grace=self.request_timeout + ASSEMBLY_GRACE_S,
+            grace=deadline.assembly_end - deadline.search_end,
         )
         bits_before = self.group_bits
         outcome: dict = {}
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
-            future = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
-            try:
-                group = future.result(request.get_timeout() + self.round_timeout)
+            search = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
+            try:  # the search ends itself by assembly_end; the round's end bounds a stalled loop
+                group = search.result(max(0.0, deadline.end - time.monotonic()))
             except Exception as e:
-                future.cancel()
+                search.cancel()
                 logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
                 group = None
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
-        matchmaking_s = time.monotonic() - started
-        report = RoundReport(ok=False, group_bits=bits_before, coordinates=self.coordinates, weight=float(weight),
-                             matchmaking_s=matchmaking_s, compression=self.compression_spec)
+        common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started,
+                      compression=self.compression_spec)
         if group is None:
-            report.error = outcome.get("error", "no group found")
             if "error" in outcome:
-                logger.warning(f"matchmaking: {report.error}")
-            return report
+                logger.warning(f"matchmaking: {outcome['error']}")
+            return RoundResult(ok=False, error=outcome.get("error", "no group found"), group_bits=bits_before,
+                               coordinates=self.coordinates, **common)
         try:
-            self._step_with_group(group, report, matchmaking_s, tensors)
+            return self._round_with_group(group, tensors, deadline, bits_before, common)
         finally:
             self._plane.close_group(group_prefix)
-        return report
 
     def _round_tensors(self, tensors: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
         if tensors is None:
@@ -531,23 +562,26 @@ class MoshpitAverager(ServicerBase):
             raise UserError("with error feedback every round averages all the averager's values")
         return tensors
 
-    def _step_with_group(self, group: GroupInfo, report: RoundReport, matchmaking_s: float,
-                         tensors: List[torch.Tensor]) -> None:
-        report.group_id, report.group_size = group.group_id.hex(), group.group_size
-        report.my_index = group.peer_ids.index(self.peer_id)
+    def _round_with_group(self, group: GroupInfo, tensors: List[torch.Tensor], deadline: "RoundDeadline",
+                          bits_before: str, common: dict) -> RoundResult:
+        group_id = group.group_id.hex()
+        ids = dict(group_id=group_id, group_size=group.group_size, my_index=group.peer_ids.index(self.peer_id))
         try:
             members = [_parse_member_info(data) for data in group.gathered]
         except ProtocolError as e:
-            report.error = f"bad group metadata: {e}"
-            logger.warning(f"round {report.group_id[:8]}: {report.error}")
-            return
-        logger.info(
-            f"round {report.group_id[:8]}: group of {group.group_size} assembled in {matchmaking_s:.2f} s, "
-            f"my index {report.my_index}"
-        )
-        self._average_with_group(group, members, report, tensors)
-        report.group_bits, report.coordinates = self.group_bits, self.coordinates
+            logger.warning(f"round {group_id[:8]}: bad group metadata: {e}")
+            return RoundResult(ok=False, error=f"bad group metadata: {e}", group_bits=bits_before,
+                               coordinates=self.coordinates, **ids, **common)
+        logger.info(f"round {group_id[:8]}: group of {group.group_size} assembled in {common['matchmaking_s']:.2f} s, "
+                    f"my index {ids['my_index']}")
+        # The data plane has round_timeout from now, never past the round's end.
+        data_deadline = min(time.monotonic() + self.round_timeout, deadline.end)
+        loss_budget, loss_phase, data, extra = self._average_with_group(group, members, ids["my_index"], tensors,
+                                                                          data_deadline)
         self.rounds_done += 1
+        return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
+                           loss_phase=loss_phase, aggregation=self.aggregation, **extra, **ids, **common,
+                           **{f.name: getattr(data, f.name) for f in fields(data) if f.name != "flagged"})
 
     def _committed(self) -> bool:
         """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
@@ -592,18 +626,20 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
         return await self._matchmaking.look_for_group(request)
 
-    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], report: RoundReport,
-                            tensors: List[torch.Tensor]) -> None:
+    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], my_index: int,
+                            tensors: List[torch.Tensor], deadline: float
+                            ) -> Tuple[float, str, AllReduceResult, Dict[str, Any]]:
+        """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
+        plane's counters (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (per
+        member peer id, the chunks of our part robust aggregation clipped or trimmed) and `part_sizes`."""
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
-        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), report.my_index)
+        credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
-        report.loss_budget, report.loss_phase = group_budget(
-            declared or [(self.loss_budget.budget, self.loss_budget.phase)])
+        loss_budget, loss_phase = group_budget(declared or [(self.loss_budget.budget, self.loss_budget.phase)])
         group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
                          for m, peer_id in zip(members, group.peer_ids)]
-        deadline = time.monotonic() + self.round_timeout
         results: List[AllReduceResult] = []
         bandwidths = [m.bandwidth for m in members]
         by_bandwidth = all(b > 0 for b in bandwidths)  # else every member splits equally
@@ -614,7 +650,7 @@ class MoshpitAverager(ServicerBase):
                 self._plane,
                 flat,
                 members=group_members,
-                my_index=report.my_index,
+                my_index=my_index,
                 tag=wire.allreduce_tag(group.group_id, len(results)),
                 secret=secret,
                 credentials=credentials,
@@ -622,7 +658,7 @@ class MoshpitAverager(ServicerBase):
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
                 faults=self.faults,
-                loss_budget=report.loss_budget or 0.0,
+                loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
                 part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
@@ -649,45 +685,41 @@ class MoshpitAverager(ServicerBase):
             write_back()
         result = _merge_results(results)
         self._note_upload(result.upload_bps)
-        report.upload_bps = result.upload_bps
-        report.part_sizes = bandwidth_part_sizes(self._numel, bandwidths) if by_bandwidth else []
-        report.ok = True
-        report.reduce, report.gather = result.reduce, result.gather
-        report.departed = result.departed
-        report.absent, report.relayed = result.absent, result.relayed
-        report.rejected_connections, report.rejected_messages = result.rejected_connections, result.rejected_messages
-        report.missing_chunks = result.missing_chunks
-        report.aggregation, report.nonfinite_averages = self.aggregation, result.nonfinite_averages
-        report.flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
-        for peer, n in report.flagged.items():
+        flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        for peer, n in flagged.items():
+
             self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
-        report.reduce_scatter_s, report.all_gather_s, report.total_s = (
-            result.reduce_scatter_s, result.all_gather_s, result.total_s)
-        expected = result.reduce.chunks_expected + result.gather.chunks_expected
         lost = result.reduce.chunks_lost + result.gather.chunks_lost
-        report.lost_fraction = lost / expected if expected else 0.0
+        tag = group.group_id.hex()[:8]
         if result.absent:
             logger.warning(
-                f"round {report.group_id[:8]}: members {result.absent} were not in this round (they refused or failed "
+                f"round {tag}: members {result.absent} were not in this round (they refused or failed "
                 f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
             )
-        if report.flagged:
-            logger.warning(f"round {report.group_id[:8]}: {self.aggregation} aggregation flagged contributions of "
-                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in report.flagged.items()))
+        if flagged:
+            logger.warning(f"round {tag}: {self.aggregation} aggregation flagged contributions of "
+                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in flagged.items()))
         if lost or result.departed or result.rejected_messages or result.rejected_connections:
             logger.warning(
-                f"round {report.group_id[:8]}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
+                f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
                 f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
                 f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
                 f"{result.rejected_connections} connections"
             )
+        part_sizes = bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else []
+        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes)
 
     def _flatten(self, tensors: List[torch.Tensor]):
-        """A flat fp32 view of `tensors` (zero-copy for one contiguous fp32 CPU tensor) and a write-back."""
+        """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
+        encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
+        fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
+        device = tensors[0].device
+        if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
+            device = torch.device("cpu")
         if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
-                and tensors[0].device.type == "cpu":
-            return tensors[0].view(-1), lambda: None
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+                and tensors[0].device == device:
+            return tensors[0].detach().view(-1), lambda: None
+        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
         def write_back() -> None:
             offset = 0
@@ -720,6 +752,7 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
         absent=sorted({i for r in results for i in r.absent}),
         relayed=sorted({i for r in results for i in r.relayed}),
+        staged_bytes=sum(r.staged_bytes for r in results),
         flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
         nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
@@ -727,3 +760,15 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         total_s=sum(r.total_s for r in results),
         upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
     )
+
+
+def _finish_pending_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 1.0) -> None:
+    """Cancel the tasks still on `loop` (hivemind's matchmaking leaves waiters behind, our relay its copy
+    tasks) and give them `timeout` to end, as asyncio.run does: a task garbage-collected while pending
+    logs "Task was destroyed but it is pending!" """
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=timeout))
+    loop.run_until_complete(loop.shutdown_asyncgens())

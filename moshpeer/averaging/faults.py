@@ -5,9 +5,9 @@ The sender consults a `ChunkFaults` before every chunk it puts on the wire. With
 (the default) the transport never builds one, so normal runs pay nothing. Decisions come from a
 seeded RNG per (round, destination, phase), so a test can replay a run exactly.
 
-Environment (used when an averager is built without an explicit `faults`): MOSHPEER_FAULTS holds
-comma-separated `key=value` pairs with FaultConfig's field names, e.g.
-`MOSHPEER_FAULTS=drop_prob=0.1,delay_s=0.002,phases=reduce`.
+Faults are always configured explicitly: `MoshpitAverager(faults=FaultConfig(...))`, or
+`moshpeer join --faults drop=0.1,delay=0.002,phases=reduce` (`FaultConfig.parse`). Production code reads
+no environment variable for them.
 
 A byzantine peer (`byzantine=-100,weight=1e6`) runs the real protocol but sends `scale` x its own
 contribution (or the constant `byzantine_value`) in the reduce phase and declares `weight` in
@@ -18,7 +18,6 @@ aggregators' reach).
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
@@ -28,7 +27,6 @@ import torch
 from moshpeer.errors import UserError
 
 PHASES = ("reduce", "gather")
-ENV_VAR = "MOSHPEER_FAULTS"
 # Short names accepted by `FaultConfig.parse` (CLI: `moshpeer join --faults drop=0.1,delay=0.05`).
 ALIASES = {"drop": "drop_prob", "delay": "delay_s", "jitter": "jitter_s", "burst": "burst_prob",
            "stop": "stop_after_chunks", "retransmit": "retransmit_s", "byzantine": "byzantine_scale",
@@ -96,7 +94,7 @@ class FaultConfig:
 
     @classmethod
     def parse(cls, text: str) -> "FaultConfig":
-        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (CLI / environment syntax).
+        """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (the CLI's syntax).
 
         Keys are FaultConfig's field names or their short ALIASES (drop, delay, jitter, burst, stop,
         retransmit). Raises UserError, with one line that says what is wrong, on a malformed spec.
@@ -134,11 +132,6 @@ class FaultConfig:
     def declared_weight(self, weight: float) -> float:
         """The averaging weight this peer announces (a byzantine peer lies about it)."""
         return self.byzantine_weight if self.byzantine_weight is not None else weight
-
-    @classmethod
-    def from_env(cls) -> Optional["FaultConfig"]:
-        text = os.environ.get(ENV_VAR, "").strip()
-        return cls.parse(text) if text else None
 
 
 # A reliable link gives up resending one chunk after this many tries (the round deadline ends it anyway).

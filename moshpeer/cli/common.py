@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NoReturn
 from moshpeer.dht import DEFAULT_HOST_MADDRS, Role
 from moshpeer.dht.maddrs import maddrs_for_port
 from moshpeer.errors import UserError
+from moshpeer.logs import quiet_expected_peer_failures
 from moshpeer.peer.daemon import PeerDaemon
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
@@ -102,6 +103,23 @@ def add_membership_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_metrics_argument(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
+    extra = " (the bootstrap node; training peer k gets N+k)" if demo else ""
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help=f"serve Prometheus metrics at http://0.0.0.0:N/metrics{extra}; 0: any free port, "
+                        "announced in the ready line (see docs/metrics.md)")
+
+
+def metrics_from_args(args: argparse.Namespace, command: str):
+    """A `PeerMetrics` for --metrics-port (served by `announce_ready`, once the DHT process has forked, so
+    it does not inherit the listening socket), or None without the flag."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from moshpeer.peer.metrics import PeerMetrics
+
+    return PeerMetrics(run_id=args.run_id, role=getattr(args, "role", "bootstrap"), command=command)
+
+
 def host_maddrs_from_args(args: argparse.Namespace) -> List[str]:
     """--host-maddrs, or --port on all interfaces, or the default (any free port on all interfaces)."""
     if args.host_maddrs and args.port is not None:
@@ -118,12 +136,76 @@ def membership_timing_from_args(args: argparse.Namespace) -> Dict[str, float]:
     return {"heartbeat": args.heartbeat, "expiration": expiration}
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Check every flag a command has before anything starts (no DHT, no peer record, no file written).
+
+    Codec, task and its arguments, compute budget, error feedback with its codec, and the paths
+    (--checkpoint-dir, --out, --preemption-notice, --events), and that --metrics-port is free. The library's own parsers do the checking, so the
+    command accepts exactly what the library does. Flags a command lacks are skipped; with `--no-train`
+    the training flags are. (Multiaddrs, ports and the identity file are checked by the DHT's start,
+    before anything listens.)
+
+    :raises UserError: the first bad flag, as one line
+    """
+    if not getattr(args, "no_train", False):
+        if getattr(args, "compression", None) is not None:
+            from moshpeer.compression import get_compression
+
+            get_compression(args.compression)
+        if getattr(args, "error_feedback", False):
+            from moshpeer.peer.error_feedback import error_feedback_sparsifier
+
+            error_feedback_sparsifier(args.averaging, args.compression)
+        if getattr(args, "compute_budget", None) is not None:
+            from moshpeer.peer.dropcompute import parse_compute_budget
+
+            parse_compute_budget(args.compute_budget)
+        if getattr(args, "task", None) is not None:
+            from moshpeer.peer.tasks import check_task, parse_task_kwargs
+
+            check_task(args.task, **parse_task_kwargs(getattr(args, "task_arg", [])))
+    for flag in ("checkpoint_dir", "out"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            check_directory_flag(f"--{flag.replace('_', '-')}", path)
+    for flag in ("preemption_notice", "events"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            check_file_flag(f"--{flag.replace('_', '-')}", path)
+    if getattr(args, "metrics_port", None) is not None:
+        from moshpeer.peer.metrics import check_metrics_port
+
+        check_metrics_port(args.metrics_port)
+
+
+def check_directory_flag(flag: str, path: str) -> None:
+    """UserError unless `path` is a directory, or one this user can create."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write in {existing}")
+
+
+def check_file_flag(flag: str, path: str) -> None:
+    """UserError unless `path` names a file (existing or not) in an existing directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory, expected a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UserError(f"{flag} {path}: directory {os.path.dirname(path)} does not exist")
+
+
 def configure_logging(verbose: bool) -> None:
     """Keep the default output readable: hivemind's loggers at WARNING unless -v (then DEBUG)."""
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")  # hivemind's records go through the root handler, in our format
     logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    quiet_expected_peer_failures()  # a peer leaving is one line (with -v), not hivemind's traceback
     # Forked DHT processes inherit these settings; p2pd's output is logged (and filtered) through them.
 
 
@@ -153,12 +235,20 @@ def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = Fal
     )
 
 
-def announce_ready(daemon: PeerDaemon, command: str) -> None:
-    """Tell humans (stderr) how to join, and scripts (stdout, one JSON line) that the peer is ready."""
+def announce_ready(daemon: PeerDaemon, command: str, metrics=None, metrics_port: int = 0) -> None:
+    """Tell humans (stderr) how to join, and scripts (stdout, one JSON line) that the peer is ready.
+    With `metrics` (a `PeerMetrics`): label them with the peer id, serve them on `metrics_port` and
+    announce the port (UserError if it was taken since check_flags)."""
     joining = join_command(daemon.visible_maddrs, daemon.run_id)
     log = logging.getLogger(f"moshpeer.cli.{command}")
     log.info(f"peer {daemon.peer_id} listening on {' '.join(daemon.visible_maddrs)}")
     log.info(f"to join this swarm, run:\n\n    {joining}\n")
+    extra = {}
+    if metrics is not None:
+        metrics.set_identity(run_id=daemon.run_id, peer_id=daemon.peer_id, role=daemon.role, command=command)
+        metrics.serve(metrics_port)
+        log.info(f"Prometheus metrics at http://0.0.0.0:{metrics.port}/metrics")
+        extra["metrics_port"] = metrics.port
     print_ready_line(
         command=command,
         peer_id=daemon.peer_id,
@@ -167,6 +257,7 @@ def announce_ready(daemon: PeerDaemon, command: str) -> None:
         role=daemon.role,
         pid=os.getpid(),
         join_command=joining,
+        **extra,
     )
 
 

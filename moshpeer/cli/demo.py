@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from moshpeer.cli.common import positive_float
+from moshpeer.cli.common import add_metrics_argument, check_flags, positive_float
 from moshpeer.errors import UserError
 from moshpeer.peer.strategies import STRATEGIES
 
@@ -47,9 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--group-size", type=int, metavar="N", help="Moshpit group size (default: min(peers, 4))")
     parser.add_argument("--target-batch-size", type=int, metavar="N", help="global batch (default: the task's)")
     parser.add_argument("--compute-budget", default="none", metavar="SECONDS|auto|none")
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                        help="where every peer trains (auto: CUDA when available; default: auto)")
     parser.add_argument("--out", default="moshpeer-demo", metavar="DIR",
                         help="where to write loss.png and summary.json (default: ./moshpeer-demo)")
     parser.add_argument("--no-live", action="store_true", help="print progress lines instead of a live table")
+    add_metrics_argument(parser, demo=True)
     parser.set_defaults(run=run)
 
 
@@ -78,6 +81,9 @@ class Demo:
     def __init__(self, args: argparse.Namespace):
         if args.peers < 1 or args.peers > 32:
             raise UserError("--peers must be between 1 and 32")
+        from moshpeer.peer.device import resolve_device
+
+        resolve_device(args.device)  # one clear line now rather than N failing peers later
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.procs: List[subprocess.Popen] = []
@@ -97,24 +103,32 @@ class Demo:
 
     def start(self) -> None:
         args = self.args
-        boot = self.spawn("dht", "--run-id", args.run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1")
+        boot = self.spawn("dht", "--run-id", args.run_id, "--host-maddrs", LOOPBACK, "--heartbeat", "1",
+                          *self._metrics_flag(0))
         ready = _read_ready(boot, timeout=60)
         group = args.group_size or min(args.peers, 4)
         extra = ["--group-size", str(max(group, 2)), "--min-peers", str(args.peers), "--heartbeat", "1",
                  "--averaging", args.averaging, "--compression", args.compression, "--task", args.task,
                  "--compute-budget", args.compute_budget, "--max-seconds", str(args.max_seconds),
-                 "--target-metric", str(args.target_metric), "--matchmaking-time", "1.0"]
+                 "--target-metric", str(args.target_metric), "--matchmaking-time", "1.0", "--device", args.device]
         if args.max_epochs:
             extra += ["--max-epochs", str(args.max_epochs)]
         if args.target_batch_size:
             extra += ["--target-batch-size", str(args.target_batch_size)]
         for i in range(args.peers):
             proc = self.spawn("join", "--initial-peers", *ready["maddrs"], "--run-id", args.run_id,
-                              "--host-maddrs", LOOPBACK, *extra)
+                              "--host-maddrs", LOOPBACK, *extra, *self._metrics_flag(i + 1))
             view = PeerView(name=f"peer{i + 1}", proc=proc)
             self.peers.append(view)
             threading.Thread(target=self._read_stdout, args=(view,), daemon=True).start()
             threading.Thread(target=self._read_stderr, args=(view,), daemon=True).start()
+
+    def _metrics_flag(self, k: int) -> List[str]:
+        """--metrics-port for process k (0: the bootstrap node): N + k, or any free port with N = 0."""
+        port = self.args.metrics_port
+        if port is None:
+            return []
+        return ["--metrics-port", str(port + k if port else 0)]
 
     def _read_stdout(self, view: PeerView) -> None:
         for raw in iter(view.proc.stdout.readline, b""):
@@ -279,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    check_flags(args)  # a bad codec or task fails here, not in every peer
     demo = Demo(args)
     console = Console(stderr=True)
     # Our own SIGTERM handler: clean up children like Ctrl-C does.

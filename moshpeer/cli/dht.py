@@ -8,16 +8,20 @@ SIGINT or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import functools
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
     add_membership_arguments,
+    add_metrics_argument,
     add_network_arguments,
     add_run_id_argument,
     announce_ready,
+    check_flags,
     configure_logging,
     exit_now,
     make_daemon,
+    metrics_from_args,
 )
 
 DEFAULT_RUN_ID = "demo"
@@ -34,10 +38,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_initial_peers_argument(parser)
     add_network_arguments(parser)
     add_membership_arguments(parser)
+    add_metrics_argument(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    check_flags(args)
+    metrics = metrics_from_args(args, "dht")
     daemon = make_daemon(args, role="bootstrap")
-    exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "dht")))
+    ready = functools.partial(announce_ready, command="dht", metrics=metrics, metrics_port=args.metrics_port)
+    exit_now(daemon.run(on_ready=ready))

@@ -9,18 +9,24 @@ collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the p
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import threading
+from typing import Callable, Optional
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
     add_membership_arguments,
+    add_metrics_argument,
     add_network_arguments,
     add_run_id_argument,
     announce_ready,
+    check_flags,
     configure_logging,
     exit_now,
     make_daemon,
+    metrics_from_args,
     positive_float,
 )
 from moshpeer.errors import UserError
@@ -52,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_training_arguments(parser)
     add_loss_budget_arguments(parser)
     add_checkpoint_arguments(parser)
+    add_metrics_argument(parser)
+    parser.add_argument("--events", metavar="FILE",
+                        help="also append the JSON event lines to FILE (input for 'moshpeer plot')")
     parser.set_defaults(run=run)
 
 
@@ -72,6 +81,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="built-in task name, package.module:make_task or path/to/file.py:make_task (default: digits)")
     group.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument for the task factory (repeatable)")
+    group.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                       help="where the task trains and rounds average (auto: CUDA when available; default: auto)")
     group.add_argument("--no-train", action="store_true", help="only stay in the swarm, do not train")
     group.add_argument("--target-batch-size", type=_positive_int, metavar="N",
                        help="samples the swarm gathers per collaborative epoch (default: the task's)")
@@ -82,7 +93,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        "outer step on the group's average pseudo-gradient (default: gradients)")
     group.add_argument("--params-every", type=_positive_int, metavar="K",
                        help="gradients mode: rounds send gradients only, and every K epochs the parameters too, "
-                       "to pull peers back together (default: 10; 1: every round)")
+                       "to pull peers back together (default: 16; 1: every round)")
     group.add_argument("--inner-steps", type=_positive_int, metavar="H",
                        help="diloco: inner optimizer steps per outer step (default: 50)")
     group.add_argument("--outer-optimizer", metavar="KIND[:lr=X,momentum=Y]",
@@ -183,7 +194,7 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--faults", metavar="SPEC",
                        help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
                        "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2, or play a hostile peer: "
-                       "byzantine=-100,weight=1e6 (testing; default: $MOSHPEER_FAULTS)")
+                       "byzantine=-100,weight=1e6 (testing; default: none)")
     group.add_argument("--aggregation", default="mean", choices=("mean", "clipped", "trimmed"),
                        help="how this peer combines the contributions to the part it owns in a round: mean, "
                        "clipped (CenteredClip) or trimmed (coordinate-wise trimmed mean); the robust modes "
@@ -241,16 +252,46 @@ def trainer_config_from_args(args: argparse.Namespace):
     )
 
 
+def events_emitter(path: Optional[str]) -> Callable[[dict], None]:
+    """The trainer's event output: JSON lines on stdout and, with `path`, appended to that file as well
+    (flushed line by line, so a crash loses nothing printed).
+
+    :raises UserError: the file cannot be opened
+    """
+    from moshpeer.peer.trainer import emit_json
+
+    if path is None:
+        return emit_json
+    try:
+        copy = open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--events {path}: {e.strerror or e}") from None
+
+    def emit(event: dict) -> None:
+        emit_json(event)
+        copy.write(json.dumps(event, separators=(",", ":")) + "\n")
+        copy.flush()
+
+    return emit
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    from moshpeer.peer.device import resolve_device
+
+    device = resolve_device(args.device)  # a device this machine lacks fails before anything starts
+    check_flags(args)  # every flag, before the DHT starts
+    metrics = metrics_from_args(args, "join")
+    ready = functools.partial(announce_ready, command="join", metrics=metrics, metrics_port=args.metrics_port)
     if args.no_train:
         daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
         daemon.configure_preemption(notice_file=args.preemption_notice)
-        exit_now(daemon.run(on_ready=lambda d: announce_ready(d, "join")))
+        exit_now(daemon.run(on_ready=ready))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
     from moshpeer.peer.tasks import load_task, parse_task_kwargs
 
     task_kwargs = parse_task_kwargs(args.task_arg)
+    emit = events_emitter(args.events)
     daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
     # With checkpoints a stop has a deadline: the round in flight and the final checkpoint get the grace period.
     daemon.configure_preemption(grace_period=args.grace_period if config.checkpoint else None,
@@ -266,9 +307,9 @@ def run(args: argparse.Namespace) -> int:
             from moshpeer.peer.trainer import run_training
 
             try:
-                task = load_task(args.task, **task_kwargs)
+                task = load_task(args.task, device=device, **task_kwargs)
                 if not daemon.stop_requested:
-                    run_training(daemon, task, config)
+                    run_training(daemon, task, config, emit=emit, peer_metrics=metrics)
             except UserError as e:
                 failure.append(e)
             except Exception as e:
@@ -289,4 +330,4 @@ def run(args: argparse.Namespace) -> int:
         if failure:
             raise failure[0]
 
-    exit_now(daemon.run(work=train, on_ready=lambda d: announce_ready(d, "join")))
+    exit_now(daemon.run(work=train, on_ready=ready))

@@ -1,13 +1,17 @@
-"""`moshpeer status`: list the live peers of a run, as a table or as JSON.
+"""`moshpeer status`: list the live peers of a run, as a table or as JSON; `--watch` keeps it live.
 
 It starts a short-lived client-mode DHT node (it stores nothing and accepts no connections),
-reads the run's membership dictionary, and prints what passes validation.
+reads the run's membership dictionary, and prints what passes validation: each peer (role, epoch,
+samples/s, the health of its recent rounds) and the swarm (epoch, throughput, progress toward the
+epoch's target batch and the time to reach it, when the trainers publish their target). With
+`--watch` it reads again every `--interval` seconds until Ctrl-C (exit 0) or `--count` refreshes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any, Dict, List
@@ -23,6 +27,7 @@ from moshpeer.cli.common import (
 )
 from moshpeer.dht import DEFAULT_HOST_MADDRS, PeerRecord, list_peers, start_dht
 from moshpeer.errors import UserError
+from moshpeer.peer.progress import ProgressSnapshot, summarize
 
 # An empty answer right after joining can mean "not found yet": ask again within this time.
 _EMPTY_RETRY_SECONDS = 2.0
@@ -44,11 +49,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="give up if no initial peer answers within this time (default: 15)",
     )
+    parser.add_argument("--watch", action="store_true", help="keep the view live until Ctrl-C")
+    parser.add_argument("--interval", type=positive_float, default=2.0, metavar="SECONDS",
+                        help="with --watch: seconds between refreshes (default: 2)")
+    parser.add_argument("--count", type=int, metavar="N",
+                        help="with --watch: stop after N refreshes (with --json: N lines, one per refresh)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    if args.count is not None and (args.count < 1 or not args.watch):
+        raise UserError("--count needs --watch and a positive number of refreshes")
     dht = start_dht(
         initial_peers=args.initial_peers,
         # Same listen addresses as a peer: libp2p reuses its listening ports to dial out, so a
@@ -59,6 +71,20 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout=args.timeout,
     )
     try:
+        if args.watch:
+            watch(dht, args)
+        else:
+            show_once(dht, args)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C ends --watch: a normal way out (the DHT process ignores SIGINT; it is stopped below)
+    finally:
+        dht.stop()
+    exit_now(0)
+
+
+def show_once(dht: Any, args: argparse.Namespace) -> None:
+    """One snapshot; UserError if nobody answers or the run has no live peers."""
+    try:
         peers = list_peers(dht, args.run_id, timeout=args.timeout)
         retry_until = time.monotonic() + _EMPTY_RETRY_SECONDS
         while not peers and time.monotonic() < retry_until:
@@ -66,16 +92,66 @@ def run(args: argparse.Namespace) -> int:
             peers = list_peers(dht, args.run_id, timeout=args.timeout)
     except TimeoutError as e:
         raise UserError(str(e)) from None
-    finally:
-        dht.stop()
     if not peers:
         raise UserError(f"no live peers in run {args.run_id!r}: check the run id, or start peers with 'moshpeer join'")
     now = get_dht_time()
     if args.json:
-        print(json.dumps({"run_id": args.run_id, "peers": [peer_as_json(peer, now) for peer in peers]}, indent=2))
+        print(json.dumps(status_as_json(args.run_id, peers, now), indent=2))
     else:
-        print_table(args.run_id, peers, now)
-    exit_now(0)
+        _console().print(build_table(args.run_id, peers, now))
+
+
+def watch(dht: Any, args: argparse.Namespace) -> None:
+    """Refresh every `args.interval` seconds until KeyboardInterrupt or `args.count` refreshes. A read that
+    times out shows the last view with a note, and the next refresh tries again."""
+    from contextlib import nullcontext
+
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    console = _console()
+    # On a terminal the view redraws in place; elsewhere (a pipe, a file) each refresh is printed in turn.
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and not args.json else nullcontext()
+    peers: List[PeerRecord] = []
+    refreshes = 0
+    with live:
+        while True:
+            note = ""
+            try:
+                peers = list_peers(dht, args.run_id, timeout=args.timeout)
+            except TimeoutError as e:
+                note = f"no answer from the swarm ({e}); showing the last view"
+            now = get_dht_time()
+            if args.json:
+                print(json.dumps({**status_as_json(args.run_id, peers, now), "note": note or None},
+                                 separators=(",", ":")), flush=True)
+            else:
+                view = Group(build_table(args.run_id, peers, now),
+                             Text(note or f"refreshing every {args.interval:g} s; Ctrl-C to leave", style="dim"))
+                if isinstance(live, Live):
+                    live.update(view, refresh=True)
+                else:
+                    console.print(view)
+            refreshes += 1
+            if args.count is not None and refreshes >= args.count:
+                return
+            time.sleep(args.interval)
+
+
+def swarm_view(peers: List[PeerRecord], now: float) -> ProgressSnapshot:
+    """The swarm as the peers describe it (epoch, progress, throughput); the target batch is the one the
+    trainers publish (0: unknown)."""
+    target = max((peer.target_batch_size for peer in peers if peer.role == "trainer"), default=0)
+    return summarize(tuple(peers), own=None, target_batch_size=target, now=now)
+
+
+def status_as_json(run_id: str, peers: List[PeerRecord], now: float) -> Dict[str, Any]:
+    swarm = swarm_view(peers, now)
+    eta = swarm.eta_s if swarm.target_batch_size else None
+    return {"run_id": run_id, "time": round(now, 3),
+            "swarm": {**swarm.to_json(), "eta_s": None if eta is None or math.isinf(eta) else round(eta, 2)},
+            "peers": [peer_as_json(peer, now) for peer in peers]}
 
 
 def short_peer_id(peer_id: str) -> str:
@@ -87,18 +163,20 @@ def peer_as_json(peer: PeerRecord, now: float) -> Dict[str, Any]:
     return {**peer.to_wire(), "last_seen_s": round(max(0.0, now - peer.updated_at), 3)}
 
 
-def print_table(run_id: str, peers: List[PeerRecord], now: float) -> None:
-    from rich.console import Console
+def build_table(run_id: str, peers: List[PeerRecord], now: float):
+    """A rich table of the peers, titled with the swarm's epoch, throughput and progress."""
     from rich.table import Table
 
     counts = {role: sum(peer.role == role for peer in peers) for role in ("trainer", "aux", "bootstrap")}
-    summary = ", ".join(f"{n} {role}{'s' if n != 1 else ''}" for role, n in counts.items() if n)
-    table = Table(title=f"run {run_id}: {len(peers)} live peers ({summary})", title_justify="left")
+    summary = ", ".join(f"{n} {role}{'s' if n != 1 else ''}" for role, n in counts.items() if n) or "none"
+    table = Table(title=f"run {run_id}: {len(peers)} live peers ({summary})\n{_describe_swarm(swarm_view(peers, now))}",
+                  title_justify="left")
     table.add_column("peer")
     table.add_column("role")
     table.add_column("address", overflow="fold")
     table.add_column("epoch/step", justify="right")
     table.add_column("samples/s", justify="right")
+    table.add_column("recent rounds", justify="right")  # averaged / rounds, share of chunks lost, seconds
     table.add_column("last seen", justify="right")
     table.add_column("flagged", justify="right")  # chunks in which other peers' robust aggregation clipped it
     flagged: Dict[str, int] = {}
@@ -112,12 +190,34 @@ def print_table(run_id: str, peers: List[PeerRecord], now: float) -> None:
             _display_address(peer),
             f"{peer.epoch}/{peer.step}",
             f"{peer.samples_per_second:.1f}",
+            _describe_health(peer),
             f"{max(0.0, now - peer.updated_at):.1f} s ago",
             str(flagged.get(peer.peer_id, 0)),
         )
+    return table
+
+
+def _describe_swarm(swarm: ProgressSnapshot) -> str:
+    line = f"swarm epoch {swarm.global_epoch}, {swarm.samples_per_second:.1f} samples/s"
+    if swarm.target_batch_size:
+        eta = swarm.eta_s
+        line += (f", {swarm.samples_accumulated}/{swarm.target_batch_size} samples of this epoch"
+                 f" ({'next epoch in ' + format(eta, '.1f') + ' s' if math.isfinite(eta) else 'nobody computing'})")
+    return line
+
+
+def _describe_health(peer: PeerRecord) -> str:
+    health = peer.round_health
+    if health is None or not health.rounds:
+        return "-"
+    return f"{health.averaged}/{health.rounds} ok, {100 * health.lost_fraction:.1f}% lost, {health.seconds:.2f} s"
+
+
+def _console():
+    from rich.console import Console
+
     # Not a terminal (a pipe, a file, a test): keep lines long enough that addresses stay whole.
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(table)
+    return Console(width=None if sys.stdout.isatty() else 180)
 
 
 def _display_address(peer: PeerRecord) -> str:

@@ -43,10 +43,11 @@ def projection(row_len: int, rank: int, seed: int, device: Optional[torch.device
     E ||v V||^2 = ||v||^2 for any row v.
     """
     key = (rng_key(seed) ^ _PROJECTION_SALT) & MASK32
-    index = torch.arange(row_len * rank, dtype=torch.int64)
+    # Drawn where it is used (integer hashing and one float32 division: the same bits on every device).
+    index = torch.arange(row_len * rank, dtype=torch.int64, device=device)
     sign_bit = hash32(index ^ key) >> 31
     signs = (1 - 2 * sign_bit).to(torch.float32) / math.sqrt(rank)
-    return signs.view(row_len, rank).to(device)
+    return signs.view(row_len, rank)
 
 
 def to_rows(flat: torch.Tensor, row_len: int) -> torch.Tensor:

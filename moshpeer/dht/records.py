@@ -7,9 +7,9 @@ is the one way to turn untrusted data into a record.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Dict, List, Literal, Mapping
+from typing import Annotated, Any, Dict, List, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 Role = Literal["trainer", "aux", "bootstrap"]
 ROLES = ("trainer", "aux", "bootstrap")
@@ -21,6 +21,7 @@ MAX_GRID_DIMS = 32
 MAX_GRID_COORD = 1 << 16
 MAX_GROUP_BITS = 64
 MAX_FLAGGED_PEERS = 16
+MAX_HEALTH_ROUNDS = 1000
 
 _PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58
 _Address = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ADDRESS_CHARS)]
@@ -30,8 +31,26 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "upload_bps"}
+     "round_health", "target_batch_size", "upload_bps"}
 )
+
+
+class RoundHealth(BaseModel):
+    """How a peer's recent collaborative rounds went (its last `rounds`, at most MAX_HEALTH_ROUNDS):
+    shown by `moshpeer status`. Four numbers, so the record stays small."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    rounds: Annotated[int, Field(ge=0, le=MAX_HEALTH_ROUNDS)]
+    averaged: Annotated[int, Field(ge=0, le=MAX_HEALTH_ROUNDS)]  # of them, with a group
+    lost_fraction: Annotated[float, Field(ge=0.0, le=1.0)]  # chunks lost / expected, over the averaged ones
+    seconds: _Seconds  # mean seconds per averaged round (matchmaking + data plane)
+
+    @model_validator(mode="after")
+    def _averaged_within_rounds(self) -> "RoundHealth":
+        if self.averaged > self.rounds:
+            raise ValueError(f"averaged ({self.averaged}) exceeds rounds ({self.rounds})")
+        return self
 
 
 class PeerRecord(BaseModel):
@@ -64,6 +83,10 @@ class PeerRecord(BaseModel):
     # Peers whose contributions this peer's robust aggregation clipped or trimmed, and in how many chunks
     # (the most flagged ones; `moshpeer status` adds up what every record says about each peer).
     flagged: Dict[_PeerIdStr, _Count] = Field(default_factory=dict, max_length=MAX_FLAGGED_PEERS)
+    # What a training peer says about its recent rounds (None: a bootstrap node, or no round yet), and the
+    # samples the run gathers per collaborative epoch (0: unknown): `moshpeer status` shows both.
+    round_health: Optional[RoundHealth] = None
+    target_batch_size: _Count = 0
 
     @classmethod
     def from_wire(cls, value: Any) -> "PeerRecord":

@@ -12,6 +12,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from moshpeer.peer.device import common_device
+
 # Per-parameter optimizer state that is averaged in parameters mode, the first one present wins:
 # Adam's second moment, SGD's momentum, RMSprop's square average, Adagrad's sum.
 AVERAGED_STATISTICS = ("exp_avg_sq", "momentum_buffer", "square_avg", "sum")
@@ -19,9 +21,13 @@ AVERAGED_STATISTICS = ("exp_avg_sq", "momentum_buffer", "square_avg", "sum")
 
 def flat_buffer_views(params: Sequence[torch.nn.Parameter], copies: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """One zeroed flat fp32 buffer for `copies` tensors shaped like each of `params`, and its views in
-    that order (the averager then works on the flat buffer without copying)."""
+    that order (the averager then works on the flat buffer without copying).
+
+    The buffer lives on the parameters' device (the first parameter's, if they are spread over several), so
+    filling it, averaging it and applying it never cross PCIe; it is fp32 whatever the parameters' dtype
+    (bf16 / fp16 values are averaged in fp32 and rounded once, when written back)."""
     sizes = [p.numel() for p in params] * copies
-    flat = torch.zeros(sum(sizes), dtype=torch.float32)
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=common_device(params))
     views = list(torch.split(flat, sizes))
     shapes = [p.shape for p in params] * copies
     return flat, [view.view(shape) for view, shape in zip(views, shapes)]
@@ -41,7 +47,19 @@ def optimizer_statistics(optimizer: torch.optim.Optimizer,
 
 
 def param_spread(params: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> float:
-    """||params - averaged|| / ||averaged||: how far this peer's parameters were from its group's mean."""
-    diff = sum(float((p.detach().float() - a).pow(2).sum()) for p, a in zip(params, averaged))
-    norm = sum(float(a.pow(2).sum()) for a in averaged)
-    return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
+    """||params - averaged|| / ||averaged||: how far this peer's parameters were from its group's mean.
+
+    Any dtypes and devices: each parameter is compared in fp32 on its average's device, and the sums are
+    accumulated there, so a round costs one device-to-host transfer of two numbers."""
+    if not params:
+        return 0.0
+    diff = norm = None
+    for p, a in zip(params, averaged):
+        a = a.detach().float()
+        d = (p.detach().to(device=a.device, dtype=torch.float32) - a).pow(2).sum()
+        n = a.pow(2).sum()
+        if diff is not None:
+            d, n = d.to(diff.device) + diff, n.to(norm.device) + norm
+        diff, norm = d, n
+    totals = torch.stack([diff, norm]).double().cpu()
+    return math.sqrt(float(totals[0])) / max(math.sqrt(float(totals[1])), 1e-12)

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from moshpeer.errors import UserError
+from moshpeer.peer.device import common_device
 
 # Averaging modes whose averaged vector may be EF21M's estimate: a gradient or a pseudo-gradient, never parameters.
 ERROR_FEEDBACK_MODES = ("gradients", "diloco")
@@ -16,18 +17,27 @@ ERROR_FEEDBACK_MODES = ("gradients", "diloco")
 STATE_TENSORS = ("h", "e", "e_bar")
 
 
-def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
-    """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
-    unless averaging is one of ERROR_FEEDBACK_MODES and the codec sparsifies."""
+def error_feedback_sparsifier(averaging: str, compression: str) -> Any:
+    """The sparsifier error feedback would run around; UserError unless averaging is one of
+    ERROR_FEEDBACK_MODES and the codec `compression` (a spec such as arc-topk:0.01) is valid and sparsifies."""
     from moshpeer.compression import get_compression  # peer > compression: allowed
-    from moshpeer.compression.ef21m import EF21M
 
     sparsifier = get_compression(compression).sparsifier
     if averaging not in ERROR_FEEDBACK_MODES or sparsifier is None:
         raise UserError(f"error_feedback needs averaging in {ERROR_FEEDBACK_MODES} and a sparsifying codec such as "
                         f"arc-topk:0.01, got averaging={averaging!r}, compression={compression!r}")
-    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    return EF21M(numel, sparsifier)
+    return sparsifier
+
+
+def make_error_feedback(optimizer: torch.optim.Optimizer, averaging: str, compression: str) -> Any:
+    """A fresh `EF21M` over all of `optimizer`'s parameters, using `compression`'s sparsifier; UserError
+    unless averaging is one of ERROR_FEEDBACK_MODES and the codec sparsifies."""
+    from moshpeer.compression.ef21m import EF21M
+
+    sparsifier = error_feedback_sparsifier(averaging, compression)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # On the parameters' device, like the averaged buffers it is folded into (averaged_buffers.py).
+    return EF21M(sum(p.numel() for p in params), sparsifier, device=common_device(params))
 
 
 def error_feedback_state(error_feedback: Any) -> Optional[Dict[str, Any]]:

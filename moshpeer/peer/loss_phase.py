@@ -1,7 +1,7 @@
 """Loss-phase tracking: feeds each collaborative epoch's gradient to the averager's loss budget (DBLP).
 
-`LossPhaseTracker.after_round` records on a `CollaborativeRound` the phase and budget P that round ran
-with and the norm of the epoch's gradient. With a phase-aware budget it also sums those gradients over
+`LossPhaseTracker.after_round` returns, for an epoch's `CollaborativeRound`, the phase and budget P that
+round ran with and the norm of the epoch's gradient. With a phase-aware budget it also sums those gradients over
 a signal window of epochs (`LossBudget.window_index`) and hands the norm of their mean to
 `LossBudget.on_window` when the window ends: that sets the phase (and P) of the rounds that follow.
 """
@@ -9,11 +9,11 @@ a signal window of epochs (`LossBudget.window_index`) and hands the norm of thei
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
-from moshpeer.peer.rounds import CollaborativeRound
+from moshpeer.averaging.report import RoundResult
 
 if TYPE_CHECKING:  # imported for hints only: moshpeer.averaging is heavy and loaded late by the optimizer
     from moshpeer.averaging.loss_budget import LossBudget
@@ -39,21 +39,24 @@ class LossPhaseTracker:
         self._window_sum: Optional[List[torch.Tensor]] = None  # gradient summed over the window
         self._window_of, self._window_epochs = -1, 0  # which window it is, how many epochs it holds
 
-    def after_round(self, round_: CollaborativeRound, report: Any, budget: "LossBudget",
-                    grads: Optional[List[torch.Tensor]]) -> None:
-        """Record the phase and budget this round ran with, then feed this epoch's gradient norm to the
-        loss budget: it sets the phase (and P) of the next round."""
-        ran_with = report if report is not None and getattr(report, "loss_phase", None) is not None else None
-        round_.loss_phase = ran_with.loss_phase if ran_with is not None else budget.phase
-        round_.loss_budget = float(ran_with.loss_budget if ran_with is not None else budget.budget)
+    def after_round(self, epoch: int, result: Optional[RoundResult], budget: "LossBudget",
+                    grads: Optional[List[torch.Tensor]]) -> Tuple[str, float, Optional[float]]:
+        """Feed this epoch's gradient norm to the loss budget (it sets the phase and P of the next round);
+        returns the phase and budget this epoch's round ran with, and that norm (None without gradients)."""
+        ran_with = result if result is not None and result.loss_phase is not None else None
+        phase = ran_with.loss_phase if ran_with is not None else budget.phase
+        p = float(ran_with.loss_budget if ran_with is not None else budget.budget)
         if grads is None:
-            return
-        round_.grad_norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
-        if not budget.phase_aware:
-            return
+            return phase, p, None
+        norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+        if budget.phase_aware:
+            self._add_to_window(epoch, budget, grads)
+        return phase, p, norm
+
+    def _add_to_window(self, epoch: int, budget: "LossBudget", grads: List[torch.Tensor]) -> None:
         # Accordion's signal: the norm of the gradient accumulated over a window of epochs (here its mean,
         # so that a window this peer partly missed compares fairly), window vs window.
-        window = budget.window_index(round_.epoch)
+        window = budget.window_index(epoch)
         if self._window_epochs and window != self._window_of:
             self._close_window(budget)  # we skipped the epoch that ends that window (caught up)
         if self._window_sum is None:
@@ -61,7 +64,7 @@ class LossPhaseTracker:
         for total, g in zip(self._window_sum, grads):
             total.add_(g.float())
         self._window_of, self._window_epochs = window, self._window_epochs + 1
-        if budget.window_ends(round_.epoch):
+        if budget.window_ends(epoch):
             self._close_window(budget)
 
     def _close_window(self, budget: "LossBudget") -> None:

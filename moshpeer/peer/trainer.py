@@ -36,6 +36,8 @@ import torch
 
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
+from moshpeer.peer.health import round_health
+from moshpeer.peer.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.rounds import CollaborativeRound
 from moshpeer.peer.tasks import Task
@@ -94,7 +96,8 @@ def params_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        # Raw bytes, whatever the dtype (numpy has no bfloat16).
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -104,8 +107,10 @@ def emit_json(event: Dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = emit_json) -> TrainingSummary:
-    """Train `task` as a peer of `daemon`'s run until a stop condition; see the module docstring."""
+def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = emit_json,
+                 peer_metrics: Optional[PeerMetrics] = None) -> TrainingSummary:
+    """Train `task` as a peer of `daemon`'s run until a stop condition; see the module docstring.
+    With `peer_metrics`, every round, epoch, state download and checkpoint write updates them."""
     model = task.model
     model.train()
     target = config.target_batch_size or task.target_batch_size
@@ -152,6 +157,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         daemon.add_shutdown_hook(lambda: _final_checkpoint(checkpointer, micro_steps, daemon, emit),
                                  name="final checkpoint")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
+          "device": str(task.device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
           "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
           "group_size": config.group_size, "compression": config.compression,
           "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
@@ -169,6 +175,9 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                   "sha256": downloaded.sha256, "bytes": downloaded.nbytes, "seconds": round(downloaded.seconds, 3),
                   "params_digest": params_digest(model), "failed_donors": [d for d, _ in downloaded.failed_donors],
                   "time": round(time.monotonic() - started, 3)})
+            if peer_metrics is not None:
+                peer_metrics.observe_state_download(seconds=downloaded.seconds, nbytes=downloaded.nbytes,
+                                                    failed_donors=len(downloaded.failed_donors))
 
     train_started = time.monotonic()  # after waiting for peers and catching up: time spent training
     emit({"event": "started", "epoch": optimizer.local_epoch, "step": micro_steps,
@@ -202,6 +211,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             if path is not None:
                 emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
+        if peer_metrics is not None and checkpointer is not None:
+            peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
         if len(optimizer.rounds) == rounds_before and optimizer.local_epoch == epoch_before:
             if stream is None and _reached_limit(optimizer, config):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
@@ -210,11 +221,19 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         # An overlapping strategy (DiLoCo with overlap) resolves each round one epoch later: the record is
         # the round resolved now, and there is none at the first epoch end (its round is in flight).
         round_ = optimizer.rounds[-1] if len(optimizer.rounds) > rounds_before else CollaborativeRound(
-            epoch=epoch_before, samples=0, ok=False, error="round in flight", settings=optimizer.strategy.settings())
+            epoch=epoch_before, samples=0, error="round in flight", settings=optimizer.strategy.settings())
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
-        emit({
+        # Metrics and the record first: whoever reads the epoch line finds them up to date.
+        daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
+        if peer_metrics is not None:
+            peer_metrics.observe_round(round_)
+            peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
+                                          loss=loss_sum / loss_count if loss_count else None,
+                                          metrics=metrics if evaluate else None)
+        emit({  # the epoch's record and its round result, serialised here, once
+            **round_.to_dict(),
             "event": "epoch", "epoch": optimizer.local_epoch, "previous_epoch": epoch_before,
             "time": round(time.monotonic() - started, 3),
             "train_time": round(time.monotonic() - train_started, 3),
@@ -222,7 +241,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "metric": metrics.get(task.metric) if evaluate else None,
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,
             "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
-            **round_fields(round_), "params_digest": params_digest(model),
+            "params_digest": params_digest(model),
         })
         loss_sum, loss_count = 0.0, 0
         if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
@@ -235,7 +254,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     settled = optimizer.settle()  # the last round of an overlapping strategy: its outer step counts
     if settled is not None:
         emit({"event": "settled", "epoch": optimizer.local_epoch, "time": round(time.monotonic() - started, 3),
-              "train_time": round(time.monotonic() - train_started, 3), **round_fields(settled)})
+              "train_time": round(time.monotonic() - train_started, 3), **settled.to_dict()})
     if checkpointer is not None:
         _final_checkpoint(checkpointer, micro_steps, daemon, emit, reason=None if daemon.stop_requested else reason)
     if not daemon.stop_requested or not metrics:
@@ -246,24 +265,6 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "rounds_ok": sum(r.ok for r in optimizer.rounds), "rounds": len(optimizer.rounds),
           "downloads": len(optimizer.downloads)})
     return summary
-
-
-def round_fields(round_: CollaborativeRound) -> Dict[str, Any]:
-    """A round's record as the fields of an event line."""
-    return {
-        "round_epoch": round_.epoch, "samples": round_.samples,
-        "group_size": round_.group_size, "ok": round_.ok, "chunks_lost": round_.chunks_lost,
-        "lost_fraction": round(round_.lost_fraction, 5), "param_spread": round_.param_spread,
-        "matchmaking_s": round(round_.matchmaking_s, 3), "averaging_s": round(round_.averaging_s, 3),
-        "wait_s": round(round_.wait_s, 3) if round_.wait_s is not None else None,
-        "bytes_sent": round_.bytes_sent, "averaged": list(round_.averaged),
-        "stopped_by_budget": round_.stopped_by_budget, "dropped_samples": round_.dropped_samples,
-        "group_target": round_.group_target, "swarm_samples": round_.swarm_samples,
-        "num_trainers": round_.num_trainers, "error": round_.error,
-        "loss_phase": round_.loss_phase, "loss_budget": round_.loss_budget,
-        "grad_norm": round(round_.grad_norm, 6) if round_.grad_norm is not None else None,
-        **round_.settings,
-    }
 
 
 def _optimizer_call(call: Callable[[], Any], checkpointer: Optional[PeerCheckpointer],

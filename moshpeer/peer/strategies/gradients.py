@@ -27,9 +27,9 @@ from moshpeer.peer.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.progress import ProgressSnapshot
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
 
-# Epochs between parameter rounds: 10 sends 0.55x the bytes of averaging parameters every round, and a
-# peer that stepped alone rejoins the swarm's parameters within 10 epochs.
-DEFAULT_PARAMS_EVERY = 10
+# Epochs between parameter rounds: 16 sends (1 + 1/16) / 2 = 0.53x the bytes of averaging the parameters
+# every round, and a peer that stepped alone rejoins the swarm's parameters within 16 epochs.
+DEFAULT_PARAMS_EVERY = 16
 
 
 class GradientsStrategy(AveragingStrategy):

@@ -12,6 +12,7 @@ from moshpeer.peer.tasks.batches import IndexedBatches
 from moshpeer.peer.tasks.loading import (
     BUILTIN_TASKS,
     DEFAULT_TASK,
+    check_task,
     load_task,
     parse_task_kwargs,
     resolve_task_factory,
@@ -26,6 +27,7 @@ __all__ = [
     "IndexedBatches",
     "LocalRun",
     "Task",
+    "check_task",
     "load_task",
     "parse_task_kwargs",
     "resolve_task_factory",

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sysconfig
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -95,7 +95,8 @@ class Block(nn.Module):
 class CharTransformer(nn.Module):
     """A GPT-style decoder over bytes: (batch, length) token ids -> (batch, length, 256) logits."""
 
-    def __init__(self, context: int = 64, d_model: int = 64, layers: int = 2, heads: int = 4):
+    def __init__(self, context: int = 64, d_model: int = 64, layers: int = 2, heads: int = 4,
+                 tie_weights: bool = False):
         super().__init__()
         self.context = context
         self.token = nn.Embedding(VOCAB_SIZE, d_model)
@@ -108,6 +109,8 @@ class CharTransformer(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+        if tie_weights:  # GPT-2: the output projection is the token embedding
+            self.head.weight = self.token.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -130,6 +133,21 @@ def make_task(
     target_batch_size: int = 128,
 ) -> Task:
     """The stdlib character LM. `seed` fixes the initial weights (the same on every peer)."""
+    torch.manual_seed(seed)
+    model = CharTransformer(context, d_model, layers, heads)
+    config = {"task": "charlm", "seed": seed, "context": context, "d_model": d_model, "layers": layers,
+              "heads": heads, "lr": lr, "max_bytes": max_bytes, "eval_windows": eval_windows}
+    return byte_lm_task("charlm", model, config, context=context, max_bytes=max_bytes, eval_windows=eval_windows,
+                        make_optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+                        batch_size=batch_size, target_batch_size=target_batch_size)
+
+
+def byte_lm_task(name: str, model: nn.Module, config: dict, *, context: int, max_bytes: int, eval_windows: int,
+                 make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], batch_size: int,
+                 target_batch_size: int, device: Optional[torch.device] = None) -> Task:
+    """A next-byte prediction task on the stdlib corpus for `model` ((batch, length) ids -> logits over 256
+    bytes); `config` (what peers must agree on) and the corpus make the fingerprint. With `device`, the model
+    and the evaluation windows are put there once; batches are moved to the model's device in `loss_fn`."""
     train_bytes, val_bytes, _ = stdlib_corpus(max_bytes)
     train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8)
     val = torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8)
@@ -137,9 +155,9 @@ def make_task(
     # Room for a shift of up to context-1 bytes in every epoch (see train_batches).
     num_windows = (len(train) - window) // context
     eval_data = _evaluation_windows(val, window, eval_windows)
-
-    torch.manual_seed(seed)
-    model = CharTransformer(context, d_model, layers, heads)
+    if device is not None:
+        model.to(device)
+        eval_data = eval_data.to(device)
 
     def train_batches(batch_size: int, *, seed: int = 0, peer_index: int = 0, num_peers: int = 1) -> IndexedBatches:
         def make_batch(indices: torch.Tensor, epoch: int) -> torch.Tensor:
@@ -153,18 +171,13 @@ def make_task(
         )
 
     def loss_fn(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        batch = batch.to(next(model.parameters()).device)
+        batch = batch.to(next(model.parameters()).device, non_blocking=True)
         return _next_byte_loss(model, batch), batch.shape[0]
-
-    def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         loss = _next_byte_loss(model, eval_data.to(next(model.parameters()).device)).item()
         return {"perplexity": math.exp(loss), "loss": loss, "bits_per_byte": loss / math.log(2)}
 
-    config = {"task": "charlm", "seed": seed, "context": context, "d_model": d_model, "layers": layers,
-              "heads": heads, "lr": lr, "max_bytes": max_bytes, "eval_windows": eval_windows}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     digest.update(train_bytes)
     digest.update(val_bytes)
@@ -176,7 +189,7 @@ def make_task(
         evaluate=evaluate,
         metric="perplexity",
         higher_is_better=False,
-        name="charlm",
+        name=name,
         batch_size=batch_size,
         target_batch_size=target_batch_size,
         fingerprint=digest.hexdigest()[:16],
@@ -185,7 +198,8 @@ def make_task(
 
 def _next_byte_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     logits = model(windows[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), windows[:, 1:].reshape(-1))
+    # In fp32 whatever the model's dtype: a bf16 / fp16 log-softmax over 256 classes loses the loss's digits.
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), windows[:, 1:].reshape(-1))
 
 
 def _evaluation_windows(val: torch.Tensor, window: int, count: int) -> torch.Tensor:

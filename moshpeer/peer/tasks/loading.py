@@ -1,7 +1,7 @@
 """Load a user task from a spec string: `package.module:make_task` or `path/to/file.py:make_task`.
 
 Spec forms (the `:attribute` part defaults to `make_task`):
-- a built-in name: `digits`, `charlm` (see `BUILTIN_TASKS`);
+- a built-in name: `digits`, `charlm`, `gpt` (see `BUILTIN_TASKS`);
 - a module: `package.module:make_task`, imported like `python -m` would: the current directory is
   importable, so `examples.custom_task:make_task` works from the repository root;
 - a file: `path/to/task.py:make_task` (any spec whose target ends in `.py` or contains a path
@@ -24,7 +24,9 @@ import os
 import re
 import sys
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
+
+import torch
 
 from moshpeer.errors import UserError
 from moshpeer.peer.tasks.protocol import Task
@@ -32,6 +34,7 @@ from moshpeer.peer.tasks.protocol import Task
 BUILTIN_TASKS: dict[str, str] = {
     "digits": "moshpeer.peer.tasks.digits:make_task",
     "charlm": "moshpeer.peer.tasks.charlm:make_task",
+    "gpt": "moshpeer.peer.tasks.gpt:make_task",
 }
 DEFAULT_TASK = "digits"
 DEFAULT_FACTORY = "make_task"
@@ -39,10 +42,25 @@ DEFAULT_FACTORY = "make_task"
 _SPEC_RE = re.compile(r"^(?P<target>.+?)(?::(?P<attribute>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*))?$")
 
 
-def load_task(spec: str = DEFAULT_TASK, **kwargs: Any) -> Task:
-    """Build the task named by `spec`, passing `kwargs` to its factory."""
+def check_task(spec: str = DEFAULT_TASK, **kwargs: Any) -> Callable[..., Any]:
+    """The factory `spec` names, checked to accept `kwargs`, not called (so nothing is built or downloaded).
+
+    :raises UserError: a bad spec, a module that does not import, a missing factory, or arguments it
+        does not take
+    """
     factory = resolve_task_factory(spec)
     _check_kwargs(spec, factory, kwargs)
+    return factory
+
+
+def load_task(spec: str = DEFAULT_TASK, *, device: Optional[torch.device] = None, **kwargs: Any) -> Task:
+    """Build the task named by `spec`, passing `kwargs` to its factory.
+
+    `device`: where to train. A factory with a `device` parameter receives it (unless `kwargs` already
+    names one), and the task's model is moved there afterwards in any case."""
+    factory = check_task(spec, **kwargs)
+    if device is not None and "device" not in kwargs and _accepts(factory, "device"):
+        kwargs["device"] = device
     try:
         task = factory(**kwargs)
     except UserError:
@@ -53,7 +71,7 @@ def load_task(spec: str = DEFAULT_TASK, **kwargs: Any) -> Task:
         raise UserError(
             f"task factory {spec!r} returned {type(task).__name__}, expected a moshpeer.peer.tasks.Task"
         )
-    return task
+    return task.to(device) if device is not None else task
 
 
 def resolve_task_factory(spec: str) -> Callable[..., Any]:
@@ -166,6 +184,14 @@ def _check_kwargs(spec: str, factory: Callable[..., Any], kwargs: dict[str, Any]
     except TypeError as exc:
         accepted = [name for name in signature.parameters if not name.startswith("_")]
         raise UserError(f"task factory {spec!r} {exc}; it accepts {accepted}") from exc
+
+
+def _accepts(factory: Callable[..., Any], name: str) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _suggestion(name: str, candidates: Iterable[str]) -> str:

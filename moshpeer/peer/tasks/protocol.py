@@ -100,6 +100,17 @@ class Task:
                 raise UserError(f"Task.{field_name} must be a positive integer, got {value!r}")
         _check_batch_factory_signature(self.train_batches)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (the CPU for a model without parameters)."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def to(self, device: torch.device) -> "Task":
+        """Move the model (parameters and buffers) to `device`; returns the task. `loss_fn` and `evaluate`
+        must take batches to the model's device themselves (the built-in tasks do)."""
+        self.model.to(device)
+        return self
+
     def open_batches(
         self, batch_size: Optional[int] = None, *, seed: int = 0, peer_index: int = 0, num_peers: int = 1
     ) -> Iterator[Any]:

@@ -1,0 +1,338 @@
+"""GPU peers: rounds that stay on the device, codec kernels on the data path, a GPT trained with `--device`.
+
+    python benchmarks/bench_gpu.py [--device cuda] [--mbytes 256] [--rounds 5] [--codecs none,int8,int4]
+                                   [--gpt-epochs 20] [--gpt-arg d_model=512 --gpt-arg layers=8 ...]
+
+Needs CUDA: without it (and without `--device cpu`) it prints one line and exits 0. `--device cpu` runs the
+same harness on the CPU (the default test suite does, with tiny sizes).
+
+1. Averaging: 2 peers (processes) average `--mbytes` MB of fp32 living on the device, one group all-reduce
+   (`GroupAllReduce` over the TCP data plane on loopback; no matchmaking) per round and codec: median round
+   time over `--rounds` after a warm-up, reduce-scatter and all-gather time, bytes staged across PCIe per peer
+   (device <-> pinned host; 0 on the CPU), relative error to the exact mean. int8_round_vs_none = int8 round /
+   uncompressed round.
+2. Encoding on the data path: `codec.encode` over the vector in the data path's chunks, against a
+   device-to-device copy of the same vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth
+   for int8 (input bytes per second).
+3. GPT: two `moshpeer join --device D --task gpt` peers (gradient averaging, group of 2) for `--gpt-epochs`
+   epochs, and one process (`train_locally`) on the same number of samples with the same global batch:
+   tokens/s per peer, averaging_share (seconds in averaging rounds / training seconds) and
+   gpt_loss_over_single (the peers' final validation loss / the single process's).
+
+Ends with one JSON line: int8_round_vs_none, encode_vs_copy, averaging_share, gpt_loss_over_single, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from bench_training import LOOPBACK, Child, env  # noqa: E402  (the same child-process plumbing)
+
+CHUNK_BYTES = 1 << 20  # the averager's default chunk (fp32 bytes)
+DEFAULT_GPT = ("context=128", "d_model=256", "layers=4", "batch_size=32", "target_batch_size=256")
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- part 1: averaging (worker processes) ---------------------------------------------------------
+
+
+def peer_vector(rank: int, numel: int, device):
+    import torch
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(numel, generator=gen) + rank).to(device)
+
+
+def averaging_worker(args) -> int:
+    """One peer: listen, learn the group from stdin, then one all-reduce per 'go' line; a JSON line per round."""
+    import torch
+
+    from moshpeer.averaging import wire
+    from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
+    from moshpeer.averaging.dataplane import DataPlane
+    from moshpeer.averaging.handshake import RoundCredentials
+    from moshpeer.compression import get_compression
+    from moshpeer.dht.identity import Identity
+    from moshpeer.peer.device import resolve_device
+
+    device = resolve_device(args.device)
+    numel = args.mbytes * (1 << 20) // 4
+    plane, identity = DataPlane(), Identity.generate()
+    print(json.dumps({"event": "address", "host": plane.address[0], "port": plane.address[1],
+                      "peer_id": identity.peer_id_bytes.hex()}), flush=True)
+    members = [GroupMember(host, port, 1.0, bytes.fromhex(peer_id))
+               for host, port, peer_id in json.loads(sys.stdin.readline())["members"]]
+    initial = peer_vector(args.rank, numel, device)
+    exact = sum(peer_vector(rank, numel, "cpu").double() for rank in range(len(members))) / len(members)
+    flat = torch.empty_like(initial)
+    try:
+        for line in sys.stdin:
+            order = json.loads(line)
+            if order.get("stop"):
+                break
+            flat.copy_(initial)
+            synchronize(device)
+            tag = wire.allreduce_tag(bytes(20), order["round"])
+            allreduce = GroupAllReduce(
+                plane, flat, members=members, my_index=args.rank, tag=tag, secret=b"bench-gpu-secret".ljust(32, b"."),
+                credentials=RoundCredentials.create(identity, wire.tag_group(tag), args.rank),
+                compression=get_compression(order["codec"]),
+                chunk_numel=CHUNK_BYTES // 4, deadline=time.monotonic() + 120.0)
+            result = allreduce.run()
+            synchronize(device)
+            error = float((flat.double().cpu() - exact).norm() / exact.norm())
+            print(json.dumps({"event": "round", "codec": order["codec"], "round": order["round"],
+                              "total_s": result.total_s, "reduce_scatter_s": result.reduce_scatter_s,
+                              "all_gather_s": result.all_gather_s, "staged_bytes": result.staged_bytes,
+                              "bytes_sent": result.reduce.bytes_sent + result.gather.bytes_sent,
+                              "chunks_lost": result.reduce.chunks_lost + result.gather.chunks_lost,
+                              "rel_err": error}), flush=True)
+    finally:
+        plane.close()
+    return 0
+
+
+def run_averaging(args) -> Dict[str, dict]:
+    """Both peers, every codec, warm-up + `--rounds` rounds each; per codec the median of the slower peer."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--role", "avg-worker", "--device", args.device,
+            "--mbytes", str(args.mbytes)]
+    workers = [subprocess.Popen(argv + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=env(), cwd=str(REPO), text=True) for rank in range(2)]
+    try:
+        addresses = [json.loads(_next_json(w, "address", 120)) for w in workers]
+        group = json.dumps({"members": [[a["host"], a["port"], a["peer_id"]] for a in addresses]})
+        for w in workers:
+            w.stdin.write(group + "\n")
+            w.stdin.flush()
+        figures: Dict[str, dict] = {}
+        round_id = 0
+        for codec in args.codecs.split(","):
+            rounds = []
+            for r in range(args.rounds + 1):  # round 0 warms up (kernel builds, pinned pools, connections)
+                round_id += 1
+                for w in workers:
+                    w.stdin.write(json.dumps({"codec": codec, "round": round_id}) + "\n")
+                    w.stdin.flush()
+                results = [json.loads(_next_json(w, "round", 300)) for w in workers]
+                if r:
+                    rounds.append(results)
+            figures[codec] = summarize_rounds(rounds)
+        for w in workers:
+            w.stdin.write(json.dumps({"stop": True}) + "\n")
+            w.stdin.flush()
+        return figures
+    finally:
+        for w in workers:
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+
+
+def summarize_rounds(rounds: List[List[dict]]) -> dict:
+    """Median over rounds of the slower peer's figures (a round is over when both peers are done)."""
+    def median(key: str, reduce=max) -> float:
+        return statistics.median(reduce(peer[key] for peer in peers) for peers in rounds)
+
+    return {"round_s": median("total_s"), "reduce_scatter_s": median("reduce_scatter_s"),
+            "all_gather_s": median("all_gather_s"), "pcie_mb": median("staged_bytes") / 1e6,
+            "sent_mb": median("bytes_sent") / 1e6, "rel_err": median("rel_err"),
+            "chunks_lost": sum(peer["chunks_lost"] for peers in rounds for peer in peers)}
+
+
+def _next_json(proc: subprocess.Popen, event: str, timeout: float) -> str:
+    """The next stdout line of `proc` that is the JSON event `event` (other lines are skipped)."""
+    found: List[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith("{") and json.loads(line).get("event") == event:
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        raise RuntimeError(f"averaging worker: no {event!r} line within {timeout} s (exit code {proc.poll()})")
+    return found[0]
+
+
+# ---- part 2: encoding bandwidth on the data path ----------------------------------------------------
+
+
+def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -> dict:
+    """GB/s of fp32 input: a device-to-device copy of the vector, and each codec encoding it chunk by chunk."""
+    import torch
+
+    from moshpeer.compression import get_compression
+
+    numel = mbytes * (1 << 20) // 4
+    source = peer_vector(0, numel, device)
+    target = torch.empty_like(source)
+    chunk = CHUNK_BYTES // 4
+
+    def best_of(work) -> float:
+        work()  # warm-up (kernel build / caches)
+        times = []
+        for _ in range(repeats):
+            synchronize(device)
+            started = time.perf_counter()
+            work()
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+        return numel * 4 / min(times) / 1e9
+
+    figures = {"copy_gbps": best_of(lambda: target.copy_(source))}
+    for spec in codecs:
+        codec = get_compression(spec).reduce_codec
+        figures[f"{spec}_encode_gbps"] = best_of(
+            lambda: [codec.encode(source[start:start + chunk], seed=start) for start in range(0, numel, chunk)])
+    return figures
+
+
+# ---- part 3: GPT through `moshpeer join --device` ---------------------------------------------------
+
+
+def run_gpt(args) -> dict:
+    from moshpeer.peer.tasks import load_task, parse_task_kwargs, train_locally
+    from moshpeer.peer.device import resolve_device
+
+    task_args = list(DEFAULT_GPT) + list(args.gpt_arg)
+    kwargs = parse_task_kwargs(task_args)
+    run_id = f"bench-gpu-{os.getpid()}"
+    e = env()
+    boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
+                  "--heartbeat", "1"], e)
+    children = [boot]
+    try:
+        ready = boot.wait_event("ready", 60)
+        if ready is None:
+            raise RuntimeError("bootstrap did not start")
+        for rank in range(2):
+            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
+                    "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--device", args.device, "--task", "gpt",
+                    "--group-size", "2", "--min-peers", "2", "--max-epochs", str(args.gpt_epochs),
+                    "--eval-every", str(args.gpt_epochs), "--seed", str(rank), "--compression", args.gpt_compression]
+            for item in task_args:
+                argv += ["--task-arg", item]
+            children.append(Child(argv, e))
+        peers = children[1:]
+        done = [peer.wait_event("done", args.timeout) for peer in peers]
+    finally:
+        for child in children:
+            child.stop()
+    if not all(done):
+        raise RuntimeError("a GPT peer did not finish; rerun with fewer --gpt-epochs or a longer --timeout")
+    task = load_task("gpt", device=resolve_device(args.device), **kwargs)
+    context = task.model.context
+    target = task.target_batch_size
+    single = train_locally(task, num_samples=args.gpt_epochs * target, global_batch_size=target)
+    per_peer = []
+    for peer, summary in zip(peers, done):
+        epochs = [e for e in peer.events if e.get("event") == "epoch"]
+        train_s = max(e["train_time"] for e in epochs)
+        samples = sum(e["samples"] for e in epochs)
+        per_peer.append({"tokens_per_s": samples * context / train_s,
+                         "averaging_s": sum(e["averaging_s"] + e["matchmaking_s"] for e in epochs),
+                         "train_s": train_s, "eval_loss": summary["metrics"]["loss"],
+                         "rounds_ok": summary["rounds_ok"], "rounds": summary["rounds"]})
+    peer_loss = statistics.mean(p["eval_loss"] for p in per_peer)
+    return {"peers": per_peer, "single_eval_loss": single.metrics["loss"], "peer_eval_loss": peer_loss,
+            "tokens_per_s_per_peer": statistics.mean(p["tokens_per_s"] for p in per_peer),
+            "averaging_share": sum(p["averaging_s"] for p in per_peer) / sum(p["train_s"] for p in per_peer),
+            "gpt_loss_over_single": peer_loss / single.metrics["loss"],
+            "parameters": sum(p.numel() for p in task.model.parameters()), "task_args": task_args}
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    parser.add_argument("--mbytes", type=int, default=256, help="MB of fp32 each peer averages (default: 256)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per codec, after one warm-up")
+    parser.add_argument("--codecs", default="none,int8,int4")
+    parser.add_argument("--gpt-epochs", type=int, default=20, help="0 skips the GPT part")
+    parser.add_argument("--gpt-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"gpt task argument (repeatable; defaults: {' '.join(DEFAULT_GPT)})")
+    parser.add_argument("--gpt-compression", default="none", help="codec of the GPT peers' rounds")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds the GPT peers may take")
+    parser.add_argument("--role", choices=["avg-worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "avg-worker":
+        return averaging_worker(args)
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_gpu: CUDA is not available on this machine: nothing measured (use --device cpu to run the "
+              "harness on the CPU)")
+        return 0
+    from moshpeer.peer.device import resolve_device
+
+    device = resolve_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    averaging = run_averaging(args)
+    encoding = encode_bandwidth(device, args.mbytes, [c for c in args.codecs.split(",") if c != "none"])
+    gpt = run_gpt(args) if args.gpt_epochs > 0 else None
+
+    print(f"\n{name}, 2 peers, {args.mbytes} MB fp32 on {device}, median of {args.rounds} rounds after a warm-up")
+    print(f"{'codec':<10}{'round s':>10}{'reduce s':>10}{'gather s':>10}{'PCIe MB':>10}{'sent MB':>10}{'rel. err':>11}")
+    for codec, f in averaging.items():
+        print(f"{codec:<10}{f['round_s']:>10.3f}{f['reduce_scatter_s']:>10.3f}{f['all_gather_s']:>10.3f}"
+              f"{f['pcie_mb']:>10.1f}{f['sent_mb']:>10.1f}{f['rel_err']:>11.2e}")
+    print(f"\nencoding on the data path (GB/s of fp32 input; anchor: device-to-device copy "
+          f"{encoding['copy_gbps']:.1f} GB/s)")
+    for key, value in encoding.items():
+        if key != "copy_gbps":
+            print(f"  {key[:-len('_encode_gbps')]:<10}{value:>8.1f} GB/s = {value / encoding['copy_gbps']:.2f}x copy")
+    if gpt is not None:
+        print(f"\nGPT ({gpt['parameters'] / 1e6:.1f}M parameters, {' '.join(gpt['task_args'])}), 2 peers, "
+              f"{args.gpt_epochs} epochs")
+        for i, peer in enumerate(gpt["peers"]):
+            print(f"  peer {i}: {peer['tokens_per_s']:.0f} tokens/s, averaging {peer['averaging_s']:.1f} s of "
+                  f"{peer['train_s']:.1f} s, rounds ok {peer['rounds_ok']}/{peer['rounds']}, "
+                  f"eval loss {peer['eval_loss']:.4f}")
+        print(f"  single process: eval loss {gpt['single_eval_loss']:.4f}")
+
+    def ratio(a: Optional[dict], b: Optional[dict]) -> Optional[float]:
+        return a["round_s"] / b["round_s"] if a and b and b["round_s"] > 0 else None
+
+    figures = {
+        "device": str(device), "device_name": name, "mbytes": args.mbytes,
+        "int8_round_vs_none": ratio(averaging.get("int8"), averaging.get("none")),
+        "int4_round_vs_none": ratio(averaging.get("int4"), averaging.get("none")),
+        "encode_vs_copy": (encoding["int8_encode_gbps"] / encoding["copy_gbps"]
+                           if "int8_encode_gbps" in encoding else None),
+        "averaging_share": gpt["averaging_share"] if gpt else None,
+        "gpt_loss_over_single": gpt["gpt_loss_over_single"] if gpt else None,
+        "gpt_tokens_per_s_per_peer": gpt["tokens_per_s_per_peer"] if gpt else None,
+        "averaging": averaging, "encoding": encoding,
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

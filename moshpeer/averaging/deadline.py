@@ -1,0 +1,51 @@
+"""One round's deadlines, computed once when the round is asked for, and the future that carries them.
+
+`MoshpitAverager.step()` computes a `RoundDeadline` from its settings before anything else and passes it
+down: matchmaking stops looking at `search_end`, a peer committed to a group waits for it until
+`assembly_end`, and nothing of the round runs past `end` (the data plane has `round_timeout` from the
+group's assembly, which is always before `assembly_end`, and is capped at `end`). No layer below adds
+its own margin. `step(wait=False)` returns a `RoundFuture`, resolved by `deadline.end` plus the time
+the round needs to write its result back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+
+@dataclass(frozen=True)
+class RoundDeadline:
+    """Absolute `time.monotonic()` times of one round."""
+
+    search_end: float  # matchmaking: no new declarations or join requests after this
+    assembly_end: float  # a peer accepted by a leader (or leading followers) waits for its group until then
+    end: float  # nothing of the round runs past this
+    dht_offset: float  # get_dht_time() - time.monotonic(), for matchmaking, which speaks DHT time
+
+    @classmethod
+    def starting_now(cls, search_s: float, grace_s: float, round_timeout: float) -> "RoundDeadline":
+        """Search for `search_s`, wait `grace_s` longer while committed, then `round_timeout` for the data plane."""
+        now = time.monotonic()
+        return cls(search_end=now + search_s, assembly_end=now + search_s + grace_s,
+                   end=now + search_s + grace_s + round_timeout, dht_offset=get_dht_time() - now)
+
+    def dht_time(self, monotonic: float) -> float:
+        """`monotonic` (one of this deadline's times) in DHT time."""
+        return monotonic + self.dht_offset
+
+    def remaining(self) -> float:
+        """Seconds until `end` (0 once it has passed)."""
+        return max(0.0, self.end - time.monotonic())
+
+
+class RoundFuture(concurrent.futures.Future):
+    """A round in flight (`MoshpitAverager.step(wait=False)`): a `concurrent.futures.Future` of its
+    `RoundResult`, with the round's `deadline`. `cancel()` succeeds only before the round has started."""
+
+    def __init__(self, deadline: RoundDeadline):
+        super().__init__()
+        self.deadline = deadline

@@ -1,0 +1,111 @@
+"""Logs a user can trust: a peer that leaves is one line, a real bug keeps its traceback.
+
+In a swarm, peers vanish mid-request all the time, and hivemind logs some of those departures with a
+full traceback: an ERROR from `hivemind.utils.asyncio` ("Exception in <Task ...
+Matchmaking._request_join_potential_leaders()>") with a `BrokenPipeError`, a WARNING from
+`hivemind.p2p.p2p_daemon` ("Handler failed with the exception") with a `ConnectionResetError`, and
+asyncio's own "Task exception was never retrieved". Each of these is also seen by whoever waits for
+the failed request (our averager logs "matchmaking failed: ..." as one line), so here they become a
+single DEBUG line, shown with `-v`.
+
+Only records from hivemind's and asyncio's loggers are touched, and only when they carry one of the
+exceptions in `EXPECTED_PEER_FAILURES`, or an exception raised while its task was being cancelled (our
+averager cancels hivemind's matchmaking search at the round's deadline; hivemind's cleanup of a
+half-torn-down search can fail, and that is logged with a traceback). Every other record, tracebacks
+of real bugs included, passes unchanged. Our own code reports peer failures as one line where it
+handles them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+from typing import Iterable, Tuple
+
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+
+# What a peer leaving (or a link going down) looks like from this side: the connection broke or was
+# reset, a stream ended early, a request timed out, or the p2p daemon could not reach the peer.
+EXPECTED_PEER_FAILURES: Tuple[type, ...] = (
+    ConnectionError,  # BrokenPipeError, ConnectionResetError, ConnectionRefusedError, ConnectionAbortedError
+    TimeoutError,
+    asyncio.TimeoutError,  # distinct from TimeoutError before Python 3.11
+    concurrent.futures.TimeoutError,
+    asyncio.IncompleteReadError,
+    EOFError,
+    P2PDaemonError,
+    P2PHandlerError,
+)
+
+_FILTERED_LOGGERS = ("hivemind", "asyncio")
+# hivemind names a failed task in its message: "Exception in <Task ... coro=<Matchmaking._request_join...() ...>"
+_CORO_NAME = re.compile(r"coro=<([^\s(]+)\(")
+
+
+def is_expected_peer_failure(error: BaseException) -> bool:
+    """Is `error` what a peer that left (or a broken link) raises on this side?"""
+    return isinstance(error, EXPECTED_PEER_FAILURES)
+
+
+class PeerFailureFilter(logging.Filter):
+    """A handler filter: hivemind's / asyncio's records of expected peer failures (and of failures while a
+    task was being cancelled) become one DEBUG line (dropped unless the source logger is at DEBUG);
+    everything else passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or not _from_filtered_logger(record.name):
+            return True
+        error = record.exc_info[1]
+        if error is None:
+            return True
+        if is_expected_peer_failure(error):
+            what = "a peer went away"
+        elif _raised_while_cancelled(error):
+            what = "a cancelled task ended"
+        else:
+            return True
+        where = _CORO_NAME.search(record.getMessage())
+        context = f" in {where.group(1).replace('.<locals>.', '.')}" if where else ""
+        detail = f": {error}" if str(error) else ""
+        record.msg = f"{what}{context}: {type(error).__name__}{detail}"
+        record.args = ()
+        record.exc_info = record.exc_text = None
+        record.stack_info = None
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        # The handler's level check ran before this filter: apply the source logger's level to the new one.
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def _raised_while_cancelled(error: BaseException) -> bool:
+    """Was `error` raised while its task was being cancelled (a CancelledError in its context chain)?
+
+    Our averager cancels hivemind's matchmaking search when the round's deadline passes; hivemind's
+    cleanup can then fail on the half-torn-down search, and `cancel_and_wait` logs that with a traceback.
+    The cancellation was the intent, so what its cleanup raised is not a bug of this peer."""
+    seen = set()
+    link = error.__context__
+    while link is not None and id(link) not in seen:
+        if isinstance(link, asyncio.CancelledError):
+            return True
+        seen.add(id(link))
+        link = link.__context__
+    return False
+
+
+def _from_filtered_logger(name: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in _FILTERED_LOGGERS)
+
+
+def quiet_expected_peer_failures(handlers: Iterable[logging.Handler] = ()) -> None:
+    """Install `PeerFailureFilter` on the root logger's handlers, hivemind's own handlers and `handlers`.
+
+    Call it after configuring logging (handlers added later are not covered); calling it again is
+    harmless. `moshpeer` commands call it at start; a program that uses the library calls it itself.
+    Never fails: a handler list that changes meanwhile is read once.
+    """
+    targets = [*logging.getLogger().handlers, *logging.getLogger("hivemind").handlers, *handlers]
+    for handler in targets:
+        if not any(isinstance(existing, PeerFailureFilter) for existing in handler.filters):
+            handler.addFilter(PeerFailureFilter())

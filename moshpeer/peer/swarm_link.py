@@ -1,0 +1,92 @@
+"""How a `CollaborativeOptimizer` is present in its swarm: through a `PeerDaemon`, a bare DHT, or a DHT
+node of its own; its signed record is published and the swarm's progress read (`SwarmProgress`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from moshpeer.dht import SwarmDHT, start_dht
+from moshpeer.dht.records import MAX_FLAGGED_PEERS
+from moshpeer.errors import UserError
+from moshpeer.peer.progress import RecordPublisher, SwarmProgress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmLink:
+    dht: SwarmDHT
+    progress: SwarmProgress
+    publish: Callable[..., Any]  # update fields of our record and publish it
+    own_dht: Optional[SwarmDHT] = None  # started for this optimizer: stopped at its shutdown
+    publisher: Optional[RecordPublisher] = None  # None when a daemon publishes the record
+    _published_flagged: Dict[str, int] = field(default_factory=dict)
+
+    def publish_flagged(self, flagged: Dict[str, int]) -> None:
+        """Robust aggregation clipped or trimmed someone: say so in our record (the most flagged peers)."""
+        if flagged != self._published_flagged:
+            self._published_flagged = dict(flagged)
+            self.publish(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
+
+    def wait_for_trainers(self, min_trainers: int, timeout: float, should_stop: Callable[[], bool]) -> int:
+        """Wait until at least `min_trainers` trainers are visible, `timeout` passes or `should_stop()`;
+        returns how many are visible."""
+        deadline = time.monotonic() + timeout
+        while True:
+            visible = self.progress.refresh_now().num_trainers
+            if visible >= min_trainers or time.monotonic() >= deadline or should_stop():
+                return visible
+            self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def moved_past(self, epoch: int, within: float, should_stop: Callable[[], bool]) -> bool:
+        """Whether a trainer's record shows an epoch past `epoch` within `within` seconds (the others
+        averaged that epoch without us; their round may still be finishing when ours gives up)."""
+        deadline = time.monotonic() + within
+        while not should_stop():
+            if self.progress.refresh_now(timeout=1.0).global_epoch > epoch:
+                return True
+            if deadline <= time.monotonic():
+                return False
+            self.progress.wait_for_refresh(timeout=min(0.5, deadline - time.monotonic()))
+        return False
+
+    def close(self) -> None:
+        """Stop reading progress; withdraw our record and stop the DHT if they are ours. Idempotent; a
+        failing step is logged (debug) and the others still run."""
+        own_dht, self.own_dht = self.own_dht, None
+        steps = [("progress", self.progress.shutdown)]
+        if own_dht is not None:
+            steps += [("record", self.publisher.withdraw), ("dht", own_dht.stop)]
+        for name, stop in steps:
+            try:
+                stop()
+            except Exception:
+                logger.debug(f"shutting down {name} failed", exc_info=True)
+
+
+def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any = None,
+                  dht: Optional[SwarmDHT] = None, initial_peers: Sequence[str] = (), host: str = "127.0.0.1",
+                  progress_refresh: float = 0.3) -> SwarmLink:
+    """The daemon's DHT and record, else `dht` (with a record of our own), else a DHT node of our own
+    joined through `initial_peers`; UserError when none of the three is given."""
+    if daemon is not None:
+        def publish(**fields: Any) -> None:
+            daemon.update_record(publish_now=True, **fields)
+
+        progress = SwarmProgress(daemon.dht, run_id, target_batch_size=target_batch_size,
+                                 own_record=lambda: daemon.record, refresh_interval=progress_refresh, publish=publish)
+        return SwarmLink(daemon.dht, progress, publish)
+    own_dht = None
+    if dht is None:
+        if not initial_peers:
+            raise UserError("give the optimizer daemon=, dht= or initial_peers=")
+        dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"])
+    publisher = RecordPublisher(dht, run_id, role=role)
+    publisher.publish()
+    progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
+                             publish=publisher.update, refresh_interval=progress_refresh,
+                             on_refresh=publisher.refresh_if_stale)
+    return SwarmLink(dht, progress, publisher.update, own_dht, publisher)

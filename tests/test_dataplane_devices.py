@@ -1,0 +1,151 @@
+"""Rounds on the parameters' device: the group all-reduce encodes, decodes and accumulates where the vector
+lives and stages only encoded bytes through host memory (averaging/staging.py).
+
+On the CPU (default suite): staging is a pass-through that copies nothing, and the senders' one-chunk lookahead
+(what a device uses to overlap its copies with the sends) gives the same bits, faults included.
+With CUDA (`cuda` marker): the codecs' kernels on the data path match the pure-torch reference, ARC-Top-K
+sketches and selects on the GPU, and a round on CUDA tensors stages exactly its encoded bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from local_group import credentials, members as group_members
+
+from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.allreduce import GroupAllReduce
+from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.staging import HostStaging
+from moshpeer.compression import get_compression
+from moshpeer.compression.arc_topk import ArcTopK, projection, select, sketch, to_rows
+from moshpeer.compression.kernels import ENV_BACKEND
+
+pytestmark = pytest.mark.timeout(120)
+
+CUDA = torch.cuda.is_available()
+CODECS = ["none", "fp16", "int8", "int4", "int4-int8"]
+
+
+def two_member_allreduce(spec: str, inputs, *, staging=None, faults=None, chunk_numel: int = 1000):
+    """One all-reduce of two members (threads, real TCP data plane); returns (results, reports)."""
+    planes = [DataPlane() for _ in inputs]
+    members = group_members([plane.address for plane in planes], [1.0 + k for k in range(len(inputs))])
+    tensors = [x.clone() for x in inputs]
+    reports = [None] * len(inputs)
+    tag = wire.allreduce_tag(bytes(20), 0)  # fixed: fault injection draws its drops from it
+
+    def member(k: int) -> None:
+        reports[k] = GroupAllReduce(
+            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32,
+            credentials=credentials(tag, k),
+            compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
+            faults=faults, staging=staging() if staging else None).run()
+
+    threads = [threading.Thread(target=member, args=(k,)) for k in range(len(inputs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for plane in planes:
+            plane.close()
+    assert all(r is not None for r in reports), "a member did not finish"
+    return tensors, reports
+
+
+def inputs_on(device, numel: int = 9_999):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(numel, generator=g) * (1 + k) + k).to(device) for k in range(2)]
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_lookahead_staging_gives_the_same_bits_and_copies_nothing_on_cpu(spec):
+    plain, plain_reports = two_member_allreduce(spec, inputs_on("cpu"))
+    ahead, ahead_reports = two_member_allreduce(spec, inputs_on("cpu"), staging=lambda: HostStaging(lookahead=True))
+    for a, b in zip(plain, ahead):
+        assert torch.equal(a, b)  # two members: one contribution per chunk, so the bits are deterministic
+    assert all(r.staged_bytes == 0 for r in plain_reports + ahead_reports)
+
+
+def test_lookahead_staging_with_dropped_chunks():
+    """A chunk encoded ahead and then dropped by faults is discarded; the next one still goes out right."""
+    faults = FaultConfig(drop_prob=0.3, seed=5)
+    plain, plain_reports = two_member_allreduce("int8", inputs_on("cpu"), faults=faults)
+    ahead, _ = two_member_allreduce("int8", inputs_on("cpu"), faults=faults,
+                                    staging=lambda: HostStaging(lookahead=True))
+    assert sum(r.reduce.chunks_dropped_by_faults + r.gather.chunks_dropped_by_faults for r in plain_reports) > 0
+    for a, b in zip(plain, ahead):
+        assert torch.equal(a, b)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("spec", CODECS)
+def test_round_on_cuda_stages_only_encoded_bytes(spec):
+    results, reports = two_member_allreduce(spec, inputs_on("cuda"))
+    reference, _ = two_member_allreduce(spec, inputs_on("cpu"))
+    for result, expected in zip(results, reference):
+        assert result.is_cuda
+        torch.testing.assert_close(result.cpu(), expected, rtol=1e-6, atol=1e-6)
+    header = wire.HEADER.size
+    for r in reports:
+        sent = (r.reduce.bytes_sent + r.gather.bytes_sent
+                - (header + handshake.MAC_BYTES) * (r.reduce.chunks_sent + r.gather.chunks_sent))
+        received = (r.reduce.bytes_received + r.gather.bytes_received
+                    - header * (r.reduce.chunks_received + r.gather.chunks_received))
+        assert r.staged_bytes == sent + received > 0
+        if spec.startswith("int"):
+            assert r.staged_bytes < 0.3 * 4 * 2 * 9_999  # not the fp32 vector: its codes and scales
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4-int8", "int8:sr", "int4:64:sr"])
+def test_codec_kernels_on_the_data_path_match_the_reference(monkeypatch, spec):
+    compression = get_compression(spec)
+    x = torch.randn(70_001, generator=torch.Generator().manual_seed(3)) * 3
+    for codec in {compression.reduce_codec, compression.gather_codec}:
+        monkeypatch.setenv(ENV_BACKEND, "torch")
+        expected = codec.encode(x, seed=11)
+        decoded = torch.empty(x.numel())
+        codec.decode_into(expected, decoded, 0.5)
+        monkeypatch.delenv(ENV_BACKEND)
+        payload = codec.encode(x.cuda(), seed=11)  # the CUDA kernels, chosen by the tensor's device
+        assert payload.is_cuda and torch.equal(payload.cpu(), expected)
+        out = torch.full((x.numel(),), float("nan"), device="cuda")
+        codec.decode_into(payload, out, 0.5)
+        assert torch.equal(out.cpu().view(torch.int32), decoded.view(torch.int32))
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_arc_topk_sketches_and_selects_on_the_gpu():
+    assert torch.equal(projection(256, 4, 99, device=torch.device("cuda")).cpu(), projection(256, 4, 99))
+    flat = torch.randn(256 * 300 + 17, generator=torch.Generator().manual_seed(1))
+    rows_cpu = to_rows(flat, 256)
+    on_gpu = sketch(rows_cpu.cuda(), 99, 4)
+    assert on_gpu.is_cuda
+    # Selection from one averaged sketch is the same on every device (float64 norms, stable sort).
+    averaged = sketch(rows_cpu, 99, 4)
+    assert torch.equal(select(averaged.cuda(), 30).cpu(), select(averaged, 30))
+
+    async def alone(t: torch.Tensor) -> torch.Tensor:  # a group of one: the mean is the vector itself
+        assert t.is_cuda
+        return t
+
+    sparse = ArcTopK(0.1)
+    gpu = flat.cuda()
+    result = asyncio.run(sparse.allreduce_inplace(gpu, 99, alone))
+    assert result.rows.is_cuda and torch.equal(gpu.cpu(), flat)

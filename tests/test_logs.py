@@ -1,0 +1,110 @@
+"""moshpeer.logs: hivemind's tracebacks of a peer leaving become one line; real bugs keep theirs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+
+import pytest
+from hivemind.utils.asyncio import await_cancelled
+
+from moshpeer.logs import PeerFailureFilter, quiet_expected_peer_failures
+
+
+def log_failed_task(error: BaseException, level: int) -> str:
+    """What hivemind's `await_cancelled` logs for a task that raised `error`, through a filtered handler."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("hivemind.utils.asyncio")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    quiet_expected_peer_failures(handlers=[handler])
+
+    async def request_join_potential_leaders() -> None:
+        raise error
+
+    async def main() -> None:
+        task = asyncio.create_task(request_join_potential_leaders())
+        await asyncio.sleep(0)
+        await await_cancelled(task)  # logs "Exception in <Task ...>:" with the traceback
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+    return stream.getvalue()
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset"),
+                                   asyncio.TimeoutError()])
+def test_a_peer_leaving_is_one_debug_line(error):
+    assert log_failed_task(error, logging.WARNING) == ""  # default level: our own layer reports it
+    output = log_failed_task(error, logging.DEBUG)
+    assert "Traceback" not in output
+    assert output.count("\n") == 1, output
+    assert output.startswith("DEBUG hivemind.utils.asyncio: a peer went away in log_failed_task.request_join_potential_leaders")
+    assert type(error).__name__ in output
+
+
+def test_a_real_bug_keeps_its_traceback():
+    output = log_failed_task(ValueError("a bug"), logging.WARNING)
+    assert output.startswith("ERROR hivemind.utils.asyncio: Exception in <Task")
+    assert "Traceback (most recent call last)" in output and "ValueError: a bug" in output
+
+
+def test_only_hivemind_and_asyncio_records_are_rewritten():
+    try:
+        raise BrokenPipeError(32, "Broken pipe")
+    except BrokenPipeError:
+        import sys
+
+        exc_info = sys.exc_info()
+    ours = logging.LogRecord("moshpeer.averaging", logging.ERROR, __file__, 1, "ours", (), exc_info)
+    theirs = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", (),
+                               exc_info)
+    filt = PeerFailureFilter()
+    assert filt.filter(ours) and ours.exc_info is exc_info and ours.levelno == logging.ERROR
+    filt.filter(theirs)
+    assert theirs.exc_info is None and theirs.levelno == logging.DEBUG
+
+
+def test_installing_twice_adds_one_filter():
+    handler = logging.StreamHandler(io.StringIO())
+    quiet_expected_peer_failures(handlers=[handler])
+    quiet_expected_peer_failures(handlers=[handler])
+    assert sum(isinstance(f, PeerFailureFilter) for f in handler.filters) == 1
+
+
+def test_what_a_task_raises_while_cancelled_is_one_debug_line():
+    async def cleanup_fails_after_cancel() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            raise KeyError("half-torn-down search")  # raised while the CancelledError propagates
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("hivemind.utils.asyncio")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    quiet_expected_peer_failures(handlers=[handler])
+
+    async def main() -> None:
+        task = asyncio.create_task(cleanup_fails_after_cancel())
+        await asyncio.sleep(0)
+        task.cancel()
+        await await_cancelled(task)
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+    output = stream.getvalue()
+    assert "Traceback" not in output and output.count("\n") == 1, output
+    assert "a cancelled task ended in" in output and "KeyError" in output
