@@ -58,9 +58,12 @@ def test_two_diloco_peers_match_a_single_process_with_the_same_samples(swarm):
 
     reference = train_locally(load_task("digits"), num_samples=2 * MICRO_BATCH * INNER_STEPS * OUTER_STEPS,
                               global_batch_size=2 * MICRO_BATCH, micro_batch_size=2 * MICRO_BATCH).metrics["loss"]
+    # The 2-peer run is not bit-reproducible across runs (timing decides how rounds interleave with steps): its final
+    # loss spread 0.073-0.083 over repeated runs against the single process's 0.073, so 5% would be a coin flip.
+    bound = 1.15
     for summary in done:
         assert summary["epochs"] == OUTER_STEPS and summary["reason"] == "max_epochs"
-        assert summary["metrics"]["loss"] <= 1.05 * reference, (summary["metrics"], reference)
+        assert summary["metrics"]["loss"] <= bound * reference, (summary["metrics"], reference, both_ok)
 
 
 def start_lone(swarm, checkpoint_dir, epochs: int, name: str):
