@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=20.0)
     parser.add_argument("--faults", default="")
     parser.add_argument("--aggregation", default="mean")
-    parser.add_argument("--transport", default=None, help="auto | libp2p (see MoshpitAverager)")
+    parser.add_argument("--transport", default="auto", help="auto | libp2p (see MoshpitAverager)")
     parser.add_argument("--host", default="127.0.0.1", help="address of this peer's DHT and data plane")
     parser.add_argument("--partition", default="equal", help="equal | bandwidth (see MoshpitAverager)")
     parser.add_argument("--bandwidth", type=float, default=None, help="declared upload, bytes/s (default: measured)")

@@ -36,7 +36,7 @@ class AuxRounds:
                     self._report_progress(force=True)
                 target, plan = self.group_target(snapshot), self._plan_round(snapshot)
                 future = self._start_round(plan, 0.0, target, AUX_WINDOW_FACTOR * self.matchmaking_time)
-                result = self._await_round(future, target)
+                result = self.timing.await_result(future, target, self._should_stop)
                 if result is None or not result.ok:
                     self.failed_rounds += 1
                     return None
