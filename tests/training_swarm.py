@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
+from moshpeer.cli.plot import parse_event_line
 from swarm import LOOPBACK, Proc, Swarm
 
 # Local swarms on a loaded 2-core machine: generous matchmaking, bounded rounds.
 FAST_TRAINING = ("--matchmaking-time", "1.0", "--round-timeout", "10", "--heartbeat", "1")
-
-
-def _parse_event(line: str) -> Optional[dict]:
-    """The JSON object of an event line, or None for any other line."""
-    if not line.startswith("{"):
-        return None
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) else None
 
 
 def timed_events(proc: Proc, kind: str) -> List[Tuple[float, dict]]:
@@ -27,7 +17,7 @@ def timed_events(proc: Proc, kind: str) -> List[Tuple[float, dict]]:
     at which it arrived here (one clock for every process of a swarm)."""
     found = []
     for received, line in proc.timed_stdout():
-        event = _parse_event(line)
+        event = parse_event_line(line)
         if event is not None and event.get("event") == kind:
             found.append((received, event))
     return found
@@ -42,7 +32,7 @@ def wait_event(proc: Proc, kind: str, timeout: float, predicate=lambda event: Tr
     """The first `kind` event satisfying `predicate`, waiting up to `timeout` seconds."""
 
     def matches(line: str) -> bool:
-        event = _parse_event(line)
+        event = parse_event_line(line)
         return event is not None and event.get("event") == kind and predicate(event)
 
     return json.loads(proc.wait_for_line(matches, timeout))

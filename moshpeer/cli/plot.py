@@ -58,7 +58,7 @@ def read_events(path: str) -> PeerSeries:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                event = _parse(line)
+                event = parse_event_line(line)
                 if event is None:
                     continue
                 if event.get("event") == "training" and isinstance(event.get("peer_id"), str):
@@ -74,7 +74,8 @@ def read_events(path: str) -> PeerSeries:
     return series
 
 
-def _parse(line: str) -> Optional[dict]:
+def parse_event_line(line: str) -> Optional[dict]:
+    """The JSON object of one `moshpeer join` event line, or None for any other line."""
     line = line.strip()
     if not line.startswith("{"):
         return None
