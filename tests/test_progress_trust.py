@@ -1,4 +1,4 @@
-"""Swarm progress against faked records (issue 14): the swarm epoch is the lower median of the other trainers'
+"""Swarm progress against faked records (issue 14): the swarm epoch is the upper median of the other trainers'
 epochs, a record is credited only plausible steps, and an established view rises by one epoch per refresh."""
 
 from __future__ import annotations
@@ -55,3 +55,11 @@ def test_a_record_cannot_jump_past_the_swarm():
     view(credit, [*honest, record(3, 10)], own)
     credited = credit.apply([*honest, record(3, 50)], own.peer_id)
     assert [r.epoch for r in credited] == [10, 10, 11]
+
+
+def test_laggards_do_not_hold_the_swarm_back():
+    """A newcomer sees another newcomer (epoch 0) and one peer that trains at epoch 40: the swarm is at 40 (the
+    churn case: peers that just joined or resumed from an old checkpoint show old epochs)."""
+    own = record(0, 0)
+    assert view(EpochCredit(), [record(1, 0), record(2, 40)], own).global_epoch == 40
+    assert view(EpochCredit(), [record(1, 3), record(2, 40), record(3, 40)], own).global_epoch == 40

@@ -4,10 +4,10 @@ Every peer publishes its own progress in its signed peer record (`epoch`, `sampl
 for that epoch, `samples_per_second`) and reads everyone else's from the run's membership
 dictionary. From those records each peer derives the same view:
 
-- the collaborative epoch is a robust statistic of the other live trainers' epochs, their lower
+- the collaborative epoch is a robust statistic of the other live trainers' epochs, their upper
   median, or this peer's own epoch if that is higher (a peer that is behind it must catch up by
-  downloading state, not average stale gradients): fewer than half of the trainers cannot move it,
-  however far they claim to be ahead;
+  downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
+  however far they claim to be ahead, and a minority of laggards cannot hold it back;
 - claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
   (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
@@ -82,10 +82,11 @@ class ProgressSnapshot:
 
 
 def robust_epoch(epochs: Sequence[int]) -> int:
-    """The lower median of `epochs` (non-empty): at least half of them are at or above it, and fewer than half
-    cannot raise it."""
+    """The upper median of `epochs` (non-empty). Raising it above every honest claim takes lies from at least
+    half of the records; lowering it below every up-to-date one takes more than half lagging behind (peers
+    that just joined, or resumed from an old checkpoint, still show old epochs)."""
     ordered = sorted(epochs)
-    return ordered[(len(ordered) - 1) // 2]
+    return ordered[len(ordered) // 2]
 
 
 class EpochCredit:
