@@ -55,8 +55,8 @@ from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
-from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
+from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
@@ -184,7 +184,8 @@ class MoshpitAverager(ServicerBase):
     :param matchmaking_time: how long a peer waits for others to join its group
     :param request_timeout: matchmaking request timeout (default: matchmaking_time / 2)
     :param round_timeout: absolute budget of the data plane of one round (reduce-scatter ends at 60% of it)
-    :param faults: fault injection for this peer's outgoing chunks (tests, benchmarks, `join --faults`); None: none
+    :param links: how this peer's chunks reach the wire (`averaging/links.py`): the real transport by default;
+        `FaultyLinks(FaultConfig(...))` injects faults into its outgoing chunks (tests, benchmarks, `join --faults`)
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
@@ -221,7 +222,7 @@ class MoshpitAverager(ServicerBase):
         matchmaking_time: float = 3.0,
         request_timeout: Optional[float] = None,
         round_timeout: float = 30.0,
-        faults: Optional[FaultConfig] = None,
+        links: Links = PLAIN_LINKS,
         host: str = "127.0.0.1",
         client_mode: bool = False,
         start: bool = True,
@@ -256,7 +257,7 @@ class MoshpitAverager(ServicerBase):
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.faults = faults
+        self.links = links
         self.client_mode = client_mode
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -516,7 +517,7 @@ class MoshpitAverager(ServicerBase):
         search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
             data_for_gather=_pack_member_info(
-                host, port, self.faults.declared_weight(weight) if self.faults else weight, nonce,
+                host, port, self.links.declared_weight(weight), nonce,
                 (self.loss_budget.budget, self.loss_budget.phase),
                 (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=min(get_dht_time() + window, search_end),
@@ -657,7 +658,7 @@ class MoshpitAverager(ServicerBase):
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
-                faults=self.faults,
+                links=self.links,
                 loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",
