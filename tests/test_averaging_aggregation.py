@@ -16,6 +16,7 @@ from local_group import credentials, members as group_members, run_group
 from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
 from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.aggregation import cap_weights, centered_clip, trimmed_mean
+from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression import get_compression
 from moshpeer.errors import UserError
 
@@ -24,11 +25,12 @@ pytestmark = pytest.mark.timeout(90)
 N, NUMEL, CHUNK = 4, 4096, 256
 
 
-def group_round(originals, faults, weights, aggregation: str):
+def group_round(originals, faults, weights, aggregation: str, distrusted=()):
     """One all-reduce of `originals` (one member per thread; member k's chunks through `faults[k]`, a FaultConfig
     or None) -> (values, results)."""
     tensors = [x.clone() for x in originals]
     results = run_group(tensors, weights=weights, chunk_numel=CHUNK, deadline_s=20.0, aggregation=aggregation,
+                        distrusted=distrusted,
                         member_kwargs=lambda k: {"links": FaultyLinks(faults[k]) if faults[k] else PLAIN_LINKS})
     assert all(r is not None for r in results)
     return tensors, results
@@ -77,6 +79,33 @@ def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
             assert float((v - honest_mean).abs().mean()) < 0.3, mode
         for k in range(3):  # owners of honest parts flagged member 3 in every chunk of their part
             assert results[k].flagged[3] == NUMEL // N // CHUNK and sum(results[k].flagged[:3]) == 0, mode
+
+
+def test_a_distrusted_member_weighs_nothing_in_centered_clip_but_is_still_flagged():
+    """CenteredClip alone leaves the honest result pulled ~tau/3 toward a persistent outlier; once the owners
+    distrust it (suspects.py) the honest members end at CenteredClip of the honest rows, and the outlier is
+    still checked and flagged in every chunk (so a round in which it behaves can clear it)."""
+    originals = honest_values()
+    honest_mean = sum(originals[:3]) / 3
+    faults, weights = [None, None, None, HOSTILE], [1.0] * N
+    pulled, _ = group_round(originals, faults, weights, "clipped")
+    values, results = group_round(originals, faults, weights, "clipped", distrusted=[3])
+    for k in range(3):
+        bias, before = float((values[k] - honest_mean).abs().mean()), float((pulled[k] - honest_mean).abs().mean())
+        assert bias < 0.02 < before, (bias, before)
+        assert results[k].flagged[3] == results[k].contributed[3] == NUMEL // N // CHUNK
+
+
+def test_suspects_are_peers_flagged_in_consecutive_rounds_and_one_clean_round_clears_them():
+    tracker = SuspectTracker(after_rounds=2)
+    peers = ["me", "honest", "hostile"]
+    assert tracker.record_round(peers, [0, 1, 4], [0, 4, 4]) == []  # one chunk of four: chance, not a pattern
+    assert tracker.record_round(peers, [0, 0, 4], [0, 4, 4]) == ["hostile"]
+    assert tracker.distrusted(["hostile", "me"]) == [0] and tracker.suspects == ["hostile"]
+    tracker.record_round(peers, [0, 0, 0], [0, 4, 0])  # absent from our part: its streak stands
+    assert tracker.suspects == ["hostile"]
+    tracker.record_round(peers, [0, 0, 1], [0, 4, 4])  # behaved in this round
+    assert tracker.suspects == [] and tracker.distrusted(peers) == []
 
 
 def test_overflowing_contributions_never_leave_an_infinite_average():

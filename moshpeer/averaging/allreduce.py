@@ -138,6 +138,8 @@ class AllReduceResult:
     # Per member index: chunks of our part in which the robust aggregation clipped or trimmed its contribution.
     flagged: List[int] = field(default_factory=list)
     nonfinite_averages: int = 0  # chunks whose average was not finite: our own value was kept and sent instead
+    # Per member index: chunks of our part its contribution reached us in (what `flagged` is out of).
+    contributed: List[int] = field(default_factory=list)
 
 
 class GroupAllReduce:
@@ -162,6 +164,8 @@ class GroupAllReduce:
         the same); default: equal parts
     :param aggregation: how this owner combines its part's contributions: "mean", "clipped" or "trimmed"
         (aggregation.py); declared weights are capped in every mode
+    :param distrusted: member indices whose contributions "clipped" weighs at zero in our part (still received,
+        checked and flagged; see suspects.py); ignored by the other modes
     :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
     """
 
@@ -185,6 +189,7 @@ class GroupAllReduce:
         force_relay: bool = False,
         part_sizes: Optional[Sequence[int]] = None,
         aggregation: str = "mean",
+        distrusted: Sequence[int] = (),
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
         staging: Optional[HostStaging] = None,
     ):
@@ -208,6 +213,7 @@ class GroupAllReduce:
         self.reduce_deadline = reduce_deadline if reduce_deadline is not None else now + 0.6 * (deadline - now)
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes)
         self.aggregation = check_aggregation(aggregation)
+        self.distrusted = frozenset(distrusted) - {my_index}
         self.weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         self.others = [i for i in range(self.group_size) if i != my_index]
         self.staging = staging if staging is not None else staging_for(flat.device)
@@ -309,6 +315,7 @@ class GroupAllReduce:
             staged_bytes=self.staging.bytes_copied,
             upload_bps=upload_bps,
             flagged=list(self.flagged),
+            contributed=[sum(arrived[i] for arrived in self.arrived_from) for i in range(self.group_size)],
             nonfinite_averages=self.nonfinite_averages,
         )
 
@@ -427,7 +434,8 @@ class GroupAllReduce:
             return
         self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
         stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
-        result, flagged = robust_combine(self.aggregation, stacked, [self.weights[i] for i in rows])
+        weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
+        result, flagged = robust_combine(self.aggregation, stacked, weights)
         values.copy_(result)
         for i, hit in zip(rows, flagged.tolist()):
             self.flagged[i] += int(hit)

@@ -61,6 +61,7 @@ from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundResult
+from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
@@ -249,6 +250,7 @@ class MoshpitAverager(ServicerBase):
         self.aggregation = check_aggregation(aggregation)
         # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
         self.flagged_peers: Dict[str, int] = {}
+        self.suspects = SuspectTracker()  # "clipped": peers flagged round after round, weighed at zero
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
@@ -582,7 +584,7 @@ class MoshpitAverager(ServicerBase):
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
                            loss_phase=loss_phase, aggregation=self.aggregation, **extra, **ids, **common,
-                           **{f.name: getattr(data, f.name) for f in fields(data) if f.name != "flagged"})
+                           **{f.name: getattr(data, f.name) for f in fields(data) if f.name not in ("flagged", "contributed")})
 
     def _committed(self) -> bool:
         """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
@@ -632,7 +634,10 @@ class MoshpitAverager(ServicerBase):
                             ) -> Tuple[float, str, AllReduceResult, Dict[str, Any]]:
         """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
         plane's counters (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (per
-        member peer id, the chunks of our part robust aggregation clipped or trimmed) and `part_sizes`."""
+        member peer id, the chunks of our part robust aggregation clipped or trimmed), `distrusted` (members
+        weighed at zero, suspects.py) and `part_sizes`."""
+        peer_ids = [str(peer_id) for peer_id in group.peer_ids]
+        distrusted = self.suspects.distrusted(peer_ids) if self.aggregation == "clipped" else []
         secret = wire.group_secret(group.group_id, [m.nonce for m in members])
         # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
         credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
@@ -664,6 +669,7 @@ class MoshpitAverager(ServicerBase):
                 force_relay=self.transport == "libp2p",
                 part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
                 aggregation=self.aggregation,
+                distrusted=distrusted,
             )
             results.append(allreduce.run())
             return flat
@@ -686,7 +692,11 @@ class MoshpitAverager(ServicerBase):
             write_back()
         result = _merge_results(results)
         self._note_upload(result.upload_bps)
-        flagged = {str(group.peer_ids[i]): n for i, n in enumerate(result.flagged) if n}
+        flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged) if n}
+        if self.aggregation == "clipped":
+            for peer in self.suspects.record_round(peer_ids, result.flagged, result.contributed):
+                logger.warning(f"peer {peer[-8:]} was clipped in {self.suspects.after_rounds} rounds in a row: "
+                               f"its contributions to our parts count for nothing until a round where it is not")
         for peer, n in flagged.items():
 
             self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
@@ -708,7 +718,8 @@ class MoshpitAverager(ServicerBase):
                 f"{result.rejected_connections} connections"
             )
         part_sizes = bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else []
-        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes)
+        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,
+                                                     distrusted=[peer_ids[i] for i in distrusted])
 
     def _flatten(self, tensors: List[torch.Tensor]):
         """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
@@ -755,6 +766,7 @@ def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
         relayed=sorted({i for r in results for i in r.relayed}),
         staged_bytes=sum(r.staged_bytes for r in results),
         flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
+        contributed=[sum(counts) for counts in zip(*(r.contributed for r in results))],
         nonfinite_averages=sum(r.nonfinite_averages for r in results),
         reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
         all_gather_s=sum(r.all_gather_s for r in results),

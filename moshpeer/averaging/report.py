@@ -72,6 +72,8 @@ class RoundResult:
     aggregation: str = "mean"
     # Per member peer id (base58): chunks of our part in which robust aggregation clipped or trimmed it.
     flagged: Dict[str, int] = field(default_factory=dict)
+    # Peer ids whose contributions our "clipped" aggregation weighed at zero in this round (suspects.py).
+    distrusted: List[str] = field(default_factory=list)
     nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
 
     @property

@@ -192,8 +192,8 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self.state_server: Optional[StateServer] = None
         self._advertised_at = 0.0
         if serve_state:
-            self.state_server = StateServer(self._serialized_state, run_id=run_id, host=host,
-                                            bytes_per_second=state_bytes_per_second)
+            self.state_server = StateServer(self._serialized_state, run_id=run_id, identity=self.dht.identity,
+                                            host=host, bytes_per_second=state_bytes_per_second)
             self._advertise()
         self._report_progress(force=True)
         self.timing.begin_epoch()  # the first epoch's budget starts now, not before the setup above
