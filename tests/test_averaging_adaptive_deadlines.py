@@ -141,7 +141,7 @@ def test_averagers_tighten_their_deadlines_and_a_silent_member_costs_one_deadlin
     import torch
 
     from moshpeer.averaging import MoshpitAverager
-    from moshpeer.averaging.faults import FaultConfig
+    from moshpeer.averaging.faults import FaultConfig, FaultyLinks
 
     run = "adaptive"
     boot = dht_node(run_ids=[run])
@@ -171,7 +171,7 @@ def test_averagers_tighten_their_deadlines_and_a_silent_member_costs_one_deadlin
         learned = averagers[0].deadlines.round_deadline(2, 4 * 4096)
         assert 0.5 <= learned < 5.0, learned
 
-        averagers[1].faults = FaultConfig(stop_after_chunks=0)  # the second member hangs in its next round
+        averagers[1].links = FaultyLinks(FaultConfig(stop_after_chunks=0))  # the second member hangs in its next round
         for _ in range(6):
             started = time.monotonic()
             silent = one_round()[0]

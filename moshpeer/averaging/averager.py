@@ -56,8 +56,8 @@ from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupM
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.adaptive_deadlines import RoundDeadlines
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
-from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
+from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.relay import StreamRelay
@@ -197,7 +197,8 @@ class MoshpitAverager(ServicerBase):
         matchmaking window and data-plane budget come from the assembly and round times this averager
         measured (median + k MAD, see `adaptive_deadlines`), between these floors and `matchmaking_time` /
         `round_timeout` as caps. None (default): that deadline is fixed at its cap
-    :param faults: fault injection for this peer's outgoing chunks (tests, benchmarks, `join --faults`); None: none
+    :param links: how this peer's chunks reach the wire (`averaging/links.py`): the real transport by default;
+        `FaultyLinks(FaultConfig(...))` injects faults into its outgoing chunks (tests, benchmarks, `join --faults`)
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
@@ -236,7 +237,7 @@ class MoshpitAverager(ServicerBase):
         round_timeout: float = 30.0,
         min_matchmaking_time: Optional[float] = None,
         min_round_timeout: Optional[float] = None,
-        faults: Optional[FaultConfig] = None,
+        links: Links = PLAIN_LINKS,
         host: str = "127.0.0.1",
         client_mode: bool = False,
         start: bool = True,
@@ -279,7 +280,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
                             f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.faults = faults
+        self.links = links
         self.client_mode = client_mode
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -562,7 +563,7 @@ class MoshpitAverager(ServicerBase):
         search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
             data_for_gather=_pack_member_info(
-                host, port, self.faults.declared_weight(weight) if self.faults else weight, nonce,
+                host, port, self.links.declared_weight(weight), nonce,
                 (self.loss_budget.budget, self.loss_budget.phase),
                 (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
             scheduled_time=min(get_dht_time() + window, search_end),
@@ -709,7 +710,7 @@ class MoshpitAverager(ServicerBase):
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
-                faults=self.faults,
+                links=self.links,
                 loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",

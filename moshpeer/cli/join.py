@@ -211,7 +211,7 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
     """TrainerConfig fields from the loss-budget flags (checked here, so bad values fail before start)."""
-    from moshpeer.averaging.faults import FaultConfig
+    from moshpeer.averaging.faults import FaultConfig, FaultyLinks
     from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
 
     spec, eta = getattr(args, "loss_budget", "fixed"), getattr(args, "phase_threshold", 0.5)
@@ -221,7 +221,7 @@ def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
     if getattr(args, "chunk_bytes", None) is not None:
         averager_kwargs["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "faults", None):
-        averager_kwargs["faults"] = FaultConfig.parse(args.faults)
+        averager_kwargs["links"] = FaultyLinks(FaultConfig.parse(args.faults))
     if getattr(args, "aggregation", "mean") != "mean":
         averager_kwargs["aggregation"] = args.aggregation
     return {"loss_budget": spec, "phase_threshold": eta, "phase_window": window, "averager_kwargs": averager_kwargs}
