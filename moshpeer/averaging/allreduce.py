@@ -44,13 +44,13 @@ from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weight
                                             weight_cap_factor)
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
-from moshpeer.averaging.estimator import combine_unbiased
+from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.links import PLAIN_LINKS, ChunkStream, Links, StreamSpec
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
 from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
-from moshpeer.compression.codec import Compression, NoCompression
+from moshpeer.compression.codec import Compression, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -408,16 +408,18 @@ class GroupAllReduce:
         start, end = self.partition.chunk_range(me, c)
         part_start = self.partition.part_starts[me]
         values = self.flat[start:end]
-        own = values.clone()
+        # The average is computed beside our value and checked before it replaces it (no copy of our value).
         if self.contributions is None:
-            combine_unbiased(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
-                             self.arrived_weight[c], sum(self.weights[i] for i in present))
+            average = estimate_over_sum(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
+                                        self.arrived_weight[c], sum(self.weights[i] for i in present))
         else:
-            self._combine_robust(c, values, start - part_start, end - part_start)
-        if not bool(torch.isfinite(values).all()):  # e.g. finite contributions that overflow in the sum
-            values.copy_(own)
-            self.nonfinite_averages += 1
-            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
+            average = self._combine_robust(c, values, start - part_start, end - part_start)
+        if average is not values:
+            if all_finite(average):  # e.g. finite contributions can overflow in the sum
+                values.copy_(average)
+            else:
+                self.nonfinite_averages += 1
+                logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
         self._encode_gather_chunk(c, start, end)
         self.finalized[c] = True
         with self.cond:
@@ -426,19 +428,20 @@ class GroupAllReduce:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
 
-    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> None:
-        """With chunk lock c held: CenteredClip or trimmed mean of our value and every contribution that arrived."""
+    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """With chunk lock c held: CenteredClip or trimmed mean of our value (`values`) and every contribution that
+        arrived -> the aggregate (`values` itself when nothing arrived)."""
         me = self.my_index
         rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
         if len(rows) == 1:
-            return
+            return values
         self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
         stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
         weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
         result, flagged = robust_combine(self.aggregation, stacked, weights)
-        values.copy_(result)
         for i, hit in zip(rows, flagged.tolist()):
             self.flagged[i] += int(hit)
+        return result
 
     def _encode_gather_chunk(self, c: int, start: int, end: int) -> None:
         """Encode finalized chunk c of our part for the all-gather and replace our values by the decoded ones."""
