@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import threading
+import time
 
 import msgpack
 import pytest
@@ -104,12 +105,13 @@ def test_scheduler_and_state_dict_pass_through(dht_node):
 
 
 class LyingDonor:
-    """A donor that speaks the protocol but sends bytes that do not match its announced checksum."""
+    """A donor that speaks the protocol (signing its header with its own identity) but sends bytes that do not
+    match its announced checksum."""
 
-    def __init__(self, payload: bytes):
+    def __init__(self, payload: bytes, identity, run_id: str, epoch: int):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.payload = payload
+        self.payload, self.identity, self.run_id, self.epoch = payload, identity, run_id, epoch
         self.requests = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -120,12 +122,16 @@ class LyingDonor:
             except OSError:
                 return
             with conn:
-                state_sync._recv_msgpack(conn)
+                request = state_sync._recv_msgpack(conn, time.monotonic() + 10)
                 self.requests += 1
                 corrupted = bytearray(self.payload)
                 corrupted[len(corrupted) // 2] ^= 0xFF
-                header = {"ok": True, "epoch": 10**6, "total_bytes": len(self.payload), "chunk_bytes": 1 << 20,
-                          "sha256": hashlib.sha256(self.payload).hexdigest()}
+                digest = hashlib.sha256(self.payload).hexdigest()
+                signed = state_sync._signed_fields(self.run_id, request["challenge"], self.epoch, len(self.payload),
+                                                   digest)
+                header = {"ok": True, "epoch": self.epoch, "total_bytes": len(self.payload), "chunk_bytes": 1 << 20,
+                          "sha256": digest, "public_key": self.identity.public_key.to_bytes(),
+                          "signature": self.identity.private_key.sign(signed)}
                 state_sync._send_frame(conn, msgpack.packb(header))
                 state_sync._send_frame(conn, bytes(corrupted))
 
@@ -152,9 +158,10 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
             donor.zero_grad()
         assert donor.local_epoch == 3
         donor._advertise()
-        # The liar claims a far later epoch, so it is asked first.
-        liar = LyingDonor(donor._serialized_state()[1])
-        offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 10**6,
+        # The liar claims one epoch more than the swarm (the most the robust progress view confirms), so it is
+        # asked first.
+        liar = LyingDonor(donor._serialized_state()[1], liar_dht.identity, run, epoch=4)
+        offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 4,
                  "protocol": state_sync.STATE_PROTOCOL}
         assert liar_dht.store(state_sync.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
                               subkey=liar_dht.owner_subkey)

@@ -82,7 +82,7 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
     :param should_stop: polled while a round is in flight; True abandons it (for prompt shutdown)
-    :param averager_kwargs: more arguments for `MoshpitAverager` (faults, chunk_bytes, ...)
+    :param averager_kwargs: more arguments for `MoshpitAverager` (links, chunk_bytes, ...)
     :param loss_budget, phase_threshold, phase_window: DBLP loss budget of the rounds (see loss_budget.py)
 
     Bad settings raise `UserError` with one line; a failed round is logged and the epoch steps alone.
@@ -170,8 +170,10 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
-        # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`).
-        self.grad_sums = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`). fp32 whatever
+        # the parameters' dtype: summed in bf16, 256 + 1 is 256. The mean is cast to the parameter's dtype once.
+        self.grad_sums = [torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                          for p in self.params]
         self._loss_phase, self._speed = LossPhaseTracker(), SpeedMeter()
         self.timing = RoundTiming(matchmaking_time, compute_budget, group_size)
 
@@ -190,8 +192,8 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self.state_server: Optional[StateServer] = None
         self._advertised_at = 0.0
         if serve_state:
-            self.state_server = StateServer(self._serialized_state, run_id=run_id, host=host,
-                                            bytes_per_second=state_bytes_per_second)
+            self.state_server = StateServer(self._serialized_state, run_id=run_id, identity=self.dht.identity,
+                                            host=host, bytes_per_second=state_bytes_per_second)
             self._advertise()
         self._report_progress(force=True)
         self.timing.begin_epoch()  # the first epoch's budget starts now, not before the setup above

@@ -24,8 +24,14 @@ import torch
 from moshpeer.peer.error_feedback import check_error_feedback_state, error_feedback_state, fresh_error_feedback_state
 from moshpeer.peer.rounds import CollaborativeRound
 from moshpeer.peer.state_sync import DownloadedState, StateDownloadFailed, download_state, serialize_state
+from moshpeer.peer.state_validation import (MAX_COUNTER, validate_counters, validate_model_state,
+                                            validate_optimizer_state)
 
 logger = logging.getLogger(__name__)
+
+# A donor's state may take at most this many times our own serialized state (Adam keeps two tensors per
+# parameter that a fresh optimizer has not allocated yet).
+STATE_SIZE_FACTOR = 4
 
 
 class OptimizerState:
@@ -143,21 +149,17 @@ class OptimizerState:
         self._report_progress(force=True)
         self._advertise()
 
-    def _check_state_fits(self, state: Dict[str, Any]) -> None:
+    def _check_state_fits(self, state: Dict[str, Any], max_epoch: int = MAX_COUNTER) -> None:
+        """Raise ValueError unless `state` is a complete, plausible state of our model (state_validation.py)."""
         if state.get("format") != 1 or not isinstance(state.get("epoch"), int):
             raise ValueError("unknown state format")
         if bool(state.get("has_model")) != (self.model is not None):
             raise ValueError("state was saved with a different layout (model vs parameter list)")
         ours = self.model.state_dict() if self.model is not None else {str(i): p for i, p in enumerate(self.params)}
-        theirs = state["model"]
-        if set(ours) != set(theirs):
-            raise ValueError("state has different parameter names")
-        for name, tensor in ours.items():
-            other = theirs[name]
-            if not isinstance(other, torch.Tensor) or other.shape != tensor.shape or other.dtype != tensor.dtype:
-                raise ValueError(f"state tensor {name} does not match the model")
-            if other.is_floating_point() and not torch.isfinite(other).all():
-                raise ValueError(f"state tensor {name} has non-finite values")
+        validate_model_state(ours, state["model"])
+        validate_optimizer_state(self.inner.state_dict(), [p for g in self.inner.param_groups for p in g["params"]],
+                                 state.get("optimizer"))
+        validate_counters(state["epoch"], state.get("steps"), max_epoch=max_epoch)
         feedback = state.get("error_feedback")
         if feedback is not None and self.error_feedback is not None:
             check_error_feedback_state(self.error_feedback, feedback)
@@ -180,10 +182,15 @@ class OptimizerState:
     def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor and adopt it; None if no donor delivered."""
         self.settle()  # a round still in the background must not land on the downloaded state
+        # Only donors whose epoch the robust swarm view confirms, and never more bytes than a state of our model
+        # plausibly takes (ours, with room for optimizer state that ours has not built yet).
+        max_epoch = self.progress.refresh_now(timeout=2.0).global_epoch + 1
+        max_bytes = STATE_SIZE_FACTOR * len(self._serialized_state()[1]) + (1 << 20)
         try:
             downloaded = download_state(self.dht, self.run_id, exclude=(self.peer_id,), min_epoch=min_epoch,
+                                        max_epoch=max_epoch, max_bytes=max_bytes,
                                         timeout=self.state_download_timeout, show_progress=self.show_progress,
-                                        validate=self._check_state_fits)
+                                        validate=lambda state: self._check_state_fits(state, max_epoch=max_epoch))
         except StateDownloadFailed as e:
             logger.warning(f"could not catch up: {e}; training on from epoch {self.local_epoch}")
             return None

@@ -4,8 +4,16 @@ Every peer publishes its own progress in its signed peer record (`epoch`, `sampl
 for that epoch, `samples_per_second`) and reads everyone else's from the run's membership
 dictionary. From those records each peer derives the same view:
 
-- the collaborative epoch is the largest epoch any live trainer reports (a peer that is behind
-  it must catch up by downloading state, not average stale gradients);
+- the collaborative epoch is a robust statistic of the other live trainers' epochs, their upper
+  median, or this peer's own epoch if that is higher (a peer that is behind it must catch up by
+  downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
+  however far they claim to be ahead, and a minority of laggards cannot hold it back;
+- claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
+  credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
+  (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
+  epoch itself rises by at most one per refresh (a majority of fresh identities claiming epoch 2^62
+  gains one epoch per refresh, not 2^62). A record credited with less than it claims counts no
+  samples;
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
   the optimizer compares with `target_batch_size`;
 - the estimated time to the target comes from the summed `samples_per_second`.
@@ -21,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -73,21 +81,72 @@ class ProgressSnapshot:
         }
 
 
+def robust_epoch(epochs: Sequence[int]) -> int:
+    """The upper median of `epochs` (non-empty). Raising it above every honest claim takes lies from at least
+    half of the records; lowering it below every up-to-date one takes more than half lagging behind (peers
+    that just joined, or resumed from an old checkpoint, still show old epochs)."""
+    ordered = sorted(epochs)
+    return ordered[len(ordered) // 2]
+
+
+class EpochCredit:
+    """How far this peer believes each record's epoch claim, across refreshes (see the module docstring)."""
+
+    def __init__(self):
+        self._credited: Dict[str, int] = {}
+        self.swarm_epoch: Optional[int] = None  # the last view's swarm epoch; None before the first
+
+    def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None) -> Tuple[PeerRecord, ...]:
+        """`records` with each epoch capped at what is plausible; remembers the caps for the next call."""
+        sources = _epoch_sources(records, own_peer_id)
+        if not sources:
+            return tuple(records)
+        swarm = robust_epoch([r.epoch for r in sources])
+        if self.swarm_epoch is not None:
+            swarm = min(swarm, self.swarm_epoch + 1)
+        credited = []
+        for record in records:
+            before = self._credited.get(record.peer_id)
+            limit = swarm + 1 if before is None else max(before + 1, swarm)
+            epoch = min(record.epoch, limit)
+            self._credited[record.peer_id] = epoch
+            if epoch != record.epoch:
+                logger.debug(f"crediting {record.peer_id[-8:]} with epoch {epoch}, not its claimed {record.epoch}")
+                record = record.model_copy(update={"epoch": epoch, "samples_accumulated": 0})
+            credited.append(record)
+        self.swarm_epoch = swarm
+        return tuple(credited)
+
+
+def _epoch_sources(records: Sequence[PeerRecord], own_peer_id: Optional[str]) -> list:
+    """Whose epochs say where the swarm is: the other trainers (this peer asks whether it is behind them),
+    else the other aux peers, else this peer itself."""
+    others = [r for r in records if r.peer_id != own_peer_id]
+    return ([r for r in others if r.role == "trainer"] or [r for r in others if r.role == "aux"]
+            or [r for r in records if r.peer_id == own_peer_id])
+
+
 def summarize(
     records: Tuple[PeerRecord, ...],
     *,
     own: Optional[PeerRecord],
     target_batch_size: int,
     now: float,
+    max_epoch: Optional[int] = None,
 ) -> ProgressSnapshot:
-    """The swarm view from peer records; `own` (this peer's live local record) replaces its DHT copy."""
+    """The swarm view from (credited) peer records; `own` (this peer's live local record) replaces its DHT
+    copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh)."""
     by_id = {record.peer_id: record for record in records}
     if own is not None:
         by_id[own.peer_id] = own
     trainers = [r for r in by_id.values() if r.role == "trainer"]
     aux = [r for r in by_id.values() if r.role == "aux"]
-    epoch_sources = trainers or aux
-    global_epoch = max((r.epoch for r in epoch_sources), default=own.epoch if own is not None else 0)
+    epoch_sources = _epoch_sources(list(by_id.values()), own.peer_id if own is not None else None)
+    global_epoch = robust_epoch([r.epoch for r in epoch_sources]) if epoch_sources else 0
+    if max_epoch is not None:
+        global_epoch = min(global_epoch, max_epoch)
+    if own is not None:  # this peer's own epoch is no claim: the swarm is at least where it is
+        global_epoch = max(global_epoch, own.epoch)
     samples = sum(r.samples_accumulated for r in trainers if r.epoch == global_epoch)
     speed = sum(r.samples_per_second for r in trainers)
     return ProgressSnapshot(
@@ -179,6 +238,7 @@ class SwarmProgress:
         self._publish = publish
         self._on_refresh = on_refresh
         self._records: Tuple[PeerRecord, ...] = ()
+        self._credit = EpochCredit()
         self._lock = threading.Lock()
         self._fetched = threading.Condition(self._lock)
         self._fetch_count = 0
@@ -207,9 +267,9 @@ class SwarmProgress:
     def snapshot(self) -> ProgressSnapshot:
         """The latest view (DHT records from the last refresh, this peer's own numbers live)."""
         with self._lock:
-            records = self._records
+            records, last = self._records, self._credit.swarm_epoch
         return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
-                         now=time.monotonic())
+                         now=time.monotonic(), max_epoch=last)
 
     def wait_for_refresh(self, timeout: float) -> bool:
         """Block until the next background fetch completes (True) or `timeout` passes (False)."""
@@ -232,8 +292,9 @@ class SwarmProgress:
         except Exception as e:  # timeouts, DHT shutting down: keep the previous view
             logger.debug(f"progress refresh failed: {e}")
             return
+        own_peer_id = self._own_record().peer_id
         with self._fetched:
-            self._records = records
+            self._records = self._credit.apply(records, own_peer_id)
             self._fetch_count += 1
             self._fetched.notify_all()
 

@@ -3,16 +3,24 @@
 Donors run a small TCP `StateServer` and advertise it in the DHT under `state_offers_key(run_id)`:
 one signed entry per donor (subkey = its owner marker) holding its address and epoch. A peer that
 needs state lists the offers, tries the most advanced donor first, and falls back to the next one
-if a donor is unreachable, dies mid-transfer, sends more than it announced, or sends bytes whose
-SHA-256 does not match its header ("lies").
+if a donor is unreachable, cannot prove its identity, dies mid-transfer, sends more than it
+announced or more than `max_bytes`, misses the deadline, or sends bytes whose SHA-256 does not match
+its signed header, or a state that fails validation. Where a second donor is available, the
+download is cross-checked: two donors' states must agree on a sample of parameters
+(`state_validation.disagreeing_tensors`), else both are set aside and the next donors are tried.
 
-Wire protocol (version 1), every message framed as a 4-byte big-endian length + body:
-  client -> server  msgpack {"op": "get_state", "protocol": 1, "run_id": str}
-  server -> client  msgpack {"ok": true, "epoch": int, "total_bytes": int, "sha256": hex, "chunk_bytes": int}
+Wire protocol (version 2), every message framed as a 4-byte big-endian length + body:
+  client -> server  msgpack {"op": "get_state", "protocol": 2, "run_id": str, "challenge": 32 random bytes}
+  server -> client  msgpack {"ok": true, "epoch": int, "total_bytes": int, "sha256": hex, "chunk_bytes": int,
+                             "public_key": OpenSSH RSA key, "signature": over the challenge and those fields}
                     then raw chunks, each framed, each at most chunk_bytes, summing to total_bytes
-The state itself is `torch.save` of a dict of tensors and plain values, read back with
-`torch.load(weights_only=True)`, so a malicious donor cannot run code here; sizes are checked
-against `max_bytes` before anything is allocated.
+The donor's public key must hash to the peer id of its offer (the same identity check as the data
+plane's), and its signature binds the state's digest to the client's fresh challenge, so a
+connection cannot be answered by anyone but the advertised donor. The state itself is `torch.save`
+of a dict of tensors and plain values, read back with `torch.load(weights_only=True)`, so a
+malicious donor cannot run code here. The receive loop enforces one deadline for the whole
+download (every recv gets the time left), and memory grows only as bytes arrive (never from the
+announced size), up to `max_bytes`.
 
 Why TCP and not a libp2p stream: the transfer is bulk, one-shot and pull-based; a plain socket is
 simpler to bound in time and to throttle for tests. Peers behind NAT cannot donate (they do not
@@ -24,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import socket
 import socketserver
 import struct
@@ -35,17 +44,20 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import msgpack
 import torch
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPublicKey
 
 from moshpeer.dht import SwarmDHT
-from moshpeer.dht.identity import peer_id_from_owner_key
+from moshpeer.dht.identity import Identity, peer_id_from_owner_key, peer_id_from_public_key
 from moshpeer.errors import ProtocolError
+from moshpeer.peer.state_validation import disagreeing_tensors
 
 logger = logging.getLogger(__name__)
 
-STATE_PROTOCOL = 1
+STATE_PROTOCOL = 2
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_STATE_BYTES = 8 << 30
 MAX_HEADER_BYTES = 4096
+RECEIVE_SCRATCH_BYTES = 1 << 20
 _LEN = struct.Struct(">I")
 
 StateSource = Callable[[], Tuple[int, bytes]]  # -> (epoch, serialized state)
@@ -85,27 +97,36 @@ def _send_frame(sock: socket.socket, body: bytes) -> None:
         sock.sendall(body)
 
 
-def _recv_exact(sock: socket.socket, size: int, into: Optional[memoryview] = None) -> bytes:
-    buffer = bytearray(size) if into is None else None
-    view = memoryview(buffer) if into is None else into
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("state transfer deadline passed")
+    return left
+
+
+def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """`size` bytes by `deadline` (time.monotonic()); every recv waits at most the time left."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
     received = 0
     while received < size:
+        sock.settimeout(_remaining(deadline))
         n = sock.recv_into(view[received:], size - received)
         if n == 0:
             raise ConnectionError(f"connection closed after {received} of {size} bytes")
         received += n
-    return bytes(buffer) if buffer is not None else b""
+    return bytes(buffer)
 
 
-def _recv_frame_length(sock: socket.socket, limit: int) -> int:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def _recv_frame_length(sock: socket.socket, limit: int, deadline: float) -> int:
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if length > limit:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {limit}")
     return length
 
 
-def _recv_msgpack(sock: socket.socket) -> Dict[str, Any]:
-    body = _recv_exact(sock, _recv_frame_length(sock, MAX_HEADER_BYTES))
+def _recv_msgpack(sock: socket.socket, deadline: float) -> Dict[str, Any]:
+    body = _recv_exact(sock, _recv_frame_length(sock, MAX_HEADER_BYTES, deadline), deadline)
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:
@@ -115,6 +136,27 @@ def _recv_msgpack(sock: socket.socket) -> Dict[str, Any]:
     return message
 
 
+def _signed_fields(run_id: str, challenge: bytes, epoch: int, total: int, digest: str) -> bytes:
+    return b"|".join((b"moshpeer-state", run_id.encode(), challenge, str(epoch).encode(), str(total).encode(),
+                      digest.encode()))
+
+
+def _check_donor(header: Dict[str, Any], expected_peer: str, run_id: str, challenge: bytes) -> None:
+    """Raise ProtocolError unless the header is signed, for our challenge, by the key of `expected_peer`."""
+    public_key, signature = header.get("public_key"), header.get("signature")
+    if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
+        raise ProtocolError("donor did not sign its state")
+    try:
+        key = RSAPublicKey.from_bytes(public_key)
+    except Exception:
+        raise ProtocolError("donor's public key does not parse") from None
+    if peer_id_from_public_key(key) != expected_peer:
+        raise ProtocolError("donor is not the peer that offered the state")
+    fields = _signed_fields(run_id, challenge, header["epoch"], header["total_bytes"], header["sha256"])
+    if not key.verify(fields, signature):
+        raise ProtocolError("bad signature on the state header")
+
+
 # ---- serving ------------------------------------------------------------------------------------
 
 
@@ -122,6 +164,7 @@ class StateServer:
     """Serves this peer's state to downloaders over TCP and advertises it in the DHT.
 
     :param source: returns (epoch, serialized state); called once per request (cache inside it)
+    :param identity: this peer's identity: signs each transfer's header (see the module docstring)
     :param bytes_per_second: throttle each transfer (tests use it to kill a donor mid-download)
     """
 
@@ -130,13 +173,14 @@ class StateServer:
         source: StateSource,
         *,
         run_id: str,
+        identity: Identity,
         host: str = "127.0.0.1",
         port: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         bytes_per_second: Optional[float] = None,
         on_served: Optional[Callable[[Dict[str, Any]], None]] = None,
     ):
-        self.source, self.run_id = source, run_id
+        self.source, self.run_id, self.identity = source, run_id, identity
         # A throttled transfer sends small chunks (about 20 per second), so the rate holds within a second.
         self.chunk_bytes = chunk_bytes if not bytes_per_second else min(chunk_bytes, max(4096, int(bytes_per_second / 20)))
         self.bytes_per_second = bytes_per_second
@@ -160,16 +204,22 @@ class StateServer:
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(30.0)
         try:
-            request = _recv_msgpack(sock)
+            request = _recv_msgpack(sock, time.monotonic() + 30.0)
             if request.get("op") != "get_state" or request.get("protocol") != STATE_PROTOCOL:
                 raise ProtocolError(f"unsupported request {request!r:.200}")
             if request.get("run_id") != self.run_id:
                 raise ProtocolError("request for another run")
+            challenge = request.get("challenge")
+            if not isinstance(challenge, bytes) or len(challenge) != 32:
+                raise ProtocolError("request without a 32-byte challenge")
             epoch, data = self.source()
             digest = hashlib.sha256(data).hexdigest()
             logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
+            signature = self.identity.private_key.sign(_signed_fields(self.run_id, challenge, int(epoch), len(data),
+                                                                      digest))
             header = {"ok": True, "epoch": int(epoch), "total_bytes": len(data), "sha256": digest,
-                      "chunk_bytes": self.chunk_bytes}
+                      "chunk_bytes": self.chunk_bytes, "public_key": self.identity.public_key.to_bytes(),
+                      "signature": signature}
             _send_frame(sock, msgpack.packb(header))
             view = memoryview(data)
             started = time.monotonic()
@@ -267,35 +317,50 @@ def fetch_state_from(
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> Tuple[int, bytes, str]:
-    """Download and verify one donor's state; returns (epoch, bytes, sha256). Raises on any failure."""
+    """Download and verify one donor's state by `timeout` seconds from now; returns (epoch, bytes, sha256).
+
+    Raises TimeoutError past the deadline (checked inside every receive), ProtocolError when the donor
+    cannot prove it is the offer's peer, announces more than `max_bytes`, sends more than it announced
+    or bytes that do not match its signed digest; OSError / ConnectionError when the connection fails.
+    """
     deadline = time.monotonic() + timeout
-    with socket.create_connection((offer.host, offer.port), timeout=min(timeout, 5.0)) as sock:
-        sock.settimeout(max(0.5, min(5.0, deadline - time.monotonic())))
-        _send_frame(sock, msgpack.packb({"op": "get_state", "protocol": STATE_PROTOCOL, "run_id": run_id}))
-        header = _recv_msgpack(sock)
+    challenge = os.urandom(32)
+    with socket.create_connection((offer.host, offer.port), timeout=min(_remaining(deadline), 5.0)) as sock:
+        sock.settimeout(_remaining(deadline))
+        _send_frame(sock, msgpack.packb({"op": "get_state", "protocol": STATE_PROTOCOL, "run_id": run_id,
+                                         "challenge": challenge}))
+        header = _recv_msgpack(sock, deadline)
         total, digest, epoch = header.get("total_bytes"), header.get("sha256"), header.get("epoch")
         chunk_limit = header.get("chunk_bytes")
-        if not (header.get("ok") is True and isinstance(total, int) and 0 < total <= max_bytes
+        if not (header.get("ok") is True and isinstance(total, int) and 0 < total
                 and isinstance(digest, str) and len(digest) == 64 and isinstance(epoch, int) and epoch >= 0
                 and isinstance(chunk_limit, int) and 0 < chunk_limit <= 64 << 20):
             raise ProtocolError(f"bad state header {header!r:.200}")
-        buffer = bytearray(total)
-        view = memoryview(buffer)
-        received = 0
-        while received < total:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"download took longer than {timeout:g} s ({received}/{total} bytes)")
-            sock.settimeout(max(0.5, min(5.0, deadline - time.monotonic())))
-            length = _recv_frame_length(sock, chunk_limit)
-            if received + length > total:
+        if total > max_bytes:
+            raise ProtocolError(f"donor announced {total} bytes, over this peer's limit of {max_bytes}")
+        _check_donor(header, offer.peer_id, run_id, challenge)
+        # Memory follows the bytes that actually arrive, read through a small scratch buffer: a donor that
+        # announces gigabytes and sends nothing costs nothing.
+        data = bytearray()
+        scratch = memoryview(bytearray(min(RECEIVE_SCRATCH_BYTES, total)))
+        hasher = hashlib.sha256()
+        while len(data) < total:
+            length = _recv_frame_length(sock, chunk_limit, deadline)
+            if len(data) + length > total:
                 raise ProtocolError("donor sent more bytes than it announced")
-            _recv_exact(sock, length, into=view[received : received + length])
-            received += length
+            while length:
+                sock.settimeout(_remaining(deadline))
+                n = sock.recv_into(scratch, min(length, len(scratch)))
+                if n == 0:
+                    raise ConnectionError(f"donor closed the connection after {len(data)} of {total} bytes")
+                data += scratch[:n]
+                hasher.update(scratch[:n])
+                length -= n
             if progress is not None:
-                progress(received, total)
-        if hashlib.sha256(buffer).hexdigest() != digest:
+                progress(len(data), total)
+        if hasher.hexdigest() != digest:
             raise ProtocolError("state checksum mismatch")
-        return epoch, bytes(buffer), digest
+        return epoch, bytes(data), digest
 
 
 def download_state(
@@ -304,6 +369,7 @@ def download_state(
     *,
     exclude: Tuple[str, ...] = (),
     min_epoch: int = 0,
+    max_epoch: Optional[int] = None,
     timeout: float = 60.0,
     per_donor_timeout: float = 30.0,
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
@@ -312,22 +378,48 @@ def download_state(
 ) -> DownloadedState:
     """Download a verified state from the most advanced donor, trying the next one on failure.
 
+    When more than one donor offers a state within one epoch of the first valid one, a second one is
+    downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
+    (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are tried. Donors are asked
+    in `_cross_checkable_first` order. A lone donor's validated state is taken as is. Once every donor on
+    offer was tried, the download fails at once rather than at `timeout`.
+
     :param exclude: peer ids not to ask (this peer)
-    :param min_epoch: ignore donors behind this epoch
+    :param min_epoch: ignore donors behind this epoch; max_epoch: ignore donors claiming more (what the
+        swarm's robust progress view does not confirm)
+    :param max_bytes: refuse a state larger than this (set it near this peer's own state size)
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
-    :raises StateDownloadFailed: no donor delivered before `timeout`
+    :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
+        set aside
     """
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
     tried: set = set()
+    candidate: Optional[DownloadedState] = None  # validated, waiting for a second donor to confirm it
     started = time.monotonic()
     while time.monotonic() < deadline:
         try:
-            offers = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
-                      if o.peer_id not in exclude and o.peer_id not in tried and o.epoch >= min_epoch]
+            listed = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                      if o.peer_id not in exclude and o.epoch >= min_epoch
+                      and (max_epoch is None or o.epoch <= max_epoch)]
         except Exception as e:
             logger.debug(f"listing state offers failed: {e}")
-            offers = []
+            listed = []
+        offers = _cross_checkable_first([o for o in listed if o.peer_id not in tried])
+        if candidate is not None:
+            # Like with like first: two honest donors one epoch apart differ by a whole optimizer step, which
+            # can exceed the agreement tolerance (an Adam step on a small bias is several percent of it).
+            confirming = ([o for o in offers if o.epoch == candidate.epoch]
+                          or [o for o in offers if abs(o.epoch - candidate.epoch) <= 1])
+            if not confirming:
+                logger.info(f"no second donor near epoch {candidate.epoch} to cross-check "
+                            f"{candidate.donor[-8:]}'s state; taking it as validated")
+                return candidate
+            offers = confirming
+        if not offers and listed:
+            # Every donor on offer was tried (failed or set aside): waiting out the timeout only delays the
+            # caller, who trains on and asks again later, when donors may be at one epoch.
+            break
         if not offers:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             continue
@@ -346,9 +438,32 @@ def download_state(
             logger.warning(f"state download from {offer.peer_id[-8:]} failed ({reason}); trying another donor")
             failed.append((offer.peer_id, reason))
             continue
-        return DownloadedState(epoch=epoch, state=state, donor=offer.peer_id, sha256=digest, nbytes=len(data),
-                               seconds=time.monotonic() - started, failed_donors=failed)
-    raise StateDownloadFailed(f"no donor delivered the state within {timeout:g} s (failed: {failed})")
+        downloaded = DownloadedState(epoch=epoch, state=state, donor=offer.peer_id, sha256=digest, nbytes=len(data),
+                                     seconds=time.monotonic() - started, failed_donors=failed)
+        if candidate is None:
+            candidate = downloaded
+            continue
+        disagree = disagreeing_tensors(candidate.state.get("model", {}), state.get("model", {}))
+        if not disagree:
+            best = candidate if candidate.epoch >= downloaded.epoch else downloaded
+            best.seconds = time.monotonic() - started
+            return best
+        reason = f"states of {candidate.donor[-8:]} and {offer.peer_id[-8:]} disagree on {disagree[:3]}"
+        logger.warning(f"state cross-check failed: {reason}; trying other donors")
+        failed.extend([(candidate.donor, reason), (offer.peer_id, reason)])
+        candidate = None
+    raise StateDownloadFailed(f"no donor delivered the state within {time.monotonic() - started:.1f} s "
+                              f"(failed: {failed})")
+
+
+def _cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:
+    """Offers ordered so that the first two can confirm each other: the most advanced epoch that two or more
+    donors hold first (one donor claiming an epoch ahead of the rest cannot jump the queue that way), then
+    the lone offers, most advanced first."""
+    counts: Dict[int, int] = {}
+    for offer in offers:
+        counts[offer.epoch] = counts.get(offer.epoch, 0) + 1
+    return sorted(offers, key=lambda o: (counts[o.epoch] < 2, -o.epoch, o.peer_id))
 
 
 class _progress_bar:

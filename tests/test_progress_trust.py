@@ -1,0 +1,65 @@
+"""Swarm progress against faked records (issue 14): the swarm epoch is the upper median of the other trainers'
+epochs, a record is credited only plausible steps, and an established view rises by one epoch per refresh."""
+
+from __future__ import annotations
+
+from moshpeer.dht import PeerRecord
+from moshpeer.peer.progress import EpochCredit, summarize
+
+TARGET = 256
+
+
+def record(k: int, epoch: int, samples: int = 0) -> PeerRecord:
+    peer_id = "Qm" + "abcdefghijkmnopqrstuvwxyz"[k % 25] * 44
+    return PeerRecord(peer_id=peer_id, role="trainer", epoch=epoch, samples_accumulated=samples, version="test",
+                      protocol=2, started_at=0.0, updated_at=0.0)
+
+
+def view(credit: EpochCredit, records, own):
+    credited = credit.apply(records, own.peer_id)
+    return summarize(credited, own=own, target_batch_size=TARGET, now=0.0, max_epoch=credit.swarm_epoch)
+
+
+def test_one_record_claiming_epoch_2_to_62_does_not_move_the_swarm():
+    own = record(0, 10, samples=64)
+    honest = [record(k, 10, samples=64) for k in (1, 2)]
+    liar = record(3, 1 << 62, samples=1 << 40)
+    snapshot = view(EpochCredit(), [*honest, liar], own)
+    assert snapshot.global_epoch == 10
+    assert snapshot.samples_accumulated == 3 * 64  # the liar is credited with epoch 11 at most: no samples
+
+
+def test_fresh_identities_gain_one_epoch_per_refresh_at_most():
+    """Four fresh identities claiming epoch 2^62 next to three honest peers (a majority of the others): a peer
+    that already had a view of the swarm moves its view by one epoch per refresh, not to 2^62."""
+    own = record(0, 10)
+    honest = [record(k, 10) for k in (1, 2)]
+    credit = EpochCredit()
+    assert view(credit, honest, own).global_epoch == 10
+    sybils = [record(k, 1 << 62) for k in (4, 5, 6, 7)]
+    epochs = [view(credit, [*honest, *sybils], own).global_epoch for _ in range(3)]
+    assert epochs == [11, 12, 13]
+
+
+def test_a_newcomer_catches_up_to_honest_peers():
+    """A peer at epoch 0 sees the others at 40: that is where the swarm is (it must download state)."""
+    own = record(0, 0)
+    snapshot = view(EpochCredit(), [record(k, 40, samples=32) for k in (1, 2, 3)], own)
+    assert snapshot.global_epoch == 40 and snapshot.samples_accumulated == 96
+
+
+def test_a_record_cannot_jump_past_the_swarm():
+    own = record(0, 10)
+    credit = EpochCredit()
+    honest = [record(k, 10) for k in (1, 2)]
+    view(credit, [*honest, record(3, 10)], own)
+    credited = credit.apply([*honest, record(3, 50)], own.peer_id)
+    assert [r.epoch for r in credited] == [10, 10, 11]
+
+
+def test_laggards_do_not_hold_the_swarm_back():
+    """A newcomer sees another newcomer (epoch 0) and one peer that trains at epoch 40: the swarm is at 40 (the
+    churn case: peers that just joined or resumed from an old checkpoint show old epochs)."""
+    own = record(0, 0)
+    assert view(EpochCredit(), [record(1, 0), record(2, 40)], own).global_epoch == 40
+    assert view(EpochCredit(), [record(1, 3), record(2, 40), record(3, 40)], own).global_epoch == 40
