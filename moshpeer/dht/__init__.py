@@ -3,6 +3,7 @@
 This layer imports no other moshpeer layer. See docs/swarm.md for how membership works.
 """
 
+from moshpeer.dht.admission import Admission
 from moshpeer.dht.identity import Identity, peer_id_from_owner_key
 from moshpeer.dht.keys import peers_key, validate_run_id
 from moshpeer.dht.maddrs import check_ports_free, parse_initial_peers, parse_listen_maddrs
@@ -12,6 +13,7 @@ from moshpeer.dht.records import MUTABLE_FIELDS, ROLES, PeerRecord, Role
 from moshpeer.dht.validation import OwnedRecordValidator, RecordRejected, parse_owned_entry
 
 __all__ = [
+    "Admission",
     "DEFAULT_HOST_MADDRS",
     "Identity",
     "MUTABLE_FIELDS",
