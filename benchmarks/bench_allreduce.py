@@ -74,20 +74,20 @@ def wait_for_exit() -> None:
 def moshpeer_worker(args) -> None:
     import torch  # noqa: F401
 
-    from moshpeer.averaging import FaultConfig, MoshpitAverager
+    from moshpeer.averaging import FaultConfig, FaultyLinks, Links, MoshpitAverager
     from moshpeer.dht import start_dht
 
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
     initial = peer_values(args.rank, args.numel)
     exact = exact_mean(args.peers, args.numel)
     tensor = initial.clone()
-    faults = FaultConfig(drop_prob=args.drop, seed=args.rank) if args.drop > 0 else None
+    links = FaultyLinks(FaultConfig(drop_prob=args.drop, seed=args.rank)) if args.drop > 0 else Links()
     extra = {"upload_bandwidth": args.bandwidth} if args.bandwidth else {}
     # One averager per codec (in turn, each in a run of its own), all on this process's DHT.
     averagers = {codec: MoshpitAverager([tensor], dht=dht, run_id=f"bench{k}", target_group_size=args.peers,
                                         min_group_size=args.peers, compression=codec, host=args.host,
                                         chunk_bytes=args.chunk_bytes, matchmaking_time=args.matchmaking_time,
-                                        round_timeout=args.round_timeout, faults=faults, start=False,
+                                        round_timeout=args.round_timeout, links=links, start=False,
                                         partition=args.partition, **extra)
                  for k, codec in enumerate(args.compression.split(","))}
     for averager in averagers.values():

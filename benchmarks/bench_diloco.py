@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_training import Child, env  # noqa: E402  (same process handling as the training benchmark)
+from bench_training import Child, bootstrap_maddrs, env, moshpeer_argv  # noqa: E402  (same process handling as the training benchmark)
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY  # noqa: E402
 
 TASK_ARGS = {"d_model": 288, "layers": 5, "heads": 4, "context": 32, "max_bytes": 1_000_000}
@@ -93,25 +93,21 @@ def run_arm(args, arm: dict, lab) -> dict:
     def wrap(index: int, argv: List[str]) -> List[str]:
         return lab.command(index, argv) if lab is not None else argv
 
-    boot = Child(wrap(0, [sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs",
-                          f"/ip4/{hosts[0]}/tcp/0", "--heartbeat", "1"]), e)
+    boot = Child(wrap(0, moshpeer_argv("dht", run_id, f"/ip4/{hosts[0]}/tcp/0")), e)
     children = [boot]
     tx_before = [lab.tx_bytes(i) for i in range(args.peers)] if lab is not None else None
     try:
-        ready = boot.wait_event("ready", 120)
-        if ready is None:
-            raise RuntimeError("bootstrap did not start")
+        maddrs = bootstrap_maddrs(boot, 120)
         peers = []
         for i in range(args.peers):
-            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                    "--host-maddrs", f"/ip4/{hosts[i]}/tcp/0", "--heartbeat", "1", *task_flags(),
-                    "--group-size", str(args.peers), "--min-peers", str(args.peers), "--wait-peers", "120",
-                    "--max-epochs", str(arm["epochs"]), "--batch-size", str(args.batch),
-                    "--target-batch-size", str(arm.get("target_batch", args.peers * args.batch)),
-                    "--averaging", arm["averaging"], "--compression", arm["compression"],
-                    "--eval-every", str(arm["epochs"] if arm["averaging"] == "gradients" else 1),
-                    "--matchmaking-time", str(args.matchmaking_time), "--round-timeout", str(arm["round_timeout"]),
-                    "--seed", str(i)]
+            argv = moshpeer_argv("join", run_id, f"/ip4/{hosts[i]}/tcp/0", "--initial-peers", *maddrs, *task_flags(),
+                                 "--group-size", str(args.peers), "--min-peers", str(args.peers), "--wait-peers", "120",
+                                 "--max-epochs", str(arm["epochs"]), "--batch-size", str(args.batch),
+                                 "--target-batch-size", str(arm.get("target_batch", args.peers * args.batch)),
+                                 "--averaging", arm["averaging"], "--compression", arm["compression"],
+                                 "--eval-every", str(arm["epochs"] if arm["averaging"] == "gradients" else 1),
+                                 "--matchmaking-time", str(args.matchmaking_time),
+                                 "--round-timeout", str(arm["round_timeout"]), "--seed", str(i))
             if "inner_steps" in arm:
                 argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
             if arm.get("overlap"):

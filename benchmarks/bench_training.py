@@ -154,6 +154,20 @@ def placement_from_args(args, extra_nodes: int) -> Iterator[Placement]:
         yield Placement(lab)
 
 
+def moshpeer_argv(command: str, run_id: str, maddr: str, *flags: str) -> List[str]:
+    """`python -m moshpeer COMMAND` of run `run_id`, listening on `maddr`, heartbeat 1 s, then `flags`."""
+    return [sys.executable, "-m", "moshpeer", command, "--run-id", run_id, "--host-maddrs", maddr, "--heartbeat", "1",
+            *flags]
+
+
+def bootstrap_maddrs(boot: Child, timeout: float) -> List[str]:
+    """The multiaddrs of a `moshpeer dht` child once it printed its ready line; RuntimeError if it did not in time."""
+    ready = boot.wait_event("ready", timeout)
+    if ready is None:
+        raise RuntimeError("bootstrap did not start")
+    return ready["maddrs"]
+
+
 def env() -> Dict[str, str]:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
@@ -218,21 +232,17 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     where = getattr(args, "placement", None) or Placement()
-    boot = Child(where.argv(args.peers, [sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id,
-                                         "--host-maddrs", where.maddr(args.peers), "--heartbeat", "1"]), e)
+    boot = Child(where.argv(args.peers, moshpeer_argv("dht", run_id, where.maddr(args.peers))), e)
     children = [boot]
     try:
-        ready = boot.wait_event("ready", 60)
-        if ready is None:
-            raise RuntimeError("bootstrap did not start")
+        maddrs = bootstrap_maddrs(boot, 60)
         peers = []
         for i in range(args.peers):
-            argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                    "--host-maddrs", where.maddr(i), "--heartbeat", "1", "--group-size",
-                    str(args.group_size or args.peers),
-                    "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
-                    "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
-                    "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i)]
+            argv = moshpeer_argv("join", run_id, where.maddr(i), "--initial-peers", *maddrs, "--group-size",
+                                 str(args.group_size or args.peers),
+                                 "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
+                                 "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
+                                 "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i))
             if budget:
                 argv += ["--compute-budget", budget]
             if straggler and i == 0:
@@ -243,11 +253,10 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
         children += peers
         for i in range(args.aux):  # weight-0 helpers: not in `peers`, so not in the figures
             node = args.peers + 1 + i
-            children.append(Child(where.argv(node, [
-                sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
-                "--host-maddrs", where.maddr(node), "--heartbeat", "1", "--role", "aux",
+            children.append(Child(where.argv(node, moshpeer_argv(
+                "join", run_id, where.maddr(node), "--initial-peers", *maddrs, "--role", "aux",
                 "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
-                "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time)]), e))
+                "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time))), e))
         for peer in peers:
             peer.wait_event("done", args.timeout)
         return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")

@@ -20,6 +20,7 @@ _PUBLIC = {
     "RoundResult": "moshpeer.averaging.report",
     "RoundFuture": "moshpeer.averaging.deadline",
     "FaultConfig": "moshpeer.averaging.faults",
+    "FaultyLinks": "moshpeer.averaging.faults",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -13,7 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from swarm import SWARM_TAG, tagged_processes, watch_stderr
+from swarm import SWARM_TAG, watch_stderr
+
+from moshpeer.testing.orphans import Reaper, kill_tagged
 
 WORKER = Path(__file__).with_name("averaging_worker.py")
 READY_TIMEOUT = 90.0
@@ -90,7 +92,8 @@ class Worker:
 
 
 class AveragingSwarm:
-    """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit.
+    """Starts n workers (the first one bootstraps the DHT); kills all of them and their children on exit, or,
+    if the test process dies first, its `Reaper` does.
 
     `script` is the worker program: any script speaking averaging_worker.py's stdin/stdout protocol.
     `wrap(index, argv)` -> the command line that runs worker `index` (e.g. `Netlab.command`: in its namespace)."""
@@ -102,6 +105,7 @@ class AveragingSwarm:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_TAG: self.tag,
                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         self.workers: List[Worker] = []
+        self._reaper = Reaper(SWARM_TAG, self.tag)
         try:
             extra = (per_worker_args or (lambda k: []))
             first = Worker(0, [*args, *extra(0)], env, script, wrap)
@@ -145,13 +149,5 @@ class AveragingSwarm:
             except subprocess.TimeoutExpired:
                 worker.popen.kill()
                 worker.popen.wait()
-        for _ in range(100):
-            leftovers = tagged_processes(SWARM_TAG, self.tag)
-            if not leftovers:
-                return
-            for info in leftovers:
-                try:
-                    os.kill(info.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.05)
+        kill_tagged(SWARM_TAG, self.tag, grace=1.0)  # what the workers spawned and left (DHT processes, p2pd)
+        self._reaper.close()

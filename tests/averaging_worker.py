@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moshpeer.averaging import FaultConfig, MoshpitAverager  # noqa: E402
+from moshpeer.averaging import FaultyLinks, MoshpitAverager  # noqa: E402
+from moshpeer.averaging.links import PLAIN_LINKS  # noqa: E402
 from moshpeer.dht import start_dht  # noqa: E402
 from moshpeer.logs import quiet_expected_peer_failures  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> int:
         chunk_bytes=args.chunk_bytes,
         matchmaking_time=args.matchmaking_time,
         round_timeout=args.round_timeout,
-        faults=FaultConfig.parse(args.faults) if args.faults else None,
+        links=FaultyLinks.parse(args.faults) if args.faults else PLAIN_LINKS,
         transport=args.transport,
         host=args.host,
         partition=args.partition,
@@ -100,7 +101,7 @@ def main() -> int:
                 print(json.dumps({"event": "values", "values": t.tolist()}), flush=True)
         elif command["cmd"] == "step":
             if "faults" in command:
-                averager.faults = FaultConfig.parse(command["faults"]) if command["faults"] else None
+                averager.links = FaultyLinks.parse(command["faults"]) if command["faults"] else PLAIN_LINKS
             started = time.monotonic()
             report = averager.step(weight=command.get("weight", 1.0), timeout=command.get("search_s"))
             print(json.dumps({"event": "report", "wall_s": time.monotonic() - started, "ended_at": time.time(),

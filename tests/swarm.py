@@ -10,8 +10,10 @@
 Any command line works (`swarm.spawn("join", ...)` / `swarm.run(...)`), so other subcommands can
 use the same helper. Processes start in their own session (`start_new_session=True`), and every
 process spawned, plus everything it spawns (its DHT process, p2pd), inherits an environment tag
-naming its swarm and process. Cleanup finds them by that tag in /proc, wherever they were
-re-parented, and SIGKILLs whatever did not exit after SIGTERM.
+naming its swarm and process. Cleanup SIGTERMs them, then SIGKILLs their process groups and whatever
+carries the tag in /proc, wherever it was re-parented. A killed test run (SIGKILL, `timeout`) runs no
+cleanup: for that, each swarm starts a `moshpeer.testing.orphans.Reaper` first, a watchdog that kills
+every process with the swarm's tag as soon as the test process is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from moshpeer.testing.orphans import ProcInfo, Reaper, all_processes, tagged_processes  # noqa: F401 (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
@@ -68,60 +72,9 @@ def forbidden_stderr(*, forget: bool = True) -> List[str]:
 # ---- /proc (Linux) ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ProcInfo:
-    pid: int
-    ppid: int
-    pgid: int
-    name: str
-    state: str  # one letter, as in /proc/PID/stat: R, S, D, Z (zombie), ...
-
-    @property
-    def alive(self) -> bool:
-        return self.state not in ("Z", "X")
-
-
-def _read_proc_info(pid: int) -> Optional[ProcInfo]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The name is in parentheses and may itself contain spaces or parentheses.
-    name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return ProcInfo(pid=pid, ppid=int(fields[1]), pgid=int(fields[2]), name=name, state=fields[0])
-
-
-def all_processes() -> List[ProcInfo]:
-    """Every process visible in /proc."""
-    infos = (_read_proc_info(int(entry)) for entry in os.listdir("/proc") if entry.isdigit())
-    return [info for info in infos if info is not None]
-
-
 def process_group(pgid: int) -> List[ProcInfo]:
     """Live members of process group `pgid`."""
     return [info for info in all_processes() if info.pgid == pgid and info.alive]
-
-
-def _environ_has(pid: int, key: str, value: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{key}={value}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def tagged_processes(key: str, value: str, *, include_zombies: bool = False) -> List[ProcInfo]:
-    """Processes whose environment holds `key=value` (children inherit it: DHT process, p2pd)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or not _environ_has(int(entry), key, value):
-            continue
-        info = _read_proc_info(int(entry))
-        if info is not None and (include_zombies or info.alive):
-            found.append(info)
-    return found
 
 
 def _kill_quietly(pid: int, sig: int) -> None:
@@ -331,6 +284,7 @@ class Swarm:
         pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
         self._counter = 0
+        self._reaper = Reaper(SWARM_TAG, self.tag)  # kills this swarm's processes if the test process dies
 
     def __enter__(self) -> "Swarm":
         return self
@@ -404,6 +358,7 @@ class Swarm:
                 proc.popen.wait()
             for reader in proc._readers:  # pipes reach EOF once every holder is gone
                 reader.join(timeout=1.0)
+        self._reaper.close()
         return survivors
 
     def _wait_until_gone(self, deadline: float) -> List[ProcInfo]:

@@ -7,15 +7,14 @@ is in test_averaging_swarm_byzantine.py.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 
 import pytest
 import torch
-from local_group import credentials, members as group_members
+from local_group import credentials, members as group_members, run_group
 
-from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, wire
+from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
+from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.aggregation import cap_weights, centered_clip, trimmed_mean
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression import get_compression
@@ -27,27 +26,12 @@ N, NUMEL, CHUNK = 4, 4096, 256
 
 
 def group_round(originals, faults, weights, aggregation: str, distrusted=()):
-    """One all-reduce of `originals` (one member per thread) -> (values, results)."""
-    planes = [DataPlane() for _ in originals]
-    members = group_members([p.address for p in planes], weights)
+    """One all-reduce of `originals` (one member per thread; member k's chunks through `faults[k]`, a FaultConfig
+    or None) -> (values, results)."""
     tensors = [x.clone() for x in originals]
-    results = [None] * len(originals)
-    tag = wire.allreduce_tag(os.urandom(20), 0)
-
-    def run(k: int) -> None:
-        results[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32,
-            credentials=credentials(tag, k), compression=get_compression("none"), chunk_numel=CHUNK,
-            deadline=time.monotonic() + 20.0, faults=faults[k], aggregation=aggregation, distrusted=distrusted,
-        ).run()
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(originals))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
-    for p in planes:
-        p.close()
+    results = run_group(tensors, weights=weights, chunk_numel=CHUNK, deadline_s=20.0, aggregation=aggregation,
+                        distrusted=distrusted,
+                        member_kwargs=lambda k: {"links": FaultyLinks(faults[k]) if faults[k] else PLAIN_LINKS})
     assert all(r is not None for r in results)
     return tensors, results
 

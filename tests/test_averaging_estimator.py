@@ -3,7 +3,7 @@
 import torch
 
 from averaging_stats import mean_within_bound, owner_pull
-from moshpeer.averaging.estimator import biased_estimate, combine_unbiased
+from moshpeer.averaging.estimator import biased_estimate, estimate_over_sum
 
 GROUP, VALUES, ROUNDS, LOSS = 4, 64, 1500, 0.1
 
@@ -23,7 +23,7 @@ def _simulate(estimator: str, seed: int = 0) -> list:
             a = float(sum(1.0 for i in others if arrived[i]))
             own = x[owner, owner].clone()
             if estimator == "unbiased":
-                est = combine_unbiased(own, 1.0, s, a, float(len(others)))
+                est = estimate_over_sum(own, 1.0, s, a, float(len(others)))
             else:
                 est = biased_estimate(own, 1.0, s, a)
             errors.append(float((est - exact[owner]).mean()))
@@ -45,11 +45,13 @@ def test_biased_estimator_fails_the_same_check():
 def test_exact_without_loss():
     own = torch.tensor([1.0, 2.0])
     others_sum = torch.tensor([2.0 * 3.0, 2.0 * 5.0])  # two others, weight 1 each, mean (3, 5)
-    est = combine_unbiased(own.clone(), 2.0, others_sum, 2.0, 2.0)  # own weight 2
-    assert torch.allclose(est, (2.0 * own + others_sum) / 4.0)
+    expected = (2.0 * own + others_sum) / 4.0
+    est = estimate_over_sum(own, 2.0, others_sum, 2.0, 2.0)  # own weight 2; written over the sum
+    assert est is others_sum and torch.allclose(est, expected)
+    assert torch.equal(own, torch.tensor([1.0, 2.0]))  # our value untouched until the caller accepts the estimate
 
 
 def test_nothing_arrived_keeps_own_value():
     own = torch.tensor([1.0, 2.0])
-    est = combine_unbiased(own.clone(), 1.0, torch.zeros(2), 0.0, 3.0)
-    assert torch.equal(est, own)
+    est = estimate_over_sum(own, 1.0, torch.zeros(2), 0.0, 3.0)
+    assert est is own and torch.equal(est, torch.tensor([1.0, 2.0]))

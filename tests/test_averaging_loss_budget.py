@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 
 import pytest
 import torch
 
-from local_group import credentials, members as group_members
+from local_group import credentials, members as group_members, run_group
 
-from moshpeer.averaging import DataPlane, FaultConfig, GroupAllReduce, wire
+from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
+from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.loss_budget import CRITICAL, NORMAL, LossBudget
 from moshpeer.compression import get_compression
 
@@ -88,29 +87,15 @@ def test_fixed_budget_never_changes():
 def _round(loss_budget: float, slow_delay: float = 0.15, faults=None, group_id: bytes = b""):
     """4 members in threads; member 3 sends every chunk `slow_delay` late (a lossy, retransmitting link),
     or, with `faults`, every member's outgoing chunks go through that FaultConfig."""
-    n, numel, chunk = 4, 4096, 64
-    planes = [DataPlane() for _ in range(n)]
-    members = group_members([p.address for p in planes])
-    tensors = [torch.randn(numel) + k for k in range(n)]
-    group_id = group_id or os.urandom(20)  # a fixed id replays the same fault decisions (their RNG is seeded by it)
-    results = [None] * n
+    tensors = [torch.randn(4096) + k for k in range(4)]
 
-    def run(k: int) -> None:
-        tag = wire.allreduce_tag(group_id, 0)
-        results[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=tag,
-            secret=b"s" * 32, credentials=credentials(tag, k), compression=get_compression("none"), chunk_numel=chunk,
-            deadline=time.monotonic() + 8.0, loss_budget=loss_budget,
-            faults=faults if faults is not None else (FaultConfig(delay_s=slow_delay) if k == 3 else None),
-        ).run()
+    def links(k: int) -> dict:
+        if faults is not None:
+            return {"links": FaultyLinks(faults)}
+        return {"links": FaultyLinks(FaultConfig(delay_s=slow_delay)) if k == 3 else PLAIN_LINKS}
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    for p in planes:
-        p.close()
+    results = run_group(tensors, group_id=group_id or None, chunk_numel=64, deadline_s=8.0, loss_budget=loss_budget,
+                        member_kwargs=links)
     return results, tensors
 
 

@@ -128,6 +128,11 @@ CASES = {
         "demo", lambda c: ("--compression", "bogus", "--out", str(c.tmp / "demo")),
         lambda c: "unknown compression 'bogus'",
     ),
+    "adaptive deadline floor above its cap": Case(
+        "join",
+        lambda c: ("--run-id", "r", "--host-maddrs", LOOPBACK, "--round-timeout", "2", "--min-round-timeout", "5"),
+        lambda c: "--min-round-timeout (5) must not exceed --round-timeout (2)",
+    ),
 }
 
 

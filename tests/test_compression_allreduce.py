@@ -3,19 +3,12 @@ result within the codec's documented bound of the exact weighted mean, and bit-i
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 
 import pytest
 import torch
 from compression_bounds import allreduce_error_bound, exact_mean
-from local_group import credentials, members as group_members
+from local_group import run_group
 
-from moshpeer.averaging import wire
-from moshpeer.averaging.allreduce import GroupAllReduce
-from moshpeer.averaging.dataplane import DataPlane
-from moshpeer.compression import get_compression
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,28 +17,8 @@ CODECS = ["none", "fp16", "bf16", "int8", "int4", "int4-int8", "int8:sr", "int4-
 
 def group_allreduce(spec: str, inputs, weights, chunk_numel: int, part_sizes=None):
     """One all-reduce of `inputs` (one member per thread; parts of `part_sizes`); returns (results, reports)."""
-    planes = [DataPlane() for _ in inputs]
-    members = group_members([plane.address for plane in planes], weights)
     tensors = [x.clone() for x in inputs]
-    reports = [None] * len(inputs)
-    tag = wire.allreduce_tag(os.urandom(20), 0)
-
-    def member(k: int) -> None:
-        reports[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"k" * 32, credentials=credentials(tag, k),
-            compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
-            part_sizes=part_sizes,
-        ).run()
-
-    threads = [threading.Thread(target=member, args=(k,)) for k in range(len(inputs))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        for plane in planes:
-            plane.close()
+    reports = run_group(tensors, weights=weights, compression=spec, chunk_numel=chunk_numel, part_sizes=part_sizes)
     assert all(r is not None for r in reports), "a member did not finish"
     return tensors, reports
 

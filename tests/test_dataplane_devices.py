@@ -10,17 +10,14 @@ sketches and selects on the GPU, and a round on CUDA tensors stages exactly its 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
-from local_group import credentials, members as group_members
+from local_group import run_group
 
 from moshpeer.averaging import handshake, wire
-from moshpeer.averaging.allreduce import GroupAllReduce
-from moshpeer.averaging.dataplane import DataPlane
-from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.faults import FaultConfig, FaultyLinks
+from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.staging import HostStaging
 from moshpeer.compression import get_compression
 from moshpeer.compression.arc_topk import ArcTopK, projection, select, sketch, to_rows
@@ -32,30 +29,13 @@ CUDA = torch.cuda.is_available()
 CODECS = ["none", "fp16", "int8", "int4", "int4-int8"]
 
 
-def two_member_allreduce(spec: str, inputs, *, staging=None, faults=None, chunk_numel: int = 1000):
+def two_member_allreduce(spec: str, inputs, *, staging=None, faults=PLAIN_LINKS, chunk_numel: int = 1000):
     """One all-reduce of two members (threads, real TCP data plane); returns (results, reports)."""
-    planes = [DataPlane() for _ in inputs]
-    members = group_members([plane.address for plane in planes], [1.0 + k for k in range(len(inputs))])
     tensors = [x.clone() for x in inputs]
-    reports = [None] * len(inputs)
-    tag = wire.allreduce_tag(bytes(20), 0)  # fixed: fault injection draws its drops from it
-
-    def member(k: int) -> None:
-        reports[k] = GroupAllReduce(
-            planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32,
-            credentials=credentials(tag, k),
-            compression=get_compression(spec), chunk_numel=chunk_numel, deadline=time.monotonic() + 30.0,
-            faults=faults, staging=staging() if staging else None).run()
-
-    threads = [threading.Thread(target=member, args=(k,)) for k in range(len(inputs))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        for plane in planes:
-            plane.close()
+    # A fixed group id: fault injection draws its drops from it.
+    reports = run_group(tensors, weights=[1.0 + k for k in range(len(inputs))], group_id=bytes(20), compression=spec,
+                        chunk_numel=chunk_numel, links=faults,
+                        member_kwargs=lambda k: {"staging": staging() if staging else None})
     assert all(r is not None for r in reports), "a member did not finish"
     return tensors, reports
 
@@ -76,7 +56,7 @@ def test_lookahead_staging_gives_the_same_bits_and_copies_nothing_on_cpu(spec):
 
 def test_lookahead_staging_with_dropped_chunks():
     """A chunk encoded ahead and then dropped by faults is discarded; the next one still goes out right."""
-    faults = FaultConfig(drop_prob=0.3, seed=5)
+    faults = FaultyLinks(FaultConfig(drop_prob=0.3, seed=5))
     plain, plain_reports = two_member_allreduce("int8", inputs_on("cpu"), faults=faults)
     ahead, _ = two_member_allreduce("int8", inputs_on("cpu"), faults=faults,
                                     staging=lambda: HostStaging(lookahead=True))

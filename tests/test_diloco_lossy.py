@@ -11,7 +11,7 @@ import torch
 
 from averaging_stats import mean_within_bound, owner_pull
 from averaging_worker import peer_values
-from moshpeer.averaging import FaultConfig, MoshpitAverager, Partition
+from moshpeer.averaging import FaultyLinks, MoshpitAverager, Partition
 from moshpeer.peer.diloco import OuterState
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +45,7 @@ def full_round(averagers, buffers, faults: str, attempts: int = 3) -> list:
         reports = [None] * PEERS
 
         def run(k: int) -> None:
-            averagers[k].faults = FaultConfig.parse(faults)
+            averagers[k].links = FaultyLinks.parse(faults)
             reports[k] = averagers[k].step(weight=1.0, timeout=30.0)
 
         threads = [threading.Thread(target=run, args=(k,)) for k in range(PEERS)]

@@ -138,33 +138,60 @@ def test_forged_states_fail_validation(dht_node):
         opt.shutdown()
 
 
-def test_cross_check_sets_aside_a_donor_that_disagrees(dht_node):
-    """Three donors: a forger one epoch ahead (asked first) and two honest ones. The forger's state is valid in
-    form but disagrees with the next donor's, so both are set aside; the newcomer takes the third donor's."""
+def _serve_states(dht_node, maddrs, states):
+    """A StateServer per (epoch, model), each on its own DHT node, advertised for the run."""
+    servers = []
+    for epoch, model in states:
+        dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
+        data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch})
+        server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity)
+        assert server.advertise(dht, epoch, expiration=300)
+        servers.append((server, dht))
+    return servers
+
+
+def _newcomer_seeing(dht_node, maddrs, count):
+    newcomer = dht_node(initial_peers=maddrs, run_ids=[RUN])
+    deadline = time.monotonic() + 30
+    while len(state_sync.list_state_offers(newcomer, RUN)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return newcomer
+
+
+def test_cross_check_prefers_an_epoch_two_donors_hold(dht_node):
+    """A forger claims an epoch ahead of two honest donors: the two honest ones, at one epoch, confirm each
+    other first, and the forger is never asked."""
     boot = dht_node(run_ids=[RUN])
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
     forged = {"w": honest["w"] * -3.0}
-    servers, dhts = [], []
+    servers = _serve_states(dht_node, maddrs, ((6, forged), (5, honest), (5, honest)))
     try:
-        for epoch, model in ((6, forged), (5, honest), (5, honest)):
-            dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
-            data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch})
-            server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity)
-            assert server.advertise(dht, epoch, expiration=300)
-            servers.append(server)
-            dhts.append(dht)
-        newcomer = dht_node(initial_peers=maddrs, run_ids=[RUN])
-        deadline = time.monotonic() + 30
-        while len(state_sync.list_state_offers(newcomer, RUN)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        newcomer = _newcomer_seeing(dht_node, maddrs, 3)
         downloaded = download_state(newcomer, RUN, timeout=30, show_progress=False)
-        assert torch.equal(downloaded.state["model"]["w"], honest["w"])
-        failed = [peer for peer, _ in downloaded.failed_donors]
-        assert dhts[0].identity.peer_id in failed and len(failed) == 2
-        assert all("disagree" in why for _, why in downloaded.failed_donors)
+        assert torch.equal(downloaded.state["model"]["w"], honest["w"]) and downloaded.epoch == 5
+        assert downloaded.donor != servers[0][1].identity.peer_id and downloaded.failed_donors == []
+        assert servers[0][0].served == 0  # the forger's state was never downloaded
     finally:
-        for server in servers:
+        for server, _ in servers:
+            server.shutdown()
+
+
+def test_a_disagreeing_pair_is_set_aside_and_the_download_fails_at_once(dht_node):
+    """A forger one epoch ahead and one honest donor disagree: both are set aside, and with no donor left
+    the download fails right away instead of waiting out its timeout."""
+    boot = dht_node(run_ids=[RUN])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
+    servers = _serve_states(dht_node, maddrs, ((6, {"w": honest["w"] * -3.0}), (5, honest)))
+    try:
+        newcomer = _newcomer_seeing(dht_node, maddrs, 2)
+        started = time.monotonic()
+        with pytest.raises(state_sync.StateDownloadFailed, match="disagree"):
+            download_state(newcomer, RUN, timeout=60, show_progress=False)
+        assert time.monotonic() - started < 20.0  # not the 60 s timeout
+    finally:
+        for server, _ in servers:
             server.shutdown()
 
 

@@ -1,6 +1,7 @@
 """bf16 and fp16 parameters through the real CLI (`moshpeer join --task gpt --device cpu`): two peers average
 in fp32 buffers on the parameters' device and end every full round with identical half-precision parameters;
-a bf16 peer's final checkpoint resumes bit for bit (bf16 state download: tests/test_devices.py). With CUDA (`cuda`
+a bf16 peer's final checkpoint resumes bit for bit (bf16 state download: tests/test_devices.py). Micro-batch
+gradients of half-precision parameters are accumulated in fp32 and cast back once. With CUDA (`cuda`
 marker), the same GPT trains on the GPU through `moshpeer join --device cuda`."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from training_swarm import events, start_trainers, wait_event
+
+from moshpeer.peer.optimizer import CollaborativeOptimizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,6 +68,30 @@ def test_bf16_final_checkpoint_resumes_bit_for_bit(swarm, tmp_path):
     assert resumed["params_digest"] == final["params_digest"] and resumed["epoch"] == final["epoch"] == 2
     done = wait_event(again, "done", timeout=120)
     assert done["epochs"] == 3 and again.wait_exit(30) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_accumulate_in_fp32(dht_node, dtype):
+    """Two micro-batches of gradient 1.0 with 256 and 1 samples: the epoch's mean gradient is exactly 1.0. Summed
+    in the parameters' dtype, 256 + 1 rounds to 256 in bf16 (8-bit mantissa) and the lone peer would step on
+    256/257; fp16 (11 bits) needs 2048 + 1 to show it. So the step must take p from 0 to exactly -1."""
+    big = 256 if dtype == torch.bfloat16 else 2048
+    assert torch.tensor(big, dtype=dtype) + 1 == big  # the sum that a half-precision accumulator gets wrong
+    dht = dht_node(run_ids=["half-acc"])
+    model = torch.nn.Linear(1, 1, bias=False).to(dtype)
+    torch.nn.init.zeros_(model.weight)
+    opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), run_id="half-acc", dht=dht, model=model,
+                                 target_batch_size=big + 1, matchmaking_time=0.5, round_timeout=5.0,
+                                 progress_refresh=0.2)
+    try:
+        assert all(acc.dtype == torch.float32 for acc in opt.grad_sums)
+        for samples in (big, 1):
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.step(batch_size=samples)
+        assert opt.local_epoch == 1 and [r.error for r in opt.rounds] == ["alone"]
+        assert model.weight.dtype == dtype and model.weight.item() == -1.0, model.weight
+    finally:
+        opt.shutdown()
 
 
 @pytest.mark.cuda

@@ -6,7 +6,8 @@ See docs/averaging.md.
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.dataplane import DataPlane
-from moshpeer.averaging.faults import FaultConfig
+from moshpeer.averaging.faults import FaultConfig, FaultyLinks
+from moshpeer.averaging.links import Links
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.relay import StreamRelay
@@ -16,8 +17,10 @@ __all__ = [
     "AllReduceResult",
     "DataPlane",
     "FaultConfig",
+    "FaultyLinks",
     "GroupAllReduce",
     "GroupMember",
+    "Links",
     "LossBudget",
     "MoshpitAverager",
     "Partition",

@@ -29,7 +29,6 @@ is expected from it and the report says so.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import socket
@@ -45,13 +44,13 @@ from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weight
                                             weight_cap_factor)
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
-from moshpeer.averaging.estimator import combine_unbiased
-from moshpeer.averaging.faults import MAX_RETRANSMISSIONS, ChunkFaults, FaultConfig
+from moshpeer.averaging.estimator import estimate_over_sum
+from moshpeer.averaging.links import PLAIN_LINKS, ChunkStream, Links, StreamSpec
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
 from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
-from moshpeer.compression.codec import Compression, NoCompression
+from moshpeer.compression.codec import Compression, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +104,23 @@ class _Outbound:
 
 
 @dataclass
+class _PhaseStream:
+    """The real `ChunkStream` of one phase on our connection to a member: frames, counted in `stats`."""
+
+    link: _Outbound
+    stats: PhaseStats
+    closing: Callable[[], bool]
+
+    def send(self, header: bytes, data) -> None:
+        self.link.send(header, data)
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += len(header) + len(data) + handshake.MAC_BYTES
+
+    def end(self, marker: bytes) -> None:
+        self.link.send(marker)
+
+
+@dataclass
 class AllReduceResult:
     reduce: PhaseStats
     gather: PhaseStats
@@ -138,6 +154,8 @@ class GroupAllReduce:
         wire.tag_group(tag), my_index)`); every member's `peer_id` must be its libp2p peer id
     :param deadline: absolute `time.monotonic()` by which everything ends; reduce_deadline: by which
         owners stop waiting for contributions (defaults to 60% of the way to `deadline`)
+    :param links: how our chunks reach the wire (links.py): the real transport by default; a wrapper such as
+        `faults.FaultyLinks` injects faults
     :param loss_budget: DBLP budget P: stop waiting once at most this fraction of a phase's chunks is missing
         (0 = wait for everything until the deadlines)
     :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
@@ -165,7 +183,7 @@ class GroupAllReduce:
         chunk_numel: int,
         deadline: float,
         reduce_deadline: Optional[float] = None,
-        faults: Optional[FaultConfig] = None,
+        links: Links = PLAIN_LINKS,
         loss_budget: float = 0.0,
         relay: Optional[RelayConnect] = None,
         force_relay: bool = False,
@@ -185,7 +203,8 @@ class GroupAllReduce:
         if credentials.index != my_index or credentials.group_prefix != wire.tag_group(tag):
             raise ValueError("credentials were made for another group or member index")
         self.credentials = credentials
-        self.compression, self.faults, self.loss_budget = compression, faults, loss_budget
+        self.compression, self.loss_budget = compression, loss_budget
+        self.links = links.for_allreduce()
         self.deadline = deadline
         self.relay, self.force_relay = relay, force_relay
         if force_relay and relay is None:
@@ -235,7 +254,6 @@ class GroupAllReduce:
         self.relayed: List[int] = []
         self.reduce, self.gather = PhaseStats(), PhaseStats()
         self.rejected_messages = 0
-        self.fault_counter = [0]
         self._sockets: List[socket.socket] = []
         self._uplink: Optional[UplinkMeter] = None
         self._threads: List[threading.Thread] = []
@@ -390,16 +408,18 @@ class GroupAllReduce:
         start, end = self.partition.chunk_range(me, c)
         part_start = self.partition.part_starts[me]
         values = self.flat[start:end]
-        own = values.clone()
+        # The average is computed beside our value and checked before it replaces it (no copy of our value).
         if self.contributions is None:
-            combine_unbiased(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
-                             self.arrived_weight[c], sum(self.weights[i] for i in present))
+            average = estimate_over_sum(values, self.weights[me], self.others_sum[start - part_start : end - part_start],
+                                        self.arrived_weight[c], sum(self.weights[i] for i in present))
         else:
-            self._combine_robust(c, values, start - part_start, end - part_start)
-        if not bool(torch.isfinite(values).all()):  # e.g. finite contributions that overflow in the sum
-            values.copy_(own)
-            self.nonfinite_averages += 1
-            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
+            average = self._combine_robust(c, values, start - part_start, end - part_start)
+        if average is not values:
+            if all_finite(average):  # e.g. finite contributions can overflow in the sum
+                values.copy_(average)
+            else:
+                self.nonfinite_averages += 1
+                logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
         self._encode_gather_chunk(c, start, end)
         self.finalized[c] = True
         with self.cond:
@@ -408,19 +428,20 @@ class GroupAllReduce:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
 
-    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> None:
-        """With chunk lock c held: CenteredClip or trimmed mean of our value and every contribution that arrived."""
+    def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """With chunk lock c held: CenteredClip or trimmed mean of our value (`values`) and every contribution that
+        arrived -> the aggregate (`values` itself when nothing arrived)."""
         me = self.my_index
         rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
         if len(rows) == 1:
-            return
+            return values
         self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
         stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
         weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
         result, flagged = robust_combine(self.aggregation, stacked, weights)
-        values.copy_(result)
         for i, hit in zip(rows, flagged.tolist()):
             self.flagged[i] += int(hit)
+        return result
 
     def _encode_gather_chunk(self, c: int, start: int, end: int) -> None:
         """Encode finalized chunk c of our part for the all-gather and replace our values by the decoded ones."""
@@ -547,12 +568,13 @@ class GroupAllReduce:
             self.cond.notify_all()
         self._finalize_ready_chunks(range(self.num_my_chunks))
 
-    def _make_faults(self, j: int, phase: str) -> Optional[ChunkFaults]:
-        if self.faults is None:
-            return None
-        stream_seed = int.from_bytes(self.tag[:4], "big") * 64 + self.my_index * 8 + j * 2 + (phase == "gather")
-        return ChunkFaults(self.faults, phase, stream_seed, self.fault_counter,
-                           droppable=self._allowance_share(j, phase), selective=self.loss_budget > 0)
+    def _stream(self, link: _Outbound, j: int, phase: str) -> ChunkStream:
+        """Our stream of `phase` to member j, through `self.links` (the real one unless a wrapper was injected)."""
+        stats, deadline = (self.reduce, self.reduce_deadline) if phase == "reduce" else (self.gather, self.deadline)
+        spec = StreamSpec(round_seed=int.from_bytes(self.tag[:4], "big"), sender=self.my_index, receiver=j,
+                          phase=phase, deadline=deadline, droppable=self._allowance_share(j, phase),
+                          selective=self.loss_budget > 0)
+        return self.links.stream(_PhaseStream(link, stats, lambda: self._closing), spec)
 
     def _allowance_share(self, j: int, phase: str) -> int:
         """DBLP's budget is per receiver and phase: receiver j may miss floor(P x every chunk it expects
@@ -567,113 +589,55 @@ class GroupAllReduce:
         rank = senders.index(self.my_index)
         return allowance // len(senders) + (1 if rank < allowance % len(senders) else 0)
 
-    def _send_chunk(self, link: _Outbound, faults, stats: PhaseStats, phase: int, part: int, chunk: int, codec,
-                    resends: list, outbox: Outbox, staged: dict, lookahead: Optional[int] = None) -> bool:
-        """Encode and send one chunk (unless faults drop it: a dropped chunk to be resent later goes to
-        `resends`); False once this peer is silenced. `staged`: chunks of this stream already encoded and on
-        their way to host memory; with a device outbox, chunk `lookahead` is encoded and staged before this
-        one is sent, so its copy overlaps with this send."""
+    def _send_chunk(self, stream: ChunkStream, phase: int, part: int, chunk: int, codec, outbox: Outbox,
+                    staged: dict, lookahead: Optional[int] = None) -> None:
+        """Encode and send one chunk. `staged`: chunks of this stream already encoded and on their way to host
+        memory; with a device outbox, chunk `lookahead` is encoded and staged before this one is sent, so its
+        copy overlaps with this send."""
         ready = staged.pop(chunk, None)
-        if faults is not None:
-            if faults.silenced():
-                return False
-            drop, delay = faults.before_chunk()
-            if delay > 0:
-                time.sleep(delay)
-            if drop:
-                stats.chunks_dropped_by_faults += 1
-                if faults.resend_after > 0:  # selective resend: keep the bytes, send them when due
-                    payload = (outbox.payload_of(ready) if ready is not None
-                               else self._encode_chunk(phase, part, chunk, codec)).clone()
-                    resends.append((time.monotonic() + faults.resend_after, phase, part, chunk, payload))
-                return True
         if ready is None:
             ready = outbox.prepare(self._encode_chunk(phase, part, chunk, codec))
         if outbox.lookahead and lookahead is not None and lookahead not in staged:
             staged[lookahead] = outbox.prepare(self._encode_chunk(phase, part, lookahead, codec))
-        self._transmit(link, stats, phase, part, chunk, outbox.host_bytes(ready))
-        return True
+        data = outbox.host_bytes(ready)
+        stream.send(wire.pack_header(phase, part, chunk, len(data), self.tag), data)
 
     def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
         payload = self._gather_payloads[chunk] if phase == wire.PHASE_GATHER and part == self.my_index else None
         if payload is None:
             start, end = self.partition.chunk_range(part, chunk)
-            values = self.flat[start:end]
-            if phase == wire.PHASE_REDUCE and self.faults is not None:
-                values = self.faults.hostile(values)  # a byzantine fault replaces what we contribute
-            payload = codec.encode(values, seed=self._chunk_seed(part, chunk))
+            payload = codec.encode(self.flat[start:end], seed=self._chunk_seed(part, chunk))
         return payload
 
-    def _transmit(self, link: _Outbound, stats: PhaseStats, phase: int, part: int, chunk: int,
-                  data: memoryview) -> None:
-        link.send(wire.pack_header(phase, part, chunk, len(data), self.tag), data)
-        stats.chunks_sent += 1
-        stats.bytes_sent += wire.HEADER.size + len(data) + handshake.MAC_BYTES
-        self.fault_counter[0] += 1
-
-    def _send_resends(self, link: _Outbound, faults, stats: PhaseStats, resends: list, deadline: float,
-                      outbox: Outbox) -> None:
-        """DBLP's selective resends of this stream, each when its retransmission timeout is due (before
-        the end-of-phase marker: the receiver waits for them, within its budget and the deadline); a
-        resend lost again is due one more timeout later."""
-        queue = [(due, k, item) for k, (due, *item) in enumerate(resends)]
-        heapq.heapify(queue)
-        tries = 0
-        while queue and tries < MAX_RETRANSMISSIONS * len(resends):
-            due, k, (phase, part, chunk, payload) = heapq.heappop(queue)
-            if due > deadline or self._closing:
-                return
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            tries += 1
-            if faults.resend_lost():
-                heapq.heappush(queue, (time.monotonic() + faults.config.retransmit_s, k, (phase, part, chunk, payload)))
-                continue
-            self._transmit(link, stats, phase, part, chunk, outbox.host_bytes(outbox.prepare(payload)))
-
-    def _send_marker(self, link: _Outbound, faults, phase: int) -> None:
-        if faults is not None and faults.silenced():
-            return
-        link.send(wire.pack_header(phase, 0, 0, 0, self.tag))
-
     def _send_reduce(self, link: _Outbound, j: int) -> None:
-        faults = self._make_faults(j, "reduce")
-        codec = self.compression.reduce_codec
-        resends: list = []
+        stream = self._stream(link, j, "reduce")
+        codec = self.links.contribution_codec(self.compression.reduce_codec)
         outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
         num_chunks = self.partition.num_chunks(j)
         for c in range(num_chunks):
             if time.monotonic() > self.reduce_deadline:
                 break
-            ok = self._send_chunk(link, faults, self.reduce, wire.PHASE_REDUCE, j, c, codec, resends, outbox, staged,
-                                  lookahead=c + 1 if c + 1 < num_chunks else None)
+            self._send_chunk(stream, wire.PHASE_REDUCE, j, c, codec, outbox, staged,
+                             lookahead=c + 1 if c + 1 < num_chunks else None)
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
-            if not ok:
-                return
         with self.cond:
-            self.sent_progress[j] = _DONE  # a chunk waiting for its resend keeps its own copy of the bytes
+            self.sent_progress[j] = _DONE  # a stream that holds chunks back (to resend them) keeps their bytes
             self.cond.notify_all()
-        self._send_resends(link, faults, self.reduce, resends, self.reduce_deadline, outbox)
-        self._send_marker(link, faults, wire.PHASE_END_REDUCE)
+        stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.tag))
 
     def _send_gather(self, link: _Outbound, j: int) -> None:
-        faults = self._make_faults(j, "gather")
+        stream = self._stream(link, j, "gather")
         codec = self.compression.gather_codec
-        resends: list = []
         outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
         for c in range(self.num_my_chunks):
             if not self._wait_finalized_watching(link, j, c):
                 return
             # Stage the next chunk early only if it is already averaged (finalized chunks never change).
             ahead = c + 1 if c + 1 < self.num_my_chunks and self.finalized[c + 1] else None
-            if not self._send_chunk(link, faults, self.gather, wire.PHASE_GATHER, self.my_index, c, codec, resends,
-                                    outbox, staged, lookahead=ahead):
-                return
-        self._send_resends(link, faults, self.gather, resends, self.deadline, outbox)
-        self._send_marker(link, faults, wire.PHASE_END_GATHER)
+            self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, outbox, staged, lookahead=ahead)
+        stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.tag))
 
     # ---- receiving ----------------------------------------------------------------------------
 

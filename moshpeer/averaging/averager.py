@@ -54,9 +54,10 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
 from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.adaptive_deadlines import RoundDeadlines
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
-from moshpeer.averaging.faults import FaultConfig
 from moshpeer.averaging.handshake import RoundCredentials
+from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.private import admits_follower, dataplane_check, filter_leaders, outsider_in_group
@@ -77,6 +78,8 @@ NONCE_BYTES = 16
 # Past its search end, how much longer than request_timeout a committed peer waits for its group
 # (event-loop and network latency of the leader's BEGIN_ALLREDUCE; see the module docstring).
 ASSEMBLY_GRACE_S = 1.0
+# A data plane that took this much of its budget ran into its deadline (the owners stop waiting at 60 %).
+DEADLINE_HIT_FRACTION = 0.9
 COMMITMENT_POLL_S = 0.02
 # A join request we could only accept after this fraction of request_timeout is refused (see rpc_join_group):
 # the asker's own wait started earlier and the answer still has to travel back.
@@ -167,6 +170,11 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
     return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag)
 
 
+def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """fp32 bytes a round averages, before compression: what its deadline's history is keyed by."""
+    return 4 * sum(t.numel() for t in tensors)
+
+
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
     """Peers only group with peers that average the same shapes with the same codec and chunking."""
     h = hashlib.blake2b(digest_size=20, person=b"moshpeer-schema")
@@ -194,7 +202,12 @@ class MoshpitAverager(ServicerBase):
     :param matchmaking_time: how long a peer waits for others to join its group
     :param request_timeout: matchmaking request timeout (default: matchmaking_time / 2)
     :param round_timeout: absolute budget of the data plane of one round (reduce-scatter ends at 60% of it)
-    :param faults: fault injection for this peer's outgoing chunks (tests, benchmarks, `join --faults`); None: none
+    :param min_matchmaking_time, min_round_timeout: floors of the adaptive deadlines: with them, each round's
+        matchmaking window and data-plane budget come from the assembly and round times this averager
+        measured (median + k MAD, see `adaptive_deadlines`), between these floors and `matchmaking_time` /
+        `round_timeout` as caps. None (default): that deadline is fixed at its cap
+    :param links: how this peer's chunks reach the wire (`averaging/links.py`): the real transport by default;
+        `FaultyLinks(FaultConfig(...))` injects faults into its outgoing chunks (tests, benchmarks, `join --faults`)
     :param host: address of the data-plane listener, announced to group mates
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
     :param start: start the background loop now (else call `start()`)
@@ -235,7 +248,9 @@ class MoshpitAverager(ServicerBase):
         matchmaking_time: float = 3.0,
         request_timeout: Optional[float] = None,
         round_timeout: float = 30.0,
-        faults: Optional[FaultConfig] = None,
+        min_matchmaking_time: Optional[float] = None,
+        min_round_timeout: Optional[float] = None,
+        links: Links = PLAIN_LINKS,
         host: str = "127.0.0.1",
         client_mode: bool = False,
         start: bool = True,
@@ -275,8 +290,15 @@ class MoshpitAverager(ServicerBase):
         self.compression = get_compression(compression)
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
+        try:
+            self.deadlines = RoundDeadlines(
+                matchmaking_floor=min_matchmaking_time or matchmaking_time, matchmaking_cap=matchmaking_time,
+                round_floor=min_round_timeout or round_timeout, round_cap=round_timeout)
+        except ValueError:
+            raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
+                            f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.faults = faults
+        self.links = links
         self.client_mode = client_mode
         if transport not in TRANSPORTS:
             raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -497,7 +519,8 @@ class MoshpitAverager(ServicerBase):
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
             accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see the
-            module docstring); the data plane then has `round_timeout` from the group's assembly
+            module docstring); the data plane then has the deadline in force from the group's assembly (`round_timeout`, or
+            the adaptive one between `min_round_timeout` and it)
         :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
@@ -516,12 +539,18 @@ class MoshpitAverager(ServicerBase):
         if self._loop is None or not self._ready.is_set():
             raise UserError("averager is not started")
         tensors = self._round_tensors(tensors)
-        window = matchmaking_time if matchmaking_time is not None else self.matchmaking_time
+        target = target_group_size or self.target_group_size
+        payload = _payload_bytes(tensors)
+        # The deadlines in force: what this averager measured, between the floors and the caps; a caller's
+        # window (e.g. up to a compute-budget deadline) is an upper bound on top.
+        window = self.deadlines.matchmaking_window(target)
+        if matchmaking_time is not None:
+            window = min(window, matchmaking_time)
         search_s = max(timeout if timeout is not None else 5 * window, window)
-        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout)
+        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout,
+                                              data_s=self.deadlines.round_deadline(target, payload))
         future = RoundFuture(deadline)
-        round_args = (deadline, float(weight), window, target_group_size or self.target_group_size, tensors,
-                      tuple(averaged))
+        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
         try:
             self._rounds.submit(self._run_round, future, *round_args)
         except RuntimeError:  # the executor is shut down
@@ -532,9 +561,25 @@ class MoshpitAverager(ServicerBase):
         if not future.set_running_or_notify_cancel():
             return  # cancelled before it started
         try:
-            future.set_result(self._round(*round_args))
+            result = self._round(*round_args)
+            _, _, _, target, tensors, _ = round_args
+            self._learn_deadlines(result, target=target, payload=_payload_bytes(tensors))
+            future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
+
+    def _learn_deadlines(self, result: RoundResult, *, target: int, payload: int) -> None:
+        """Feed a finished round's assembly time (a full group only) and data-plane time (not when a member
+        sent nothing at all: that says when the others gave up, not how long rounds take) to the adaptive
+        deadlines."""
+        if not result.group_id:
+            return  # no group: the window ran out, which says nothing about how long assembly takes
+        self.deadlines.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
+        if result.ok:
+            self.deadlines.observe_round(
+                result.group_size, payload, result.total_s,
+                hit_deadline=result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s,
+                member_died=bool(result.departed or result.absent))
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
                tensors: List[torch.Tensor], averaged: Tuple[str, ...]) -> RoundResult:
@@ -544,7 +589,7 @@ class MoshpitAverager(ServicerBase):
         search_end = deadline.dht_time(deadline.search_end)
         request = _StepRequest(
             data_for_gather=_pack_member_info(
-                host, port, self.faults.declared_weight(weight) if self.faults else weight, nonce,
+                host, port, self.links.declared_weight(weight), nonce,
                 (self.loss_budget.budget, self.loss_budget.phase),
                 (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                 self.admission.tag(self.identity.peer_id)),
@@ -570,7 +615,8 @@ class MoshpitAverager(ServicerBase):
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
         common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started,
-                      compression=self.compression_spec)
+                      compression=self.compression_spec, matchmaking_window_s=window,
+                      round_deadline_s=deadline.budget_s)
         if group is None:
             if "error" in outcome:
                 logger.warning(f"matchmaking: {outcome['error']}")
@@ -607,13 +653,15 @@ class MoshpitAverager(ServicerBase):
                                group_bits=bits_before, coordinates=self.coordinates, **ids, **common)
         logger.info(f"round {group_id[:8]}: group of {group.group_size} assembled in {common['matchmaking_s']:.2f} s, "
                     f"my index {ids['my_index']}")
-        # The data plane has round_timeout from now, never past the round's end.
-        data_deadline = min(time.monotonic() + self.round_timeout, deadline.end)
+        # The data plane has the round's data budget from now, never past the round's end.
+        assembled = time.monotonic()
+        data_deadline = min(assembled + deadline.data_s, deadline.end)
         loss_budget, loss_phase, data, extra = self._average_with_group(group, members, ids["my_index"], tensors,
                                                                           data_deadline)
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
-                           loss_phase=loss_phase, aggregation=self.aggregation, **extra, **ids, **common,
+                           loss_phase=loss_phase, aggregation=self.aggregation, data_deadline_s=data_deadline - assembled,
+                           **extra, **ids, **common,
                            **{f.name: getattr(data, f.name) for f in fields(data) if f.name not in ("flagged", "contributed")})
 
     def _committed(self) -> bool:
@@ -693,7 +741,7 @@ class MoshpitAverager(ServicerBase):
                 compression=self.compression,
                 chunk_numel=self.chunk_numel,
                 deadline=deadline,
-                faults=self.faults,
+                links=self.links,
                 loss_budget=loss_budget or 0.0,
                 relay=self._relay.connect if self._relay is not None else None,
                 force_relay=self.transport == "libp2p",

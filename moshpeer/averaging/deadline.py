@@ -2,9 +2,10 @@
 
 `MoshpitAverager.step()` computes a `RoundDeadline` from its settings before anything else and passes it
 down: matchmaking stops looking at `search_end`, a peer committed to a group waits for it until
-`assembly_end`, and nothing of the round runs past `end` (the data plane has `round_timeout` from the
-group's assembly, which is always before `assembly_end`, and is capped at `end`). No layer below adds
-its own margin. `step(wait=False)` returns a `RoundFuture`, resolved by `deadline.end` plus the time
+`assembly_end`, and nothing of the round runs past `end`. The data plane has `data_s` from the group's
+assembly, capped at `end`; `data_s` is the adaptive deadline in force (`adaptive_deadlines`), `end` is
+`assembly_end` plus the `round_timeout` cap, so an event loop stalled by a loaded machine that delivers
+the group late still gets to run it. No layer below adds its own margin. `step(wait=False)` returns a `RoundFuture`, resolved by `deadline.end` plus the time
 the round needs to write its result back.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from hivemind.utils import get_dht_time
 
@@ -25,13 +27,24 @@ class RoundDeadline:
     assembly_end: float  # a peer accepted by a leader (or leading followers) waits for its group until then
     end: float  # nothing of the round runs past this
     dht_offset: float  # get_dht_time() - time.monotonic(), for matchmaking, which speaks DHT time
+    started: float = 0.0  # when the deadline was computed
+    data_s: float = 0.0  # the data plane's budget from the group's assembly (never past `end`)
 
     @classmethod
-    def starting_now(cls, search_s: float, grace_s: float, round_timeout: float) -> "RoundDeadline":
-        """Search for `search_s`, wait `grace_s` longer while committed, then `round_timeout` for the data plane."""
+    def starting_now(cls, search_s: float, grace_s: float, round_timeout: float,
+                     data_s: Optional[float] = None) -> "RoundDeadline":
+        """Search for `search_s`, wait `grace_s` longer while committed, then `data_s` (default: all of
+        `round_timeout`, the cap) for the data plane; nothing runs past `round_timeout` after the grace."""
         now = time.monotonic()
         return cls(search_end=now + search_s, assembly_end=now + search_s + grace_s,
-                   end=now + search_s + grace_s + round_timeout, dht_offset=get_dht_time() - now)
+                   end=now + search_s + grace_s + round_timeout, dht_offset=get_dht_time() - now, started=now,
+                   data_s=min(data_s, round_timeout) if data_s is not None else round_timeout)
+
+    @property
+    def budget_s(self) -> float:
+        """The round's budget in force (seconds from when it was computed): search, assembly grace and
+        `data_s`. Past it only a group delivered late by a stalled event loop can run (up to `end`)."""
+        return self.assembly_end + self.data_s - self.started
 
     def dht_time(self, monotonic: float) -> float:
         """`monotonic` (one of this deadline's times) in DHT time."""

@@ -24,16 +24,16 @@ from __future__ import annotations
 import torch
 
 
-def combine_unbiased(
+def estimate_over_sum(
     own: torch.Tensor, own_weight: float, arrived_sum: torch.Tensor, arrived_weight: float, others_weight: float
 ) -> torch.Tensor:
-    """The estimate above, written into `own` in place (and returned). `arrived_sum` = S (weighted sum)."""
+    """The estimate above, written over `arrived_sum` (S, the weighted sum: scratch once a chunk is final) and
+    returned, so that `own` stays intact until the caller has checked the result. Returns `own` itself when
+    nothing arrived (or no others are left): then our own value is the estimate."""
     total = own_weight + others_weight
     if arrived_weight <= 0 or others_weight <= 0 or total <= 0:
-        return own  # no information about the others (or no others left): keep own value
-    # own <- (w_o * own + (W / a) * S) / (w_o + W)
-    own.mul_(own_weight / total).add_(arrived_sum, alpha=others_weight / (arrived_weight * total))
-    return own
+        return own
+    return arrived_sum.mul_(others_weight / (arrived_weight * total)).add_(own, alpha=own_weight / total)
 
 
 def biased_estimate(

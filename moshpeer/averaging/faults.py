@@ -1,11 +1,14 @@
-"""Fault injection inside the real transport: dropped, delayed and burst-lost chunks, a peer that goes silent,
-a hostile (byzantine) peer.
+"""Fault injection as a wrapper around the real transport: dropped, delayed and burst-lost chunks, a peer
+that goes silent, a hostile (byzantine) peer.
 
-The sender consults a `ChunkFaults` before every chunk it puts on the wire. With `faults=None`
-(the default) the transport never builds one, so normal runs pay nothing. Decisions come from a
-seeded RNG per (round, destination, phase), so a test can replay a run exactly.
+`FaultyLinks(FaultConfig(...))` is a `moshpeer.averaging.links.Links`: it wraps each chunk stream of a round
+(`FaultyStream`: decides per chunk, with `ChunkFaults`, whether to pass it to the real stream now, later or
+never), the codec this peer's contributions are encoded with (`HostileCodec`), and the weight it declares.
+The all-reduce and the averager contain no fault logic: they use whatever `Links` they were handed. Without
+one (the default) nothing is wrapped and normal runs pay nothing. Decisions come from a seeded RNG per
+(round, sender, receiver, phase), so a test can replay a run exactly.
 
-Faults are always configured explicitly: `MoshpitAverager(faults=FaultConfig(...))`, or
+Faults are always configured explicitly: `MoshpitAverager(links=FaultyLinks(FaultConfig(...)))`, or
 `moshpeer join --faults drop=0.1,delay=0.002,phases=reduce` (`FaultConfig.parse`). Production code reads
 no environment variable for them.
 
@@ -17,13 +20,16 @@ aggregators' reach).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
+import time
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
+from moshpeer.averaging.links import ChunkStream, Links, StreamSpec
 from moshpeer.errors import UserError
 
 PHASES = ("reduce", "gather")
@@ -139,7 +145,7 @@ MAX_RETRANSMISSIONS = 16
 
 
 class ChunkFaults:
-    """Per-connection fault state: call `before_chunk()` before each chunk; it sleeps and/or says drop.
+    """Per-stream fault decisions: `before_chunk()` before each chunk says whether it is lost and how long to wait.
 
     :param droppable: with `retransmit_s`, how many chunks of this stream the sender may leave lost
         instead of resending them (this stream's share of the receiver's loss allowance)
@@ -208,3 +214,102 @@ class ChunkFaults:
             self.burst_left = max(cfg.burst_len - 1, 0)
             return cfg.burst_loss >= 1.0 or self.rng.random() < cfg.burst_loss
         return cfg.drop_prob > 0 and self.rng.random() < cfg.drop_prob
+
+
+class HostileCodec:
+    """A reduce codec that encodes `config.hostile(values)` instead of this peer's contribution (a byzantine
+    sender); everything else is the wrapped codec's."""
+
+    def __init__(self, codec, config: FaultConfig):
+        self.codec, self.config = codec, config
+
+    def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        return self.codec.encode(self.config.hostile(chunk), seed=seed)
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+
+class FaultyStream:
+    """Wraps the real stream of one phase to one member: each chunk is passed on now (after the configured
+    delay), dropped, or, on a selective (DBLP) link, kept and resent after its retransmission timeout, before
+    the end-of-phase marker. A silenced peer passes nothing on, markers included."""
+
+    def __init__(self, inner: ChunkStream, faults: ChunkFaults, deadline: float):
+        self.inner, self.faults, self.deadline = inner, faults, deadline
+        self.stats = inner.stats
+        # (due time, order, header, a copy of the payload: the vector it came from changes in the gather)
+        self._resends: List[Tuple[float, int, bytes, bytes]] = []
+
+    def closing(self) -> bool:
+        return self.inner.closing()
+
+    def send(self, header: bytes, data) -> None:
+        if self.faults.silenced():
+            return
+        drop, delay = self.faults.before_chunk()
+        if delay > 0:
+            time.sleep(delay)
+        if not drop:
+            return self._transmit(header, data)
+        self.stats.chunks_dropped_by_faults += 1
+        if self.faults.resend_after > 0:  # selective resend: keep the bytes, send them when due
+            due = time.monotonic() + self.faults.resend_after
+            self._resends.append((due, len(self._resends), header, bytes(data)))
+
+    def end(self, marker: bytes) -> None:
+        self._send_resends()
+        if not self.faults.silenced():
+            self.inner.end(marker)
+
+    def _transmit(self, header: bytes, data) -> None:
+        self.inner.send(header, data)
+        self.faults.sent_in_round[0] += 1
+
+    def _send_resends(self) -> None:
+        """DBLP's selective resends, each when its timeout is due (the receiver waits for them, within its
+        budget and the deadline); a resend lost again is due one more timeout later."""
+        queue, budget = list(self._resends), MAX_RETRANSMISSIONS * len(self._resends)
+        heapq.heapify(queue)
+        while queue and budget > 0:
+            due, order, header, data = heapq.heappop(queue)
+            if due > self.deadline or self.closing() or self.faults.silenced():
+                return
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            budget -= 1
+            if self.faults.resend_lost():
+                heapq.heappush(queue, (time.monotonic() + self.faults.config.retransmit_s, order, header, data))
+                continue
+            self._transmit(header, data)
+
+
+class FaultyLinks(Links):
+    """The real transport with `config`'s faults injected into this peer's outgoing chunks (see module doc)."""
+
+    def __init__(self, config: FaultConfig, _sent_in_round: Optional[list] = None):
+        self.config = config
+        self._sent_in_round = _sent_in_round if _sent_in_round is not None else [0]
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultyLinks":
+        """`FaultyLinks(FaultConfig.parse(text))`: the CLI's syntax; UserError with one line on a bad spec."""
+        return cls(FaultConfig.parse(text))
+
+    def declared_weight(self, weight: float) -> float:
+        return self.config.declared_weight(weight)
+
+    def contribution_codec(self, codec):
+        hostile = self.config.byzantine_value is not None or self.config.byzantine_scale is not None
+        return HostileCodec(codec, self.config) if hostile else codec
+
+    def for_allreduce(self) -> "FaultyLinks":
+        # `stop_after_chunks` counts every chunk this peer sends in the all-reduce, over all its streams.
+        return FaultyLinks(self.config, [0])
+
+    def stream(self, inner: ChunkStream, spec: StreamSpec) -> ChunkStream:
+        seed = spec.round_seed * 64 + spec.sender * 8 + spec.receiver * 2 + (spec.phase == "gather")
+        faults = ChunkFaults(self.config, spec.phase, seed, self._sent_in_round, droppable=spec.droppable,
+                             selective=spec.selective)
+        return FaultyStream(inner, faults, spec.deadline)

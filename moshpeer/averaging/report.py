@@ -51,6 +51,10 @@ class RoundResult:
     error: Optional[str] = None
     loss_budget: Optional[float] = None  # DBLP budget P the group applied
     loss_phase: Optional[str] = None
+    # ---- the deadlines in force (adaptive: see moshpeer/averaging/adaptive_deadlines.py) ----
+    matchmaking_window_s: float = 0.0  # how long the group was given to fill
+    round_deadline_s: float = 0.0  # the whole round's budget: search, assembly grace and data plane
+    data_deadline_s: float = 0.0  # the data plane's budget from the group's assembly (0 without a group)
     # ---- data plane (GroupAllReduce; summed over the all-reduces of the round) ----
     reduce: PhaseStats = field(default_factory=PhaseStats)
     gather: PhaseStats = field(default_factory=PhaseStats)

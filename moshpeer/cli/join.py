@@ -129,9 +129,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--wait-peers", type=positive_float, default=60.0, metavar="S",
                        help="how long to wait for --min-peers (default: 60)")
     group.add_argument("--matchmaking-time", type=positive_float, default=1.0, metavar="S",
-                       help="how long to look for an averaging group (default: 1)")
+                       help="longest wait for an averaging group to fill; the window in force adapts to the "
+                       "assembly times this peer measured (default: 1)")
     group.add_argument("--round-timeout", type=positive_float, default=10.0, metavar="S",
-                       help="deadline of one averaging round after matchmaking (default: 10)")
+                       help="longest deadline of a round's data plane after matchmaking; the deadline in force "
+                       "adapts to the round times this peer measured (default: 10)")
+    group.add_argument("--min-matchmaking-time", type=positive_float, metavar="S",
+                       help="shortest adaptive matchmaking window (default: --matchmaking-time, a fixed window: "
+                       "on a loaded machine a tighter window formed fewer full groups)")
+    group.add_argument("--min-round-timeout", type=positive_float, metavar="S",
+                       help="shortest adaptive round deadline (default: 1, or --round-timeout if shorter; equal to "
+                       "--round-timeout: a fixed deadline)")
     group.add_argument("--seed", type=int, metavar="N", help="data shuffle seed (default: from the peer id)")
     group.add_argument("--straggler", metavar="SPEC",
                        help="inject compute delays per micro-batch, e.g. lognormal:mean_s=0.05,sigma=1.5 (testing)")
@@ -205,7 +213,7 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
     """TrainerConfig fields from the loss-budget flags (checked here, so bad values fail before start)."""
-    from moshpeer.averaging.faults import FaultConfig
+    from moshpeer.averaging.faults import FaultConfig, FaultyLinks
     from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
 
     spec, eta = getattr(args, "loss_budget", "fixed"), getattr(args, "phase_threshold", 0.5)
@@ -215,10 +223,25 @@ def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
     if getattr(args, "chunk_bytes", None) is not None:
         averager_kwargs["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "faults", None):
-        averager_kwargs["faults"] = FaultConfig.parse(args.faults)
+        averager_kwargs["links"] = FaultyLinks(FaultConfig.parse(args.faults))
     if getattr(args, "aggregation", "mean") != "mean":
         averager_kwargs["aggregation"] = args.aggregation
     return {"loss_budget": spec, "phase_threshold": eta, "phase_window": window, "averager_kwargs": averager_kwargs}
+
+
+def deadline_settings_from_args(args: argparse.Namespace) -> dict:
+    """Averager arguments of the adaptive deadlines: the floors (flags or defaults), checked against the caps."""
+    from moshpeer.averaging.adaptive_deadlines import DEFAULT_MIN_ROUND_S
+
+    floors = {}
+    for floor, cap, default in (("min_matchmaking_time", "matchmaking_time", args.matchmaking_time),
+                                ("min_round_timeout", "round_timeout", DEFAULT_MIN_ROUND_S)):
+        given, limit = getattr(args, floor), getattr(args, cap)
+        if given is not None and given > limit:
+            raise UserError(f"--{floor.replace('_', '-')} ({given:g}) must not exceed --{cap.replace('_', '-')} "
+                            f"({limit:g})")
+        floors[floor] = given if given is not None else min(default, limit)
+    return floors
 
 
 def trainer_config_from_args(args: argparse.Namespace):
@@ -234,6 +257,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     from moshpeer.peer.diloco import parse_outer_optimizer
     settings = loss_budget_settings_from_args(args)
+    settings["averager_kwargs"].update(deadline_settings_from_args(args))
     settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
     if getattr(args, "bandwidth", None) is not None:
         settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8

@@ -82,7 +82,7 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
     :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
     :param serve_state: run a state donor for newcomers
     :param should_stop: polled while a round is in flight; True abandons it (for prompt shutdown)
-    :param averager_kwargs: more arguments for `MoshpitAverager` (faults, chunk_bytes, ...)
+    :param averager_kwargs: more arguments for `MoshpitAverager` (links, chunk_bytes, ...)
     :param swarm_key, allow_peers: a private run (a pre-shared secret, bytes; and/or admitted peer ids): set as
         the DHT node's `moshpeer.dht.Admission`, which refuses others' records, matchmaking, data-plane
         connections and state requests (counted in `dht.admission.refused`; docs/security.md)
@@ -175,8 +175,10 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
         self.downloads: List[DownloadedState] = []
         self.lock = threading.RLock()  # held while the state changes (state server reads under it)
-        # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`).
-        self.grad_sums = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        # Per parameter: gradients x samples, summed over this epoch (the strategies' `grad_sums`). fp32 whatever
+        # the parameters' dtype: summed in bf16, 256 + 1 is 256. The mean is cast to the parameter's dtype once.
+        self.grad_sums = [torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                          for p in self.params]
         self._loss_phase, self._speed = LossPhaseTracker(), SpeedMeter()
         self.timing = RoundTiming(matchmaking_time, compute_budget, group_size)
 

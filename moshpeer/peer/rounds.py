@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from moshpeer.averaging.report import RoundResult
+
+
+def _averaged_fact(name: str, alone: Any, doc: str) -> property:
+    """A property that reads `name` from the round's `RoundResult` if the round averaged, else `alone`."""
+    return property(lambda round_: getattr(round_.result, name) if round_.ok else alone, doc=doc)
 
 
 @dataclass(frozen=True)
@@ -38,34 +43,17 @@ class CollaborativeRound:
         """Averaged with a group (False: stepped alone, or caught up)."""
         return self.result is not None and self.result.ok
 
-    @property
-    def group_size(self) -> int:
-        return self.result.group_size if self.ok else 1
-
-    @property
-    def chunks_lost(self) -> int:
-        return self.result.chunks_lost if self.ok else 0
-
-    @property
-    def lost_fraction(self) -> float:
-        return self.result.lost_fraction if self.ok else 0.0
+    group_size = _averaged_fact("group_size", 1, "the group this peer averaged with; 1 if it did not")
+    chunks_lost = _averaged_fact("chunks_lost", 0, "chunks of the round that never arrived")
+    lost_fraction = _averaged_fact("lost_fraction", 0.0, "chunks lost / chunks expected")
+    averaging_s = _averaged_fact("total_s", 0.0, "seconds of the group all-reduce")
+    bytes_sent = _averaged_fact("bytes_sent", 0, "bytes this peer sent in the round")
+    averaged = _averaged_fact("averaged", (), 'what the round averaged, e.g. ("gradients",); () if none')
 
     @property
     def matchmaking_s(self) -> float:
+        """Seconds spent looking for a group (also when none was found)."""
         return self.result.matchmaking_s if self.result is not None else 0.0
-
-    @property
-    def averaging_s(self) -> float:
-        return self.result.total_s if self.ok else 0.0
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.result.bytes_sent if self.ok else 0
-
-    @property
-    def averaged(self) -> Tuple[str, ...]:
-        """What the round averaged, e.g. ("gradients",) or ("gradients", "parameters"); () if none."""
-        return self.result.averaged if self.ok else ()
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values for an event line: the epoch's facts (`epoch` as "round_epoch", the strategy's

@@ -422,15 +422,18 @@ def download_state(
     """Download a verified state from the most advanced donor, trying the next one on failure.
 
     When more than one donor offers a state within one epoch of the first valid one, a second one is
-    downloaded too and the two must agree on a sample of parameters (`disagreeing_tensors`); a disagreeing
-    pair is set aside and the next donors are tried. A lone donor's validated state is taken as is.
+    downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
+    (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are tried. Donors are asked
+    in `_cross_checkable_first` order. A lone donor's validated state is taken as is. Once every donor on
+    offer was tried, the download fails at once rather than at `timeout`.
 
     :param exclude: peer ids not to ask (this peer)
     :param min_epoch: ignore donors behind this epoch; max_epoch: ignore donors claiming more (what the
         swarm's robust progress view does not confirm)
     :param max_bytes: refuse a state larger than this (set it near this peer's own state size)
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
-    :raises StateDownloadFailed: no donor delivered before `timeout`
+    :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
+        set aside
     """
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
@@ -439,19 +442,27 @@ def download_state(
     started = time.monotonic()
     while time.monotonic() < deadline:
         try:
-            offers = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
-                      if o.peer_id not in exclude and o.peer_id not in tried and o.epoch >= min_epoch
+            listed = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                      if o.peer_id not in exclude and o.epoch >= min_epoch
                       and (max_epoch is None or o.epoch <= max_epoch)]
         except Exception as e:
             logger.debug(f"listing state offers failed: {e}")
-            offers = []
+            listed = []
+        offers = _cross_checkable_first([o for o in listed if o.peer_id not in tried])
         if candidate is not None:
-            confirming = [o for o in offers if abs(o.epoch - candidate.epoch) <= 1]
+            # Like with like first: two honest donors one epoch apart differ by a whole optimizer step, which
+            # can exceed the agreement tolerance (an Adam step on a small bias is several percent of it).
+            confirming = ([o for o in offers if o.epoch == candidate.epoch]
+                          or [o for o in offers if abs(o.epoch - candidate.epoch) <= 1])
             if not confirming:
                 logger.info(f"no second donor near epoch {candidate.epoch} to cross-check "
                             f"{candidate.donor[-8:]}'s state; taking it as validated")
                 return candidate
             offers = confirming
+        if not offers and listed:
+            # Every donor on offer was tried (failed or set aside): waiting out the timeout only delays the
+            # caller, who trains on and asks again later, when donors may be at one epoch.
+            break
         if not offers:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             continue
@@ -485,7 +496,18 @@ def download_state(
         logger.warning(f"state cross-check failed: {reason}; trying other donors")
         failed.extend([(candidate.donor, reason), (offer.peer_id, reason)])
         candidate = None
-    raise StateDownloadFailed(f"no donor delivered the state within {timeout:g} s (failed: {failed})")
+    raise StateDownloadFailed(f"no donor delivered the state within {time.monotonic() - started:.1f} s "
+                              f"(failed: {failed})")
+
+
+def _cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:
+    """Offers ordered so that the first two can confirm each other: the most advanced epoch that two or more
+    donors hold first (one donor claiming an epoch ahead of the rest cannot jump the queue that way), then
+    the lone offers, most advanced first."""
+    counts: Dict[int, int] = {}
+    for offer in offers:
+        counts[offer.epoch] = counts.get(offer.epoch, 0) + 1
+    return sorted(offers, key=lambda o: (counts[o.epoch] < 2, -o.epoch, o.peer_id))
 
 
 class _progress_bar:

@@ -1,0 +1,160 @@
+"""No orphans: whatever a test or benchmark harness spawns dies with it, also when the harness is killed.
+
+A harness gives every process it spawns an environment tag, `KEY=VALUE` (children inherit it: a peer's DHT
+process, p2pd), and starts a `Reaper` for that tag first. The reaper is a watchdog process in a session of
+its own (signals to the harness's process group do not reach it) that reads a pipe from the harness. When the
+pipe closes, because the harness called `close()` at its teardown or because it died (SIGKILL included: the
+kernel closes its end), the watchdog SIGTERMs every live process carrying the tag and each one's process
+group, waits up to `grace` seconds, SIGKILLs what is left, and exits.
+
+`python -m moshpeer.testing.orphans KEY VALUE [GRACE]` is the watchdog itself (what `Reaper` runs).
+Linux only (/proc); elsewhere `tagged_processes` finds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+DEFAULT_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    pgid: int
+    name: str
+    state: str  # one letter, as in /proc/PID/stat: R, S, D, Z (zombie), ...
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("Z", "X")
+
+
+def read_proc_info(pid: int) -> Optional[ProcInfo]:
+    """The /proc/PID/stat facts of `pid`; None if it is gone (or /proc is not there)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The name is in parentheses and may itself contain spaces or parentheses.
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return ProcInfo(pid=pid, ppid=int(fields[1]), pgid=int(fields[2]), name=name, state=fields[0])
+
+
+def _pids() -> List[int]:
+    try:
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+
+
+def all_processes() -> List[ProcInfo]:
+    """Every process visible in /proc."""
+    infos = (read_proc_info(pid) for pid in _pids())
+    return [info for info in infos if info is not None]
+
+
+def _environ_has(pid: int, key: str, value: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{key}={value}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def tagged_processes(key: str, value: str, *, include_zombies: bool = False) -> List[ProcInfo]:
+    """Processes whose environment holds `key=value`, wherever they were re-parented to."""
+    found = []
+    for pid in _pids():
+        if pid == os.getpid() or not _environ_has(pid, key, value):
+            continue
+        info = read_proc_info(pid)
+        if info is not None and (include_zombies or info.alive):
+            found.append(info)
+    return found
+
+
+def _signal_all(infos: List[ProcInfo], sig: int) -> None:
+    """`sig` to each process, and to each process group whose leader is among them (a tagged child started
+    in a session of its own); never to a group led by an untagged process (e.g. the harness's own)."""
+    pids = {info.pid for info in infos}
+    for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, info.pgid) for info in infos
+                                                             if info.pgid in pids and info.pgid == info.pid]:
+        try:
+            send(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_gone(key: str, value: str, deadline: float) -> List[ProcInfo]:
+    while True:
+        survivors = tagged_processes(key, value)
+        if not survivors or time.monotonic() >= deadline:
+            return survivors
+        time.sleep(0.05)
+
+
+def kill_tagged(key: str, value: str, grace: float = DEFAULT_GRACE_S) -> List[ProcInfo]:
+    """SIGTERM every live process tagged `key=value` (and the process groups they lead), SIGKILL what is
+    left after `grace` seconds; returns what still lives `grace` seconds after that (normally [])."""
+    survivors = tagged_processes(key, value)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not survivors:
+            break
+        _signal_all(survivors, sig)
+        survivors = _wait_gone(key, value, time.monotonic() + grace)
+    return survivors
+
+
+class Reaper:
+    """The watchdog of one tag (see the module docstring): start it before spawning, `close()` at teardown.
+
+    Raises OSError if the watchdog process cannot be started.
+    """
+
+    def __init__(self, key: str, value: str, grace: float = DEFAULT_GRACE_S):
+        self.key, self.value = key, value
+        env = {k: v for k, v in os.environ.items() if k != key}  # the watchdog must not carry the tag itself
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "moshpeer.testing.orphans", key, value, str(grace)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let the watchdog kill what carries the tag now, and wait for it to finish."""
+        if self._watchdog.stdin is not None and not self._watchdog.stdin.closed:
+            self._watchdog.stdin.close()
+        try:
+            self._watchdog.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()
+            self._watchdog.wait()
+
+
+def main(argv: List[str]) -> int:
+    if len(argv) not in (2, 3):
+        print("usage: python -m moshpeer.testing.orphans KEY VALUE [GRACE_SECONDS]", file=sys.stderr)
+        return 2
+    key, value = argv[0], argv[1]
+    grace = float(argv[2]) if len(argv) == 3 else DEFAULT_GRACE_S
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe's end stops the watch
+    while sys.stdin.buffer.read(4096):
+        pass  # nothing is ever written; EOF is the signal
+    survivors = kill_tagged(key, value, grace)
+    if survivors:
+        print(f"orphans: could not kill {[(s.pid, s.name) for s in survivors]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
