@@ -1,11 +1,14 @@
 """What trust costs and what it buys (issue 14): MACs, CenteredClip, and a hostile peer in digits training.
 
 1. Round cost, in one process over loopback TCP: 4 members (threads) average --numel fp32 values with the
-   real `GroupAllReduce`, --rounds times each with `mean` and with `clipped`; the median round times give
-   `clipped_over_mean`. Every frame's MAC is timed inside the same rounds (the benchmark wraps
-   `FrameAuth.tag`): `mac_overhead` = MAC seconds per member / round seconds, i.e. the fraction of a member's
-   round spent computing and checking MACs (a member's MAC work runs in its own sender and receiver threads,
-   so this is what it would save without them).
+   real `GroupAllReduce`, --rounds times each with `mean`, with `clipped`, and with `mean` without MACs
+   (interleaved, so that load on a shared machine hits all three alike); the median round times give
+   `clipped_over_mean`. MAC cost is an A/B of whole rounds, not a stopwatch around the MAC calls (with 4
+   members as threads of one process, such a stopwatch also counts the time a thread waits for the GIL or
+   a core): "without MACs" swaps `FrameAuth.tag` for one that returns a constant 16 bytes, so the frames,
+   the handshake and every other step stay the same. `mac_overhead` = 1 - median(round without MACs) /
+   median(round with MACs), the share of the round the MACs cost; `mac_cpu_overhead` is the same ratio of
+   the process's CPU seconds per round (less sensitive to other load on the machine).
 2. Training: 4 `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
    (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
    the same with `--aggregation clipped` on every peer. Final test accuracy of the honest peers.
@@ -44,30 +47,17 @@ MEMBERS = 4
 HOSTILE = "byzantine=-100,weight=1e6"
 
 
-class MacClock:
-    """Wraps FrameAuth.tag (senders and receivers both call it) and adds up the seconds spent in it."""
+class ConstantMacs:
+    """While entered, every frame's MAC is a constant (both ends agree, nothing is computed): the B side of the
+    MAC A/B. Benchmark only: it turns authentication off."""
 
-    def __init__(self):
-        self.seconds = 0.0
-        self._lock = threading.Lock()
+    def __enter__(self):
         self._original = handshake.FrameAuth.tag
-        clock = self
+        handshake.FrameAuth.tag = lambda auth, header, payload=b"": bytes(handshake.MAC_BYTES)
+        return self
 
-        def timed(auth, header, payload=b""):
-            started = time.perf_counter()
-            try:
-                return clock._original(auth, header, payload)
-            finally:
-                elapsed = time.perf_counter() - started
-                with clock._lock:
-                    clock.seconds += elapsed
-
-        handshake.FrameAuth.tag = timed
-
-    def take(self) -> float:
-        with self._lock:
-            seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def __exit__(self, *exc):
+        handshake.FrameAuth.tag = self._original
 
 
 def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregation: str, chunk_numel: int) -> float:
@@ -101,20 +91,26 @@ def round_costs(args) -> dict:
     identities = [Identity.generate() for _ in range(MEMBERS)]
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(args.numel, generator=g) for _ in range(MEMBERS)]
-    clock = MacClock()
     one_round(identities, inputs, "mean", args.chunk_numel)  # warm-up: threads, allocator, sockets
-    times = {"mean": [], "clipped": []}
-    mac_fractions = []
+    times = {"mean": [], "clipped": [], "mean_no_mac": []}
+    cpu = {"mean": [], "mean_no_mac": []}
     for _ in range(args.rounds):
-        for mode in ("mean", "clipped"):  # interleaved: load on a shared machine hits both alike
-            clock.take()
-            seconds = one_round(identities, inputs, mode, args.chunk_numel)
+        for mode in ("mean", "clipped", "mean_no_mac"):  # interleaved: load on a shared machine hits all alike
+            cpu_before = time.process_time()
+            if mode == "mean_no_mac":
+                with ConstantMacs():
+                    seconds = one_round(identities, inputs, "mean", args.chunk_numel)
+            else:
+                seconds = one_round(identities, inputs, mode, args.chunk_numel)
             times[mode].append(seconds)
-            if mode == "mean":
-                mac_fractions.append(clock.take() / MEMBERS / seconds)
-    mean_s, clipped_s = statistics.median(times["mean"]), statistics.median(times["clipped"])
-    return {"mean_round_s": mean_s, "clipped_round_s": clipped_s, "clipped_over_mean": clipped_s / mean_s,
-            "mac_overhead": statistics.median(mac_fractions), "round_times": times}
+            if mode in cpu:
+                cpu[mode].append(time.process_time() - cpu_before)
+    median = {mode: statistics.median(t) for mode, t in times.items()}
+    return {"mean_round_s": median["mean"], "clipped_round_s": median["clipped"],
+            "no_mac_round_s": median["mean_no_mac"], "clipped_over_mean": median["clipped"] / median["mean"],
+            "mac_overhead": 1.0 - median["mean_no_mac"] / median["mean"],
+            "mac_cpu_overhead": 1.0 - statistics.median(cpu["mean_no_mac"]) / statistics.median(cpu["mean"]),
+            "round_times": times}
 
 
 def training(args) -> dict:
@@ -168,9 +164,10 @@ def main() -> int:
     print(f"round of {args.numel} fp32 values, {MEMBERS} members in one process over loopback, median of "
           f"{args.rounds}")
     print(f"{'aggregation':<14}{'round (s)':>12}")
-    for mode in ("mean", "clipped"):
+    for mode in ("mean", "clipped", "mean_no_mac"):
         print(f"{mode:<14}{statistics.median(costs['round_times'][mode]):>12.3f}")
-    print(f"clipped / mean: {costs['clipped_over_mean']:.3f}   MAC share of a mean round: {costs['mac_overhead']:.3%}")
+    print(f"clipped / mean: {costs['clipped_over_mean']:.3f}   MAC share of a mean round: {costs['mac_overhead']:.1%} "
+          f"of its time, {costs['mac_cpu_overhead']:.1%} of its CPU")
     figures = {k: v for k, v in costs.items() if k != "round_times"}
     if not args.skip_training:
         runs = training(args)

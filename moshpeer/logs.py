@@ -22,15 +22,9 @@ import asyncio
 import concurrent.futures
 import logging
 import re
-import threading
-import time
 from typing import Iterable, Tuple
 
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
-
-# Rejections of untrusted input (connections, records, requests) are logged at most this often.
-REJECTION_LOG_INTERVAL_S = 10.0
-REJECTION_LOGS_PER_INTERVAL = 5
 
 # What a peer leaving (or a link going down) looks like from this side: the connection broke or was
 # reset, a stream ended early, a request timed out, or the p2p daemon could not reach the peer.
@@ -115,28 +109,3 @@ def quiet_expected_peer_failures(handlers: Iterable[logging.Handler] = ()) -> No
     for handler in targets:
         if not any(isinstance(existing, PeerFailureFilter) for existing in handler.filters):
             handler.addFilter(PeerFailureFilter())
-
-
-class RateLimitedLog:
-    """Logs at most `per_interval` warnings per `interval_s`; the next one after a quiet spell says how many
-    were suppressed (a flood of bad connections must not flood the log)."""
-
-    def __init__(self, log: logging.Logger, interval_s: float = REJECTION_LOG_INTERVAL_S,
-                 per_interval: int = REJECTION_LOGS_PER_INTERVAL):
-        self._log, self._interval, self._per_interval = log, interval_s, per_interval
-        self._lock = threading.Lock()
-        self._window_start, self._in_window, self.suppressed = 0.0, 0, 0
-
-    def warning(self, message: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._window_start >= self._interval:
-                self._window_start, self._in_window = now, 0
-            self._in_window += 1
-            if self._in_window > self._per_interval:
-                self.suppressed += 1
-                return
-            suppressed, self.suppressed = self.suppressed, 0
-        if suppressed:
-            message += f" ({suppressed} similar messages suppressed)"
-        self._log.warning(message)

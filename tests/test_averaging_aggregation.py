@@ -15,7 +15,8 @@ from local_group import credentials, members as group_members, run_group
 
 from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
 from moshpeer.averaging.links import PLAIN_LINKS
-from moshpeer.averaging.aggregation import cap_weights, centered_clip, trimmed_mean
+from moshpeer.averaging.aggregation import (CLIP_ITERATIONS, CLIP_RADIUS_FACTOR, cap_weights, centered_clip,
+                                            trimmed_mean)
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression import get_compression
 from moshpeer.errors import UserError
@@ -60,6 +61,32 @@ def test_centered_clip_and_trimmed_mean_resist_one_outlier_and_are_exact_without
     clean = torch.cat([honest, torch.randn(1, 1000, generator=g)])
     value, flagged = centered_clip(clean, torch.ones(4))
     assert torch.allclose(value, clean.mean(0), atol=1e-5) and not flagged.any()  # no honest member clipped
+
+
+def _centered_clip_in_value_space(rows: torch.Tensor, weights: torch.Tensor, own: int):
+    """The textbook iteration on d-long vectors (float64), to check the Gram-matrix form against."""
+    x, shares = rows.double(), (weights / weights.sum()).double()
+    v = x[own].clone()
+    tau = CLIP_RADIUS_FACTOR * float((x - v).norm(dim=1).median())
+    for _ in range(CLIP_ITERATIONS):
+        distances = (x - v).norm(dim=1)
+        v = v + ((tau / distances.clamp_min(1e-30)).clamp(max=1.0) * shares) @ (x - v)
+    return v, (x - v).norm(dim=1) > tau * (1 + 1e-4)
+
+
+def test_centered_clip_on_the_gram_matrix_matches_the_iteration_on_vectors():
+    """The owner's row anywhere, rows a strided view of a larger buffer, a hostile row, unequal and zero weights."""
+    g = torch.Generator().manual_seed(2)
+    buffer = 1.0 + 0.1 * torch.randn(5, 3000, generator=g)
+    buffer[1] *= -100.0
+    buffer[4] = 1.0 + 0.5 * torch.randn(3000, generator=g)  # far, but within reach of the clip radius
+    rows = buffer[:, 500:2500]
+    weights = torch.tensor([1.0, 1.0, 2.0, 0.0, 1.0])
+    for own in (0, 2, 4):
+        value, flagged = centered_clip(rows, weights, own)
+        expected, expected_flagged = _centered_clip_in_value_space(rows, weights, own)
+        assert torch.allclose(value.double(), expected, atol=1e-4), own
+        assert flagged.tolist() == expected_flagged.tolist() and flagged[1], own
 
 
 def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():

@@ -23,7 +23,7 @@ from moshpeer.averaging import DataPlane, GroupAllReduce, Partition, dataplane, 
 from moshpeer.averaging.allreduce import _peer_closed
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.compression import get_compression
-from moshpeer.logs import REJECTION_LOGS_PER_INTERVAL
+from moshpeer.ratelimited_log import REJECTION_LOGS_PER_INTERVAL
 from moshpeer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(90)

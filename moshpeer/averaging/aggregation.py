@@ -8,7 +8,9 @@ the average by announcing a huge weight. Then, per chunk of the owner's part:
 - `clipped`: CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of Gorbunov et al.'s BTARD):
   start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the median distance of
   the contributions to x_o, then iterate (CLIP_ITERATIONS times)
-  v <- v + sum_i w_i min(1, tau / |x_i - v|) (x_i - v) / sum_i w_i.
+  v <- v + sum_i w_i min(1, tau / |x_i - v|) (x_i - v) / sum_i w_i
+  (on the n coefficients of v over the contributions, through their Gram matrix: two passes over the
+  chunk's data in all, so a clipped round costs about what a mean round does).
   A contribution farther than tau from the result counts as clipped for its member.
 - `trimmed`: coordinate-wise trimmed mean: per value, drop the floor(TRIM_FRACTION x n) (at least one
   with three or more contributions) highest and lowest, average the rest (unweighted). A member most
@@ -67,32 +69,40 @@ def cap_weights(weights: Sequence[float], factor: float = WEIGHT_CAP_FACTOR) -> 
     return [min(float(w), factor * median) for w in weights]
 
 
-def centered_clip(values: torch.Tensor, weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """CenteredClip of the rows of `values` (n x d, fp32), row 0 the owner's own -> (d values, bool mask of
+def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CenteredClip of the rows of `values` (n x d, fp32; row `own` the owner's own) -> (d values, bool mask of
     clipped rows).
 
     Starts from the owner's own row: robust aggregation defends an honest owner against its contributors
-    (a hostile owner is out of its reach anyway), and it saves a coordinate-wise median. Distances use
-    |x_i - v|^2 = |x_i|^2 - 2 x_i.v + |v|^2 and the update v <- (1 - sum s_i) v + sum s_i x_i, so each
-    iteration is two matrix-vector products over the rows, not several elementwise passes.
+    (a hostile owner is out of its reach anyway), and it saves a coordinate-wise median. Every iterate is a
+    combination of the rows, v = beta . X (it starts at row `own`, and v <- (1 - sum s_i) v + sum s_i x_i),
+    so the iteration runs on beta alone: with the Gram matrix G = X X^T, |x_i - v|^2 = G_ii - 2 (G beta)_i +
+    beta.G.beta. The d-long rows are read twice in all (G, then the result), whatever the iteration count;
+    `values` may be a strided view (rows of a larger buffer).
     """
     n = values.shape[0]
     if n == 1:
-        return values[0].clone(), torch.zeros(1, dtype=torch.bool)
-    squared = torch.linalg.vector_norm(values, dim=1) ** 2
-    shares = weights / weights.sum()
+        return values[own].clone(), torch.zeros(1, dtype=torch.bool)
+    # n x n: the iteration's arithmetic in float64 (G's entries are fp32 dot products, as the distances were).
+    gram = (values @ values.T).double().cpu()
+    shares = (weights / weights.sum()).double().cpu()
+    diagonal = gram.diagonal()
 
-    def distances(v: torch.Tensor) -> torch.Tensor:
-        return (squared - 2 * (values @ v) + torch.linalg.vector_norm(v) ** 2).clamp_min(0).sqrt()
+    def distances(beta: torch.Tensor) -> torch.Tensor:
+        g_beta = gram @ beta
+        return (diagonal - 2 * g_beta + beta @ g_beta).clamp_min(0).sqrt()
 
-    v = values[0].clone()
-    tau = CLIP_RADIUS_FACTOR * float(distances(v).median())
-    if not math.isfinite(tau) or tau <= 0:
-        return v, distances(v) > 0
-    for _ in range(CLIP_ITERATIONS):
-        scale = (tau / distances(v).clamp_min(1e-30)).clamp(max=1.0) * shares
-        v = v * (1.0 - float(scale.sum())) + scale @ values
-    return v, distances(v) > tau * (1 + 1e-4)
+    beta = torch.zeros(n, dtype=torch.float64)
+    beta[own] = 1.0
+    tau = CLIP_RADIUS_FACTOR * float(distances(beta).median())
+    if math.isfinite(tau) and tau > 0:
+        for _ in range(CLIP_ITERATIONS):
+            scale = (tau / distances(beta).clamp_min(1e-30)).clamp(max=1.0) * shares
+            beta = beta * (1.0 - float(scale.sum())) + scale
+        clipped = distances(beta) > tau * (1 + 1e-4)
+    else:
+        clipped = distances(beta) > 0
+    return beta.to(values.dtype).to(values.device) @ values, clipped
 
 
 def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +119,12 @@ def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return result, trimmed.float().mean(dim=1) >= TRIMMED_MEMBER_FRACTION
 
 
-def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Aggregate the contributions `rows` (n x d) with `mode` ("clipped" or "trimmed") -> (d values, flagged rows)."""
+def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float],
+                   own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Aggregate the contributions `rows` (n x d; row `own` the owner's) with `mode` ("clipped" or "trimmed") ->
+    (d values, flagged rows)."""
     if mode == "clipped":
-        return centered_clip(rows, torch.tensor(weights, dtype=torch.float32, device=rows.device))
+        return centered_clip(rows, torch.tensor(weights, dtype=torch.float32), own)
     if mode == "trimmed":
         return trimmed_mean(rows)
     raise ValueError(f"not a robust aggregation: {mode}")

@@ -436,9 +436,14 @@ class GroupAllReduce:
         if len(rows) == 1:
             return values
         self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
-        stacked = self.contributions[rows, lo:hi]  # one gather copy, our row first
+        if len(rows) == self.group_size:  # everyone's chunk arrived: the rows as they lie in the buffer
+            rows, own = list(range(self.group_size)), me
+            stacked = self.contributions[:, lo:hi]
+        else:  # rows of members whose chunk never came hold no data: one gather copy of the others, ours first
+            own = 0
+            stacked = self.contributions[rows, lo:hi]
         weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
-        result, flagged = robust_combine(self.aggregation, stacked, weights)
+        result, flagged = robust_combine(self.aggregation, stacked, weights, own)
         for i, hit in zip(rows, flagged.tolist()):
             self.flagged[i] += int(hit)
         return result

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from moshpeer.averaging import handshake, wire
 from moshpeer.errors import ProtocolError
-from moshpeer.logs import RateLimitedLog
+from moshpeer.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

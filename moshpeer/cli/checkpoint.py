@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 import time
-from typing import List
+from typing import TYPE_CHECKING, List
 
-from moshpeer.peer.checkpoint import CheckpointInfo, list_checkpoints
+if TYPE_CHECKING:
+    from moshpeer.peer.checkpoint import CheckpointInfo
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moshpeer.peer.checkpoint import list_checkpoints  # torch: loaded once the flags are checked
+
     infos = list_checkpoints(args.directory, verify=not args.quick)
     if args.json:
         print(json.dumps([info.to_json() for info in infos], indent=2))

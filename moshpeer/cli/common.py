@@ -11,13 +11,18 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Dict, List, NoReturn
+from typing import TYPE_CHECKING, Any, Dict, List, NoReturn
 
-from moshpeer.dht import DEFAULT_HOST_MADDRS, Role
-from moshpeer.dht.maddrs import maddrs_for_port
+from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, maddrs_for_port
 from moshpeer.errors import UserError
-from moshpeer.logs import quiet_expected_peer_failures
-from moshpeer.peer.daemon import PeerDaemon
+
+if TYPE_CHECKING:
+    from moshpeer.dht.records import Role
+    from moshpeer.peer.daemon import PeerDaemon
+
+# The parsers are built from this module before any flag is checked: nothing here imports hivemind or torch at
+# module level (they take seconds to load), so a mistyped flag is reported at once. Functions that start
+# something import what they need.
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT = 5.0
@@ -224,6 +229,8 @@ def configure_logging(verbose: bool) -> None:
     """Keep the default output readable: hivemind's loggers at WARNING unless -v (then DEBUG)."""
     from hivemind.utils.logging import use_hivemind_log_handler
 
+    from moshpeer.logs import quiet_expected_peer_failures
+
     use_hivemind_log_handler("nowhere")  # hivemind's records go through the root handler, in our format
     logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
     quiet_expected_peer_failures()  # a peer leaving is one line (with -v), not hivemind's traceback
@@ -243,6 +250,8 @@ def print_ready_line(**fields: Any) -> None:
 
 def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = False) -> PeerDaemon:
     """A `PeerDaemon` configured from the network and membership options."""
+    from moshpeer.peer.daemon import PeerDaemon
+
     return PeerDaemon(
         args.run_id,
         role=role,

@@ -14,9 +14,7 @@ import json
 import math
 import sys
 import time
-from typing import Any, Dict, List
-
-from hivemind.utils import get_dht_time
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
@@ -25,9 +23,14 @@ from moshpeer.cli.common import (
     exit_now,
     positive_float,
 )
-from moshpeer.dht import DEFAULT_HOST_MADDRS, PeerRecord, list_peers, start_dht
+from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS
 from moshpeer.errors import UserError
-from moshpeer.peer.progress import ProgressSnapshot, summarize
+
+if TYPE_CHECKING:
+    from moshpeer.dht.records import PeerRecord
+    from moshpeer.peer.progress import ProgressSnapshot
+
+# hivemind (and with it torch) loads only once the command runs, not while its flags are parsed.
 
 # An empty answer right after joining can mean "not found yet": ask again within this time.
 _EMPTY_RETRY_SECONDS = 2.0
@@ -61,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     if args.count is not None and (args.count < 1 or not args.watch):
         raise UserError("--count needs --watch and a positive number of refreshes")
+    from moshpeer.dht.node import start_dht
+
     dht = start_dht(
         initial_peers=args.initial_peers,
         # Same listen addresses as a peer: libp2p reuses its listening ports to dial out, so a
@@ -84,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
 def show_once(dht: Any, args: argparse.Namespace) -> None:
     """One snapshot; UserError if nobody answers or the run has no live peers."""
+    from hivemind.utils import get_dht_time
+
+    from moshpeer.dht.membership import list_peers
+
     try:
         peers = list_peers(dht, args.run_id, timeout=args.timeout)
         retry_until = time.monotonic() + _EMPTY_RETRY_SECONDS
@@ -105,6 +114,10 @@ def watch(dht: Any, args: argparse.Namespace) -> None:
     """Refresh every `args.interval` seconds until KeyboardInterrupt or `args.count` refreshes. A read that
     times out shows the last view with a note, and the next refresh tries again."""
     from contextlib import nullcontext
+
+    from hivemind.utils import get_dht_time
+
+    from moshpeer.dht.membership import list_peers
 
     from rich.console import Group
     from rich.live import Live
@@ -142,6 +155,8 @@ def watch(dht: Any, args: argparse.Namespace) -> None:
 def swarm_view(peers: List[PeerRecord], now: float) -> ProgressSnapshot:
     """The swarm as the peers describe it (epoch, progress, throughput); the target batch is the one the
     trainers publish (0: unknown)."""
+    from moshpeer.peer.progress import summarize
+
     target = max((peer.target_batch_size for peer in peers if peer.role == "trainer"), default=0)
     return summarize(tuple(peers), own=None, target_batch_size=target, now=now)
 

@@ -1,38 +1,47 @@
 """Swarm membership on hivemind's DHT: identities, signed and schema-checked peer records, key names.
 
 This layer imports no other moshpeer layer. See docs/swarm.md for how membership works.
+
+The names below load on first use (most of them import hivemind, and hivemind imports torch), so that
+importing one light submodule (`moshpeer.dht.maddrs`, `moshpeer.dht.keys`) stays light: the CLI checks its
+flags before anything heavy is loaded.
 """
 
-from moshpeer.dht.admission import Admission
-from moshpeer.dht.identity import Identity, peer_id_from_owner_key
-from moshpeer.dht.keys import peers_key, validate_run_id
-from moshpeer.dht.maddrs import check_ports_free, parse_initial_peers, parse_listen_maddrs
-from moshpeer.dht.membership import list_peers, publish_record, withdraw
-from moshpeer.dht.node import DEFAULT_HOST_MADDRS, StartCancelled, SwarmDHT, start_dht
-from moshpeer.dht.records import MUTABLE_FIELDS, ROLES, PeerRecord, Role
-from moshpeer.dht.validation import OwnedRecordValidator, RecordRejected, parse_owned_entry
+from typing import Any
 
-__all__ = [
-    "Admission",
-    "DEFAULT_HOST_MADDRS",
-    "Identity",
-    "MUTABLE_FIELDS",
-    "OwnedRecordValidator",
-    "PeerRecord",
-    "ROLES",
-    "RecordRejected",
-    "Role",
-    "StartCancelled",
-    "SwarmDHT",
-    "check_ports_free",
-    "list_peers",
-    "parse_initial_peers",
-    "parse_listen_maddrs",
-    "parse_owned_entry",
-    "peer_id_from_owner_key",
-    "peers_key",
-    "publish_record",
-    "start_dht",
-    "validate_run_id",
-    "withdraw",
-]
+_NAMES = {
+    "Admission": "admission",
+    "Identity": "identity",
+    "peer_id_from_owner_key": "identity",
+    "peers_key": "keys",
+    "validate_run_id": "keys",
+    "check_ports_free": "maddrs",
+    "parse_initial_peers": "maddrs",
+    "parse_listen_maddrs": "maddrs",
+    "DEFAULT_HOST_MADDRS": "maddrs",
+    "list_peers": "membership",
+    "publish_record": "membership",
+    "withdraw": "membership",
+    "StartCancelled": "node",
+    "SwarmDHT": "node",
+    "start_dht": "node",
+    "MUTABLE_FIELDS": "records",
+    "ROLES": "records",
+    "PeerRecord": "records",
+    "Role": "records",
+    "OwnedRecordValidator": "validation",
+    "RecordRejected": "validation",
+    "parse_owned_entry": "validation",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        import importlib
+
+        value = getattr(importlib.import_module(f"moshpeer.dht.{_NAMES[name]}"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'moshpeer.dht' has no attribute {name!r}")

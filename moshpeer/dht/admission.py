@@ -29,7 +29,7 @@ import threading
 from typing import Dict, FrozenSet, Iterable, Optional, Set, Tuple
 
 from moshpeer.errors import UserError
-from moshpeer.logs import RateLimitedLog
+from moshpeer.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

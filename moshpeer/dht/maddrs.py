@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import errno
 import socket
-from typing import Iterable, List, Sequence
-
-from hivemind.utils.multiaddr import Multiaddr
+from typing import TYPE_CHECKING, Iterable, List, Sequence
 
 from moshpeer.errors import UserError
 
+if TYPE_CHECKING:
+    from hivemind.utils.multiaddr import Multiaddr
+
+# Imported by the CLI's argument parser: this module imports hivemind only where a multiaddr is parsed, so
+# that a bad flag is reported before hivemind and torch are loaded.
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 _TRANSPORTS = ("tcp", "udp")
 
 
 def parse_maddr(text: str, what: str = "multiaddr") -> Multiaddr:
     """Parse one multiaddr, raising `UserError` that names `what` (e.g. "initial peer") if it is malformed."""
+    from hivemind.utils.multiaddr import Multiaddr
+
     try:
         return Multiaddr(text)
     except Exception as e:  # the multiaddr parser raises several ValueError subclasses and TypeError
@@ -74,6 +80,8 @@ def check_ports_free(host_maddrs: Sequence[str]) -> None:
     it with the first. We probe with a plain bind instead, with SO_REUSEADDR so connections of a
     previous run left in TIME_WAIT do not count as "in use". Port 0 (any free port) is not probed.
     """
+    from hivemind.utils.multiaddr import Multiaddr
+
     for text in host_maddrs:
         maddr = Multiaddr(text)
         names = _protocol_names(maddr)

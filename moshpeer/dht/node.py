@@ -31,14 +31,13 @@ import hivemind
 from moshpeer.dht.admission import Admission
 from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import peers_key, validate_run_id
-from moshpeer.dht.maddrs import check_ports_free, parse_initial_peers, parse_listen_maddrs
+from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
 from moshpeer.dht.records import PeerRecord
 from moshpeer.dht.validation import OwnedRecordValidator
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 DEFAULT_CONNECT_TIMEOUT = 30.0
 # How often the DHT process checks that its parent is still alive.
 _ORPHAN_POLL_SECONDS = 0.5
