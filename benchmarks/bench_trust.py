@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from moshpeer.averaging import DataPlane, GroupAllReduce, GroupMember, handshake, wire  # noqa: E402
 from moshpeer.averaging.handshake import RoundCredentials  # noqa: E402
+from moshpeer.averaging.scratch import ScratchPool  # noqa: E402
 from moshpeer.compression import get_compression  # noqa: E402
 from moshpeer.dht.identity import Identity  # noqa: E402
 
@@ -60,7 +61,8 @@ class ConstantMacs:
         handshake.FrameAuth.tag = self._original
 
 
-def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregation: str, chunk_numel: int) -> float:
+def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregation: str, chunk_numel: int,
+              scratch: List[ScratchPool]) -> float:
     """One all-reduce of `inputs` among MEMBERS threads -> the slowest member's data-plane seconds."""
     planes = [DataPlane() for _ in inputs]
     members = [GroupMember(*p.address, 1.0, ident.peer_id_bytes) for p, ident in zip(planes, identities)]
@@ -73,7 +75,7 @@ def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregatio
         results[k] = GroupAllReduce(
             planes[k], tensors[k], members=members, my_index=k, tag=tag, secret=b"s" * 32, credentials=creds[k],
             compression=get_compression("none"), chunk_numel=chunk_numel, deadline=time.monotonic() + 120,
-            aggregation=aggregation).run()
+            aggregation=aggregation, scratch=scratch[k]).run()
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
     for t in threads:
@@ -91,7 +93,8 @@ def round_costs(args) -> dict:
     identities = [Identity.generate() for _ in range(MEMBERS)]
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(args.numel, generator=g) for _ in range(MEMBERS)]
-    one_round(identities, inputs, "mean", args.chunk_numel)  # warm-up: threads, allocator, sockets
+    scratch = [ScratchPool() for _ in range(MEMBERS)]  # each member's working buffers, kept as an averager keeps them
+    one_round(identities, inputs, "mean", args.chunk_numel, scratch)  # warm-up: threads, allocator, sockets
     times = {"mean": [], "clipped": [], "mean_no_mac": []}
     cpu = {"mean": [], "mean_no_mac": []}
     for _ in range(args.rounds):
@@ -99,9 +102,9 @@ def round_costs(args) -> dict:
             cpu_before = time.process_time()
             if mode == "mean_no_mac":
                 with ConstantMacs():
-                    seconds = one_round(identities, inputs, "mean", args.chunk_numel)
+                    seconds = one_round(identities, inputs, "mean", args.chunk_numel, scratch)
             else:
-                seconds = one_round(identities, inputs, mode, args.chunk_numel)
+                seconds = one_round(identities, inputs, mode, args.chunk_numel, scratch)
             times[mode].append(seconds)
             if mode in cpu:
                 cpu[mode].append(time.process_time() - cpu_before)

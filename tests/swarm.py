@@ -282,7 +282,8 @@ class Swarm:
         self.procs: List[Proc] = []
         self.cwd = cwd or str(REPO_ROOT)
         pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
+        # Carries the swarm's tag: a process a test starts itself with this environment is reaped like the others.
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {}), SWARM_TAG: self.tag}
         self._counter = 0
         self._reaper = Reaper(SWARM_TAG, self.tag)  # kills this swarm's processes if the test process dies
 

@@ -24,6 +24,33 @@ def test_digits_reaches_90_percent_with_a_large_global_batch():
     assert run.losses[-1] < run.losses[0] / 5
 
 
+def test_digits_data_is_scikit_learns_read_without_importing_it():
+    """A restarting peer should not wait for `import sklearn`: the task reads the file scikit-learn ships.
+    The images and labels are exactly `load_digits()`'s, and the split is stratified and seeded."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from moshpeer.peer.tasks.digits import load_digits_split; d = load_digits_split(); "
+             "print(len(d['y_train']), len(d['y_test']), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100, check=True)
+    assert out.stdout.split() == ["1258", "539", "False"], out.stdout + out.stderr
+
+    from sklearn.datasets import load_digits
+
+    from moshpeer.peer.tasks.digits import _read_digits, load_digits_split
+
+    features, labels = _read_digits()
+    reference = load_digits()
+    assert torch.equal(features, torch.tensor(reference.data, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(reference.target))
+    split, again, other = load_digits_split(), load_digits_split(), load_digits_split(split_seed=1)
+    assert torch.equal(split["test_index"], again["test_index"])
+    assert not torch.equal(split["test_index"], other["test_index"])
+    assert set(split["train_index"].tolist()).isdisjoint(split["test_index"].tolist())
+    per_class = torch.bincount(labels[split["test_index"]]) / torch.bincount(labels)
+    assert torch.allclose(per_class, torch.full((10,), 0.3), atol=0.01)
+
+
 def test_micro_batches_weighted_by_samples_equal_one_big_batch():
     """Gradient accumulation over 8 micro-batches gives the same step as one batch of 256."""
     accumulated, single = load_task("digits"), load_task("digits")

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from swarm import watch_stderr
+from swarm import SWARM_TAG, watch_stderr
+
+from moshpeer.testing.orphans import Reaper
 
 TRAINER = Path(__file__).resolve().parent / "preemption_trainer.py"
 REPO = TRAINER.parents[1]
@@ -26,7 +29,9 @@ class TrainerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = log_dir / f"trainer-{time.monotonic_ns()}.stderr"
         self._stderr = open(self.stderr_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        tag = uuid.uuid4().hex
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), SWARM_TAG: tag}
+        self._reaper = Reaper(SWARM_TAG, tag)  # the trainer and its DHT / p2pd die with the test process
         self.proc = subprocess.Popen(
             [sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=self._stderr, env=env, cwd=REPO
         )
@@ -84,6 +89,7 @@ class TrainerProcess:
                 break
             self.events.append(event)
         self._stderr.close()
+        self._reaper.close()  # whatever the trainer left running (it should have left nothing)
         return code
 
     def last(self, name: str) -> Dict[str, Any]:
@@ -101,3 +107,4 @@ class TrainerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._reaper.close()

@@ -83,26 +83,29 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     n = values.shape[0]
     if n == 1:
         return values[own].clone(), torch.zeros(1, dtype=torch.bool)
-    # n x n: the iteration's arithmetic in float64 (G's entries are fp32 dot products, as the distances were).
-    gram = (values @ values.T).double().cpu()
-    shares = (weights / weights.sum()).double().cpu()
-    diagonal = gram.diagonal()
+    # The iteration itself is n x n arithmetic: plain Python floats (float64), a few microseconds, where a
+    # torch op per step would cost more than reading the rows.
+    gram = (values @ values.T).double().tolist()
+    shares = (weights.double() / weights.double().sum()).tolist()
 
-    def distances(beta: torch.Tensor) -> torch.Tensor:
-        g_beta = gram @ beta
-        return (diagonal - 2 * g_beta + beta @ g_beta).clamp_min(0).sqrt()
+    def distances(beta: List[float]) -> List[float]:
+        g_beta = [sum(g * b for g, b in zip(row, beta)) for row in gram]
+        quadratic = sum(b * gb for b, gb in zip(beta, g_beta))
+        return [math.sqrt(max(gram[i][i] - 2 * g_beta[i] + quadratic, 0.0)) for i in range(n)]
 
-    beta = torch.zeros(n, dtype=torch.float64)
+    beta = [0.0] * n
     beta[own] = 1.0
-    tau = CLIP_RADIUS_FACTOR * float(distances(beta).median())
+    tau = CLIP_RADIUS_FACTOR * sorted(distances(beta))[(n - 1) // 2]  # the lower median, as torch.median
     if math.isfinite(tau) and tau > 0:
         for _ in range(CLIP_ITERATIONS):
-            scale = (tau / distances(beta).clamp_min(1e-30)).clamp(max=1.0) * shares
-            beta = beta * (1.0 - float(scale.sum())) + scale
-        clipped = distances(beta) > tau * (1 + 1e-4)
+            scale = [min(1.0, tau / max(d, 1e-30)) * share for d, share in zip(distances(beta), shares)]
+            kept = 1.0 - sum(scale)
+            beta = [b * kept + s for b, s in zip(beta, scale)]
+        clipped = [d > tau * (1 + 1e-4) for d in distances(beta)]
     else:
-        clipped = distances(beta) > 0
-    return beta.to(values.dtype).to(values.device) @ values, clipped
+        clipped = [d > 0 for d in distances(beta)]
+    coefficients = torch.tensor(beta, dtype=values.dtype, device=values.device)
+    return coefficients @ values, torch.tensor(clipped, dtype=torch.bool)
 
 
 def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.links import PLAIN_LINKS, ChunkStream, Links, StreamSpec
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.report import PhaseStats
+from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
 from moshpeer.compression.codec import Compression, NoCompression, all_finite
@@ -167,6 +168,8 @@ class GroupAllReduce:
     :param distrusted: member indices whose contributions "clipped" weighs at zero in our part (still received,
         checked and flagged; see suspects.py); ignored by the other modes
     :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
+    :param scratch: lends the owner's working buffers (scratch.py; the averager keeps one across its rounds);
+        None = allocate them for this all-reduce
     """
 
     def __init__(
@@ -192,6 +195,7 @@ class GroupAllReduce:
         distrusted: Sequence[int] = (),
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
         staging: Optional[HostStaging] = None,
+        scratch: Optional[ScratchPool] = None,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -223,14 +227,16 @@ class GroupAllReduce:
         start, end = self.partition.part_range(me)
         # S in estimator.py, per value. Not zeroed: a chunk's first arrival overwrites its slice (decode_into), later
         # ones accumulate, and a chunk that nobody delivered is never read (the estimate then keeps our value).
-        self.others_sum = torch.empty(end - start, dtype=torch.float32, device=flat.device)
+        self._scratch = scratch
+        self._scratch_buffers: List[torch.Tensor] = []
+        self.others_sum = self._take_scratch(end - start)
         # Robust modes: each member's contribution to our part, a row per member (ours stays in `flat`).
         self.contributions: Optional[torch.Tensor] = None
         if self.aggregation != "mean":
             if self.group_size * (end - start) * 4 > max_buffer_bytes:
                 raise ValueError(f"{self.aggregation} aggregation would buffer {self.group_size * (end - start) * 4} "
                                  f"bytes, over the limit of {max_buffer_bytes}")
-            self.contributions = torch.empty(self.group_size, end - start, dtype=torch.float32, device=flat.device)
+            self.contributions = self._take_scratch(self.group_size * (end - start)).view(self.group_size, end - start)
         self.flagged = [0] * self.group_size
         self.nonfinite_averages = 0
         # Per chunk of our part: lock, who delivered it, weight that arrived, finalized?
@@ -292,6 +298,7 @@ class GroupAllReduce:
             self.plane.unregister(self.tag)
             upload_bps = self._uplink.stop()
             self._teardown()
+            self._give_back_scratch()
         finished = time.monotonic()
         reduce_done = self._reduce_done_at or finished
         missing = [
@@ -318,6 +325,21 @@ class GroupAllReduce:
             contributed=[sum(arrived[i] for arrived in self.arrived_from) for i in range(self.group_size)],
             nonfinite_averages=self.nonfinite_averages,
         )
+
+    def _take_scratch(self, numel: int) -> torch.Tensor:
+        if self._scratch is None:
+            return torch.empty(numel, dtype=torch.float32, device=self.flat.device)
+        buffer = self._scratch.take(numel, self.flat.device)
+        self._scratch_buffers.append(buffer)
+        return buffer[:numel]
+
+    def _give_back_scratch(self) -> None:
+        # Once every chunk is final no thread writes the buffers (late chunks are refused); else a receiver
+        # that outlived the teardown might, so they are not lent again.
+        if self._scratch is not None and self.finalized_count == self.num_my_chunks:
+            for buffer in self._scratch_buffers:
+                self._scratch.give_back(buffer)
+        self._scratch_buffers = []
 
     def peer_id_of(self, index: int) -> bytes:
         """The libp2p peer id of member `index` (bound into the handshake MACs)."""

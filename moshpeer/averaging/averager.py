@@ -63,6 +63,7 @@ from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.private import admits_follower, dataplane_check, filter_leaders, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundResult
+from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
@@ -321,6 +322,7 @@ class MoshpitAverager(ServicerBase):
         self.error_feedback = error_feedback
 
         self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
+        self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
         # Rounds run here, one at a time (step() queues them; see RoundFuture).
@@ -748,6 +750,7 @@ class MoshpitAverager(ServicerBase):
                 part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
                 aggregation=self.aggregation,
                 distrusted=distrusted,
+                scratch=self._scratch,
             )
             results.append(allreduce.run())
             return flat

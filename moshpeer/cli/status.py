@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, List
 
@@ -77,11 +79,15 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if args.watch:
-            watch(dht, args)
+            # Ctrl-C ends --watch, a normal way out. It only sets a flag: a KeyboardInterrupt raised inside a
+            # DHT read could leave the DHT client mid-call and its shutdown below waiting on it.
+            leave = threading.Event()
+            signal.signal(signal.SIGINT, lambda *_: leave.set())
+            watch(dht, args, leave)
         else:
             show_once(dht, args)
     except KeyboardInterrupt:
-        pass  # Ctrl-C ends --watch: a normal way out (the DHT process ignores SIGINT; it is stopped below)
+        pass  # Ctrl-C during a one-shot read (the DHT process ignores SIGINT; it is stopped below)
     finally:
         dht.stop()
     exit_now(0)
@@ -110,8 +116,8 @@ def show_once(dht: Any, args: argparse.Namespace) -> None:
         _console().print(build_table(args.run_id, peers, now))
 
 
-def watch(dht: Any, args: argparse.Namespace) -> None:
-    """Refresh every `args.interval` seconds until KeyboardInterrupt or `args.count` refreshes. A read that
+def watch(dht: Any, args: argparse.Namespace, leave: threading.Event) -> None:
+    """Refresh every `args.interval` seconds until `leave` is set (Ctrl-C) or `args.count` refreshes. A read that
     times out shows the last view with a note, and the next refresh tries again."""
     from contextlib import nullcontext
 
@@ -149,7 +155,8 @@ def watch(dht: Any, args: argparse.Namespace) -> None:
             refreshes += 1
             if args.count is not None and refreshes >= args.count:
                 return
-            time.sleep(args.interval)
+            if leave.wait(args.interval):
+                return
 
 
 def swarm_view(peers: List[PeerRecord], now: float) -> ProgressSnapshot:

@@ -1,0 +1,43 @@
+"""Working buffers lent to a peer's successive all-reduces instead of allocated for each.
+
+An owner needs fp32 working memory the size of its part (the running sum of the contributions) or, with
+robust aggregation, n times that (every member's contribution). Freshly allocated memory costs the kernel a
+page fault and a zeroed page per 4 KiB on first touch: on a 2-core machine ~0.03 s of CPU per peer for a
+64 MB round averaged with CenteredClip, ~0.01 s with the mean. A pool keeps the buffers of finished
+all-reduces (at most `keep`, the largest) and lends each to one all-reduce at a time; concurrent all-reduces
+simply get fresh memory. Lent memory is uninitialized, as `torch.empty`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+import torch
+
+
+class ScratchPool:
+    """fp32 buffers reused across all-reduces (see the module docstring). Thread-safe."""
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._free: List[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A 1-D fp32 buffer of at least `numel` values on `device` (the smallest free one that fits, else new);
+        hand it back with `give_back` once nothing reads or writes it any more."""
+        with self._lock:
+            fits = [k for k, b in enumerate(self._free) if b.device == torch.device(device) and b.numel() >= numel]
+            if fits:
+                return self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
+        return torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+
+    def give_back(self, buffer: Optional[torch.Tensor]) -> None:
+        """Return a buffer from `take` for later all-reduces (only the `keep` largest free ones are kept)."""
+        if buffer is None or self._keep <= 0:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=torch.Tensor.numel, reverse=True)
+            del self._free[self._keep:]
