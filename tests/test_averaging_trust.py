@@ -23,6 +23,7 @@ from moshpeer.averaging import DataPlane, GroupAllReduce, Partition, dataplane, 
 from moshpeer.averaging.allreduce import _peer_closed
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.compression import get_compression
+from moshpeer.ratelimited_log import REJECTION_LOGS_PER_INTERVAL
 from moshpeer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(90)
@@ -217,7 +218,7 @@ def test_connection_flood_is_bounded(monkeypatch, caplog):
     while plane.rejected_connections < 500 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert plane.rejected_connections == 500
-    assert len([r for r in caplog.records if "rejected connection" in r.getMessage()]) <= 2 * dataplane.REJECTION_LOGS_PER_INTERVAL
+    assert len([r for r in caplog.records if "rejected connection" in r.getMessage()]) <= 2 * REJECTION_LOGS_PER_INTERVAL
     for s in socks:
         s.close()
     plane.close()

@@ -208,3 +208,28 @@ def test_factored_optimizer_state_is_accepted():
     forged["state"][0] = {**forged["state"][0], "row_var": torch.zeros(4, 2)}  # a copy: torch shares the entry
     with pytest.raises(ValueError, match="row_var"):
         validate_optimizer_state(optimizer.state_dict(), params, forged)
+
+
+def test_donors_beyond_the_confirmed_epoch_are_not_asked(dht_node):
+    """The faked-progress attack's second half: a donor offering epoch 2^40 (what no robust view confirms) is
+    never asked; the newcomer downloads from the donor at the confirmed epoch."""
+    boot = dht_node(run_ids=[RUN])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    servers, asked = [], []
+    try:
+        for epoch in (1 << 40, 5):
+            dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
+            data = serialize_state({"model": {"w": torch.full((4,), float(epoch % 7))}, "epoch": epoch})
+            server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity,
+                                 on_served=lambda served, epoch=epoch: asked.append(epoch))
+            assert server.advertise(dht, epoch, expiration=300)
+            servers.append(server)
+        newcomer = dht_node(initial_peers=maddrs, run_ids=[RUN])
+        deadline = time.monotonic() + 30
+        while len(state_sync.list_state_offers(newcomer, RUN)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        downloaded = download_state(newcomer, RUN, max_epoch=6, timeout=30, show_progress=False)
+        assert downloaded.epoch == 5 and asked == [5] and downloaded.failed_donors == []
+    finally:
+        for server in servers:
+            server.shutdown()

@@ -60,12 +60,14 @@ from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
 from moshpeer.averaging.partition import bandwidth_part_sizes
+from moshpeer.averaging.private import admits_follower, dataplane_check, filter_leaders, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import PhaseStats, RoundResult
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
+from moshpeer.dht import admission as private_runs
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
 from moshpeer.version import PROTOCOL_VERSION
@@ -118,15 +120,19 @@ class _MemberInfo:
     loss_budget: Optional[Tuple[float, str]] = None
     # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
     bandwidth: float = 0.0
+    tag: bytes = b""  # a private run's membership tag (moshpeer/dht/admission.py); b"" in open runs
 
 
 def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
-                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0) -> bytes:
+                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
+                      tag: bytes = b"") -> bytes:
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
         info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
     if bandwidth > 0:
         info["bw"] = float(bandwidth)
+    if tag:
+        info["tag"] = tag
     return msgpack.packb(info)
 
 
@@ -159,7 +165,10 @@ def _parse_member_info(data: bytes) -> _MemberInfo:
     bandwidth = info.get("bw", 0.0)
     if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
         raise ProtocolError("bad bandwidth")
-    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth))
+    tag = info.get("tag", b"")
+    if not isinstance(tag, bytes) or len(tag) > private_runs.TAG_BYTES:
+        raise ProtocolError("bad membership tag")
+    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag)
 
 
 def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -220,6 +229,10 @@ class MoshpitAverager(ServicerBase):
         streams (a peer behind NAT; also for testing)
     :param aggregation: how this peer, as a part's owner, combines contributions: "mean" (default), "clipped"
         (CenteredClip) or "trimmed" (coordinate-wise trimmed mean); see aggregation.py and docs/security.md
+    :param swarm_key, allow_peers: a private run: admit only peers that hold this pre-shared secret (bytes) and/or
+        whose peer ids are listed; installed as the DHT node's policy (`moshpeer.dht.Admission`, UserError if
+        the node already has another one). Others are refused in matchmaking and on the data plane
+        (counted in `dht.admission.refused`). Default: the DHT node's policy (open unless set there)
     """
 
     def __init__(
@@ -248,6 +261,8 @@ class MoshpitAverager(ServicerBase):
         partition: str = "equal",
         upload_bandwidth: Optional[float] = None,
         aggregation: str = "mean",
+        swarm_key: Optional[bytes] = None,
+        allow_peers: Optional[Sequence[str]] = None,
     ):
         validate_run_id(run_id)
         if not tensors:
@@ -262,6 +277,9 @@ class MoshpitAverager(ServicerBase):
         if self.identity is None:
             raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
                             "the data plane)")
+        if swarm_key is not None or allow_peers is not None:
+            private_runs.install(dht, private_runs.Admission(swarm_key, allow_peers))
+        self.admission: private_runs.Admission = dht.admission
         self.aggregation = check_aggregation(aggregation)
         # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
         self.flagged_peers: Dict[str, int] = {}
@@ -303,7 +321,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError("error_feedback needs a sparsifying codec (arc-topk) and one value per averaged value")
         self.error_feedback = error_feedback
 
-        self._plane = DataPlane(host, strict=True)
+        self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
         self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
@@ -385,6 +403,7 @@ class MoshpitAverager(ServicerBase):
             client_mode=self.client_mode,
             initial_group_bits=self._initial_bits,
         )
+        filter_leaders(self._matchmaking.group_key_manager, self.admission)
 
     async def _teardown(self) -> None:
         if self._relay is not None:
@@ -465,6 +484,13 @@ class MoshpitAverager(ServicerBase):
         NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
         drops it from our followers."""
         arrived = time.monotonic()
+        try:
+            tag = _parse_member_info(request.gather).tag
+        except ProtocolError:
+            tag = None
+        if not admits_follower(self.admission, str(context.remote_id), tag):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
         responses = self._matchmaking.rpc_join_group(request, context)
         try:
             async for response in responses:
@@ -567,7 +593,8 @@ class MoshpitAverager(ServicerBase):
             data_for_gather=_pack_member_info(
                 host, port, self.links.declared_weight(weight), nonce,
                 (self.loss_budget.budget, self.loss_budget.phase),
-                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0),
+                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
+                self.admission.tag(self.identity.peer_id)),
             scheduled_time=min(get_dht_time() + window, search_end),
             deadline=search_end,
             weight=weight,
@@ -622,6 +649,10 @@ class MoshpitAverager(ServicerBase):
             logger.warning(f"round {group_id[:8]}: bad group metadata: {e}")
             return RoundResult(ok=False, error=f"bad group metadata: {e}", group_bits=bits_before,
                                coordinates=self.coordinates, **ids, **common)
+        outsider = outsider_in_group(self.admission, [str(p) for p in group.peer_ids], [m.tag for m in members])
+        if outsider is not None:
+            return RoundResult(ok=False, error=f"group has a peer this private run does not admit ({outsider[-8:]})",
+                               group_bits=bits_before, coordinates=self.coordinates, **ids, **common)
         logger.info(f"round {group_id[:8]}: group of {group.group_size} assembled in {common['matchmaking_s']:.2f} s, "
                     f"my index {ids['my_index']}")
         # The data plane has the round's data budget from now, never past the round's end.
@@ -687,7 +718,7 @@ class MoshpitAverager(ServicerBase):
         weighed at zero, suspects.py) and `part_sizes`."""
         peer_ids = [str(peer_id) for peer_id in group.peer_ids]
         distrusted = self.suspects.distrusted(peer_ids) if self.aggregation == "clipped" else []
-        secret = wire.group_secret(group.group_id, [m.nonce for m in members])
+        secret = self.admission.connection_secret(wire.group_secret(group.group_id, [m.nonce for m in members]))
         # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
         credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
         # One budget per group: every member computes the same one from the same gathered list.

@@ -26,10 +26,11 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from moshpeer.averaging import handshake, wire
 from moshpeer.errors import ProtocolError
+from moshpeer.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -38,44 +39,19 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 MAX_HANDSHAKES = 64
 MAX_PER_ADDRESS = 32
-REJECTION_LOG_INTERVAL_S = 10.0
-REJECTION_LOGS_PER_INTERVAL = 5
-
-
-class RateLimitedLog:
-    """Logs at most `per_interval` warnings per `interval_s`; the next one after a quiet spell says how many
-    were suppressed (a flood of bad connections must not flood the log)."""
-
-    def __init__(self, log: logging.Logger, interval_s: float = REJECTION_LOG_INTERVAL_S,
-                 per_interval: int = REJECTION_LOGS_PER_INTERVAL):
-        self._log, self._interval, self._per_interval = log, interval_s, per_interval
-        self._lock = threading.Lock()
-        self._window_start, self._in_window, self.suppressed = 0.0, 0, 0
-
-    def warning(self, message: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._window_start >= self._interval:
-                self._window_start, self._in_window = now, 0
-            self._in_window += 1
-            if self._in_window > self._per_interval:
-                self.suppressed += 1
-                return
-            suppressed, self.suppressed = self.suppressed, 0
-        if suppressed:
-            message += f" ({suppressed} similar messages suppressed)"
-        self._log.warning(message)
 
 
 class DataPlane:
     """Listens on (host, port); `register(tag, session)` makes a session reachable for its round.
 
+    :param admit: raises ProtocolError unless a hello's public key may connect (a private run); None: anyone
     :param strict: refuse at once a connection for a group that is not open (`open_group`) while no
         matchmaking is in progress (`matchmaking()`); if False (standalone use), an unknown tag waits up to
         HANDSHAKE_TIMEOUT for its session to be registered
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, strict: bool = False):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, strict: bool = False,
+                 admit: Optional[Callable[[bytes], None]] = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,6 +60,7 @@ class DataPlane:
         self.address: Tuple[str, int] = (host, self._listener.getsockname()[1])
         self._sessions: Dict[bytes, object] = {}
         self.strict = strict
+        self._admit = admit  # a private run's check of a hello's public key (averaging/private.py)
         self._open_groups: Dict[bytes, int] = {}  # wire.tag_group(tag) -> how many holders
         self._matchmaking = 0
         self._cond = threading.Condition()
@@ -184,7 +161,7 @@ class DataPlane:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # one deadline for the whole handshake
             try:
                 session, sender, auth = handshake.accept(
-                    conn, deadline, lambda tag: self._wait_for_session(tag, deadline))
+                    conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
                 session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
             except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
                 self.count_rejected(str(e) or type(e).__name__, peer)

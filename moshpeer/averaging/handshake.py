@@ -185,13 +185,17 @@ def _check_magic(magic: bytes, version: int, expected: bytes, what: str) -> None
 SessionLookup = Callable[[bytes], Optional[object]]
 
 
-def accept(sock: socket.socket, deadline: float, find_session: SessionLookup) -> Tuple[object, int, FrameAuth]:
+def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
+           admit: Optional[Callable[[bytes], None]] = None) -> Tuple[object, int, FrameAuth]:
     """Receiver side: -> (session, sender index, the MACs of its frames). Raises ProtocolError (bad or
-    unauthentic hello, no such round), ConnectionError or socket.timeout; the caller closes `sock`."""
+    unauthentic hello, no such round, a public key that `admit` refuses), ConnectionError or socket.timeout;
+    the caller closes `sock`."""
     magic, version, tag, sender, receiver, c_s, x_s, key_len, sig_len = HELLO.unpack(
         recv_until(sock, HELLO.size, deadline))
     _check_magic(magic, version, HELLO_MAGIC, "hello")
     public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
+    if admit is not None:
+        admit(public_key)  # before any session is looked up: an outsider learns nothing about our rounds
     session = find_session(tag)
     if session is None:
         raise ProtocolError("unknown or finished round (not in this group)")

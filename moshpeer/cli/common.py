@@ -108,6 +108,25 @@ def add_membership_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_private_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("private run (docs/security.md)")
+    group.add_argument("--swarm-key", metavar="FILE",
+                       help="admit only peers holding this pre-shared secret (the file's bytes, at least 16; "
+                       "e.g. made with `openssl rand -hex 32 > FILE`)")
+    group.add_argument("--allow-peers", metavar="FILE",
+                       help="admit only the peer ids listed in FILE (one per line, # comments)")
+
+
+def admission_from_args(args: argparse.Namespace):
+    """The `Admission` of --swarm-key / --allow-peers (UserError for a bad file), None for an open run."""
+    key, allowed = getattr(args, "swarm_key", None), getattr(args, "allow_peers", None)
+    if key is None and allowed is None:
+        return None
+    from moshpeer.dht import Admission
+
+    return Admission.from_files(key, allowed)
+
+
 def add_metrics_argument(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
     extra = " (the bootstrap node; training peer k gets N+k)" if demo else ""
     parser.add_argument("--metrics-port", type=int, metavar="N",
@@ -145,7 +164,8 @@ def check_flags(args: argparse.Namespace) -> None:
     """Check every flag a command has before anything starts (no DHT, no peer record, no file written).
 
     Codec, task and its arguments, compute budget, error feedback with its codec, and the paths
-    (--checkpoint-dir, --out, --preemption-notice, --events), and that --metrics-port is free. The library's own parsers do the checking, so the
+    (--checkpoint-dir, --out, --preemption-notice, --events), that --metrics-port is free, and the private-run
+    files (--swarm-key, --allow-peers). The library's own parsers do the checking, so the
     command accepts exactly what the library does. Flags a command lacks are skipped; with `--no-train`
     the training flags are. (Multiaddrs, ports and the identity file are checked by the DHT's start,
     before anything listens.)
@@ -181,6 +201,7 @@ def check_flags(args: argparse.Namespace) -> None:
         from moshpeer.peer.metrics import check_metrics_port
 
         check_metrics_port(args.metrics_port)
+    admission_from_args(args)
 
 
 def check_directory_flag(flag: str, path: str) -> None:
@@ -240,6 +261,7 @@ def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = Fal
         identity_path=args.identity,
         client_mode=client_mode,
         connect_timeout=args.connect_timeout,
+        admission=admission_from_args(args),
         **membership_timing_from_args(args),
     )
 

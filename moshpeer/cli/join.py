@@ -20,6 +20,7 @@ from moshpeer.cli.common import (
     add_membership_arguments,
     add_metrics_argument,
     add_network_arguments,
+    add_private_run_arguments,
     add_run_id_argument,
     announce_ready,
     check_flags,
@@ -59,6 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_loss_budget_arguments(parser)
     add_checkpoint_arguments(parser)
     add_metrics_argument(parser)
+    add_private_run_arguments(parser)
     parser.add_argument("--events", metavar="FILE",
                         help="also append the JSON event lines to FILE (input for 'moshpeer plot')")
     parser.set_defaults(run=run)

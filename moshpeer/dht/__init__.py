@@ -10,6 +10,7 @@ flags before anything heavy is loaded.
 from typing import Any
 
 _NAMES = {
+    "Admission": "admission",
     "Identity": "identity",
     "peer_id_from_owner_key": "identity",
     "peers_key": "keys",

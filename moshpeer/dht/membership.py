@@ -33,6 +33,9 @@ def publish_record(
     """
     if record.peer_id != dht.identity.peer_id:
         raise ValueError(f"record is about {record.peer_id}, but this DHT's identity is {dht.identity.peer_id}")
+    admission = getattr(dht, "admission", None)
+    if admission is not None and admission.tag(record.peer_id) != record.member_tag:
+        record = record.model_copy(update={"member_tag": admission.tag(record.peer_id)})  # a private run's proof
     future = dht.store(
         peers_key(run_id),
         record.to_wire(),
@@ -71,7 +74,8 @@ def list_peers(
     """Live peers of the run, as the swarm reports them now, sorted by role then peer id.
 
     Entries that fail validation are dropped (everything from the network is untrusted), as are
-    leaving peers and peers of another protocol generation unless asked for.
+    leaving peers and peers of another protocol generation unless asked for, and in a private run the
+    records of peers this node does not admit (`dht.admission`, counted at "records").
     """
     future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
@@ -81,6 +85,7 @@ def list_peers(
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()
+    admission = getattr(dht, "admission", None)
     records = []
     for subkey, entry in found.value.items():
         try:
@@ -93,6 +98,9 @@ def list_peers(
         if record.leaving and not include_leaving:
             continue
         if record.protocol != PROTOCOL_VERSION and not any_protocol:
+            continue
+        if admission is not None and admission.private \
+                and not admission.check("records", record.peer_id, record.member_tag, once=True):
             continue
         records.append(record)
     records.sort(key=lambda r: (ROLES.index(r.role), r.peer_id))

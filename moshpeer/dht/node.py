@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import hivemind
 
+from moshpeer.dht.admission import Admission
 from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import peers_key, validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
@@ -56,9 +57,12 @@ class SwarmDHT(hivemind.DHT):
     Use `start_dht` to create one; the constructor takes hivemind.DHT's arguments plus `identity`.
     """
 
-    def __init__(self, *args, identity: Identity, **kwargs):
+    def __init__(self, *args, identity: Identity, admission: Optional[Admission] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.identity = identity
+        # Who this node admits (private runs); read in this (the main) process by every layer above.
+        self.admission = admission if admission is not None else Admission()
+        self.admission.own_peer_id = identity.peer_id
         self._creator_pid = os.getpid()
 
     @property
@@ -150,6 +154,7 @@ def start_dht(
     run_ids: Sequence[str] = (),
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     should_stop: Optional[Callable[[], bool]] = None,
+    admission: Optional[Admission] = None,
     **dht_kwargs,
 ) -> SwarmDHT:
     """Start a DHT node and, with `initial_peers`, join their swarm; return it once it is ready.
@@ -162,6 +167,7 @@ def start_dht(
     :param run_ids: runs whose peer records this node schema-checks (signatures are always checked)
     :param connect_timeout: how long to keep trying to reach `initial_peers`
     :param should_stop: polled between attempts; returning True raises `StartCancelled`
+    :param admission: a private run's policy (swarm key, allow-list; admission.py); default: admit everyone
     :param dht_kwargs: passed on to hivemind.DHT / DHTNode / P2P
     :raises UserError: malformed multiaddr, port in use, bad identity file, unreachable initial peers
     """
@@ -198,6 +204,7 @@ def start_dht(
             dht = SwarmDHT(
                 initial_peers=initial_peers or None,
                 identity=identity,
+                admission=admission,
                 start=False,
                 host_maddrs=host_maddrs,
                 announce_maddrs=announce_maddrs or None,

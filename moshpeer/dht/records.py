@@ -87,6 +87,8 @@ class PeerRecord(BaseModel):
     # samples the run gathers per collaborative epoch (0: unknown): `moshpeer status` shows both.
     round_health: Optional[RoundHealth] = None
     target_batch_size: _Count = 0
+    # In a run with a swarm key: proof that this peer holds it (admission.py; b"" in open runs).
+    member_tag: Annotated[bytes, Field(max_length=64)] = b""
 
     @classmethod
     def from_wire(cls, value: Any) -> "PeerRecord":

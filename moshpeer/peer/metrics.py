@@ -11,7 +11,7 @@ docs/metrics.md for the list and docs/grafana/moshpeer.json for a dashboard over
 from __future__ import annotations
 
 import socket
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.process_collector import ProcessCollector
@@ -54,6 +54,8 @@ class PeerMetrics:
                                    "rejected), by phase.", ("phase",), registry=r)
         self.rejected_connections = Counter("moshpeer_rejected_connections", "Data-plane connections refused "
                                             "(strangers, failed authentication).", registry=r)
+        self.admission_refused = Counter("moshpeer_admission_refused", "Private run: peers refused, by point "
+                                         "(records, matchmaking, dataplane, state).", ("point",), registry=r)
         self.rejected_messages = Counter("moshpeer_rejected_messages", "Data-plane messages rejected (malformed, "
                                          "bad sizes, non-finite values, duplicates).", registry=r)
         self.group_size = Gauge("moshpeer_group_size", "Size of the group of the last round (1: alone).",
@@ -81,6 +83,7 @@ class PeerMetrics:
         self._server = None
         self.port: Optional[int] = None  # where `serve` listens
         self._checkpoints_seen = 0
+        self._refusals_seen: Dict[str, int] = {}
 
     def set_identity(self, *, run_id: str, peer_id: str, role: str, command: str) -> None:
         """(Re)label `moshpeer_peer_info` once the peer id is known."""
@@ -138,6 +141,14 @@ class PeerMetrics:
             self.received_bytes.labels(phase=phase).inc(stats.bytes_received)
             self.chunks_expected.labels(phase=phase).inc(stats.chunks_expected)
             self.chunks_lost.labels(phase=phase).inc(stats.chunks_lost)
+
+    def observe_refusals(self, refused: Mapping[str, int]) -> None:
+        """A private run's refusals so far, per point (`Admission.refused`: running totals)."""
+        for point, total in refused.items():
+            new = total - self._refusals_seen.get(point, 0)
+            if new > 0:
+                self.admission_refused.labels(point=point).inc(new)
+                self._refusals_seen[point] = total
 
     def observe_training(self, *, samples_per_second: float, loss: Optional[float],
                          metrics: Optional[Mapping[str, float]] = None) -> None:

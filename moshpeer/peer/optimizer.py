@@ -38,7 +38,7 @@ import torch
 from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
 from moshpeer.averaging.report import RoundResult
-from moshpeer.dht import SwarmDHT, validate_run_id
+from moshpeer.dht import Admission, SwarmDHT, validate_run_id
 from moshpeer.errors import UserError
 from moshpeer.peer.dropcompute import BudgetSetting
 from moshpeer.peer.error_feedback import ERROR_FEEDBACK_MODES, make_error_feedback
@@ -83,6 +83,9 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
     :param serve_state: run a state donor for newcomers
     :param should_stop: polled while a round is in flight; True abandons it (for prompt shutdown)
     :param averager_kwargs: more arguments for `MoshpitAverager` (links, chunk_bytes, ...)
+    :param swarm_key, allow_peers: a private run (a pre-shared secret, bytes; and/or admitted peer ids): set as
+        the DHT node's `moshpeer.dht.Admission`, which refuses others' records, matchmaking, data-plane
+        connections and state requests (counted in `dht.admission.refused`; docs/security.md)
     :param loss_budget, phase_threshold, phase_window: DBLP loss budget of the rounds (see loss_budget.py)
 
     Bad settings raise `UserError` with one line; a failed round is logged and the epoch steps alone.
@@ -126,6 +129,8 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         loss_budget: Any = None,
         phase_threshold: float = 0.5,
         phase_window: Optional[int] = None,
+        swarm_key: Optional[bytes] = None,
+        allow_peers: Optional[Sequence[str]] = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -177,8 +182,10 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self._loss_phase, self._speed = LossPhaseTracker(), SpeedMeter()
         self.timing = RoundTiming(matchmaking_time, compute_budget, group_size)
 
+        admission = Admission(swarm_key, allow_peers) if swarm_key is not None or allow_peers is not None else None
         self._swarm = link_to_swarm(run_id, role, self.target_batch_size, daemon=daemon, dht=dht,
-                                    initial_peers=initial_peers, host=host, progress_refresh=progress_refresh)
+                                    initial_peers=initial_peers, host=host, progress_refresh=progress_refresh,
+                                    admission=admission)
         self.daemon, self.dht, self.progress = daemon, self._swarm.dht, self._swarm.progress
         self.peer_id = self.dht.identity.peer_id
 
@@ -193,7 +200,8 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         self._advertised_at = 0.0
         if serve_state:
             self.state_server = StateServer(self._serialized_state, run_id=run_id, identity=self.dht.identity,
-                                            host=host, bytes_per_second=state_bytes_per_second)
+                                            host=host, bytes_per_second=state_bytes_per_second,
+                                            admission=self.dht.admission)
             self._advertise()
         self._report_progress(force=True)
         self.timing.begin_epoch()  # the first epoch's budget starts now, not before the setup above

@@ -9,8 +9,10 @@ its signed header, or a state that fails validation. Where a second donor is ava
 download is cross-checked: two donors' states must agree on a sample of parameters
 (`state_validation.disagreeing_tensors`), else both are set aside and the next donors are tried.
 
-Wire protocol (version 2), every message framed as a 4-byte big-endian length + body:
-  client -> server  msgpack {"op": "get_state", "protocol": 2, "run_id": str, "challenge": 32 random bytes}
+Wire protocol (version 3), every message framed as a 4-byte big-endian length + body:
+  client -> server  msgpack {"op": "get_state", "protocol": 3, "run_id": str, "challenge": 32 random bytes,
+                             "public_key": the client's, "signature": over the run id and challenge,
+                             "tag": its membership tag in a run with a swarm key}
   server -> client  msgpack {"ok": true, "epoch": int, "total_bytes": int, "sha256": hex, "chunk_bytes": int,
                              "public_key": OpenSSH RSA key, "signature": over the challenge and those fields}
                     then raw chunks, each framed, each at most chunk_bytes, summing to total_bytes
@@ -21,6 +23,10 @@ of a dict of tensors and plain values, read back with `torch.load(weights_only=T
 malicious donor cannot run code here. The receive loop enforces one deadline for the whole
 download (every recv gets the time left), and memory grows only as bytes arrive (never from the
 announced size), up to `max_bytes`.
+
+In a private run (`dht.admission`, moshpeer/dht/admission.py) a donor serves only clients whose signed
+request names an admitted peer, and a downloader ignores offers of peers it does not admit (an offer
+carries the donor's membership tag); both refusals are counted at "state".
 
 Why TCP and not a libp2p stream: the transfer is bulk, one-shot and pull-based; a plain socket is
 simpler to bound in time and to throttle for tests. Peers behind NAT cannot donate (they do not
@@ -46,14 +52,14 @@ import torch
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPublicKey
 
-from moshpeer.dht import SwarmDHT
+from moshpeer.dht import Admission, SwarmDHT
 from moshpeer.dht.identity import Identity, peer_id_from_owner_key, peer_id_from_public_key
 from moshpeer.errors import ProtocolError
 from moshpeer.peer.state_validation import disagreeing_tensors
 
 logger = logging.getLogger(__name__)
 
-STATE_PROTOCOL = 2
+STATE_PROTOCOL = 3
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_STATE_BYTES = 8 << 30
 MAX_HEADER_BYTES = 4096
@@ -141,6 +147,22 @@ def _signed_fields(run_id: str, challenge: bytes, epoch: int, total: int, digest
                       digest.encode()))
 
 
+def _request_fields(run_id: str, challenge: bytes) -> bytes:
+    return b"|".join((b"moshpeer-state-request", run_id.encode(), challenge))
+
+
+def _client_peer(request: Dict[str, Any], run_id: str, challenge: bytes) -> Optional[str]:
+    """The peer id that signed a state request, None if it is unsigned or the signature does not verify."""
+    public_key, signature = request.get("public_key"), request.get("signature")
+    if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
+        return None
+    try:
+        key = RSAPublicKey.from_bytes(public_key)
+        return peer_id_from_public_key(key) if key.verify(_request_fields(run_id, challenge), signature) else None
+    except Exception:  # a malformed key
+        return None
+
+
 def _check_donor(header: Dict[str, Any], expected_peer: str, run_id: str, challenge: bytes) -> None:
     """Raise ProtocolError unless the header is signed, for our challenge, by the key of `expected_peer`."""
     public_key, signature = header.get("public_key"), header.get("signature")
@@ -165,6 +187,7 @@ class StateServer:
 
     :param source: returns (epoch, serialized state); called once per request (cache inside it)
     :param identity: this peer's identity: signs each transfer's header (see the module docstring)
+    :param admission: a private run's policy: serve only admitted clients (None: everyone)
     :param bytes_per_second: throttle each transfer (tests use it to kill a donor mid-download)
     """
 
@@ -179,8 +202,9 @@ class StateServer:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         bytes_per_second: Optional[float] = None,
         on_served: Optional[Callable[[Dict[str, Any]], None]] = None,
+        admission: Optional[Admission] = None,
     ):
-        self.source, self.run_id, self.identity = source, run_id, identity
+        self.source, self.run_id, self.identity, self.admission = source, run_id, identity, admission
         # A throttled transfer sends small chunks (about 20 per second), so the rate holds within a second.
         self.chunk_bytes = chunk_bytes if not bytes_per_second else min(chunk_bytes, max(4096, int(bytes_per_second / 20)))
         self.bytes_per_second = bytes_per_second
@@ -212,6 +236,13 @@ class StateServer:
             challenge = request.get("challenge")
             if not isinstance(challenge, bytes) or len(challenge) != 32:
                 raise ProtocolError("request without a 32-byte challenge")
+            if self.admission is not None and self.admission.private:
+                client = _client_peer(request, self.run_id, challenge)
+                tag = request.get("tag") if isinstance(request.get("tag"), bytes) else None
+                if client is None:
+                    self.admission.refuse("state", "(unsigned request)")
+                if client is None or not self.admission.check("state", client, tag):
+                    raise ProtocolError(f"client {client or '(unsigned)'} is not admitted to this private run")
             epoch, data = self.source()
             digest = hashlib.sha256(data).hexdigest()
             logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
@@ -242,7 +273,7 @@ class StateServer:
     def advertise(self, dht: SwarmDHT, epoch: int, *, expiration: float = 15.0) -> bool:
         """Publish (or refresh) this donor's offer in the DHT; re-call at least every `expiration`/2."""
         offer = {"peer_id": dht.identity.peer_id, "host": self.host, "port": int(self.port), "epoch": int(epoch),
-                 "protocol": STATE_PROTOCOL}
+                 "protocol": STATE_PROTOCOL, "tag": dht.admission.tag(dht.identity.peer_id)}
         try:
             return bool(dht.store(state_offers_key(self.run_id), offer, expiration_time=get_dht_time() + expiration,
                                   subkey=dht.owner_subkey, return_future=True).result(timeout=2.0))
@@ -284,7 +315,9 @@ class StateDownloadFailed(Exception):
 
 
 def list_state_offers(dht: SwarmDHT, run_id: str, *, timeout: float = 5.0) -> List[StateOffer]:
-    """Valid offers of the run, most advanced first. Malformed or misattributed entries are dropped."""
+    """Valid offers of the run, most advanced first. Malformed or misattributed entries are dropped, and in a
+    private run those of peers this node does not admit (counted once per peer at "state")."""
+    admission: Optional[Admission] = getattr(dht, "admission", None)
     found = dht.get(state_offers_key(run_id), latest=True, return_future=True).result(timeout=timeout)
     if found is None or not isinstance(found.value, dict):
         return []
@@ -304,6 +337,9 @@ def list_state_offers(dht: SwarmDHT, run_id: str, *, timeout: float = 5.0) -> Li
         except Exception as e:  # untrusted input: drop it, never crash
             logger.debug(f"ignoring a state offer: {e}")
             continue
+        tag = value.get("tag") if isinstance(value.get("tag"), bytes) else None
+        if admission is not None and admission.private and not admission.check("state", peer_id, tag, once=True):
+            continue
         offers.append(StateOffer(peer_id, host, port, epoch))
     offers.sort(key=lambda offer: (-offer.epoch, offer.peer_id))
     return offers
@@ -316,19 +352,26 @@ def fetch_state_from(
     timeout: float,
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
     progress: Optional[Callable[[int, int], None]] = None,
+    identity: Optional[Identity] = None,
+    tag: bytes = b"",
 ) -> Tuple[int, bytes, str]:
     """Download and verify one donor's state by `timeout` seconds from now; returns (epoch, bytes, sha256).
 
     Raises TimeoutError past the deadline (checked inside every receive), ProtocolError when the donor
     cannot prove it is the offer's peer, announces more than `max_bytes`, sends more than it announced
-    or bytes that do not match its signed digest; OSError / ConnectionError when the connection fails.
+    or bytes that do not match its signed digest; OSError / ConnectionError when the connection fails
+    (a donor of a private run closes it on a client it does not admit). With `identity`, the request is
+    signed by it (and carries `tag`, this peer's membership tag), as a private run's donors require.
     """
     deadline = time.monotonic() + timeout
     challenge = os.urandom(32)
     with socket.create_connection((offer.host, offer.port), timeout=min(_remaining(deadline), 5.0)) as sock:
         sock.settimeout(_remaining(deadline))
-        _send_frame(sock, msgpack.packb({"op": "get_state", "protocol": STATE_PROTOCOL, "run_id": run_id,
-                                         "challenge": challenge}))
+        request = {"op": "get_state", "protocol": STATE_PROTOCOL, "run_id": run_id, "challenge": challenge}
+        if identity is not None:
+            request.update(public_key=identity.public_key.to_bytes(), tag=tag,
+                           signature=identity.private_key.sign(_request_fields(run_id, challenge)))
+        _send_frame(sock, msgpack.packb(request))
         header = _recv_msgpack(sock, deadline)
         total, digest, epoch = header.get("total_bytes"), header.get("sha256"), header.get("epoch")
         chunk_limit = header.get("chunk_bytes")
@@ -429,7 +472,8 @@ def download_state(
             with _progress_bar(show_progress, offer) as update:
                 epoch, data, digest = fetch_state_from(
                     offer, run_id, timeout=min(per_donor_timeout, max(0.5, deadline - time.monotonic())),
-                    max_bytes=max_bytes, progress=update)
+                    max_bytes=max_bytes, progress=update, identity=dht.identity,
+                    tag=dht.admission.tag(dht.identity.peer_id))
             state = deserialize_state(data)
             if validate is not None:
                 validate(state)

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from moshpeer.dht import SwarmDHT, start_dht
+from moshpeer.dht import Admission, SwarmDHT, start_dht
+from moshpeer.dht.admission import install as install_admission
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.progress import RecordPublisher, SwarmProgress
@@ -69,10 +70,12 @@ class SwarmLink:
 
 def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any = None,
                   dht: Optional[SwarmDHT] = None, initial_peers: Sequence[str] = (), host: str = "127.0.0.1",
-                  progress_refresh: float = 0.3) -> SwarmLink:
+                  progress_refresh: float = 0.3, admission: Optional[Admission] = None) -> SwarmLink:
     """The daemon's DHT and record, else `dht` (with a record of our own), else a DHT node of our own
-    joined through `initial_peers`; UserError when none of the three is given."""
+    joined through `initial_peers`; UserError when none of the three is given. `admission` (a private run)
+    becomes that DHT node's policy (UserError if it already has another one)."""
     if daemon is not None:
+        install_admission(daemon.dht, admission)
         def publish(**fields: Any) -> None:
             daemon.update_record(publish_now=True, **fields)
 
@@ -83,7 +86,9 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     if dht is None:
         if not initial_peers:
             raise UserError("give the optimizer daemon=, dht= or initial_peers=")
-        dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"])
+        dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"],
+                                  admission=admission)
+    install_admission(dht, admission)
     publisher = RecordPublisher(dht, run_id, role=role)
     publisher.publish()
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,

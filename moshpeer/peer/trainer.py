@@ -229,6 +229,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         daemon.update_record(round_health=round_health(optimizer.rounds), target_batch_size=target)  # for status
         if peer_metrics is not None:
             peer_metrics.observe_round(round_)
+            peer_metrics.observe_refusals(daemon.dht.admission.refused)
             peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
                                           loss=loss_sum / loss_count if loss_count else None,
                                           metrics=metrics if evaluate else None)
@@ -242,6 +243,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,
             "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
             "params_digest": params_digest(model),
+            **({"refused": daemon.dht.admission.refused} if daemon.dht.admission.private else {}),
         })
         loss_sum, loss_count = 0.0, 0
         if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
