@@ -63,3 +63,17 @@ def test_laggards_do_not_hold_the_swarm_back():
     own = record(0, 0)
     assert view(EpochCredit(), [record(1, 0), record(2, 40)], own).global_epoch == 40
     assert view(EpochCredit(), [record(1, 3), record(2, 40), record(3, 40)], own).global_epoch == 40
+
+
+def test_samples_of_peers_weighed_at_zero_do_not_count():
+    """A hostile peer whose gradients robust aggregation discards must not shorten the honest peers' epochs:
+    its samples (and speed) are left out of this peer's view; this peer's own samples always count."""
+    own = record(0, 10, samples=64)
+    honest = [record(k, 10, samples=64) for k in (1, 2)]
+    hostile = record(3, 10, samples=200)
+    everyone = summarize((*honest, hostile), own=own, target_batch_size=TARGET, now=0.0)
+    assert everyone.samples_accumulated == 3 * 64 + 200 and everyone.ready
+    suspect = summarize((*honest, hostile), own=own, target_batch_size=TARGET, now=0.0,
+                        uncounted={hostile.peer_id, own.peer_id})
+    assert suspect.samples_accumulated == 3 * 64 and not suspect.ready
+    assert suspect.global_epoch == 10 and suspect.num_trainers == 4

@@ -51,4 +51,5 @@ class SuspectTracker:
     @property
     def suspects(self) -> List[str]:
         """Peers currently weighed at zero."""
-        return sorted(peer for peer, streak in self._streaks.items() if streak >= self.after_rounds)
+        # A copy first: other threads (the progress view) ask while the round thread records.
+        return sorted(peer for peer, streak in list(self._streaks.items()) if streak >= self.after_rounds)

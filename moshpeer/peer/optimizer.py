@@ -195,6 +195,8 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
             [self.strategy.buffer], dht=self.dht, run_id=f"{run_id}.{self.averaging}", target_group_size=group_size,
             min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
             round_timeout=round_timeout, host=host, **averager_kwargs)
+        if self.averager.aggregation == "clipped":  # samples whose gradients are weighed at zero do not count
+            self.progress.count_samples_except(lambda: self.averager.suspects.suspects)
 
         self.state_server: Optional[StateServer] = None
         self._advertised_at = 0.0

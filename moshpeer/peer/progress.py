@@ -15,7 +15,8 @@ dictionary. From those records each peer derives the same view:
   gains one epoch per refresh, not 2^62). A record credited with less than it claims counts no
   samples;
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
-  the optimizer compares with `target_batch_size`;
+  the optimizer compares with `target_batch_size`; with robust aggregation, the trainers this peer's
+  averager weighs at zero (suspects) are left out of that sum: their samples never reach the model;
 - the estimated time to the target comes from the summed `samples_per_second`.
 
 Reading the DHT costs a round trip, so a background thread refreshes the view every
@@ -29,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Optional, Sequence, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -133,9 +134,12 @@ def summarize(
     target_batch_size: int,
     now: float,
     max_epoch: Optional[int] = None,
+    uncounted: Collection[str] = (),
 ) -> ProgressSnapshot:
     """The swarm view from (credited) peer records; `own` (this peer's live local record) replaces its DHT
-    copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh)."""
+    copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh); the samples and
+    speed of the trainers in `uncounted` (peer ids whose contributions this peer's averaging discards) are
+    left out of the epoch's progress (never this peer's own)."""
     by_id = {record.peer_id: record for record in records}
     if own is not None:
         by_id[own.peer_id] = own
@@ -147,8 +151,10 @@ def summarize(
         global_epoch = min(global_epoch, max_epoch)
     if own is not None:  # this peer's own epoch is no claim: the swarm is at least where it is
         global_epoch = max(global_epoch, own.epoch)
-    samples = sum(r.samples_accumulated for r in trainers if r.epoch == global_epoch)
-    speed = sum(r.samples_per_second for r in trainers)
+    own_id = own.peer_id if own is not None else None
+    counted = [r for r in trainers if r.peer_id not in uncounted or r.peer_id == own_id]
+    samples = sum(r.samples_accumulated for r in counted if r.epoch == global_epoch)
+    speed = sum(r.samples_per_second for r in counted)
     return ProgressSnapshot(
         global_epoch=global_epoch,
         samples_accumulated=samples,
@@ -239,6 +245,7 @@ class SwarmProgress:
         self._on_refresh = on_refresh
         self._records: Tuple[PeerRecord, ...] = ()
         self._credit = EpochCredit()
+        self._uncounted: Callable[[], Collection[str]] = tuple
         self._lock = threading.Lock()
         self._fetched = threading.Condition(self._lock)
         self._fetch_count = 0
@@ -262,6 +269,12 @@ class SwarmProgress:
                       samples_per_second=float(max(samples_per_second, 0.0)), step=step,
                       upload_bps=float(max(upload_bps, 0.0)))
 
+    def count_samples_except(self, peers: Callable[[], Collection[str]]) -> None:
+        """From now on, every view leaves out the samples of the trainers `peers()` names (asked at each
+        snapshot; e.g. the averager's suspects, whose contributions robust aggregation weighs at zero): a
+        hostile peer must not shorten the honest peers' epochs with samples that never reach the model."""
+        self._uncounted = peers
+
     # ---- swarm view -----------------------------------------------------------------------------
 
     def snapshot(self) -> ProgressSnapshot:
@@ -269,7 +282,7 @@ class SwarmProgress:
         with self._lock:
             records, last = self._records, self._credit.swarm_epoch
         return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
-                         now=time.monotonic(), max_epoch=last)
+                         now=time.monotonic(), max_epoch=last, uncounted=frozenset(self._uncounted()))
 
     def wait_for_refresh(self, timeout: float) -> bool:
         """Block until the next background fetch completes (True) or `timeout` passes (False)."""
