@@ -76,4 +76,5 @@ def test_samples_of_peers_weighed_at_zero_do_not_count():
     suspect = summarize((*honest, hostile), own=own, target_batch_size=TARGET, now=0.0,
                         uncounted={hostile.peer_id, own.peer_id})
     assert suspect.samples_accumulated == 3 * 64 and not suspect.ready
-    assert suspect.global_epoch == 10 and suspect.num_trainers == 4
+    assert suspect.global_epoch == 10 and suspect.num_trainers == 4  # still a live peer (groups, matchmaking)
+    assert everyone.contributing_trainers == 4 and suspect.contributing_trainers == 3  # each share: target / 3

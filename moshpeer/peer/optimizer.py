@@ -276,9 +276,9 @@ class CollaborativeOptimizer(OptimizerState, AuxRounds, torch.optim.Optimizer):
         return visible
 
     def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
-        """This peer's share of the target batch: target / live trainers, rounded up."""
+        """This peer's share of the target batch: target / live trainers whose samples count, rounded up."""
         snapshot = snapshot or self.progress.snapshot()
-        return math.ceil(self.target_batch_size / max(snapshot.num_trainers, 1))
+        return math.ceil(self.target_batch_size / max(snapshot.contributing_trainers, 1))
 
     def group_target(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This round's group size: `group_size`, or the number of live peers (trainers and aux, from

@@ -54,9 +54,16 @@ class ProgressSnapshot:
     target_batch_size: int
     num_trainers: int  # live trainers, this peer included if it trains
     num_aux: int
-    samples_per_second: float  # sum over live trainers
+    samples_per_second: float  # sum over the counted trainers
     fetched_at: float
     peers: Tuple[PeerRecord, ...] = field(default=(), repr=False)
+    # Trainers whose samples count toward the target (live ones not weighed at zero); None: all of them.
+    counted_trainers: Optional[int] = None
+
+    @property
+    def contributing_trainers(self) -> int:
+        """How many trainers share the target batch (each peer's share is target / this)."""
+        return self.num_trainers if self.counted_trainers is None else self.counted_trainers
 
     @property
     def ready(self) -> bool:
@@ -164,6 +171,7 @@ def summarize(
         samples_per_second=speed,
         fetched_at=now,
         peers=tuple(sorted(by_id.values(), key=lambda r: r.peer_id)),
+        counted_trainers=len(counted),
     )
 
 
