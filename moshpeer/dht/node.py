@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONNECT_TIMEOUT = 30.0
 # How often the DHT process checks that its parent is still alive.
 _ORPHAN_POLL_SECONDS = 0.5
+# How long a pipe error in the DHT process may precede the main process's death being visible to it.
+_ORPHAN_CONFIRM_SECONDS = 2.0
 # Pause between attempts to reach initial peers that are not up yet.
 _RETRY_PAUSE_SECONDS = 1.0
 
@@ -75,10 +77,18 @@ class SwarmDHT(hivemind.DHT):
         # simply die on SIGTERM / SIGHUP. (hivemind makes it ignore SIGINT: Ctrl-C is the main's job.)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        parent = os.getppid()
         threading.Thread(
-            target=_exit_when_orphaned, args=(os.getppid(),), name="moshpeer-orphan-watchdog", daemon=True
+            target=_exit_when_orphaned, args=(parent,), name="moshpeer-orphan-watchdog", daemon=True
         ).start()
-        super().run()
+        try:
+            super().run()
+        except (EOFError, OSError):
+            # A main process killed while it sent a request (SIGKILL mid-pickle) leaves half a message in
+            # the pipe: reading it fails here. That is the peer leaving, not an error worth a traceback.
+            if not _orphaned_within(parent, _ORPHAN_CONFIRM_SECONDS):
+                raise
+            _end_process_group()
 
     def kill(self) -> None:
         """SIGKILL the DHT process and its p2pd, wherever they are; safe to call more than once."""
@@ -106,6 +116,22 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     """In the DHT process: when the main process is gone, terminate this process group (p2pd included)."""
     while os.getppid() == parent_pid:
         time.sleep(_ORPHAN_POLL_SECONDS)
+    _end_process_group()
+
+
+def _orphaned_within(parent_pid: int, seconds: float) -> bool:
+    """Has the main process gone, or does it go within `seconds`? (A dying process closes its pipes a moment
+    before its children are handed to another parent.)"""
+    deadline = time.monotonic() + seconds
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _end_process_group() -> None:
+    """Terminate this DHT process's group (itself and p2pd); SIGKILL if SIGTERM did not end it."""
     os.killpg(0, signal.SIGTERM)
     time.sleep(3.0)  # only reached if SIGTERM did not end this process
     os.killpg(0, signal.SIGKILL)
