@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 

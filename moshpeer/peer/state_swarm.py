@@ -52,6 +52,8 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     the chosen manifest failed with pieces missing, TimeoutError past the deadline."""
     deadline = time.monotonic() + timeout
     offers = offers[:MAX_DONORS]
+    if not offers:
+        raise ProtocolError("no donor to download from")
     manifests = _manifests(offers, run_id, deadline=deadline, max_bytes=max_bytes, failed=failed,
                            identity=identity, tag=tag)
     if not manifests:
