@@ -11,7 +11,8 @@ pieces checked against it. This is what lets a newcomer pull one state from seve
                     donor no longer holds that state (it moved on to a newer epoch)
 
 Pieces need no signature of their own: each is checked against a manifest whose donor signed it over the
-client's challenge. The manifest is computed once per served state (cached on the server).
+client's challenge. The manifest is computed once per served state, and the donor keeps serving pieces of
+the last states it sent manifests of (PINNED_SNAPSHOTS, for PIN_S) after it moved on to a newer epoch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 MIN_PIECE_BYTES = 1024  # a smaller piece is refused (its hash list would outweigh the state)
 SMALLEST_SERVED_PIECE = 16 << 10
 TARGET_PIECES = 64  # enough pieces for several donors to share a small state
+PINNED_SNAPSHOTS = 2  # states a donor keeps serving pieces of after it moved on
+PIN_S = 120.0  # ... as long as one of their manifests or pieces was asked this recently
 _DIGEST = 32
 
 
@@ -83,17 +87,36 @@ def _manifest_fields(run_id: str, challenge: bytes, manifest: Manifest) -> bytes
 
 
 def _manifest_of(server: StateServer, epoch: int, data: bytes) -> Manifest:
-    """The manifest of `data`, computed once per state the server's source hands out."""
+    """The manifest of `data`, computed once per state the server's source hands out, and pinned: the donor
+    keeps serving pieces of it after it moved on (a download may outlast several epochs), for the last
+    PINNED_SNAPSHOTS manifests asked within PIN_S seconds (bounded memory on the donor)."""
     with server.manifest_lock:
-        cached = server.manifest_cache
-        if cached is not None and cached[0] is data:
-            return cached[1]
+        pinned: Dict[str, list] = server.manifest_cache
+        now = time.monotonic()
+        for digest in [d for d, entry in pinned.items() if now - entry[2] > PIN_S]:
+            del pinned[digest]
+        for entry in pinned.values():
+            if entry[0] is data:
+                entry[2] = now
+                return entry[1]
         piece = piece_bytes_for(len(data), server.chunk_bytes)
         view = memoryview(data)
         hashes = tuple(hashlib.sha256(view[i : i + piece]).digest() for i in range(0, len(data), piece))
         manifest = Manifest(int(epoch), len(data), hashlib.sha256(data).hexdigest(), piece, hashes)
-        server.manifest_cache = (data, manifest)
+        pinned[manifest.sha256] = [data, manifest, now]
+        while len(pinned) > PINNED_SNAPSHOTS:
+            del pinned[min(pinned, key=lambda d: pinned[d][2])]
         return manifest
+
+
+def _pinned(server: StateServer, digest: Any) -> Optional[Tuple[bytes, Manifest]]:
+    """(bytes, manifest) of a pinned state, None if the donor no longer holds it."""
+    with server.manifest_lock:
+        entry = server.manifest_cache.get(digest) if isinstance(digest, str) else None
+        if entry is None:
+            return None
+        entry[2] = time.monotonic()
+        return entry[0], entry[1]
 
 
 def serve_piece_request(server: StateServer, sock: socket.socket, request: Dict[str, Any], challenge: bytes,
@@ -101,8 +124,8 @@ def serve_piece_request(server: StateServer, sock: socket.socket, request: Dict[
     """Answer an admitted "get_manifest" or "get_pieces" request (see the module docstring).
 
     Raises ProtocolError on a malformed range, OSError when the client goes away (the server logs both)."""
-    manifest = _manifest_of(server, epoch, data)
     if request["op"] == "get_manifest":
+        manifest = _manifest_of(server, epoch, data)
         header = {"ok": True, "epoch": manifest.epoch, "total_bytes": manifest.total_bytes,
                   "sha256": manifest.sha256, "piece_bytes": manifest.piece_bytes,
                   "public_key": server.identity.public_key.to_bytes(),
@@ -111,16 +134,19 @@ def serve_piece_request(server: StateServer, sock: socket.socket, request: Dict[
         state_sync._send_frame(sock, b"".join(manifest.piece_hashes))
         server.count_served(manifest.epoch, manifest.sha256, manifest.total_bytes)
         return
-    if request.get("sha256") != manifest.sha256:
-        state_sync._send_frame(sock, msgpack.packb({"ok": False, "error": f"serving epoch {manifest.epoch} now"}))
+    pinned = _pinned(server, request.get("sha256"))
+    if pinned is None:
+        state_sync._send_frame(sock, msgpack.packb({"ok": False, "error": f"serving epoch {epoch} now"}))
         return
+    data, manifest = pinned
     first, count = request.get("first"), request.get("count")
     if not (isinstance(first, int) and isinstance(count, int) and 0 <= first and 0 < count
             and first + count <= len(manifest.piece_hashes)):
         raise ProtocolError(f"bad piece range {first!r}+{count!r}")
     state_sync._send_frame(sock, msgpack.packb({"ok": True}))
     start, end = manifest.piece_range(first, count)
-    logger.debug(f"serving pieces {first}..{first + count - 1} of epoch {epoch} to {sock.getpeername()[0]}")
+    logger.info(f"serving state of epoch {manifest.epoch}: pieces {first}..{first + count - 1} ({end - start} bytes) "
+                f"to {sock.getpeername()[0]}")
     server.send_range(sock, data, start, end, frame_bytes=manifest.piece_bytes)
 
 

@@ -39,7 +39,7 @@ class SwarmedState:
     manifest: Manifest
     data: bytes
     agreeing: Tuple[str, ...]  # peer ids of every donor that signed this exact manifest
-    served_by: Tuple[str, ...]  # those of them that delivered pieces
+    served_by: Tuple[str, ...]  # those of them that delivered pieces, those that did not fail first
 
 
 def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, max_bytes: int,
@@ -74,7 +74,9 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     data = pieces.assemble()  # raises when pieces are missing
     if hashlib.sha256(data).hexdigest() != manifest.sha256:
         raise ProtocolError("pieces do not add up to the signed state digest")
-    return SwarmedState(manifest, data, tuple(o.peer_id for o in donors), tuple(pieces.served_by))
+    # Donors that served and stayed first: the first one is the download's `donor`.
+    served = sorted(pieces.served_by, key=lambda peer_id: peer_id in pieces.dropped)
+    return SwarmedState(manifest, data, tuple(o.peer_id for o in donors), tuple(served))
 
 
 def _manifests(offers: List[StateOffer], run_id: str, *, deadline: float, max_bytes: int,
@@ -104,6 +106,7 @@ class _PieceQueue:
         self.ranges: Deque[Tuple[int, int]] = deque((first, min(step, count - first)) for first in range(0, count, step))
         self.pieces: Dict[int, bytes] = {}
         self.served_by: List[str] = []
+        self.dropped: set = set()  # donors that failed
         self.received = 0
         self.working = donors  # workers that have not failed
         self.lock = threading.Lock()
@@ -123,6 +126,7 @@ class _PieceQueue:
                 with self.lock:
                     self.ranges.appendleft((first, count))
                     self.working -= 1
+                    self.dropped.add(donor.peer_id)
                     failed.append((donor.peer_id, f"{type(e).__name__}: {e}"))
                 what = "sent a corrupt piece" if isinstance(e, CorruptPiece) else "stopped serving"
                 logger.warning(f"state donor {donor.peer_id[-8:]} {what} ({type(e).__name__}: {e}); "

@@ -235,7 +235,7 @@ class StateServer:
         self.bytes_per_second = bytes_per_second
         self.on_served = on_served
         self.served = 0
-        self.manifest_cache: Optional[Any] = None  # state_pieces.Manifest of the state last served in pieces
+        self.manifest_cache: Dict[str, list] = {}  # state_pieces: digest -> [bytes, manifest, last asked]
         self.manifest_lock = threading.Lock()
         server_self = self
 
