@@ -182,7 +182,9 @@ def short_peer_id(peer_id: str) -> str:
 
 
 def peer_as_json(peer: PeerRecord, now: float) -> Dict[str, Any]:
-    return {**peer.to_wire(), "last_seen_s": round(max(0.0, now - peer.updated_at), 3)}
+    # Binary fields (a private run's membership tag) as hex: JSON has no bytes.
+    wire = {key: value.hex() if isinstance(value, bytes) else value for key, value in peer.to_wire().items()}
+    return {**wire, "last_seen_s": round(max(0.0, now - peer.updated_at), 3)}
 
 
 def build_table(run_id: str, peers: List[PeerRecord], now: float):
