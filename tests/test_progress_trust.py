@@ -48,6 +48,16 @@ def test_a_newcomer_catches_up_to_honest_peers():
     assert snapshot.global_epoch == 40 and snapshot.samples_accumulated == 96
 
 
+def test_a_newcomer_whose_first_views_were_empty_still_sees_the_swarm_at_once():
+    """The CI failure: a newcomer's first refreshes found only its own record (its DHT had not found the swarm
+    yet); that must not anchor its view at epoch 0, or a swarm at 200 takes it 200 refreshes to see."""
+    own = record(0, 0)
+    credit = EpochCredit()
+    for _ in range(3):
+        assert view(credit, [own], own).global_epoch == 0
+    assert view(credit, [own, *(record(k, 200) for k in (1, 2))], own).global_epoch == 200
+
+
 def test_a_record_cannot_jump_past_the_swarm():
     own = record(0, 10)
     credit = EpochCredit()

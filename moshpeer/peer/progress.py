@@ -12,7 +12,7 @@ dictionary. From those records each peer derives the same view:
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
   (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
   epoch itself rises by at most one per refresh (a majority of fresh identities claiming epoch 2^62
-  gains one epoch per refresh, not 2^62). A record credited with less than it claims counts no
+  gains one epoch per refresh, not 2^62), from the first view that holds another peer's record. A record credited with less than it claims counts no
   samples;
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
   the optimizer compares with `target_batch_size`; with robust aggregation, the trainers this peer's
@@ -106,8 +106,10 @@ class EpochCredit:
 
     def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None) -> Tuple[PeerRecord, ...]:
         """`records` with each epoch capped at what is plausible; remembers the caps for the next call."""
-        sources = _epoch_sources(records, own_peer_id)
+        sources = [r for r in _epoch_sources(records, own_peer_id) if r.peer_id != own_peer_id]
         if not sources:
+            # Nobody else's claim yet (a newcomer whose DHT has not found the swarm): no anchor. Anchoring on
+            # this peer's own epoch 0 would then let its view of a swarm at epoch 200 rise one step per refresh.
             return tuple(records)
         swarm = robust_epoch([r.epoch for r in sources])
         if self.swarm_epoch is not None:
