@@ -15,8 +15,8 @@ def record(k: int, epoch: int, samples: int = 0) -> PeerRecord:
                       protocol=2, started_at=0.0, updated_at=0.0)
 
 
-def view(credit: EpochCredit, records, own):
-    credited = credit.apply(records, own.peer_id)
+def view(credit: EpochCredit, records, own, now: float = 0.0):
+    credited = credit.apply(records, own.peer_id, now=now)
     return summarize(credited, own=own, target_batch_size=TARGET, now=0.0, max_epoch=credit.swarm_epoch)
 
 
@@ -39,6 +39,16 @@ def test_fresh_identities_gain_one_epoch_per_refresh_at_most():
     sybils = [record(k, 1 << 62) for k in (4, 5, 6, 7)]
     epochs = [view(credit, [*honest, *sybils], own).global_epoch for _ in range(3)]
     assert epochs == [11, 12, 13]
+
+
+def test_the_view_keeps_up_with_a_swarm_faster_than_its_refreshes():
+    """A refresh every 2 s and a swarm at 2 epochs per second: the view follows (a few epochs per second at
+    most, however far the claims are ahead)."""
+    own = record(0, 10)
+    credit = EpochCredit()
+    assert view(credit, [record(1, 10), record(2, 10)], own, now=0.0).global_epoch == 10
+    assert view(credit, [record(1, 14), record(2, 14)], own, now=2.0).global_epoch == 14
+    assert view(credit, [record(1, 1 << 62), record(2, 1 << 62)], own, now=4.0).global_epoch == 14 + 8
 
 
 def test_a_newcomer_catches_up_to_honest_peers():

@@ -233,3 +233,25 @@ def test_donors_beyond_the_confirmed_epoch_are_not_asked(dht_node):
     finally:
         for server in servers:
             server.shutdown()
+
+
+def test_a_download_fails_at_once_when_every_donor_is_past_the_confirmed_epoch(dht_node):
+    """Donors never go back an epoch: when all of them are past `max_epoch`, waiting out the timeout only stalls
+    the caller (CI: a peer whose view lagged a fast swarm waited 60 s for donors that had moved on)."""
+    boot = dht_node(run_ids=[RUN])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
+    data = serialize_state({"model": {"w": torch.zeros(4)}, "epoch": 40})
+    server = StateServer(lambda: (40, data), run_id=RUN, identity=dht.identity)
+    try:
+        assert server.advertise(dht, 40, expiration=300)
+        newcomer = dht_node(initial_peers=maddrs, run_ids=[RUN])
+        deadline = time.monotonic() + 30
+        while not state_sync.list_state_offers(newcomer, RUN) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started = time.monotonic()
+        with pytest.raises(state_sync.StateDownloadFailed, match="above 10"):
+            download_state(newcomer, RUN, max_epoch=10, timeout=30, show_progress=False)
+        assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()

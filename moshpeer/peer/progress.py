@@ -11,8 +11,9 @@ dictionary. From those records each peer derives the same view:
 - claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
   (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
-  epoch itself rises by at most one per refresh (a majority of fresh identities claiming epoch 2^62
-  gains one epoch per refresh, not 2^62), from the first view that holds another peer's record. A record credited with less than it claims counts no
+  epoch itself rises by at most one per refresh or `MAX_EPOCHS_PER_SECOND`, whichever is more (a majority
+  of fresh identities claiming epoch 2^62 gains a few epochs per second, not 2^62), from the first view that
+  holds another peer's record. A record credited with less than it claims counts no
   samples;
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
   the optimizer compares with `target_batch_size`; with robust aggregation, the trainers this peer's
@@ -97,15 +98,24 @@ def robust_epoch(epochs: Sequence[int]) -> int:
     return ordered[len(ordered) // 2]
 
 
+# How fast this peer's view of the swarm epoch may rise: one epoch per refresh, or this many per second when
+# refreshes are slower than the swarm's epochs (a swarm of small models on fast links ends an epoch in
+# ~0.3 s; a refresh under load takes a second or more). An epoch is a group round: real ones take longer.
+MAX_EPOCHS_PER_SECOND = 4.0
+
+
 class EpochCredit:
     """How far this peer believes each record's epoch claim, across refreshes (see the module docstring)."""
 
     def __init__(self):
         self._credited: Dict[str, int] = {}
         self.swarm_epoch: Optional[int] = None  # the last view's swarm epoch; None before the first
+        self._viewed_at: Optional[float] = None
 
-    def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None) -> Tuple[PeerRecord, ...]:
+    def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None,
+              now: Optional[float] = None) -> Tuple[PeerRecord, ...]:
         """`records` with each epoch capped at what is plausible; remembers the caps for the next call."""
+        now = time.monotonic() if now is None else now
         sources = [r for r in _epoch_sources(records, own_peer_id) if r.peer_id != own_peer_id]
         if not sources:
             # Nobody else's claim yet (a newcomer whose DHT has not found the swarm): no anchor. Anchoring on
@@ -113,7 +123,8 @@ class EpochCredit:
             return tuple(records)
         swarm = robust_epoch([r.epoch for r in sources])
         if self.swarm_epoch is not None:
-            swarm = min(swarm, self.swarm_epoch + 1)
+            rise = max(1, int((now - self._viewed_at) * MAX_EPOCHS_PER_SECOND))
+            swarm = min(swarm, self.swarm_epoch + rise)
         credited = []
         for record in records:
             before = self._credited.get(record.peer_id)
@@ -124,7 +135,7 @@ class EpochCredit:
                 logger.debug(f"crediting {record.peer_id[-8:]} with epoch {epoch}, not its claimed {record.epoch}")
                 record = record.model_copy(update={"epoch": epoch, "samples_accumulated": 0})
             credited.append(record)
-        self.swarm_epoch = swarm
+        self.swarm_epoch, self._viewed_at = swarm, now
         return tuple(credited)
 
 
@@ -300,26 +311,43 @@ class SwarmProgress:
             seen = self._fetch_count
             return self._fetched.wait_for(lambda: self._fetch_count > seen, timeout=timeout)
 
-    def refresh_now(self, timeout: float = 2.0) -> ProgressSnapshot:
-        """Fetch the records synchronously (e.g. before deciding to download state)."""
-        self._fetch(timeout)
+    def refresh_now(self, timeout: float = 2.0, *, retry_for: float = 0.0) -> ProgressSnapshot:
+        """Fetch the records synchronously (e.g. before deciding to download state). A fetch that fails (a DHT
+        timeout under load) keeps the previous view; with `retry_for`, failed fetches are retried for up to that
+        many seconds more, and a fetch that does not hold this peer's own published record counts as failed too
+        (the DHT answered before it reached the swarm: a newcomer would think it is alone at epoch 0); a
+        warning says when none succeeded (the view returned is then the previous one)."""
+        deadline = time.monotonic() + retry_for
+        while not self._fetch(timeout, require_own=retry_for > 0):
+            if time.monotonic() + timeout > deadline:
+                if retry_for > 0:
+                    logger.warning(f"could not read the swarm's progress from the DHT within {retry_for:g} s; "
+                                   f"going on with the last view (swarm epoch {self.snapshot().global_epoch})")
+                break
         return self.snapshot()
 
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)
 
-    def _fetch(self, timeout: float) -> None:
+    def _fetch(self, timeout: float, require_own: bool = False) -> bool:
+        """One DHT read of the records into the view; False (the previous view kept) if it failed, or with
+        `require_own` if it lacks this peer's own record."""
         try:
             records = tuple(list_peers(self.dht, self.run_id, timeout=timeout))
         except Exception as e:  # timeouts, DHT shutting down: keep the previous view
             logger.debug(f"progress refresh failed: {e}")
-            return
+            return False
         own_peer_id = self._own_record().peer_id
+        if require_own and all(r.peer_id != own_peer_id for r in records):
+            logger.debug("progress refresh did not find this peer's own record: not a view of the swarm yet")
+            time.sleep(min(timeout, 0.25))
+            return False
         with self._fetched:
             self._records = self._credit.apply(records, own_peer_id)
             self._fetch_count += 1
             self._fetched.notify_all()
+        return True
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_interval):

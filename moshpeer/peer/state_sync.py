@@ -433,7 +433,7 @@ def download_state(
     :param max_bytes: refuse a state larger than this (set it near this peer's own state size)
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
-        set aside
+        set aside, or every donor on offer is past `max_epoch` (at once)
     """
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
@@ -442,12 +442,17 @@ def download_state(
     started = time.monotonic()
     while time.monotonic() < deadline:
         try:
-            listed = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
-                      if o.peer_id not in exclude and o.epoch >= min_epoch
-                      and (max_epoch is None or o.epoch <= max_epoch)]
+            on_offer = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                        if o.peer_id not in exclude]
         except Exception as e:
             logger.debug(f"listing state offers failed: {e}")
-            listed = []
+            on_offer = []
+        listed = [o for o in on_offer if o.epoch >= min_epoch and (max_epoch is None or o.epoch <= max_epoch)]
+        if on_offer and candidate is None and all(max_epoch is not None and o.epoch > max_epoch for o in on_offer):
+            # Every donor is past what the swarm view confirms, and donors never go back: waiting cannot help.
+            # The caller trains on and asks again with a fresher view.
+            raise StateDownloadFailed(f"every donor offers an epoch above {max_epoch}, what the swarm view "
+                                      f"confirms ({sorted(o.epoch for o in on_offer)[:8]})")
         offers = _cross_checkable_first([o for o in listed if o.peer_id not in tried])
         if candidate is not None:
             # Like with like first: two honest donors one epoch apart differ by a whole optimizer step, which

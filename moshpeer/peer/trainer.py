@@ -44,6 +44,9 @@ from moshpeer.peer.tasks import Task
 
 logger = logging.getLogger(__name__)
 
+# How long a starting peer retries reading the swarm's progress before it decides whether to download state.
+STARTUP_VIEW_TIMEOUT_S = 20.0
+
 Emit = Callable[[Dict[str, Any]], None]
 
 
@@ -164,7 +167,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "loss_budget": optimizer.loss_budget.describe(), **optimizer.strategy.settings()})
 
     _wait_for_peers(daemon, optimizer, config)
-    snapshot = optimizer.progress.refresh_now()
+    # Whether to download decides on a view of the swarm, not on a DHT read that timed out under load.
+    snapshot = optimizer.progress.refresh_now(retry_for=STARTUP_VIEW_TIMEOUT_S)
     if _should_download(snapshot.global_epoch, optimizer.local_epoch, resume, config, emit) \
             and not daemon.stop_requested:
         downloaded = optimizer.catch_up(min_epoch=max(snapshot.global_epoch - optimizer.max_epoch_lag, 1))
