@@ -13,7 +13,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from moshpeer.peer import state_sync
+from moshpeer.peer import state_pieces, state_sync
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,13 +105,17 @@ def test_scheduler_and_state_dict_pass_through(dht_node):
 
 
 class LyingDonor:
-    """A donor that speaks the protocol (signing its header with its own identity) but sends bytes that do not
-    match its announced checksum."""
+    """A donor that speaks the protocol (signing the honest manifest with its own identity) but sends pieces that
+    do not match it."""
 
     def __init__(self, payload: bytes, identity, run_id: str, epoch: int):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.payload, self.identity, self.run_id, self.epoch = payload, identity, run_id, epoch
+        piece = state_pieces.piece_bytes_for(len(payload), 1 << 20)
+        self.manifest = state_pieces.Manifest(
+            epoch, len(payload), hashlib.sha256(payload).hexdigest(), piece,
+            tuple(hashlib.sha256(payload[i : i + piece]).digest() for i in range(0, len(payload), piece)))
         self.requests = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -124,16 +128,21 @@ class LyingDonor:
             with conn:
                 request = state_sync._recv_msgpack(conn, time.monotonic() + 10)
                 self.requests += 1
-                corrupted = bytearray(self.payload)
-                corrupted[len(corrupted) // 2] ^= 0xFF
-                digest = hashlib.sha256(self.payload).hexdigest()
-                signed = state_sync._signed_fields(self.run_id, request["challenge"], self.epoch, len(self.payload),
-                                                   digest)
-                header = {"ok": True, "epoch": self.epoch, "total_bytes": len(self.payload), "chunk_bytes": 1 << 20,
-                          "sha256": digest, "public_key": self.identity.public_key.to_bytes(),
-                          "signature": self.identity.private_key.sign(signed)}
-                state_sync._send_frame(conn, msgpack.packb(header))
-                state_sync._send_frame(conn, bytes(corrupted))
+                m = self.manifest
+                if request["op"] == "get_manifest":
+                    signed = state_pieces._manifest_fields(self.run_id, request["challenge"], m)
+                    header = {"ok": True, "epoch": m.epoch, "total_bytes": m.total_bytes, "sha256": m.sha256,
+                              "piece_bytes": m.piece_bytes, "public_key": self.identity.public_key.to_bytes(),
+                              "signature": self.identity.private_key.sign(signed)}
+                    state_sync._send_frame(conn, msgpack.packb(header))
+                    state_sync._send_frame(conn, b"".join(m.piece_hashes))
+                    continue
+                state_sync._send_frame(conn, msgpack.packb({"ok": True}))
+                for index in range(request["first"], request["first"] + request["count"]):
+                    start, end = m.piece_range(index, 1)
+                    corrupted = bytearray(self.payload[start:end])
+                    corrupted[len(corrupted) // 2] ^= 0xFF
+                    state_sync._send_frame(conn, bytes(corrupted))
 
 
 def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
@@ -167,10 +176,10 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
                               subkey=liar_dht.owner_subkey)
 
         downloaded = newcomer.catch_up()
-        assert downloaded is not None and liar.requests == 1
+        assert downloaded is not None and liar.requests == 2  # its manifest, then one range of pieces
         assert downloaded.donor == donor_dht.identity.peer_id
         assert [peer for peer, _ in downloaded.failed_donors] == [liar_dht.identity.peer_id]
-        assert "checksum" in downloaded.failed_donors[0][1]
+        assert "does not match the manifest" in downloaded.failed_donors[0][1]
         assert newcomer.local_epoch == 3
         for p, q in zip(newcomer.model.parameters(), donor_model.parameters()):
             assert torch.equal(p, q)

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 # A donor's state may take at most this many times our own serialized state (Adam keeps two tensors per
 # parameter that a fresh optimizer has not allocated yet).
 STATE_SIZE_FACTOR = 4
+SNAPSHOT_WAIT_S = 10.0  # the longest a donor's first snapshot waits for the optimizer's lock
 
 
 class OptimizerState:
@@ -119,6 +120,7 @@ class OptimizerState:
                 self._load_error_feedback(fresh_error_feedback_state(self.error_feedback))
             self.local_epoch = int(state["epoch"])
             self.local_steps = int(state["steps"])
+            self._state_cache = None  # an adopted state is served afresh even at the epoch of the last snapshot
             self._reset_accumulators()
 
     def checkpoint_state(self) -> Dict[str, Any]:
@@ -144,6 +146,7 @@ class OptimizerState:
             for acc, value in zip(self.grad_sums, saved):
                 acc.copy_(value)
             self.local_epoch, self.local_steps = int(state["epoch"]), int(state["steps"])
+            self._state_cache = None
             self.samples_accumulated = int(state["samples_accumulated"])
             self.total_samples = int(state["total_samples"])
         self._report_progress(force=True)
@@ -173,11 +176,24 @@ class OptimizerState:
             self.error_feedback.load_state_dict(feedback)
 
     def _serialized_state(self) -> tuple:
-        with self.lock:
-            if self._state_cache is None or self._state_cache[0] != (self.local_epoch, self.local_steps):
-                self._state_cache = ((self.local_epoch, self.local_steps),
-                                     serialize_state(self.collaborative_state()))
-            return self.local_epoch, self._state_cache[1]
+        """(epoch, bytes) a donor serves: one snapshot per epoch, taken under the lock (never a torn state), so
+        that every piece of a multi-donor download comes from the same bytes however many inner steps the
+        donor takes meanwhile. While an epoch's end holds the lock (applying a round, stepping), the previous
+        snapshot is served at once instead of making the newcomer wait; with none yet, the wait is bounded
+        by SNAPSHOT_WAIT_S and then raises TimeoutError (the server logs one line, the client moves on)."""
+        cached = self._state_cache
+        if cached is not None and cached[0] == self.local_epoch:
+            return cached
+        if not self.lock.acquire(timeout=0 if cached is not None else SNAPSHOT_WAIT_S):
+            if cached is None:
+                raise TimeoutError(f"the optimizer's lock stayed busy for {SNAPSHOT_WAIT_S} s")
+            return cached
+        try:
+            if self._state_cache is None or self._state_cache[0] != self.local_epoch:
+                self._state_cache = (self.local_epoch, serialize_state(self.collaborative_state()))
+            return self._state_cache
+        finally:
+            self.lock.release()
 
     def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor and adopt it; None if no donor delivered."""

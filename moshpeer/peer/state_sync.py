@@ -65,6 +65,7 @@ DEFAULT_MAX_STATE_BYTES = 8 << 30
 MAX_HEADER_BYTES = 4096
 RECEIVE_SCRATCH_BYTES = 1 << 20
 _LEN = struct.Struct(">I")
+_OPS = ("get_state", "get_manifest", "get_pieces")  # the last two: state_pieces.py (multi-donor download)
 
 StateSource = Callable[[], Tuple[int, bytes]]  # -> (epoch, serialized state)
 
@@ -151,6 +152,30 @@ def _request_fields(run_id: str, challenge: bytes) -> bytes:
     return b"|".join((b"moshpeer-state-request", run_id.encode(), challenge))
 
 
+def _signed_request(op: str, run_id: str, challenge: bytes, identity: Optional[Identity], tag: bytes,
+                    **fields: Any) -> Dict[str, Any]:
+    """A request for `op`; with `identity`, signed by it and carrying `tag` (what a private run's donors need)."""
+    request = {"op": op, "protocol": STATE_PROTOCOL, "run_id": run_id, "challenge": challenge, **fields}
+    if identity is not None:
+        request.update(public_key=identity.public_key.to_bytes(), tag=tag,
+                       signature=identity.private_key.sign(_request_fields(run_id, challenge)))
+    return request
+
+
+def _parse_header(header: Dict[str, Any], max_bytes: int, unit_field: str) -> Tuple[int, int, str, int]:
+    """(epoch, total_bytes, sha256, header[unit_field]) of a donor's header; ProtocolError if malformed or the
+    announced size is over `max_bytes`."""
+    total, digest, epoch, unit = (header.get("total_bytes"), header.get("sha256"), header.get("epoch"),
+                                  header.get(unit_field))
+    if not (header.get("ok") is True and isinstance(total, int) and 0 < total
+            and isinstance(digest, str) and len(digest) == 64 and isinstance(epoch, int) and epoch >= 0
+            and isinstance(unit, int) and 0 < unit <= 64 << 20):
+        raise ProtocolError(f"bad state header {header!r:.200}")
+    if total > max_bytes:
+        raise ProtocolError(f"donor announced {total} bytes, over this peer's limit of {max_bytes}")
+    return epoch, total, digest, unit
+
+
 def _client_peer(request: Dict[str, Any], run_id: str, challenge: bytes) -> Optional[str]:
     """The peer id that signed a state request, None if it is unsigned or the signature does not verify."""
     public_key, signature = request.get("public_key"), request.get("signature")
@@ -163,8 +188,9 @@ def _client_peer(request: Dict[str, Any], run_id: str, challenge: bytes) -> Opti
         return None
 
 
-def _check_donor(header: Dict[str, Any], expected_peer: str, run_id: str, challenge: bytes) -> None:
-    """Raise ProtocolError unless the header is signed, for our challenge, by the key of `expected_peer`."""
+def _check_donor(header: Dict[str, Any], expected_peer: str, fields: bytes) -> None:
+    """Raise ProtocolError unless the header's signature over `fields` (which hold our challenge) is by the key
+    of `expected_peer`."""
     public_key, signature = header.get("public_key"), header.get("signature")
     if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
         raise ProtocolError("donor did not sign its state")
@@ -174,7 +200,6 @@ def _check_donor(header: Dict[str, Any], expected_peer: str, run_id: str, challe
         raise ProtocolError("donor's public key does not parse") from None
     if peer_id_from_public_key(key) != expected_peer:
         raise ProtocolError("donor is not the peer that offered the state")
-    fields = _signed_fields(run_id, challenge, header["epoch"], header["total_bytes"], header["sha256"])
     if not key.verify(fields, signature):
         raise ProtocolError("bad signature on the state header")
 
@@ -210,6 +235,8 @@ class StateServer:
         self.bytes_per_second = bytes_per_second
         self.on_served = on_served
         self.served = 0
+        self.manifest_cache: Dict[str, list] = {}  # state_pieces: digest -> [bytes, manifest, last asked]
+        self.manifest_lock = threading.Lock()
         server_self = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -229,7 +256,7 @@ class StateServer:
         sock.settimeout(30.0)
         try:
             request = _recv_msgpack(sock, time.monotonic() + 30.0)
-            if request.get("op") != "get_state" or request.get("protocol") != STATE_PROTOCOL:
+            if request.get("op") not in _OPS or request.get("protocol") != STATE_PROTOCOL:
                 raise ProtocolError(f"unsupported request {request!r:.200}")
             if request.get("run_id") != self.run_id:
                 raise ProtocolError("request for another run")
@@ -244,6 +271,11 @@ class StateServer:
                 if client is None or not self.admission.check("state", client, tag):
                     raise ProtocolError(f"client {client or '(unsigned)'} is not admitted to this private run")
             epoch, data = self.source()
+            if request["op"] != "get_state":
+                from moshpeer.peer.state_pieces import serve_piece_request  # it builds on this module's framing
+
+                serve_piece_request(self, sock, request, challenge, epoch, data)
+                return
             digest = hashlib.sha256(data).hexdigest()
             logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
             signature = self.identity.private_key.sign(_signed_fields(self.run_id, challenge, int(epoch), len(data),
@@ -252,23 +284,37 @@ class StateServer:
                       "chunk_bytes": self.chunk_bytes, "public_key": self.identity.public_key.to_bytes(),
                       "signature": signature}
             _send_frame(sock, msgpack.packb(header))
-            view = memoryview(data)
-            started = time.monotonic()
-            for offset in range(0, len(data), self.chunk_bytes):
-                chunk = view[offset : offset + self.chunk_bytes]
-                if self.bytes_per_second:
-                    # Throttle: never run ahead of the configured rate.
-                    ahead = offset / self.bytes_per_second - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
-                _send_frame(sock, bytes(chunk))
-            self.served += 1
-            if self.on_served is not None:
-                self.on_served({"epoch": int(epoch), "sha256": digest, "bytes": len(data)})
+            self.send_range(sock, data, 0, len(data))
+            self.count_served(int(epoch), digest, len(data))
         except (OSError, ProtocolError, ConnectionError) as e:
             logger.info(f"state request not served: {e}")
         except Exception:
             logger.exception("state server failed on a request")
+
+    def count_served(self, epoch: int, digest: str, nbytes: int) -> None:
+        """Count one transfer: a whole state sent, or a manifest (the start of a multi-donor download)."""
+        self.served += 1
+        if self.on_served is not None:
+            self.on_served({"epoch": epoch, "sha256": digest, "bytes": nbytes})
+
+    def send_range(self, sock: socket.socket, data: bytes, start: int, end: int,
+                   frame_bytes: Optional[int] = None) -> None:
+        """Send data[start:end] as frames of `frame_bytes` (default `chunk_bytes`), never faster than
+        `bytes_per_second`. OSError when the client goes away."""
+        view = memoryview(data)
+        started = time.monotonic()
+        frame_bytes = frame_bytes or self.chunk_bytes
+        for offset in range(start, end, frame_bytes):
+            if self.bytes_per_second:
+                # Throttle: never run ahead of the configured rate.
+                ahead = (offset - start) / self.bytes_per_second - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+            _send_frame(sock, self.piece(view, offset, min(end, offset + frame_bytes)))
+
+    def piece(self, view: memoryview, start: int, end: int) -> bytes:
+        """The bytes sent for data[start:end] (a test's corrupt donor overrides it)."""
+        return bytes(view[start:end])
 
     def advertise(self, dht: SwarmDHT, epoch: int, *, expiration: float = 15.0) -> bool:
         """Publish (or refresh) this donor's offer in the DHT; re-call at least every `expiration`/2."""
@@ -307,7 +353,8 @@ class DownloadedState:
     sha256: str
     nbytes: int
     seconds: float
-    failed_donors: List[Tuple[str, str]]  # (peer id, why) of donors tried before this one
+    failed_donors: List[Tuple[str, str]]  # (peer id, why) of donors that failed or were set aside
+    donors: Tuple[str, ...] = ()  # every donor that served pieces of this state
 
 
 class StateDownloadFailed(Exception):
@@ -367,21 +414,10 @@ def fetch_state_from(
     challenge = os.urandom(32)
     with socket.create_connection((offer.host, offer.port), timeout=min(_remaining(deadline), 5.0)) as sock:
         sock.settimeout(_remaining(deadline))
-        request = {"op": "get_state", "protocol": STATE_PROTOCOL, "run_id": run_id, "challenge": challenge}
-        if identity is not None:
-            request.update(public_key=identity.public_key.to_bytes(), tag=tag,
-                           signature=identity.private_key.sign(_request_fields(run_id, challenge)))
-        _send_frame(sock, msgpack.packb(request))
+        _send_frame(sock, msgpack.packb(_signed_request("get_state", run_id, challenge, identity, tag)))
         header = _recv_msgpack(sock, deadline)
-        total, digest, epoch = header.get("total_bytes"), header.get("sha256"), header.get("epoch")
-        chunk_limit = header.get("chunk_bytes")
-        if not (header.get("ok") is True and isinstance(total, int) and 0 < total
-                and isinstance(digest, str) and len(digest) == 64 and isinstance(epoch, int) and epoch >= 0
-                and isinstance(chunk_limit, int) and 0 < chunk_limit <= 64 << 20):
-            raise ProtocolError(f"bad state header {header!r:.200}")
-        if total > max_bytes:
-            raise ProtocolError(f"donor announced {total} bytes, over this peer's limit of {max_bytes}")
-        _check_donor(header, offer.peer_id, run_id, challenge)
+        epoch, total, digest, chunk_limit = _parse_header(header, max_bytes, "chunk_bytes")
+        _check_donor(header, offer.peer_id, _signed_fields(run_id, challenge, epoch, total, digest))
         # Memory follows the bytes that actually arrive, read through a small scratch buffer: a donor that
         # announces gigabytes and sends nothing costs nothing.
         data = bytearray()
@@ -435,6 +471,8 @@ def download_state(
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
         set aside, or every donor on offer is past `max_epoch` (at once)
     """
+    from moshpeer.peer.state_swarm import SwarmedState, download_swarmed  # it builds on this module's wire format
+
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
     tried: set = set()
@@ -472,23 +510,40 @@ def download_state(
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             continue
         offer = offers[0]
-        tried.add(offer.peer_id)
+        same_epoch = [o for o in offers if o.epoch == offer.epoch]
+        attempt_failed: List[Tuple[str, str]] = []
+        swarmed: Optional["SwarmedState"] = None
         try:
-            with _progress_bar(show_progress, offer) as update:
-                epoch, data, digest = fetch_state_from(
-                    offer, run_id, timeout=min(per_donor_timeout, max(0.5, deadline - time.monotonic())),
-                    max_bytes=max_bytes, progress=update, identity=dht.identity,
+            with _progress_bar(show_progress, offer, len(same_epoch)) as update:
+                swarmed = download_swarmed(
+                    same_epoch, run_id, timeout=min(per_donor_timeout, max(0.5, deadline - time.monotonic())),
+                    max_bytes=max_bytes, failed=attempt_failed, progress=update, identity=dht.identity,
                     tag=dht.admission.tag(dht.identity.peer_id))
-            state = deserialize_state(data)
+            state = deserialize_state(swarmed.data)
             if validate is not None:
                 validate(state)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
-            logger.warning(f"state download from {offer.peer_id[-8:]} failed ({reason}); trying another donor")
-            failed.append((offer.peer_id, reason))
+            # A state that fails to decode or validate is every signer's fault; a failed transfer is the fault
+            # of the donors already named (or of the first one, when none was).
+            named = {peer_id for peer_id, _ in attempt_failed}
+            blamed = swarmed.agreeing if swarmed is not None else (() if named else (offer.peer_id,))
+            logger.warning(f"state download of epoch {offer.epoch} failed ({reason}); trying other donors")
+            attempt_failed.extend((peer_id, reason) for peer_id in blamed)
             continue
-        downloaded = DownloadedState(epoch=epoch, state=state, donor=offer.peer_id, sha256=digest, nbytes=len(data),
-                                     seconds=time.monotonic() - started, failed_donors=failed)
+        finally:
+            failed.extend(attempt_failed)
+            # Donors that served or failed are done; those that signed another manifest stay for a cross-check.
+            tried.update(peer_id for peer_id, _ in attempt_failed)
+            tried.update(swarmed.agreeing if swarmed is not None else ())
+        manifest = swarmed.manifest
+        downloaded = DownloadedState(epoch=manifest.epoch, state=state, donor=swarmed.served_by[0],
+                                     sha256=manifest.sha256, nbytes=manifest.total_bytes,
+                                     seconds=time.monotonic() - started, failed_donors=failed,
+                                     donors=swarmed.served_by)
+        if candidate is None and len(swarmed.agreeing) >= 2:
+            # Two donors signed the very same bytes: a stronger cross-check than a sample of values.
+            return downloaded
         if candidate is None:
             candidate = downloaded
             continue
@@ -518,8 +573,8 @@ def _cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:
 class _progress_bar:
     """A rich progress bar on stderr while a download runs (a no-op when disabled)."""
 
-    def __init__(self, enabled: bool, offer: StateOffer):
-        self.enabled, self.offer = enabled, offer
+    def __init__(self, enabled: bool, offer: StateOffer, donors: int = 1):
+        self.enabled, self.offer, self.donors = enabled, offer, donors
         self._progress = None
         self._task = None
 
@@ -531,7 +586,7 @@ class _progress_bar:
             self._progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                                       TransferSpeedColumn(), console=Console(stderr=True), transient=True)
             self._progress.start()
-            self._task = self._progress.add_task(f"state from {self.offer.peer_id[-8:]} (epoch {self.offer.epoch})",
+            self._task = self._progress.add_task(f"state of epoch {self.offer.epoch} from {self.donors} donor(s)",
                                                  total=None)
         return self._update
 

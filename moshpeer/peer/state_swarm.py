@@ -1,0 +1,155 @@
+"""One state pulled from several donors at once, piece by piece (state_pieces.py), surviving donors that die.
+
+The donors offering one epoch are asked for their signed manifests in parallel. The manifest held by the most
+donors wins (the first offer's on a tie: offers come most trusted first); its donors then fetch ranges of
+pieces work-stealing from one shared queue, one connection per range. A donor that goes away, times out
+or moved on to a newer state gives its range back to the queue and is not asked again; one that sends a
+piece whose hash does not match the manifest is dropped the same way and counted as corrupt. The download
+fails when no donor of the chosen manifest is left with pieces missing, or at the one deadline.
+Memory grows only with verified pieces, at most the manifest's size (checked against `max_bytes`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+from moshpeer.dht.identity import Identity
+from moshpeer.errors import ProtocolError
+from moshpeer.peer.state_pieces import CorruptPiece, Manifest, fetch_manifest, fetch_pieces
+from moshpeer.peer.state_sync import StateOffer
+
+logger = logging.getLogger(__name__)
+
+MAX_DONORS = 4  # parallel donors per download: more adds connections, not bandwidth, on most links
+RANGES_PER_DONOR = 4  # a dying donor costs at most about 1/(4 x donors) of the state again
+MANIFEST_TIMEOUT = 5.0  # a manifest is small: a donor that cannot send it in this long is not waited for
+
+
+@dataclass
+class SwarmedState:
+    """The verified bytes of one state and who served them."""
+
+    manifest: Manifest
+    data: bytes
+    agreeing: Tuple[str, ...]  # peer ids of every donor that signed this exact manifest
+    served_by: Tuple[str, ...]  # those of them that delivered pieces, those that did not fail first
+
+
+def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, max_bytes: int,
+                     failed: List[Tuple[str, str]], identity: Optional[Identity] = None, tag: bytes = b"",
+                     progress: Optional[Callable[[int, int], None]] = None) -> SwarmedState:
+    """Download one state from up to MAX_DONORS of `offers` in parallel by `timeout` seconds from now.
+
+    Donors that fail are appended to `failed` as (peer id, why). Raises ProtocolError when no donor sent a
+    valid manifest or the pieces do not add up to the signed digest, ConnectionError when every donor of
+    the chosen manifest failed with pieces missing, TimeoutError past the deadline."""
+    deadline = time.monotonic() + timeout
+    offers = offers[:MAX_DONORS]
+    if not offers:
+        raise ProtocolError("no donor to download from")
+    manifests = _manifests(offers, run_id, deadline=deadline, max_bytes=max_bytes, failed=failed,
+                           identity=identity, tag=tag)
+    if not manifests:
+        raise ProtocolError("no donor sent a valid manifest")
+    groups: Dict[tuple, List[StateOffer]] = {}
+    for offer in offers:
+        if offer.peer_id in manifests:
+            groups.setdefault(manifests[offer.peer_id].key, []).append(offer)
+    donors = max(groups.values(), key=len)  # max keeps the first of equals: the most trusted offer's group
+    manifest = manifests[donors[0].peer_id]
+    pieces = _PieceQueue(manifest, len(donors), progress)
+    workers = [threading.Thread(target=pieces.work, args=(donor, run_id, deadline, identity, tag, failed),
+                                name=f"moshpeer-state-piece-{donor.peer_id[-8:]}", daemon=True) for donor in donors]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+    data = pieces.assemble()  # raises when pieces are missing
+    if hashlib.sha256(data).hexdigest() != manifest.sha256:
+        raise ProtocolError("pieces do not add up to the signed state digest")
+    # Donors that served and stayed first: the first one is the download's `donor`.
+    served = sorted(pieces.served_by, key=lambda peer_id: peer_id in pieces.dropped)
+    return SwarmedState(manifest, data, tuple(o.peer_id for o in donors), tuple(served))
+
+
+def _manifests(offers: List[StateOffer], run_id: str, *, deadline: float, max_bytes: int,
+               failed: List[Tuple[str, str]], identity: Optional[Identity], tag: bytes) -> Dict[str, Manifest]:
+    """Every offer's manifest, asked in parallel; donors that fail are appended to `failed`."""
+    deadline = min(deadline, time.monotonic() + MANIFEST_TIMEOUT)
+    with ThreadPoolExecutor(max_workers=len(offers), thread_name_prefix="moshpeer-state-manifest") as pool:
+        futures = {offer.peer_id: pool.submit(fetch_manifest, offer, run_id, deadline=deadline, max_bytes=max_bytes,
+                                              identity=identity, tag=tag) for offer in offers}
+    manifests: Dict[str, Manifest] = {}
+    for peer_id, future in futures.items():
+        try:
+            manifests[peer_id] = future.result()
+        except Exception as e:
+            logger.warning(f"no state manifest from {peer_id[-8:]}: {type(e).__name__}: {e}")
+            failed.append((peer_id, f"{type(e).__name__}: {e}"))
+    return manifests
+
+
+class _PieceQueue:
+    """Ranges of pieces still to fetch, shared by one worker per donor; verified pieces by index."""
+
+    def __init__(self, manifest: Manifest, donors: int, progress: Optional[Callable[[int, int], None]]):
+        self.manifest, self.progress = manifest, progress
+        count = len(manifest.piece_hashes)
+        step = max(1, -(-count // (donors * RANGES_PER_DONOR)))
+        self.ranges: Deque[Tuple[int, int]] = deque((first, min(step, count - first)) for first in range(0, count, step))
+        self.pieces: Dict[int, bytes] = {}
+        self.served_by: List[str] = []
+        self.dropped: set = set()  # donors that failed
+        self.received = 0
+        self.working = donors  # workers that have not failed
+        self.lock = threading.Lock()
+
+    def work(self, donor: StateOffer, run_id: str, deadline: float, identity: Optional[Identity], tag: bytes,
+             failed: List[Tuple[str, str]]) -> None:
+        """Fetch ranges from `donor` until none is left or it fails (then its range goes back, one log line)."""
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.ranges:
+                    return
+                first, count = self.ranges.popleft()
+            try:
+                fetched = fetch_pieces(donor, run_id, self.manifest, first, count, deadline=deadline,
+                                       identity=identity, tag=tag, on_bytes=self._count)
+            except Exception as e:
+                with self.lock:
+                    self.ranges.appendleft((first, count))
+                    self.working -= 1
+                    self.dropped.add(donor.peer_id)
+                    failed.append((donor.peer_id, f"{type(e).__name__}: {e}"))
+                what = "sent a corrupt piece" if isinstance(e, CorruptPiece) else "stopped serving"
+                logger.warning(f"state donor {donor.peer_id[-8:]} {what} ({type(e).__name__}: {e}); "
+                               f"its pieces go to the other donors")
+                return
+            with self.lock:
+                self.pieces.update(zip(range(first, first + count), fetched))
+                if donor.peer_id not in self.served_by:
+                    self.served_by.append(donor.peer_id)
+
+    def _count(self, nbytes: int) -> None:
+        with self.lock:
+            self.received += nbytes
+            received = self.received
+        if self.progress is not None:
+            self.progress(received, self.manifest.total_bytes)
+
+    def assemble(self) -> bytes:
+        """The state's bytes; TimeoutError or ConnectionError (no donor left) when pieces are missing."""
+        with self.lock:
+            missing = len(self.manifest.piece_hashes) - len(self.pieces)
+            if missing:
+                if self.working == 0:
+                    raise ConnectionError(f"every donor failed with {missing} pieces missing")
+                raise TimeoutError(f"state download deadline passed with {missing} pieces missing")
+            return b"".join(self.pieces[i] for i in range(len(self.manifest.piece_hashes)))

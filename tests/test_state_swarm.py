@@ -1,0 +1,120 @@
+"""Multi-donor state download (issue 16) with real donor processes (tests/state_donor.py): pieces come from
+several donors in parallel, a donor killed mid-download leaves its pieces to the others, and a donor that
+serves a corrupt piece is dropped and named while the newcomer still ends with the exact state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from moshpeer.peer import state_sync
+from moshpeer.peer.state_sync import download_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from state_donor import donor_state  # noqa: E402
+
+pytestmark = pytest.mark.timeout(150)
+
+RUN = "state-swarm"
+FLOATS = 1 << 18  # a 1 MiB state
+RATE = 256 << 10  # bytes per second and connection: about 4 s from one donor, 1.4 s from three
+DONOR_SCRIPT = Path(__file__).resolve().parent / "state_donor.py"
+
+
+class Donor:
+    """One tests/state_donor.py process (its own process group: the DHT and p2pd die with it)."""
+
+    def __init__(self, maddr: str, tmp_path: Path, index: int, corrupt: bool = False):
+        self.stderr_path = tmp_path / f"donor{index}.err"
+        command = [sys.executable, str(DONOR_SCRIPT), "--initial-peer", maddr, "--run", RUN, "--seed", "1",
+                   "--floats", str(FLOATS), "--rate", str(RATE)] + (["--corrupt"] if corrupt else [])
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"),
+                                        text=True, start_new_session=True)
+        self.peer_id = ""
+        self.sha256 = ""
+
+    def wait_ready(self, deadline: float) -> None:
+        line = self.process.stdout.readline()  # the donor prints its ready line within its own 30 s, or exits
+        assert line and time.monotonic() < deadline, f"donor did not start: {self.stderr_path.read_text()[-2000:]}"
+        ready = json.loads(line)
+        self.peer_id, self.sha256 = ready["peer_id"], ready["sha256"]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def donors(dht_node, tmp_path):
+    """start(n, corrupt=()) -> (newcomer's DHT, [Donor]) once the newcomer sees all n offers."""
+    started: List[Donor] = []
+
+    def start(count: int, corrupt=()):
+        boot = dht_node(run_ids=[RUN])
+        maddr = str(boot.get_visible_maddrs()[0])
+        started.extend(Donor(maddr, tmp_path, i, corrupt=i in corrupt) for i in range(count))
+        deadline = time.monotonic() + 90
+        for donor in started:
+            donor.wait_ready(deadline)
+        newcomer = dht_node(initial_peers=[maddr], run_ids=[RUN])
+        while len(state_sync.list_state_offers(newcomer, RUN)) < count:
+            assert time.monotonic() < deadline, "the newcomer did not see every donor's offer"
+            time.sleep(0.3)
+        return newcomer, started
+
+    yield start
+    for donor in started:
+        donor.kill()
+    for donor in started:
+        assert "Traceback" not in donor.stderr_path.read_text(), donor.stderr_path.read_text()[-3000:]
+
+
+def _assert_exact(downloaded, donor: "Donor") -> None:
+    assert downloaded.sha256 == donor.sha256 and downloaded.epoch == 7
+    assert torch.equal(downloaded.state["model"]["w"], donor_state(1, FLOATS)["model"]["w"])
+
+
+def test_a_donor_killed_mid_download_leaves_its_pieces_to_the_others(donors, caplog, monkeypatch):
+    newcomer, started = donors(3)
+    victim = started[0]
+    killed = threading.Event()
+
+    def kill_when_half_arrived(received: int, total: int) -> None:
+        if received > total // 3 and not killed.is_set():
+            killed.set()
+            victim.kill()
+
+    # The progress bar's hook sees every verified piece: the donor dies while pieces are flowing.
+    monkeypatch.setattr(state_sync._progress_bar, "_update",
+                        lambda self, received, total: kill_when_half_arrived(received, total))
+    with caplog.at_level(logging.WARNING):
+        downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False)
+    assert killed.is_set()
+    _assert_exact(downloaded, started[1])
+    assert victim.peer_id in {peer for peer, _ in downloaded.failed_donors}
+    assert len(downloaded.donors) >= 2  # pieces came from more than one donor
+    departures = [r for r in caplog.records if victim.peer_id[-8:] in r.getMessage()]
+    assert departures and all(r.exc_info is None for r in departures)  # log lines, not tracebacks
+
+
+def test_a_corrupt_piece_is_refetched_and_its_donor_named(donors):
+    newcomer, started = donors(3, corrupt=(1,))
+    downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False)
+    _assert_exact(downloaded, started[0])
+    liar = started[1].peer_id
+    assert [why for peer, why in downloaded.failed_donors if peer == liar][0].startswith("CorruptPiece")
+    assert liar not in downloaded.donors and set(downloaded.donors) <= {started[0].peer_id, started[2].peer_id}
