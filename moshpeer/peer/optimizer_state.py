@@ -206,7 +206,8 @@ class OptimizerState:
             downloaded = download_state(self.dht, self.run_id, exclude=(self.peer_id,), min_epoch=min_epoch,
                                         max_epoch=max_epoch, max_bytes=max_bytes,
                                         timeout=self.state_download_timeout, show_progress=self.show_progress,
-                                        validate=lambda state: self._check_state_fits(state, max_epoch=max_epoch))
+                                        # A donor may move on one epoch between its offer and its manifest.
+                                        validate=lambda state: self._check_state_fits(state, max_epoch=max_epoch + 1))
         except StateDownloadFailed as e:
             logger.warning(f"could not catch up: {e}; training on from epoch {self.local_epoch}")
             return None
