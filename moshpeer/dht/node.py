@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import fcntl
 import logging
 import os
 import shutil
@@ -64,6 +65,7 @@ class SwarmDHT(hivemind.DHT):
         self.admission = admission if admission is not None else Admission()
         self.admission.own_peer_id = identity.peer_id
         self._creator_pid = os.getpid()
+        self._identity_lock = None  # the open lock file of a persistent identity (start_dht), closed by kill()
 
     @property
     def owner_subkey(self) -> bytes:
@@ -100,6 +102,9 @@ class SwarmDHT(hivemind.DHT):
             pass
         if self._creator_pid == os.getpid():
             self.join(timeout=1.0)  # reap it, so no zombie is left behind
+            if self._identity_lock is not None:
+                self._identity_lock.close()
+                self._identity_lock = None
 
     def stop(self, timeout: float = 2.0) -> None:
         """Graceful shutdown (p2pd terminated by hivemind), then kill whatever is left of the group."""
@@ -182,6 +187,42 @@ def start_dht(
     persistent = identity_path is not None
     if identity is None:
         identity = Identity.load_or_create(identity_path) if persistent else Identity.generate()
+    identity_lock = _lock_identity(identity.path) if identity.path is not None else None
+    try:
+        return _start_dht_node(identity, identity_lock, persistent, initial_peers=initial_peers, host_maddrs=host_maddrs,
+                               announce_maddrs=announce_maddrs, client_mode=client_mode, run_ids=run_ids,
+                               connect_timeout=connect_timeout, should_stop=should_stop, admission=admission,
+                               **dht_kwargs)
+    except BaseException:
+        if identity_lock is not None:
+            identity_lock.close()
+        raise
+
+
+def _lock_identity(path: str):
+    """An exclusive lock on `path`.lock, held (open) for as long as the returned file is: two peers on one
+    machine never run with one identity. hivemind's check asks the swarm whether the peer id answers, which
+    a swarm that has not yet learned the first peer's address misses (CI: the second start went through).
+
+    :raises UserError: another process (or another node of this one) holds it"""
+    try:
+        lock = open(path + ".lock", "a+")
+    except OSError as e:  # a read-only directory: hivemind's check in the swarm still applies
+        logger.warning(f"cannot lock identity {path} ({e.strerror}): two peers on this machine could share it")
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError("this identity is already used by a running peer: stop it first, or use another --identity") \
+            from None
+    return lock
+
+
+def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, initial_peers, host_maddrs, announce_maddrs, client_mode,
+                    run_ids, connect_timeout, should_stop, admission, **dht_kwargs) -> SwarmDHT:
+    """start_dht once its arguments are checked and its identity is loaded (and locked, if it is a file);
+    `persistent`: the identity came from `identity_path` (hivemind then also asks the swarm whether it is free)."""
     validators = [
         identity.signature_validator(),
         OwnedRecordValidator({peers_key(run_id): PeerRecord for run_id in run_ids}),
@@ -235,6 +276,7 @@ def start_dht(
                 time.sleep(_RETRY_PAUSE_SECONDS)
                 continue
             atexit.register(_stop_at_exit, weakref.ref(dht))
+            dht._identity_lock = identity_lock
             return dht
     finally:
         if key_dir is not None:
