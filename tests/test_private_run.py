@@ -4,6 +4,7 @@ and its state request (each counted in their epoch lines), ignore its state offe
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -72,6 +73,15 @@ def _private_swarm(swarm, dht_node, run: str, keys: Dict[str, tuple], member_fla
         raise AssertionError(f"{e}\nmembers refused: {refused}\n{outsider.describe(30)}") from None
     for event in events(outsider, "epoch"):
         assert event.get("group_size", 1) < 2 or not event.get("ok"), event  # never averaged with a member
+
+    # `moshpeer status` with the members' flags shows the members only; without them, every record.
+    listed = {}
+    for flags in (member_flags, []):
+        shown = swarm.run("status", "--initial-peers", *boot.maddrs, "--run-id", run, "--json", *flags)
+        assert shown.returncode == 0, shown.stderr
+        listed[bool(flags)] = {peer["peer_id"] for peer in json.loads(shown.stdout)["peers"]}
+    assert listed[True] == member_ids
+    assert listed[False] >= member_ids | {c_id.peer_id, boot.peer_id}
 
     # The outsider's data-plane hello and state request are refused and counted.
     probe = dht_node(initial_peers=boot.maddrs, run_ids=[run])

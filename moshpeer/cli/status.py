@@ -5,6 +5,7 @@ reads the run's membership dictionary, and prints what passes validation: each p
 samples/s, the health of its recent rounds) and the swarm (epoch, throughput, progress toward the
 epoch's target batch and the time to reach it, when the trainers publish their target). With
 `--watch` it reads again every `--interval` seconds until Ctrl-C (exit 0) or `--count` refreshes.
+With a private run's `--swarm-key` / `--allow-peers`, only the records of the run's members are shown.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 from moshpeer.cli.common import (
     add_initial_peers_argument,
+    add_private_run_arguments,
     add_run_id_argument,
+    admission_from_args,
     configure_logging,
     exit_now,
     positive_float,
@@ -59,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="with --watch: seconds between refreshes (default: 2)")
     parser.add_argument("--count", type=int, metavar="N",
                         help="with --watch: stop after N refreshes (with --json: N lines, one per refresh)")
+    add_private_run_arguments(parser)  # with them, only the run's members are shown
     parser.set_defaults(run=run)
 
 
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--count needs --watch and a positive number of refreshes")
     from moshpeer.dht.node import start_dht
 
+    admission = admission_from_args(args)  # before the DHT starts: a bad key file is one line, exit 2
     dht = start_dht(
         initial_peers=args.initial_peers,
         # Same listen addresses as a peer: libp2p reuses its listening ports to dial out, so a
@@ -76,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         client_mode=True,
         run_ids=[args.run_id],
         connect_timeout=args.timeout,
+        admission=admission,
     )
     try:
         if args.watch:
