@@ -311,14 +311,18 @@ class SwarmProgress:
             seen = self._fetch_count
             return self._fetched.wait_for(lambda: self._fetch_count > seen, timeout=timeout)
 
-    def refresh_now(self, timeout: float = 2.0, *, retry_for: float = 0.0) -> ProgressSnapshot:
+    def refresh_now(self, timeout: float = 2.0, *, retry_for: float = 0.0,
+                    should_stop: Callable[[], bool] = lambda: False) -> ProgressSnapshot:
         """Fetch the records synchronously (e.g. before deciding to download state). A fetch that fails (a DHT
         timeout under load) keeps the previous view; with `retry_for`, failed fetches are retried for up to that
         many seconds more, and a fetch that does not hold this peer's own published record counts as failed too
         (the DHT answered before it reached the swarm: a newcomer would think it is alone at epoch 0); a
-        warning says when none succeeded (the view returned is then the previous one)."""
+        warning says when none succeeded (the view returned is then the previous one). `should_stop` ends the
+        retries early (a stop requested meanwhile)."""
         deadline = time.monotonic() + retry_for
         while not self._fetch(timeout, require_own=retry_for > 0):
+            if should_stop():
+                break
             if time.monotonic() + timeout > deadline:
                 if retry_for > 0:
                     logger.warning(f"could not read the swarm's progress from the DHT within {retry_for:g} s; "

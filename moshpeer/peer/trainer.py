@@ -168,7 +168,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
 
     _wait_for_peers(daemon, optimizer, config)
     # Whether to download decides on a view of the swarm, not on a DHT read that timed out under load.
-    snapshot = optimizer.progress.refresh_now(retry_for=STARTUP_VIEW_TIMEOUT_S)
+    snapshot = optimizer.progress.refresh_now(retry_for=STARTUP_VIEW_TIMEOUT_S,
+                                              should_stop=lambda: daemon.stop_requested)
     if _should_download(snapshot.global_epoch, optimizer.local_epoch, resume, config, emit) \
             and not daemon.stop_requested:
         downloaded = optimizer.catch_up(min_epoch=max(snapshot.global_epoch - optimizer.max_epoch_lag, 1))
