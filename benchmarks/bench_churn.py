@@ -145,6 +145,7 @@ def main() -> int:
     figures = {
         "useful_time_fraction": rounded(churned.epochs_per_s / calm.epochs_per_s) if calm and calm.epochs_per_s else None,
         "max_stall_s": rounded(churned.max_stall_s, 2),
+        "max_stall_where": churned.stall_where,
         "calm_max_stall_s": rounded(calm.max_stall_s, 2) if calm else None,
         "round_deadline_s": rounded(churned.round_deadline_s, 2),
         "join_over_raw": rounded(join_over_raw, 1),

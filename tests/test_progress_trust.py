@@ -48,7 +48,19 @@ def test_the_view_keeps_up_with_a_swarm_faster_than_its_refreshes():
     credit = EpochCredit()
     assert view(credit, [record(1, 10), record(2, 10)], own, now=0.0).global_epoch == 10
     assert view(credit, [record(1, 14), record(2, 14)], own, now=2.0).global_epoch == 14
-    assert view(credit, [record(1, 1 << 62), record(2, 1 << 62)], own, now=4.0).global_epoch == 14 + 8
+    assert view(credit, [record(1, 1 << 62), record(2, 1 << 62)], own, now=4.0).global_epoch == 14 + 20
+
+
+def test_a_view_refreshed_often_follows_a_swarm_of_2_6_epochs_per_second():
+    """The soak's failure: refreshes every 0.45 s each allowed int(0.45 x 4) = 1 epoch, 2.2 per second, against a
+    swarm at 2.6; the laggard's view fell ever further behind and it never caught up. Fractions now carry over."""
+    own = record(0, 0)
+    credit = EpochCredit()
+    for k in range(134):  # 60 s
+        now = 0.45 * k
+        swarm = int(2.6 * now)
+        seen = view(credit, [record(1, swarm), record(2, swarm)], own, now=now).global_epoch
+    assert seen >= swarm - 1
 
 
 def test_a_newcomer_catches_up_to_honest_peers():
