@@ -118,3 +118,24 @@ def test_a_corrupt_piece_is_refetched_and_its_donor_named(donors):
     liar = started[1].peer_id
     assert [why for peer, why in downloaded.failed_donors if peer == liar][0].startswith("CorruptPiece")
     assert liar not in downloaded.donors and set(downloaded.donors) <= {started[0].peer_id, started[2].peer_id}
+
+
+def test_a_stalled_donor_does_not_hold_the_download_to_its_deadline(donors, monkeypatch):
+    """A donor frozen mid-download (SIGSTOP: its connections stay open and silent) keeps the range it holds:
+    once the other donors have every other piece they fetch that range too (endgame), well before the deadline."""
+    newcomer, started = donors(3)
+    victim = started[0]
+    stopped = threading.Event()
+
+    def stop_when_a_third_arrived(received: int, total: int) -> None:
+        if received > total // 3 and not stopped.is_set():
+            stopped.set()
+            os.killpg(victim.process.pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(state_sync._progress_bar, "_update",
+                        lambda self, received, total: stop_when_a_third_arrived(received, total))
+    begun = time.monotonic()
+    downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False)
+    assert stopped.is_set()
+    assert time.monotonic() - begun < 20, "the download waited for the stalled donor"
+    _assert_exact(downloaded, started[1])

@@ -65,12 +65,12 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     donors = max(groups.values(), key=len)  # max keeps the first of equals: the most trusted offer's group
     manifest = manifests[donors[0].peer_id]
     pieces = _PieceQueue(manifest, len(donors), progress)
-    workers = [threading.Thread(target=pieces.work, args=(donor, run_id, deadline, identity, tag, failed),
-                                name=f"moshpeer-state-piece-{donor.peer_id[-8:]}", daemon=True) for donor in donors]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+    for donor in donors:
+        threading.Thread(target=pieces.work, args=(donor, run_id, deadline, identity, tag, failed),
+                         name=f"moshpeer-state-piece-{donor.peer_id[-8:]}", daemon=True).start()
+    # Not a join: a worker stuck on a stalled donor (one in its shutdown grace, say) is left to its socket's
+    # deadline once the others have every piece.
+    pieces.wait(deadline)
     data = pieces.assemble()  # raises when pieces are missing
     if hashlib.sha256(data).hexdigest() != manifest.sha256:
         raise ProtocolError("pieces do not add up to the signed state digest")
@@ -97,50 +97,104 @@ def _manifests(offers: List[StateOffer], run_id: str, *, deadline: float, max_by
 
 
 class _PieceQueue:
-    """Ranges of pieces still to fetch, shared by one worker per donor; verified pieces by index."""
+    """Ranges of pieces still to fetch, shared by one worker per donor; verified pieces by index.
+
+    Endgame (as BitTorrent's): once every range is handed out, an idle worker also fetches a range another
+    donor still holds and has not delivered, so one stalled donor does not hold the download to its deadline;
+    whichever copy arrives first is kept."""
 
     def __init__(self, manifest: Manifest, donors: int, progress: Optional[Callable[[int, int], None]]):
         self.manifest, self.progress = manifest, progress
         count = len(manifest.piece_hashes)
         step = max(1, -(-count // (donors * RANGES_PER_DONOR)))
         self.ranges: Deque[Tuple[int, int]] = deque((first, min(step, count - first)) for first in range(0, count, step))
+        self.in_flight: Dict[Tuple[int, int], int] = {}  # range -> workers fetching it
         self.pieces: Dict[int, bytes] = {}
         self.served_by: List[str] = []
         self.dropped: set = set()  # donors that failed
         self.received = 0
         self.working = donors  # workers that have not failed
+        self.running = donors  # workers that have not returned
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
 
     def work(self, donor: StateOffer, run_id: str, deadline: float, identity: Optional[Identity], tag: bytes,
              failed: List[Tuple[str, str]]) -> None:
-        """Fetch ranges from `donor` until none is left or it fails (then its range goes back, one log line)."""
+        """Fetch ranges from `donor` until every piece is in or it fails (then its range goes back, one log line)."""
+        try:
+            self._work(donor, run_id, deadline, identity, tag, failed)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.changed.notify_all()
+
+    def _work(self, donor: StateOffer, run_id: str, deadline: float, identity: Optional[Identity], tag: bytes,
+              failed: List[Tuple[str, str]]) -> None:
+        tried: set = set()
         while time.monotonic() < deadline:
             with self.lock:
-                if not self.ranges:
+                taken = self._next_range(tried)
+                if taken is None:
                     return
-                first, count = self.ranges.popleft()
+                tried.add(taken)
+                self.in_flight[taken] = self.in_flight.get(taken, 0) + 1
+            first, count = taken
             try:
                 fetched = fetch_pieces(donor, run_id, self.manifest, first, count, deadline=deadline,
                                        identity=identity, tag=tag, on_bytes=self._count)
             except Exception as e:
                 with self.lock:
-                    self.ranges.appendleft((first, count))
+                    self._release(taken)
+                    if not self._has(taken) and not self.in_flight.get(taken):
+                        self.ranges.appendleft(taken)
                     self.working -= 1
                     self.dropped.add(donor.peer_id)
                     failed.append((donor.peer_id, f"{type(e).__name__}: {e}"))
+                    self.changed.notify_all()
                 what = "sent a corrupt piece" if isinstance(e, CorruptPiece) else "stopped serving"
                 logger.warning(f"state donor {donor.peer_id[-8:]} {what} ({type(e).__name__}: {e}); "
                                f"its pieces go to the other donors")
                 return
             with self.lock:
+                self._release(taken)
                 self.pieces.update(zip(range(first, first + count), fetched))
                 if donor.peer_id not in self.served_by:
                     self.served_by.append(donor.peer_id)
+                self.changed.notify_all()
+
+    def _next_range(self, tried: set) -> Optional[Tuple[int, int]]:
+        """(Under the lock) the next range for a worker that already fetched `tried`; None when there is none."""
+        if self.complete:
+            return None
+        if self.ranges:
+            return self.ranges.popleft()
+        return next((r for r in self.in_flight if r not in tried and not self._has(r)), None)  # endgame
+
+    def _release(self, taken: Tuple[int, int]) -> None:
+        self.in_flight[taken] -= 1
+        if not self.in_flight[taken]:
+            del self.in_flight[taken]
+
+    def _has(self, taken: Tuple[int, int]) -> bool:
+        return taken[0] in self.pieces  # a range's pieces arrive together
+
+    @property
+    def complete(self) -> bool:
+        return len(self.pieces) == len(self.manifest.piece_hashes)
+
+    def wait(self, deadline: float) -> None:
+        """Until every piece is in, every worker has returned, or `deadline` (time.monotonic())."""
+        with self.lock:
+            while not self.complete and self.running > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.changed.wait(remaining)
 
     def _count(self, nbytes: int) -> None:
         with self.lock:
             self.received += nbytes
-            received = self.received
+            received = min(self.received, self.manifest.total_bytes)  # endgame copies count once
         if self.progress is not None:
             self.progress(received, self.manifest.total_bytes)
 
