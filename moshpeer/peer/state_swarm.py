@@ -71,7 +71,7 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     # Not a join: a worker stuck on a stalled donor (one in its shutdown grace, say) is left to its socket's
     # deadline once the others have every piece.
     pieces.wait(deadline)
-    data = pieces.assemble()  # raises when pieces are missing
+    data = pieces.assemble()  # raises when pieces are missing; a straggling worker no longer reports progress
     if hashlib.sha256(data).hexdigest() != manifest.sha256:
         raise ProtocolError("pieces do not add up to the signed state digest")
     # Donors that served and stayed first: the first one is the download's `donor`.
@@ -195,12 +195,15 @@ class _PieceQueue:
         with self.lock:
             self.received += nbytes
             received = min(self.received, self.manifest.total_bytes)  # endgame copies count once
-        if self.progress is not None:
-            self.progress(received, self.manifest.total_bytes)
+            progress = self.progress
+        if progress is not None:
+            progress(received, self.manifest.total_bytes)
 
     def assemble(self) -> bytes:
-        """The state's bytes; TimeoutError or ConnectionError (no donor left) when pieces are missing."""
+        """The state's bytes; TimeoutError or ConnectionError (no donor left) when pieces are missing. Workers
+        still running (stuck on a stalled donor) report no progress after this: the caller's bar is gone."""
         with self.lock:
+            self.progress = None
             missing = len(self.manifest.piece_hashes) - len(self.pieces)
             if missing:
                 if self.working == 0:
