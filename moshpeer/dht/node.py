@@ -189,10 +189,10 @@ def start_dht(
         identity = Identity.load_or_create(identity_path) if persistent else Identity.generate()
     identity_lock = _lock_identity(identity.path) if identity.path is not None else None
     try:
-        return _start_dht_node(identity, identity_lock, persistent, initial_peers=initial_peers, host_maddrs=host_maddrs,
-                               announce_maddrs=announce_maddrs, client_mode=client_mode, run_ids=run_ids,
-                               connect_timeout=connect_timeout, should_stop=should_stop, admission=admission,
-                               **dht_kwargs)
+        return _start_dht_node(identity, identity_lock, persistent, initial_peers=initial_peers,
+                               host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, client_mode=client_mode,
+                               run_ids=run_ids, connect_timeout=connect_timeout, should_stop=should_stop,
+                               admission=admission, **dht_kwargs)
     except BaseException:
         if identity_lock is not None:
             identity_lock.close()
@@ -219,8 +219,9 @@ def _lock_identity(path: str):
     return lock
 
 
-def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, initial_peers, host_maddrs, announce_maddrs, client_mode,
-                    run_ids, connect_timeout, should_stop, admission, **dht_kwargs) -> SwarmDHT:
+def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, initial_peers, host_maddrs,
+                    announce_maddrs, client_mode, run_ids, connect_timeout, should_stop, admission,
+                    **dht_kwargs) -> SwarmDHT:
     """start_dht once its arguments are checked and its identity is loaded (and locked, if it is a file);
     `persistent`: the identity came from `identity_path` (hivemind then also asks the swarm whether it is free)."""
     validators = [

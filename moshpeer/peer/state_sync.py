@@ -480,8 +480,8 @@ def download_state(
     started = time.monotonic()
     while time.monotonic() < deadline:
         try:
-            on_offer = [o for o in list_state_offers(dht, run_id, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
-                        if o.peer_id not in exclude]
+            listing_s = min(5.0, max(0.5, deadline - time.monotonic()))
+            on_offer = [o for o in list_state_offers(dht, run_id, timeout=listing_s) if o.peer_id not in exclude]
         except Exception as e:
             logger.debug(f"listing state offers failed: {e}")
             on_offer = []
