@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from typing import Dict, Tuple
 
@@ -73,7 +74,13 @@ def test_scraped_metrics_cover_rounds_training_state_and_checkpoints(swarm, tmp_
     # Checkpoint writes of the saver.
     wait_event(saver, "checkpoint", timeout=120)
     wait_event(saver, "epoch", timeout=120, predicate=lambda e: e["epoch"] >= 4)
+    # Checkpoints are written in the background and the metrics poll the store from the training loop: the
+    # first periodic write shows up at the first poll after it finished (CI scraped before that once).
+    deadline = time.monotonic() + 60
     saved = scrape(saver)
+    while ("moshpeer_checkpoint_writes_total", (("kind", "periodic"),)) not in saved and time.monotonic() < deadline:
+        time.sleep(0.5)
+        saved = scrape(saver)
     assert value(saved, "moshpeer_checkpoint_writes_total", kind="periodic") >= 1
     assert value(saved, "moshpeer_checkpoint_bytes_total") > 0
     assert value(saved, "moshpeer_checkpoint_write_seconds_count") >= 1
