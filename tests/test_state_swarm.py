@@ -88,19 +88,24 @@ def _assert_exact(downloaded, donor: "Donor") -> None:
     assert torch.equal(downloaded.state["model"]["w"], donor_state(1, FLOATS)["model"]["w"])
 
 
+def _once_a_third_arrived(monkeypatch, action) -> threading.Event:
+    """Run `action` once, when a third of the state has arrived (the progress bar's hook sees every verified
+    piece: the donor is hit while pieces are flowing); the event says it ran."""
+    done = threading.Event()
+
+    def hook(self, received: int, total: int) -> None:
+        if received > total // 3 and not done.is_set():
+            done.set()
+            action()
+
+    monkeypatch.setattr(state_sync._progress_bar, "_update", hook)
+    return done
+
+
 def test_a_donor_killed_mid_download_leaves_its_pieces_to_the_others(donors, caplog, monkeypatch):
     newcomer, started = donors(3)
     victim = started[0]
-    killed = threading.Event()
-
-    def kill_when_half_arrived(received: int, total: int) -> None:
-        if received > total // 3 and not killed.is_set():
-            killed.set()
-            victim.kill()
-
-    # The progress bar's hook sees every verified piece: the donor dies while pieces are flowing.
-    monkeypatch.setattr(state_sync._progress_bar, "_update",
-                        lambda self, received, total: kill_when_half_arrived(received, total))
+    killed = _once_a_third_arrived(monkeypatch, victim.kill)
     with caplog.at_level(logging.WARNING):
         downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False)
     assert killed.is_set()
@@ -125,15 +130,7 @@ def test_a_stalled_donor_does_not_hold_the_download_to_its_deadline(donors, monk
     once the other donors have every other piece they fetch that range too (endgame), well before the deadline."""
     newcomer, started = donors(3)
     victim = started[0]
-    stopped = threading.Event()
-
-    def stop_when_a_third_arrived(received: int, total: int) -> None:
-        if received > total // 3 and not stopped.is_set():
-            stopped.set()
-            os.killpg(victim.process.pid, signal.SIGSTOP)
-
-    monkeypatch.setattr(state_sync._progress_bar, "_update",
-                        lambda self, received, total: stop_when_a_third_arrived(received, total))
+    stopped = _once_a_third_arrived(monkeypatch, lambda: os.killpg(victim.process.pid, signal.SIGSTOP))
     begun = time.monotonic()
     downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False)
     assert stopped.is_set()
