@@ -12,6 +12,13 @@ computes one in ~0.1 s). Every arm trains on the same number of samples: STEPS m
 - diloco-h50-int4: Δ as int4; diloco-h50-int4-overlap: the same with the one-outer-step delay;
 - single: one process (`train_locally`), global batch peers x micro-batch, the same samples.
 
+Learning rates: --lr (AdamW, default 1.5e-3, the best of a sweep of the single process at this size) is
+the rate at the global batch of peers x micro-batch: the single process's and the gradients arm's. The
+arms whose peers take local steps on one micro-batch (parameters, DiLoCo's inner steps) use
+--lr x sqrt(micro-batch / global batch), Adam's square-root scaling rule (Malladi et al., 2022): a
+batch 4x smaller has 2x the gradient noise. Without it, the local arms train at a rate tuned for
+4x their batch (charlm's default 3e-3 was too high for either at this width; see docs/training.md).
+
 Links: with --netlab (default when network namespaces can be made) every peer runs in its own namespace
 behind a tbf-shaped 50 Mbit/s upload (moshpeer.testing.netlab); --loopback runs on 127.0.0.1 unshaped.
 
@@ -77,9 +84,15 @@ def arms(args) -> List[dict]:
     ]
 
 
-def task_flags() -> List[str]:
+def local_lr(args) -> float:
+    """The AdamW rate of a peer stepping on its own micro-batch: --lr (set for peers x micro-batch) scaled by the
+    square root of the batch ratio."""
+    return args.lr * (args.batch / (args.peers * args.batch)) ** 0.5
+
+
+def task_flags(lr: float) -> List[str]:
     flags = ["--task", "charlm"]
-    for key, value in TASK_ARGS.items():
+    for key, value in {**TASK_ARGS, "lr": lr}.items():
         flags += ["--task-arg", f"{key}={value}"]
     return flags
 
@@ -99,8 +112,9 @@ def run_arm(args, arm: dict, lab) -> dict:
     try:
         maddrs = bootstrap_maddrs(boot, 120)
         peers = []
+        lr = args.lr if arm["averaging"] == "gradients" else local_lr(args)
         for i in range(args.peers):
-            argv = moshpeer_argv("join", run_id, f"/ip4/{hosts[i]}/tcp/0", "--initial-peers", *maddrs, *task_flags(),
+            argv = moshpeer_argv("join", run_id, f"/ip4/{hosts[i]}/tcp/0", "--initial-peers", *maddrs, *task_flags(lr),
                                  "--group-size", str(args.peers), "--min-peers", str(args.peers), "--wait-peers", "120",
                                  "--max-epochs", str(arm["epochs"]), "--batch-size", str(args.batch),
                                  "--target-batch-size", str(arm.get("target_batch", args.peers * args.batch)),
@@ -172,7 +186,7 @@ def run_single(args) -> dict:
     torch.set_num_threads(2)
     batch = args.peers * args.batch
     started = time.monotonic()
-    run = train_locally(load_task("charlm", **TASK_ARGS), num_samples=args.steps * batch, global_batch_size=batch,
+    run = train_locally(load_task("charlm", **TASK_ARGS, lr=args.lr), num_samples=args.steps * batch, global_batch_size=batch,
                         micro_batch_size=batch, eval_every=args.gradient_steps)
     return {"final_loss": run.metrics["loss"], "train_s": time.monotonic() - started,
             "curve": [(samples // batch, metrics["loss"]) for samples, metrics in run.history]}
@@ -189,6 +203,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="micro-batches per peer in every arm")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch (windows) per peer")
     parser.add_argument("--gradient-steps", type=int, default=5, help="real rounds of the gradients arm")
+    parser.add_argument("--lr", type=float, default=1.5e-3,
+                        help="AdamW rate at the global batch (single, gradients); local steps use it x sqrt(1/peers)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--outer-optimizer", default="sgd:lr=1,momentum=0",
                         help="DiLoCo arms' outer optimizer (a run of 2-8 outer steps: momentum overshoots; see docs)")
@@ -252,6 +268,7 @@ def main() -> int:
             figures["time_to_target_s"] = first_time_at(figures["evals"], target)
 
     print(f"\n{args.peers} peers, {links_desc}; charlm {TASK_ARGS}; {args.steps} micro-batches of {args.batch} per peer; "
+          f"lr {args.lr:g} (global batch), {local_lr(args):g} (local steps); "
           f"target loss {target:.4f} (single process at half its samples)")
     print(f"{'arm':26s} {'final loss':>10s} {'to target s':>11s} {'MB/peer':>10s} {'comm s':>8s} {'hidden':>7s} {'train s':>8s}")
     for name, f in results.items():
@@ -265,7 +282,8 @@ def main() -> int:
               f"{grad['measured_loss']:.4f} vs single {grad['single_loss_at_measured']:.4f} at that step); time to target "
               f"and bytes scaled to {args.steps} steps (a parameter round every {DEFAULT_PARAMS_EVERY}), final loss = single process's")
 
-    figures = {"links": links_desc, "steps_per_peer": args.steps, "target_loss": target,
+    figures = {"links": links_desc, "steps_per_peer": args.steps, "target_loss": target, "lr": args.lr,
+               "local_lr": local_lr(args),
                "single_loss": single["final_loss"]}
     head = results.get(HEADLINE)
     if grad is not None and head is not None:

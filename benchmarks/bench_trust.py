@@ -46,6 +46,7 @@ from moshpeer.dht.identity import Identity  # noqa: E402
 
 MEMBERS = 4
 HOSTILE = "byzantine=-100,weight=1e6"
+ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped")
 
 
 class ConstantMacs:
@@ -116,6 +117,24 @@ def round_costs(args) -> dict:
             "round_times": times}
 
 
+def flag_counts(events: List[List[dict]], hostile) -> dict:
+    """From one run's event lines: chunks in which an honest peer's contribution was clipped (by any owner), and
+    the rounds (over all owners) in which the hostile peer's contribution still counted (it was not yet weighed
+    at zero: the rounds its pull reached the model)."""
+    ids = [next((e.get("peer_id") for e in peer if e.get("peer_id")), None) for peer in events]
+    hostile_id = ids[hostile] if hostile is not None else None
+    honest_flagged = hostile_free = 0
+    for k, peer in enumerate(events):
+        for e in peer:
+            if e.get("event") != "epoch" or not e.get("ok"):
+                continue
+            result = e["round"]  # the RoundResult
+            honest_flagged += sum(n for peer_id, n in result["flagged"].items() if peer_id != hostile_id)
+            if hostile_id is not None and k != hostile and hostile_id not in result["distrusted"]:
+                hostile_free += 1
+    return {"honest_flagged": honest_flagged, "hostile_free_rounds": hostile_free}
+
+
 def training(args) -> dict:
     import bench_training
 
@@ -123,12 +142,15 @@ def training(args) -> dict:
                                matchmaking_time=args.matchmaking_time, timeout=args.timeout)
     hostile = MEMBERS - 1
 
-    arms = (
+    arms = [arm for arm in (
         ("honest", None),
+        # The control: what CenteredClip costs honest peers when nobody attacks.
+        ("honest_clipped", lambda i: ["--aggregation", "clipped"]),
         ("byzantine_mean", lambda i: ["--faults", HOSTILE] if i == hostile else []),
         ("byzantine_clipped", lambda i: ["--aggregation", "clipped"] + (["--faults", HOSTILE] if i == hostile else [])),
-    )
-    out = {name: {"accs": [], "peers_finished": [], "train_s": []} for name, _ in arms}
+    ) if arm[0] in args.arms]
+    out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": []}
+           for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
     for repeat in range(args.repeats):
@@ -140,6 +162,9 @@ def training(args) -> dict:
                       for e in peer if e.get("event") == "done"]
             out[name]["accs"].append(sum(finals) / len(finals) if finals else None)
             out[name]["peers_finished"].append(len(finals))
+            flags = flag_counts(events, hostile if name.startswith("byzantine") else None)
+            out[name]["honest_flagged"].append(flags["honest_flagged"])
+            out[name]["hostile_free_rounds"].append(flags["hostile_free_rounds"])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
     for r in out.values():
         done = [a for a in r["accs"] if a is not None]
@@ -158,6 +183,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=400.0, help="per training run")
     parser.add_argument("--repeats", type=int, default=1, help="training runs per arm (mean accuracy reported)")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS),
+                        help=f"comma-separated training arms (default: all of {','.join(ARMS)})")
     args = parser.parse_args()
     # The 4 members already share the machine's cores; intra-op threads on top of them only add barrier waits
     # (bench_training runs its peers with OMP_NUM_THREADS=1 for the same reason).

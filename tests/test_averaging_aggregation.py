@@ -15,8 +15,8 @@ from local_group import credentials, members as group_members, run_group
 
 from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
 from moshpeer.averaging.links import PLAIN_LINKS
-from moshpeer.averaging.aggregation import (CLIP_ITERATIONS, CLIP_RADIUS_FACTOR, cap_weights, centered_clip,
-                                            trimmed_mean)
+from moshpeer.averaging.aggregation import (CLIP_ITERATIONS, CLIP_RADIUS_FACTOR, REJECT_RADIUS_FACTOR, cap_weights,
+                                            centered_clip, trimmed_mean)
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.compression import get_compression
 from moshpeer.errors import UserError
@@ -65,13 +65,18 @@ def test_centered_clip_and_trimmed_mean_resist_one_outlier_and_are_exact_without
 
 def _centered_clip_in_value_space(rows: torch.Tensor, weights: torch.Tensor, own: int):
     """The textbook iteration on d-long vectors (float64), to check the Gram-matrix form against."""
-    x, shares = rows.double(), (weights / weights.sum()).double()
+    x = rows.double()
     v = x[own].clone()
-    tau = CLIP_RADIUS_FACTOR * float((x - v).norm(dim=1).median())
+    from_own = (x - v).norm(dim=1)
+    median = float(torch.cat([from_own[:own], from_own[own + 1:]]).median())
+    tau = CLIP_RADIUS_FACTOR * median
+    rejected = from_own > REJECT_RADIUS_FACTOR * median
+    kept = torch.where(rejected, 0.0, weights.double())
+    shares = kept / kept.sum()
     for _ in range(CLIP_ITERATIONS):
         distances = (x - v).norm(dim=1)
         v = v + ((tau / distances.clamp_min(1e-30)).clamp(max=1.0) * shares) @ (x - v)
-    return v, (x - v).norm(dim=1) > tau * (1 + 1e-4)
+    return v, rejected | ((x - v).norm(dim=1) > tau * (1 + 1e-4))
 
 
 def test_centered_clip_on_the_gram_matrix_matches_the_iteration_on_vectors():
@@ -87,6 +92,20 @@ def test_centered_clip_on_the_gram_matrix_matches_the_iteration_on_vectors():
         expected, expected_flagged = _centered_clip_in_value_space(rows, weights, own)
         assert torch.allclose(value.double(), expected, atol=1e-4), own
         assert flagged.tolist() == expected_flagged.tolist() and flagged[1], own
+
+
+def test_centered_clip_rejects_a_far_contribution_outright_and_averages_a_group_of_two():
+    """A contribution hundreds of median distances out does not pull the result at all (clipping alone would
+    leave ~tau/n of pull); two members average (the clip radius comes from the other member, not the owner's
+    zero distance to itself)."""
+    g = torch.Generator().manual_seed(3)
+    honest = 1.0 + 0.1 * torch.randn(3, 1000, generator=g)
+    rows = torch.cat([honest, -100.0 * honest[:1]])
+    value, flagged = centered_clip(rows, torch.ones(4))
+    assert torch.allclose(value, honest.mean(0), atol=1e-5)
+    assert flagged.tolist() == [False, False, False, True]
+    value, flagged = centered_clip(honest[:2], torch.ones(2), own=1)
+    assert torch.allclose(value, honest[:2].mean(0), atol=1e-5) and not flagged.any()
 
 
 def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
@@ -109,12 +128,13 @@ def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
 
 
 def test_a_distrusted_member_weighs_nothing_in_centered_clip_but_is_still_flagged():
-    """CenteredClip alone leaves the honest result pulled ~tau/3 toward a persistent outlier; once the owners
-    distrust it (suspects.py) the honest members end at CenteredClip of the honest rows, and the outlier is
-    still checked and flagged in every chunk (so a round in which it behaves can clear it)."""
+    """CenteredClip alone leaves the honest result pulled ~tau/3 toward a persistent outlier inside the rejection
+    radius (here 1.5x the honest value); once the owners distrust it (suspects.py) the honest members end at
+    CenteredClip of the honest rows, and the outlier is still checked and flagged in every chunk (so a round in
+    which it behaves can clear it)."""
     originals = honest_values()
     honest_mean = sum(originals[:3]) / 3
-    faults, weights = [None, None, None, HOSTILE], [1.0] * N
+    faults, weights = [None, None, None, FaultConfig.parse("byzantine=1.5")], [1.0] * N
     pulled, _ = group_round(originals, faults, weights, "clipped")
     values, results = group_round(originals, faults, weights, "clipped", distrusted=[3])
     for k in range(3):

@@ -7,11 +7,14 @@ the average by announcing a huge weight. Then, per chunk of the owner's part:
   one hostile member moves the result arbitrarily far.
 - `clipped`: CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of Gorbunov et al.'s BTARD):
   start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the median distance of
-  the contributions to x_o, then iterate (CLIP_ITERATIONS times)
+  the other contributions to x_o, then iterate (CLIP_ITERATIONS times)
   v <- v + sum_i w_i min(1, tau / |x_i - v|) (x_i - v) / sum_i w_i
   (on the n coefficients of v over the contributions, through their Gram matrix: two passes over the
   chunk's data in all, so a clipped round costs about what a mean round does).
-  A contribution farther than tau from the result counts as clipped for its member.
+  A contribution farther than tau from the result counts as clipped for its member. One farther than
+  REJECT_RADIUS_FACTOR median distances from x_o is weighed at zero from the start: clipping bounds a
+  far contribution's pull to about tau / n per round, but does not remove it, and a value that far is
+  no honest member's (see REJECT_RADIUS_FACTOR).
 - `trimmed`: coordinate-wise trimmed mean: per value, drop the floor(TRIM_FRACTION x n) (at least one
   with three or more contributions) highest and lowest, average the rest (unweighted). A member most
   of whose values were trimmed in a chunk counts as trimmed there.
@@ -39,6 +42,11 @@ ROBUST_WEIGHT_CAP_FACTOR = 1.0
 # Clip radius in median distances: at 2, honest contributions (whose distances to the center concentrate
 # in high dimension) are practically never clipped, so a member that is flagged again and again stands out.
 CLIP_RADIUS_FACTOR = 2.0
+# Rejection radius in median distances. Honest members' distances to the owner's value concentrate (each is
+# the norm of a difference of two noisy estimates of one mean), so in a chunk of more than a few values none
+# is 10 median distances out; a member sending -100x its gradient is hundreds out. A hostile member that
+# stays inside this radius is clipped instead, and weighed at zero once it becomes a suspect (suspects.py).
+REJECT_RADIUS_FACTOR = 10.0
 CLIP_ITERATIONS = 3
 TRIM_FRACTION = 0.25
 # A member counts as trimmed in a chunk when at least this fraction of its values was trimmed
@@ -71,7 +79,7 @@ def cap_weights(weights: Sequence[float], factor: float = WEIGHT_CAP_FACTOR) -> 
 
 def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """CenteredClip of the rows of `values` (n x d, fp32; row `own` the owner's own) -> (d values, bool mask of
-    clipped rows).
+    clipped rows; rejected rows, see the module docstring, count as clipped).
 
     Starts from the owner's own row: robust aggregation defends an honest owner against its contributors
     (a hostile owner is out of its reach anyway), and it saves a coordinate-wise median. Every iterate is a
@@ -86,7 +94,6 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     # The iteration itself is n x n arithmetic: plain Python floats (float64), a few microseconds, where a
     # torch op per step would cost more than reading the rows.
     gram = (values @ values.T).double().tolist()
-    shares = (weights.double() / weights.double().sum()).tolist()
 
     def distances(beta: List[float]) -> List[float]:
         g_beta = [sum(g * b for g, b in zip(row, beta)) for row in gram]
@@ -95,13 +102,20 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
 
     beta = [0.0] * n
     beta[own] = 1.0
-    tau = CLIP_RADIUS_FACTOR * sorted(distances(beta))[(n - 1) // 2]  # the lower median, as torch.median
+    from_own = distances(beta)
+    # The median over the others only: with the owner's own zero among them, a group of two would never average.
+    median = sorted(d for i, d in enumerate(from_own) if i != own)[(n - 2) // 2]  # the lower median
+    tau = CLIP_RADIUS_FACTOR * median
     if math.isfinite(tau) and tau > 0:
+        rejected = [d > REJECT_RADIUS_FACTOR * median for d in from_own]
+        kept_weights = [0.0 if out else float(w) for out, w in zip(rejected, weights.tolist())]
+        total = sum(kept_weights)
+        shares = [w / total for w in kept_weights] if total > 0 else [0.0] * n
         for _ in range(CLIP_ITERATIONS):
             scale = [min(1.0, tau / max(d, 1e-30)) * share for d, share in zip(distances(beta), shares)]
             kept = 1.0 - sum(scale)
             beta = [b * kept + s for b, s in zip(beta, scale)]
-        clipped = [d > tau * (1 + 1e-4) for d in distances(beta)]
+        clipped = [out or d > tau * (1 + 1e-4) for out, d in zip(rejected, distances(beta))]
     else:
         clipped = [d > 0 for d in distances(beta)]
     coefficients = torch.tensor(beta, dtype=values.dtype, device=values.device)

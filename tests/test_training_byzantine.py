@@ -1,0 +1,66 @@
+"""A hostile peer in a real 4-peer digits swarm with `--aggregation clipped` (issue 14).
+
+The hostile peer runs the real protocol through the `byzantine` fault mode: it sends -100x its gradient
+and declares weight 1e6. Every honest part owner must reject its contributions from the first round (it is
+far outside the rejection radius), make it a suspect, and stop counting its samples toward the epoch, so
+the three honest peers compute the whole target batch between them and train as an honest swarm does.
+bench_trust.py measures the accuracy against an all-honest swarm over repeated runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moshpeer.averaging.suspects import SUSPECT_AFTER_ROUNDS
+from moshpeer.peer.tasks import load_task, train_locally
+from training_swarm import events, start_trainers, wait_event
+
+pytestmark = pytest.mark.timeout(240)
+
+EPOCHS = 12
+TARGET_BATCH = 256
+HOSTILE = "byzantine=-100,weight=1e6"
+
+
+def test_a_hostile_peer_is_rejected_then_distrusted_and_its_samples_stop_counting(swarm):
+    run = "byzantine"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    flags = ("--group-size", "4", "--min-peers", "4", "--max-epochs", str(EPOCHS), "--eval-every", str(EPOCHS),
+             "--aggregation", "clipped")
+    honest = start_trainers(swarm, 3, run, boot.maddrs, *flags)
+    (hostile,) = start_trainers(swarm, 1, run, boot.maddrs, *flags, "--faults", HOSTILE)
+    hostile_id = wait_event(hostile, "training", timeout=60)["peer_id"]
+    done = [wait_event(peer, "done", timeout=200) for peer in honest]
+    for peer in honest:
+        assert peer.wait_exit(30) == 0, peer.describe()
+
+    # The epoch line's "round" is the whole RoundResult: `flagged` (peer id -> chunks) and `distrusted` (peer ids).
+    epochs = [[{**e, **{key: e["round"][key] for key in ("flagged", "distrusted")}}
+               for e in events(peer, "epoch") if e["ok"]] for peer in honest]
+    for peer_epochs in epochs:
+        assert len(peer_epochs) >= EPOCHS - 2, [e["epoch"] for e in peer_epochs]
+        # Every owner flagged the hostile peer in every round it took part in, and no honest peer was flagged
+        # in more than one round (the clip radius is two median distances: chance clipping is rare).
+        hostile_rounds = [e for e in peer_epochs if e["group_size"] == 4]
+        assert all(hostile_id in e["flagged"] for e in hostile_rounds), [e["flagged"] for e in hostile_rounds]
+        assert sum(any(peer_id != hostile_id for peer_id in e["flagged"]) for e in peer_epochs) <= 1
+        # After SUSPECT_AFTER_ROUNDS flagged rounds the owner weighs it at zero, for the rest of the run.
+        late = hostile_rounds[SUSPECT_AFTER_ROUNDS:]
+        assert late and all(hostile_id in e["distrusted"] for e in late), [e["distrusted"] for e in late]
+
+    # Once every honest peer distrusts it, the hostile peer's samples no longer count: the honest peers compute
+    # the whole target batch between them (with its samples counted they would stop at about 3/4 of it).
+    by_epoch = {}
+    for peer_epochs in epochs:
+        for e in peer_epochs:
+            by_epoch.setdefault(e["epoch"], []).append(e)
+    distrusted_everywhere = [rounds for epoch, rounds in sorted(by_epoch.items())
+                             if len(rounds) == 3 and all(hostile_id in e["distrusted"] for e in rounds)]
+    assert len(distrusted_everywhere) >= EPOCHS // 2, sorted(by_epoch)
+    honest_samples = [sum(e["samples"] for e in rounds) for rounds in distrusted_everywhere]
+    assert min(honest_samples) >= 0.9 * TARGET_BATCH, honest_samples
+
+    reference = train_locally(load_task("digits"), num_samples=EPOCHS * TARGET_BATCH,
+                              global_batch_size=TARGET_BATCH).metrics["accuracy"]
+    for summary in done:
+        assert summary["metrics"]["accuracy"] >= reference - 0.03, (summary["metrics"], reference)
