@@ -11,12 +11,14 @@
    the process's CPU seconds per round (less sensitive to other load on the machine).
 2. Training: 4 `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
    (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
-   the same with `--aggregation clipped` on every peer. Final test accuracy of the honest peers.
+   the same with `--aggregation clipped` on every peer; and the control, all honest with `clipped` (what the
+   robust aggregation costs when nobody attacks). Final test accuracy of the honest peers, the chunks in which
+   an honest peer was clipped, and the rounds in which the hostile peer still counted.
 
     python benchmarks/bench_trust.py [--numel 4000000] [--rounds 5] [--epochs 25] [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
-byzantine_mean_acc, byzantine_clipped_acc.
+honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc (those of the arms run; see --arms).
 """
 
 from __future__ import annotations
@@ -207,9 +209,14 @@ def main() -> int:
             each = " ".join(f"{a:.4f}" if a is not None else "-" for a in r["accs"])
             print(f"{name:<22}{acc:>10}  {each:<30}{str(r['peers_finished']):>8}"
                   f"{' '.join(f'{t:.1f}' for t in r['train_s']):>20}")
-        figures.update(honest_acc=runs["honest"]["acc"], byzantine_mean_acc=runs["byzantine_mean"]["acc"],
-                       byzantine_clipped_acc=runs["byzantine_clipped"]["acc"], epochs=args.epochs,
-                       repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()})
+        print("flagged chunks of honest peers per run: " + "; ".join(
+            f"{name} {r['honest_flagged']}" for name, r in runs.items() if name.endswith("clipped")))
+        print("honest owners' rounds in which the hostile peer still counted, per run: " + "; ".join(
+            f"{name} {r['hostile_free_rounds']}" for name, r in runs.items() if name.startswith("byzantine")))
+        figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
+                       repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
+                       honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},
+                       hostile_free_rounds={name: r["hostile_free_rounds"] for name, r in runs.items()})
     figures.update(numel=args.numel, members=MEMBERS)
     print(json.dumps(figures))
     return 0
