@@ -15,7 +15,7 @@
    robust aggregation costs when nobody attacks). Final test accuracy of the honest peers, the chunks in which
    an honest peer was clipped, and the rounds in which the hostile peer still counted.
 
-    python benchmarks/bench_trust.py [--numel 4000000] [--rounds 5] [--epochs 25] [--skip-training]
+    python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
 honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc (those of the arms run; see --arms).
@@ -178,7 +178,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=4_000_000, help="values averaged per round timing (fp32)")
     parser.add_argument("--chunk-numel", type=int, default=1 << 18)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per mode (the A/B medians)")
     parser.add_argument("--epochs", type=int, default=25, help="collaborative epochs of each training run")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
