@@ -123,8 +123,7 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
     """From one run's event lines: chunks in which an honest peer's contribution was clipped (by any owner), and
     the rounds (over all owners) in which the hostile peer's contribution still counted (it was not yet weighed
     at zero: the rounds its pull reached the model)."""
-    ids = [next((e.get("peer_id") for e in peer if e.get("peer_id")), None) for peer in events]
-    hostile_id = ids[hostile] if hostile is not None else None
+    hostile_id = None if hostile is None else next(e["peer_id"] for e in events[hostile] if e.get("peer_id"))
     honest_flagged = hostile_free = 0
     for k, peer in enumerate(events):
         for e in peer:
