@@ -179,15 +179,18 @@ class OptimizerState:
         """(epoch, bytes) a donor serves: one snapshot per epoch, taken under the lock (never a torn state), so
         that every piece of a multi-donor download comes from the same bytes however many inner steps the
         donor takes meanwhile. While an epoch's end holds the lock (applying a round, stepping), the previous
-        snapshot is served at once instead of making the newcomer wait; with none yet, the wait is bounded
-        by SNAPSHOT_WAIT_S and then raises TimeoutError (the server logs one line, the client moves on)."""
+        snapshot is served at once instead of making the newcomer wait, if it is the previous epoch's; an older
+        one (or none) is never served: the wait for a fresh one is bounded by SNAPSHOT_WAIT_S and then raises
+        TimeoutError (the server logs one line, the client moves on). A snapshot from a donor's first epochs,
+        served while it advertises a much later one, set a newcomer 16 epochs back under load."""
         cached = self._state_cache
         if cached is not None and cached[0] == self.local_epoch:
             return cached
-        if not self.lock.acquire(timeout=0 if cached is not None else SNAPSHOT_WAIT_S):
-            if cached is None:
+        previous = cached if cached is not None and cached[0] >= self.local_epoch - 1 else None
+        if not self.lock.acquire(timeout=0 if previous is not None else SNAPSHOT_WAIT_S):
+            if previous is None:
                 raise TimeoutError(f"the optimizer's lock stayed busy for {SNAPSHOT_WAIT_S} s")
-            return cached
+            return previous
         try:
             if self._state_cache is None or self._state_cache[0] != self.local_epoch:
                 self._state_cache = (self.local_epoch, serialize_state(self.collaborative_state()))

@@ -44,9 +44,11 @@ class SwarmedState:
 
 def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, max_bytes: int,
                      failed: List[Tuple[str, str]], identity: Optional[Identity] = None, tag: bytes = b"",
-                     progress: Optional[Callable[[int, int], None]] = None) -> SwarmedState:
+                     progress: Optional[Callable[[int, int], None]] = None, min_epoch: int = 0) -> SwarmedState:
     """Download one state from up to MAX_DONORS of `offers` in parallel by `timeout` seconds from now.
 
+    A donor whose signed manifest is of an epoch below `min_epoch`, or more than one epoch below what it
+    offered (`manifest_epoch_ok`), is failed like one that sent no manifest: an offer's epoch is only a claim.
     Donors that fail are appended to `failed` as (peer id, why). Raises ProtocolError when no donor sent a
     valid manifest or the pieces do not add up to the signed digest, ConnectionError when every donor of
     the chosen manifest failed with pieces missing, TimeoutError past the deadline."""
@@ -55,7 +57,7 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     if not offers:
         raise ProtocolError("no donor to download from")
     manifests = _manifests(offers, run_id, deadline=deadline, max_bytes=max_bytes, failed=failed,
-                           identity=identity, tag=tag)
+                           identity=identity, tag=tag, min_epoch=min_epoch)
     if not manifests:
         raise ProtocolError("no donor sent a valid manifest")
     groups: Dict[tuple, List[StateOffer]] = {}
@@ -79,20 +81,36 @@ def download_swarmed(offers: List[StateOffer], run_id: str, *, timeout: float, m
     return SwarmedState(manifest, data, tuple(o.peer_id for o in donors), tuple(served))
 
 
+def manifest_epoch_ok(manifest_epoch: int, offered_epoch: int, min_epoch: int) -> bool:
+    """Whether a donor's manifest may be downloaded: of `min_epoch` or later, and at most one epoch below the
+    epoch its offer claims (a donor mid-way through an epoch's end serves the previous epoch's snapshot)."""
+    return manifest_epoch >= max(min_epoch, offered_epoch - 1)
+
+
 def _manifests(offers: List[StateOffer], run_id: str, *, deadline: float, max_bytes: int,
-               failed: List[Tuple[str, str]], identity: Optional[Identity], tag: bytes) -> Dict[str, Manifest]:
-    """Every offer's manifest, asked in parallel; donors that fail are appended to `failed`."""
+               failed: List[Tuple[str, str]], identity: Optional[Identity], tag: bytes,
+               min_epoch: int = 0) -> Dict[str, Manifest]:
+    """Every offer's manifest, asked in parallel; donors that fail, or whose manifest fails
+    `manifest_epoch_ok`, are appended to `failed`."""
     deadline = min(deadline, time.monotonic() + MANIFEST_TIMEOUT)
     with ThreadPoolExecutor(max_workers=len(offers), thread_name_prefix="moshpeer-state-manifest") as pool:
         futures = {offer.peer_id: pool.submit(fetch_manifest, offer, run_id, deadline=deadline, max_bytes=max_bytes,
                                               identity=identity, tag=tag) for offer in offers}
     manifests: Dict[str, Manifest] = {}
+    offered = {offer.peer_id: offer.epoch for offer in offers}
     for peer_id, future in futures.items():
         try:
-            manifests[peer_id] = future.result()
+            manifest = future.result()
         except Exception as e:
             logger.warning(f"no state manifest from {peer_id[-8:]}: {type(e).__name__}: {e}")
             failed.append((peer_id, f"{type(e).__name__}: {e}"))
+            continue
+        if not manifest_epoch_ok(manifest.epoch, offered[peer_id], min_epoch):
+            why = f"offered epoch {offered[peer_id]} but serves epoch {manifest.epoch} (needed >= {min_epoch})"
+            logger.warning(f"state donor {peer_id[-8:]} {why}")
+            failed.append((peer_id, why))
+            continue
+        manifests[peer_id] = manifest
     return manifests
 
 

@@ -518,7 +518,7 @@ def download_state(
                 swarmed = download_swarmed(
                     same_epoch, run_id, timeout=min(per_donor_timeout, max(0.5, deadline - time.monotonic())),
                     max_bytes=max_bytes, failed=attempt_failed, progress=update, identity=dht.identity,
-                    tag=dht.admission.tag(dht.identity.peer_id))
+                    tag=dht.admission.tag(dht.identity.peer_id), min_epoch=min_epoch)
             state = deserialize_state(swarmed.data)
             if validate is not None:
                 validate(state)
