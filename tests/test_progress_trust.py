@@ -110,3 +110,18 @@ def test_samples_of_peers_weighed_at_zero_do_not_count():
     assert suspect.samples_accumulated == 3 * 64 and not suspect.ready
     assert suspect.global_epoch == 10 and suspect.num_trainers == 4  # still a live peer (groups, matchmaking)
     assert everyone.contributing_trainers == 4 and suspect.contributing_trainers == 3  # each share: target / 3
+
+
+def test_the_epoch_reached_outlives_the_trainers_that_withdrew():
+    """The aux test's hang: both trainers ended epoch 16 without the aux and withdrew at once; the aux's view
+    then had no trainer to follow and it waited at epoch 15 forever. Leaving records now count towards
+    `reached`, at most one epoch above what each was credited with while live."""
+    own = record(0, 15)
+    credit = EpochCredit()
+    trainers = [record(1, 15), record(2, 15)]
+    assert view(credit, trainers, own).global_epoch == 15 and credit.reached == 15
+    view(credit, [], own)  # the trainers are gone from the live records: nothing to follow...
+    credit.note_departures([r.updated(epoch=16, leaving=True) for r in trainers])
+    assert credit.reached == 16  # ...but where they left is remembered
+    credit.note_departures([record(1, 1 << 62).updated(leaving=True), record(9, 1 << 62).updated(leaving=True)])
+    assert credit.reached == 16  # a leaving claim past its credit (or of a peer never seen live) raises nothing

@@ -29,11 +29,15 @@ class AuxRounds:
         deadline = time.monotonic() + (timeout if timeout is not None else self.round_timeout * 3)
         while time.monotonic() < deadline and not self._should_stop():
             snapshot = self.progress.snapshot()
+            # The swarm's epoch, also once its trainers are gone: trainers that end their last epoch without
+            # the aux (its round failed) and withdraw at once would otherwise leave it one epoch short forever.
+            followed = max(snapshot.global_epoch if snapshot.num_trainers > 0 else 0,
+                           self.progress.swarm_epoch_reached)
+            if followed > self.local_epoch:
+                with self.lock:
+                    self.local_epoch = followed
+                self._report_progress(force=True)
             if snapshot.num_trainers > 0:
-                if snapshot.global_epoch > self.local_epoch:
-                    with self.lock:
-                        self.local_epoch = snapshot.global_epoch
-                    self._report_progress(force=True)
                 target, plan = self.group_target(snapshot), self._plan_round(snapshot)
                 future = self._start_round(plan, 0.0, target, AUX_WINDOW_FACTOR * self.matchmaking_time)
                 result = self.timing.await_result(future, target, self._should_stop)

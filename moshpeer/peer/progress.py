@@ -115,6 +115,7 @@ class EpochCredit:
         self.swarm_epoch: Optional[int] = None  # the last view's swarm epoch; None before the first
         self._viewed_at: Optional[float] = None
         self._allowance = 0.0  # epochs the view may still rise by (MAX_EPOCHS_PER_SECOND, fractions kept)
+        self.reached = 0  # the highest epoch the swarm is known to have reached, also after its trainers left
 
     def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None,
               now: Optional[float] = None) -> Tuple[PeerRecord, ...]:
@@ -142,7 +143,17 @@ class EpochCredit:
                 record = record.model_copy(update={"epoch": epoch, "samples_accumulated": 0})
             credited.append(record)
         self.swarm_epoch, self._viewed_at = swarm, now
+        self.reached = max(self.reached, swarm)
         return tuple(credited)
+
+    def note_departures(self, leaving: Sequence[PeerRecord]) -> None:
+        """Trainers that withdrew: the epoch each left at counts towards `reached`, at most one above what this
+        peer credited it with while it was live (a record never seen live, or a leaving claim of epoch 2^62,
+        raises nothing)."""
+        for record in leaving:
+            before = self._credited.get(record.peer_id)
+            if record.role == "trainer" and before is not None:
+                self.reached = max(self.reached, min(record.epoch, before + 1))
 
 
 def _epoch_sources(records: Sequence[PeerRecord], own_peer_id: Optional[str]) -> list:
@@ -311,6 +322,13 @@ class SwarmProgress:
         return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
                          now=time.monotonic(), max_epoch=last, uncounted=frozenset(self._uncounted()))
 
+    @property
+    def swarm_epoch_reached(self) -> int:
+        """The highest epoch this peer saw the swarm reach, kept after the trainers leave (an aux peer follows
+        it: trainers that finish and withdraw at once must not leave it waiting one epoch short forever)."""
+        with self._lock:
+            return self._credit.reached
+
     def wait_for_refresh(self, timeout: float) -> bool:
         """Block until the next background fetch completes (True) or `timeout` passes (False)."""
         with self._fetched:
@@ -344,10 +362,11 @@ class SwarmProgress:
         """One DHT read of the records into the view; False (the previous view kept) if it failed, or with
         `require_own` if it lacks this peer's own record."""
         try:
-            records = tuple(list_peers(self.dht, self.run_id, timeout=timeout))
+            listed = list_peers(self.dht, self.run_id, timeout=timeout, include_leaving=True)
         except Exception as e:  # timeouts, DHT shutting down: keep the previous view
             logger.debug(f"progress refresh failed: {e}")
             return False
+        records = tuple(r for r in listed if not r.leaving)
         own_peer_id = self._own_record().peer_id
         if require_own and all(r.peer_id != own_peer_id for r in records):
             logger.debug("progress refresh did not find this peer's own record: not a view of the swarm yet")
@@ -355,6 +374,7 @@ class SwarmProgress:
             return False
         with self._fetched:
             self._records = self._credit.apply(records, own_peer_id)
+            self._credit.note_departures([r for r in listed if r.leaving])
             self._fetch_count += 1
             self._fetched.notify_all()
         return True
