@@ -12,11 +12,20 @@ pytestmark = pytest.mark.timeout(240)
 def test_demo_two_peers_writes_plot_and_summary(swarm, tmp_path):
     out = tmp_path / "demo"
     result = swarm.run("demo", "--peers", "2", "--run-id", "demo-test", "--max-seconds", "60", "--max-epochs", "6",
-                       "--target-metric", "0.999", "--out", str(out), "--no-live", timeout=220)
+                       "--target-metric", "0.999", "--out", str(out), "--no-live", "--events",
+                       str(tmp_path / "events.jsonl"), timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    final = json.loads(result.stdout.strip().splitlines()[-1])
+    lines = result.stdout.strip().splitlines()
+    final = json.loads(lines[-1])
     assert final["event"] == "demo_done" and final["stop_reason"] == "peers finished"
+    # The terminal gets one short readable line per peer epoch; the whole records go to --events.
+    epoch_lines = [line for line in lines[:-1] if " epoch " in line]
+    assert len(epoch_lines) >= 12 and all(len(line) < 160 and not line.lstrip().startswith("{")
+                                          for line in epoch_lines), lines[:5]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert {e["peer"] for e in events if e["event"] == "epoch"} == {"peer1", "peer2"}
+    assert all("round" in e for e in events if e["event"] == "epoch")  # the whole record, round result included
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

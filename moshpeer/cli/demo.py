@@ -51,7 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="where every peer trains (auto: CUDA when available; default: auto)")
     parser.add_argument("--out", default="moshpeer-demo", metavar="DIR",
                         help="where to write loss.png and summary.json (default: ./moshpeer-demo)")
-    parser.add_argument("--no-live", action="store_true", help="print progress lines instead of a live table")
+    parser.add_argument("--no-live", action="store_true",
+                        help="print one short line per peer epoch instead of a live table")
+    parser.add_argument("--events", metavar="FILE",
+                        help="append every peer's JSON event lines to FILE, each with its peer's name "
+                             "(input for 'moshpeer plot')")
     add_metrics_argument(parser, demo=True)
     parser.set_defaults(run=run)
 
@@ -91,6 +95,12 @@ class Demo:
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.stop_reason = ""
+        self.events = None
+        if args.events:
+            try:
+                self.events = open(args.events, "a")
+            except OSError as e:
+                raise UserError(f"cannot write the events file {args.events}: {e.strerror}") from None
 
     # ---- processes ----------------------------------------------------------------------------
 
@@ -141,8 +151,11 @@ class Demo:
                 continue
             with self.lock:
                 self._apply(view, event)
+                if self.events is not None:
+                    self.events.write(json.dumps({"peer": view.name, **event}) + "\n")
+                    self.events.flush()
             if self.args.no_live and event.get("event") in ("epoch", "done"):
-                print(f"{view.name} {line}", flush=True)
+                print(f"{view.name} {short_line(event)}", flush=True)
 
     def _read_stderr(self, view: PeerView) -> None:
         for raw in iter(view.proc.stderr.readline, b""):
@@ -177,6 +190,8 @@ class Demo:
     # ---- output -------------------------------------------------------------------------------
 
     def table(self):
+        """The live table. Peer ids are cut to their last 6 characters and states wrap: nothing is cut off at
+        80 columns."""
         from rich.table import Table
 
         elapsed = time.monotonic() - self.started
@@ -185,8 +200,13 @@ class Demo:
             target = max((v.target_batch for v in self.peers), default=0)
             table = Table(title=f"moshpeer demo: {len(self.peers)} peers, {elapsed:.0f} s, swarm epoch {swarm_epoch}"
                                 f" (target batch {target} samples / epoch)")
-            for column in ("peer", "state", "epoch", "loss", "accuracy", "samples/s", "group", "lost chunks"):
-                table.add_column(column, justify="right" if column not in ("peer", "state") else "left")
+            for column in ("peer", "state", "epoch", "loss", "acc", "samples/s", "group", "lost"):
+                if column == "peer":
+                    table.add_column(column, no_wrap=True, min_width=12)
+                elif column == "state":
+                    table.add_column(column, overflow="fold", ratio=1)
+                else:
+                    table.add_column(column, justify="right", no_wrap=True)
             for v in self.peers:
                 table.add_row(f"{v.name} {v.peer_id[-6:]}", v.state, str(v.epoch),
                               "-" if v.loss is None else f"{v.loss:.4f}",
@@ -289,6 +309,27 @@ def _read_ready(proc: subprocess.Popen, timeout: float) -> dict:
     return result["ready"]
 
 
+def short_line(event: dict) -> str:
+    """One readable line for an "epoch" or "done" event (the whole record goes to --events)."""
+    if event.get("event") == "done":
+        metrics = " ".join(f"{k} {v:.4g}" for k, v in (event.get("metrics") or {}).items()
+                           if isinstance(v, (int, float)))
+        return f"done ({event.get('reason')}): {event.get('epochs')} epochs {metrics}".rstrip()
+    parts = [f"epoch {event.get('epoch')}"]
+    if event.get("loss") is not None:
+        parts.append(f"loss {event['loss']:.4f}")
+    if event.get("metric") is not None:
+        parts.append(f"{event.get('metric_name') or 'metric'} {event['metric']:.3f}")
+    if event.get("ok"):
+        parts.append(f"group {event.get('group_size')}, {event.get('averaging_s', 0.0):.2f} s")
+        if event.get("chunks_lost"):
+            parts.append(f"{event['chunks_lost']} chunks lost")
+    else:
+        parts.append(event.get("error") or "alone")  # "alone", "caught up", ...
+    parts.append(f"{event.get('samples_per_second', 0):.0f} samples/s")
+    return " | ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -316,6 +357,10 @@ def run(args: argparse.Namespace) -> int:
         console.print("interrupted: stopping every peer")
     finally:
         demo.stop_all()
+        if demo.events is not None:
+            with demo.lock:
+                demo.events.close()
+                demo.events = None
     paths = demo.write_outputs()
     console.print(demo.table())
     print(json.dumps({"event": "demo_done", "stop_reason": demo.stop_reason, **paths}), flush=True)
