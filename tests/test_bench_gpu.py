@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.swarm]
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench_gpu.py"

@@ -12,7 +12,7 @@ import pytest
 
 from chaos import ChaosPlan, ChurnSwarm, describe_joins
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.swarm]
 
 MATCHMAKING_S, ROUND_TIMEOUT_S = 1.0, 10.0
 # What a round may take with the fixed flags: matchmaking (twice, as the optimizer allows), the

@@ -66,6 +66,7 @@ def run_diloco_pair(swarm, run: str, seeds) -> float:
     return sum(summary["metrics"]["loss"] for summary in done) / len(done)
 
 
+@pytest.mark.swarm
 def test_two_diloco_peers_match_a_single_process_with_the_same_samples(swarm):
     losses = [run_diloco_pair(swarm, f"diloco2-{k}", seeds) for k, seeds in enumerate(SEED_PAIRS)]
     samples = 2 * MICRO_BATCH * INNER_STEPS * OUTER_STEPS
@@ -83,6 +84,7 @@ def start_lone(swarm, checkpoint_dir, epochs: int, name: str):
                        "--checkpoint-dir", str(checkpoint_dir), "--eval-every", "100", name=name)
 
 
+@pytest.mark.swarm
 def test_diloco_state_survives_checkpoint_restart_and_resume_bit_identical(swarm, tmp_path):
     # A lone peer (its outer steps use its own Δ): 2 outer steps, final checkpoint, restart, 2 more; against
     # one uninterrupted run of 4 outer steps from the same seed.

@@ -7,7 +7,7 @@ import pytest
 from swarm import FORBIDDEN_STDERR
 from training_swarm import events, start_trainers, wait_event
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 
 def test_survivors_of_a_peer_killed_mid_round_log_no_traceback(swarm):

@@ -32,6 +32,7 @@ def value(samples: Samples, metric: str, **labels: str) -> float:
     return samples[key]
 
 
+@pytest.mark.swarm
 def test_scraped_metrics_cover_rounds_training_state_and_checkpoints(swarm, tmp_path):
     run = "metrics"
     boot = swarm.bootstrap(run, "--heartbeat", "1", "--metrics-port", "0")

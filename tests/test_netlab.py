@@ -116,6 +116,7 @@ def group_round_s(reports) -> float:
     return max(r["ended_at"] for r in reports) - max(r["ended_at"] - r["total_s"] for r in reports)
 
 
+@pytest.mark.swarm
 def test_three_peers_at_20_mbit_average_8_mb_exactly_near_the_lower_bound(tmp_path):
     numel, rate = 2_000_000, 20.0  # 8 MB of fp32
     with Netlab([rate] * 3) as lab:

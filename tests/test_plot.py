@@ -13,6 +13,7 @@ pytestmark = pytest.mark.timeout(240)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.swarm
 def test_events_of_a_real_run_plot_to_three_pngs(swarm, tmp_path):
     run = "plotted"
     boot = swarm.bootstrap(run, "--heartbeat", "1")

@@ -13,7 +13,7 @@ import pytest
 from training_swarm import FAST_TRAINING, events, start_trainers, wait_event
 from swarm import LOOPBACK
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.swarm]
 
 GRACE = 20.0
 STARTUP = 150.0

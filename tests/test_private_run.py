@@ -108,6 +108,7 @@ def _private_swarm(swarm, dht_node, run: str, keys: Dict[str, tuple], member_fla
         assert "Traceback" not in proc.stderr, proc.describe(60)
 
 
+@pytest.mark.swarm
 def test_swarm_key_admits_only_peers_holding_it(swarm, dht_node, tmp_path):
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"  # the outsider runs an open peer (no key)
     key.write_text("0123456789abcdef0123456789abcdef\n")

@@ -24,7 +24,7 @@ from moshpeer.peer.state_sync import download_state
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from state_donor import donor_state  # noqa: E402
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.swarm]
 
 RUN = "state-swarm"
 FLOATS = 1 << 18  # a 1 MiB state

@@ -9,7 +9,7 @@ import pytest
 
 from training_swarm import start_trainers, wait_event
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 
 def test_watch_refreshes_with_epochs_throughput_and_round_health_then_ctrl_c_exits_cleanly(swarm):

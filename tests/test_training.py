@@ -7,7 +7,7 @@ import pytest
 from moshpeer.peer.tasks import load_task, train_locally
 from training_swarm import events, start_trainers, wait_event
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 EPOCHS = 24
 TARGET_BATCH = 256

@@ -8,7 +8,7 @@ from test_training import TARGET_BATCH, single_process_accuracy
 from training_swarm import FAST_TRAINING, events, start_trainers, wait_event
 from swarm import LOOPBACK
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 EPOCHS = 16
 

@@ -15,7 +15,7 @@ from moshpeer.averaging.suspects import SUSPECT_AFTER_ROUNDS
 from moshpeer.peer.tasks import load_task, train_locally
 from training_swarm import events, start_trainers, wait_event
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 EPOCHS = 12
 TARGET_BATCH = 256

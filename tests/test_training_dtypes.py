@@ -41,6 +41,7 @@ def assert_averaged_in_lockstep(peers, dtype: str, last_epoch: int = 10**9, devi
         epoch += 1
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_peers_average_in_lockstep(swarm, dtype):
     run = f"half-{dtype}"
@@ -53,6 +54,7 @@ def test_half_precision_peers_average_in_lockstep(swarm, dtype):
     assert_averaged_in_lockstep(peers, dtype)
 
 
+@pytest.mark.swarm
 def test_bf16_final_checkpoint_resumes_bit_for_bit(swarm, tmp_path):
     run = "bf16-ckpt"
     boot = swarm.bootstrap(run, "--heartbeat", "1")

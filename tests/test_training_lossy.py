@@ -63,6 +63,7 @@ def assert_lossy_rounds(epoch_events: List[List[dict]]) -> None:
     assert rounds[0]["loss_phase"] == "critical"  # training starts in a critical phase
 
 
+@pytest.mark.swarm
 def test_ten_percent_chunk_loss_costs_at_most_one_point_of_accuracy(swarm):
     epochs = 30  # near convergence: 24 epochs left the lossy runs ~0.5 point behind, too close to the bound
     done, epoch_events = train_swarm(swarm, "lossy2", 2, epochs, LOSSY)

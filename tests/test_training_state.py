@@ -8,7 +8,7 @@ import pytest
 
 from training_swarm import events, start_trainers, wait_event
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
 
 def test_late_joiner_downloads_state_and_survives_a_dying_donor(swarm):
