@@ -312,6 +312,7 @@ class CellResult:
     eps: List[float]
     rounds_to: Dict[float, List[int]]
     mean_error: List[float]
+    trajectories: List[Trajectory] = field(default_factory=list, repr=False)
 
     def mean(self, eps: float) -> float:
         return float(np.mean(self.rounds_to[eps]))
@@ -348,5 +349,6 @@ def run_cell(config: AveragingConfig, restarts: int = 10, seed: int = 0,
     rounds_to = {e: [t.rounds_to(e, config.rounds) for t in trajectories] for e in eps}
     length = max(len(t.error) for t in trajectories)
     padded = np.array([t.error + [t.error[-1]] * (length - len(t.error)) for t in trajectories])
-    return CellResult(config=config, eps=eps, rounds_to=rounds_to, mean_error=padded.mean(axis=0).tolist())
+    return CellResult(config=config, eps=eps, rounds_to=rounds_to, mean_error=padded.mean(axis=0).tolist(),
+                      trajectories=trajectories)
 
