@@ -122,14 +122,17 @@ def key_to_bits(key: int, key_bits: int) -> str:
 
 
 def default_key_bits(num_peers: int, target_group_size: int) -> int:
-    """Key length for a swarm of `num_peers`: whole axes of log2(g) bits, as many as keep the keys' expected
-    occupancy N / 2^bits at or above g / 2 (so groups are not mostly half-empty), at least 0.
+    """Key length for a swarm of `num_peers`: whole axes of log2(g) bits, as many as keep each key's expected
+    occupancy N / 2^bits at or above 4 g; 0 (one key for everybody) for small swarms.
 
-    Why whole axes: a peer shifts log2(g) bits per round, so the key is (M - 1) grid coordinates; a partial
-    axis would make some of a group's new indices collide into the same coordinate."""
+    Why whole axes: a peer shifts log2(g) bits per round, so the key is (M - 1) grid coordinates. Why 4 g: with
+    random initial bits a key's occupancy is Poisson; measured in the simulator (docs/simulation.md), rounds to
+    1e-4 are flat in the key length down to an occupancy of a few g and grow fast below it (N = 10,000, g = 4:
+    7.0 rounds at 8 bits, 8.0 at 10, 10.4 at 12). Longer keys spread DHT load, which the simulator does not
+    model; a real swarm may want them."""
     k = bits_per_axis(target_group_size)
     axes = 0
-    while num_peers / 2 ** (k * (axes + 1)) >= target_group_size / 2:
+    while num_peers / 2 ** (k * (axes + 1)) >= 4 * target_group_size:
         axes += 1
     return k * axes
 

@@ -80,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(must be <= --group-size)")
     parser.add_argument("--grid-bits", type=_int_at_least(0, 62), default=None, metavar="B",
                         help="length of the group bits (keys grouping); default: whole axes of log2(G) bits, as many "
-                        "as keep N / 2^B >= G / 2 (5 for 512 peers and G=32: the paper's 32 x 32 grid)")
+                        "as keep N / 2^B >= 4 G (0 = one key for all below 8 G peers); the paper's 32 x 32 grid for "
+                        "512 peers is --group-size 32 --grid-bits 5")
     parser.add_argument("--grid-dims", type=_int_at_least(1, 62), default=None, metavar="M",
                         help="dimensions of the fixed grid (--grouping grid); default: smallest M with G^M >= N")
     parser.add_argument("--grouping", choices=("keys", "grid"), default="keys",

@@ -95,7 +95,8 @@ def test_assemble_groups_rule():
 
 
 def test_default_key_bits():
-    assert grid.default_key_bits(512, 32) == 5  # the paper's 32 x 32 grid for 512 peers
-    assert grid.default_key_bits(16, 4) == 2
+    assert grid.default_key_bits(512, 32) == 0  # 512 / 2^5 = 16 peers per key < 4 * 32
+    assert grid.default_key_bits(10_000, 4) == 8  # 39 per key >= 16; 10 bits would leave 9.8
+    assert grid.default_key_bits(10_000, 16) == 4
     assert grid.default_key_bits(3, 4) == 0
     assert grid.bits_per_axis(32) == 5 and grid.bits_per_axis(5) == 3 and grid.bits_per_axis(2) == 1
