@@ -166,7 +166,7 @@ class AveragingSimulation:
     def __init__(self, config: AveragingConfig, seed: int = 0):
         self.config = config.check()
         self.seed = seed
-        init_ss, fail_ss, group_ss, loss_ss = np.random.SeedSequence(seed).spawn(4)
+        init_ss, fail_ss, group_ss, loss_ss, cells_ss = np.random.SeedSequence(seed).spawn(5)
         init_rng = np.random.default_rng(init_ss)
         self.group_rng = np.random.default_rng(group_ss)
         self.loss_rng = np.random.default_rng(loss_ss)
@@ -190,7 +190,8 @@ class AveragingSimulation:
         if config.topology == "grid":
             # The notebook's MoshpitAverager: distinct random cells of a g^M grid, fixed for the whole run.
             self.grid_dims = config.resolved_grid_dims()
-            cells = init_rng.choice(g ** self.grid_dims, size=n, replace=False)
+            # Own stream: the cells do not depend on whether keys were drawn before them.
+            cells = np.random.default_rng(cells_ss).choice(g ** self.grid_dims, size=n, replace=False)
             self.coords = np.stack(np.unravel_index(cells, (g,) * self.grid_dims), axis=1).astype(np.int64)
 
     # ---- metrics ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_error_never_grows_without_loss():
         err = AveragingSimulation(config, seed=3).run().error
         # Averaging within groups can only lower the sum of squared distances to the (kept) mean.
         assert all(b <= a * (1 + 1e-9) + 1e-30 for a, b in zip(err, err[1:])), err
-        assert err[-1] < 1e-6 * err[0]
+        assert err[-1] < 1e-4 * err[0]
 
 
 def test_failures_slow_convergence():
