@@ -65,6 +65,9 @@ class AveragingConfig:
         stream) or "notebook" (values and failures from `np.random.RandomState(seed)` in the Moshpit notebook's
         call order: normal(0, 1, N), then uniform(0, 1, N) each round; so with seeds 0..9 the notebook's
         all-reduce runs are replayed draw for draw; groups and grid cells still come from their own stream)
+    :param grid_seed: "grid" topology: draw the cells from this seed instead of the run's, so that restarts
+        share one grid (the notebook draws its grid once per table cell, unseeded, and reuses it for all 10
+        restarts)
     """
 
     peers: int = 512
@@ -80,6 +83,7 @@ class AveragingConfig:
     chunk_numel: int = 1024
     rounds: int = 50
     rng_streams: str = "independent"
+    grid_seed: Optional[int] = None
 
     def check(self) -> "AveragingConfig":
         if self.peers < 1:
@@ -191,7 +195,8 @@ class AveragingSimulation:
             # The notebook's MoshpitAverager: distinct random cells of a g^M grid, fixed for the whole run.
             self.grid_dims = config.resolved_grid_dims()
             # Own stream: the cells do not depend on whether keys were drawn before them.
-            cells = np.random.default_rng(cells_ss).choice(g ** self.grid_dims, size=n, replace=False)
+            cells_rng = np.random.default_rng(cells_ss if config.grid_seed is None else config.grid_seed)
+            cells = cells_rng.choice(g ** self.grid_dims, size=n, replace=False)
             self.coords = np.stack(np.unravel_index(cells, (g,) * self.grid_dims), axis=1).astype(np.int64)
 
     # ---- metrics ------------------------------------------------------------------------------
