@@ -124,11 +124,57 @@ def test_cli_bad_knob_is_one_line_and_exit_2():
     assert result.stdout == ""
 
 
-def test_cli_prints_a_table_and_a_json_line():
-    result = _cli("--peers", "64", "--group-size", "8", "--restarts", "2", "--failure-rate", "0.05")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+def test_cli_prints_a_table_and_a_json_line(capsys):
+    # In-process (the subprocess test above covers the entry point): a fresh interpreter would spend seconds
+    # importing torch and hivemind through moshpeer.averaging.
+    from moshpeer.cli.main import main
+
+    code = main(["simulate", "--peers", "64", "--group-size", "8", "--restarts", "2", "--failure-rate", "0.05"])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["event"] == "simulate" and summary["peers"] == 64 and summary["restarts"] == 2
     assert set(summary["rounds_to"]) == {"1e-09", "0.0001"}
     assert any(line.startswith("rounds to 1e-09") for line in lines)
+
+
+def test_batched_lossy_round_equals_one_estimator_call_per_chunk():
+    """The simulator batches chunks by arrived count; replaying its loss draws chunk by chunk, group by group,
+    with one `estimate_over_sum` call each (what an owner does), gives the same values."""
+    import torch
+
+    from moshpeer.averaging.estimator import estimate_over_sum
+    from moshpeer.averaging.partition import Partition
+
+    config = AveragingConfig(peers=90, dim=23, group_size=8, min_group_size=2, chunk_loss=0.35, chunk_numel=2)
+    sim = AveragingSimulation(config, seed=4)
+    before = sim.values.copy()
+    loss_state = sim.loss_rng.bit_generator.state
+    group_state = sim.group_rng.bit_generator.state
+    sim.step()
+
+    # Replay: the same grouping (same group stream) and the same loss draws, in the simulator's draw order.
+    replay_groups = np.random.default_rng()
+    replay_groups.bit_generator.state = group_state
+    keys = AveragingSimulation(config, seed=4).keys
+    grouping = grid.assemble_groups(np.arange(90), keys, 8, 2, replay_groups)
+    loss = np.random.default_rng()
+    loss.bit_generator.state = loss_state
+    expected = before.copy()
+    for size in np.unique(grouping.sizes).tolist():
+        starts = grouping.starts[grouping.sizes == size]
+        groups = [grouping.members[s:s + size] for s in starts.tolist()]
+        part = Partition(23, size, 2)
+        for j in range(size):
+            for c in range(part.num_chunks(j)):
+                lo, hi = part.chunk_range(j, c)
+                arrived_all = loss.random((len(groups), size - 1)) >= 0.35
+                got_all = loss.random((len(groups), size - 1)) >= 0.35
+                for members, arrived, got in zip(groups, arrived_all, got_all):
+                    owner, others = members[j], np.delete(members, j)
+                    total = torch.from_numpy(before[others[arrived], lo:hi].sum(axis=0))
+                    avg = estimate_over_sum(torch.from_numpy(before[owner, lo:hi].copy()), 1.0, total,
+                                            float(arrived.sum()), float(size - 1)).numpy()
+                    expected[owner, lo:hi] = avg
+                    expected[others[got], lo:hi] = avg
+    assert np.allclose(sim.values, expected, rtol=0, atol=1e-12)
