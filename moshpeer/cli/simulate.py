@@ -153,25 +153,30 @@ def run(args: argparse.Namespace) -> int:
         "restarts": args.restarts, "seed": args.seed, "rng_streams": config.rng_streams,
         "rounds_to": {k: v["mean"] for k, v in summary["rounds_to"].items()},
         "rounds_to_sd": {k: v["sd"] for k, v in summary["rounds_to"].items()},
-        "mean_error": summary["mean_error"], "wall_s": round(wall, 3),
+        "mean_error": summary["mean_error"],
+        "final_spread": float(f"{sum(t.rounds[-1].spread for t in cell.trajectories) / len(cell.trajectories):.4g}"),
+        "wall_s": round(wall, 3),
     }
     print(json.dumps(line), flush=True)
     return 0
 
 
 def print_table(cell, eps: List[float]) -> None:
-    """Per round: the error averaged over restarts, and the mean group count / size / peers alone / failed."""
-    print(f"{'round':>5} {'error':>10} {'groups':>8} {'size':>6} {'alone':>7} {'failed':>7} {'running':>7}")
+    """Per round: the error averaged over restarts, the spread (disagreement between peers: differs from the error
+    only when chunk loss moved the mean), and the mean group count / size / peers alone / failed."""
+    print(f"{'round':>5} {'error':>10} {'spread':>10} {'groups':>8} {'size':>6} {'alone':>7} {'failed':>7} "
+          f"{'running':>7}")
     length = len(cell.mean_error)
     for t in range(length):
         stats = [tr.rounds[t - 1] for tr in cell.trajectories if t >= 1 and len(tr.rounds) >= t]
         if t == 0 or not stats:
-            row = ("", "", "", "", str(len(cell.trajectories)) if t == 0 else "0")
+            row = ("", "", "", "", "", str(len(cell.trajectories)) if t == 0 else "0")
         else:
             k = len(stats)
-            row = (f"{sum(s.groups for s in stats) / k:.1f}", f"{sum(s.mean_group_size for s in stats) / k:.2f}",
+            row = (f"{sum(s.spread for s in stats) / k:.3e}", f"{sum(s.groups for s in stats) / k:.1f}", f"{sum(s.mean_group_size for s in stats) / k:.2f}",
                    f"{sum(s.alone for s in stats) / k:.1f}", f"{sum(s.failed for s in stats) / k:.1f}", str(k))
-        print(f"{t:>5} {cell.mean_error[t]:>10.3e} {row[0]:>8} {row[1]:>6} {row[2]:>7} {row[3]:>7} {row[4]:>7}")
+        print(f"{t:>5} {cell.mean_error[t]:>10.3e} {row[0]:>10} {row[1]:>8} {row[2]:>6} {row[3]:>7} {row[4]:>7} "
+              f"{row[5]:>7}")
     for e in eps:
         runs = cell.rounds_to[e]
         print(f"rounds to {e:g}: {cell.mean(e):.1f} +- {cell.sd(e):.1f} (runs: {' '.join(map(str, runs))}; "
