@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Callable, List
 
+MAX_VALUES = 50_000_000
+
 DESCRIPTION = (
     "Simulate Moshpit averaging among many virtual peers: each holds a vector of --dim values drawn from N(0, 1); "
     "each round every peer fails with probability --failure-rate (a failed peer sits the round out and keeps its "
@@ -136,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
         config.check()
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.peers * args.dim > 200_000_000:
-        raise UserError(f"--peers x --dim = {args.peers * args.dim} values would not fit in memory (limit 2e8)")
+    if args.peers * args.dim > MAX_VALUES:
+        # float64, and a round holds about three copies: 5e7 values is ~1.2 GB.
+        raise UserError(f"--peers x --dim = {args.peers * args.dim} values is more than this command holds "
+                        f"({MAX_VALUES:.0e})")
     started = time.perf_counter()
     cell = run_cell(config, restarts=args.restarts, seed=args.seed, eps=eps)
     wall = time.perf_counter() - started
@@ -173,8 +177,9 @@ def print_table(cell, eps: List[float]) -> None:
             row = ("", "", "", "", "", str(len(cell.trajectories)) if t == 0 else "0")
         else:
             k = len(stats)
-            row = (f"{sum(s.spread for s in stats) / k:.3e}", f"{sum(s.groups for s in stats) / k:.1f}", f"{sum(s.mean_group_size for s in stats) / k:.2f}",
-                   f"{sum(s.alone for s in stats) / k:.1f}", f"{sum(s.failed for s in stats) / k:.1f}", str(k))
+            row = (f"{sum(s.spread for s in stats) / k:.3e}", f"{sum(s.groups for s in stats) / k:.1f}",
+                   f"{sum(s.mean_group_size for s in stats) / k:.2f}", f"{sum(s.alone for s in stats) / k:.1f}",
+                   f"{sum(s.failed for s in stats) / k:.1f}", str(k))
         print(f"{t:>5} {cell.mean_error[t]:>10.3e} {row[0]:>10} {row[1]:>8} {row[2]:>6} {row[3]:>7} {row[4]:>7} "
               f"{row[5]:>7}")
     for e in eps:
