@@ -1,0 +1,164 @@
+"""`moshpeer simulate`, averaging level: the Moshpit paper's averaging cells, the production key rule on the same
+cells, the wall time of one 10,000-peer round, and the group-size table of docs/simulation.md.
+
+Parts:
+1. paper cells: the Moshpit notebook's own setup (averaging_experiments/plot_results.ipynb): scalars N(0, 1),
+   a 32 x 32 grid (grid_size 32, 2 dims) with peers on distinct random cells, round t averages along axis
+   t mod 2, failures `uniform >= p` per peer per round, all-reduce = nothing changes unless every peer is up,
+   error = variance across peers, cap 50 rounds, 10 restarts with seeds 0..9 and the notebook's RNG calls
+   (np.random.seed, normal, uniform per round). Also the same cells over --many restarts (seeds 0..many-1,
+   independent streams) for the expected value and its standard error.
+2. production keys: the same cells with hivemind's group keys and rotation (moshpeer.averaging.grid),
+   g = 32, 5 key bits (the 32 x 32 grid), min_group_size 2.
+3. round_wall_s_10k: seconds of one simulated round at 10,000 peers, dim 1,000, p = 0.01, for g in {4, 8, 16}
+   (median of --timed rounds after one warm-up round; the largest over g is reported), without and with 1%
+   chunk loss (chunks of 64 values, production estimator).
+4. group size: rounds to 1e-4 for g in {4, 8, 16} at 100, 1,000, 10,000 peers (default key bits, p = 0 and
+   p = 0.01, dim 1).
+
+    python benchmarks/bench_simulate.py [--many 100] [--timed 3] [--skip-groups]
+
+Ends with one JSON line (n512_rounds_to_1e9, n512_rounds_to_1e4, n512_p01_rounds, n512_p01_allreduce_rounds,
+n900_p005_rounds, n900_p005_allreduce_rounds, round_wall_s_10k, ...). Wall times are upper bounds when the
+machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moshpeer.simulation import AveragingConfig, AveragingSimulation, run_cell  # noqa: E402
+
+PAPER = {  # the notebook's printed table, 32 x 32 grid, 10 restarts: rounds to 1e-9 (1e-4)
+    ("moshpit", 512, 0.0): (8.2, 3.6), ("moshpit", 512, 0.01): (8.8, 3.9), ("moshpit", 900, 0.005): (5.9, 3.1),
+    ("allreduce", 512, 0.0): (1.0, 1.0), ("allreduce", 512, 0.01): (41.7, 41.7),
+    ("allreduce", 900, 0.005): (50.0, 50.0),
+}
+
+
+def cell_config(kind: str, peers: int, p: float, streams: str, grid_seed=None) -> AveragingConfig:
+    if kind == "allreduce":
+        return AveragingConfig(peers=peers, topology="allreduce", failure_rate=p, rng_streams=streams)
+    if kind == "keys":
+        return AveragingConfig(peers=peers, group_size=32, key_bits=5, min_group_size=2, failure_rate=p,
+                               rng_streams=streams)
+    return AveragingConfig(peers=peers, group_size=32, grid_dims=2, topology="grid", failure_rate=p,
+                           rng_streams=streams, grid_seed=grid_seed)
+
+
+def allreduce_expected(peers: int, p: float, cap: int = 50) -> float:
+    """E[min(T, cap)] for T ~ Geometric(q), q = (1 - p)^N: the all-reduce succeeds only when nobody failed."""
+    q = (1 - p) ** peers
+    return (1 - (1 - q) ** cap) / q if q > 0 else float(cap)
+
+
+def paper_cells(grids: int, many: int) -> dict:
+    """Per cell: the paper's protocol (10 restarts, seeds 0..9, notebook RNG calls; for the grid one grid shared by
+    the 10 restarts, as the notebook draws it once per cell) repeated over `grids` grid draws (mean and sd of the
+    10-restart figure); and `many` independent restarts for the expected value."""
+    rows, figures = [], {}
+    for kind in ("grid", "keys", "allreduce"):
+        for peers, p in ((512, 0.0), (512, 0.01), (900, 0.005)):
+            draws = [run_cell(cell_config(kind, peers, p, "notebook", grid_seed=1000 + k), restarts=10, seed=0)
+                     for k in range(grids if kind == "grid" else 1)]
+            m9 = [d.mean(1e-9) for d in draws]
+            m4 = [d.mean(1e-4) for d in draws]
+            big = run_cell(cell_config(kind, peers, p, "independent"), restarts=many, seed=0)
+            paper = PAPER.get(("allreduce" if kind == "allreduce" else "moshpit", peers, p))
+            spread = statistics.pstdev(m9) if len(m9) > 1 else draws[0].sd(1e-9)
+            rows.append((kind, peers, p, statistics.mean(m9), spread, statistics.mean(m4), big.mean(1e-9),
+                         big.sd(1e-9) / max(1, many - 1) ** 0.5, big.mean(1e-4), paper))
+            key = f"{'' if kind == 'grid' else kind + '_'}n{peers}" + ("" if p == 0 else f"_p{str(p)[2:]}")
+            figures[f"{key}_rounds_to_1e9"] = round(statistics.mean(m9), 2)
+            figures[f"{key}_rounds_to_1e4"] = round(statistics.mean(m4), 2)
+            figures[f"{key}_rounds_to_1e9_sd"] = round(spread, 2)
+            figures[f"{key}_rounds_to_1e9_many"] = round(big.mean(1e-9), 3)
+            figures[f"{key}_rounds_to_1e4_many"] = round(big.mean(1e-4), 3)
+            if kind == "allreduce":
+                figures[f"{key}_expected"] = round(allreduce_expected(peers, p), 2)
+    print(f"paper's protocol: 10 restarts (seeds 0..9, notebook RNG calls); grid: mean +- sd over {grids} grid draws, "
+          f"others: mean +- sd over the 10 restarts; expected: {many} independent restarts, mean +- standard error")
+    print(f"{'averager':>9} {'N':>4} {'p':>6} | {'protocol: 1e-9 (1e-4)':>22} | {'expected: 1e-9 (1e-4)':>26} | "
+          f"{'paper':>12}")
+    for kind, peers, p, m9, sd9, m4, b9, se, b4, paper in rows:
+        print(f"{kind:>9} {peers:>4} {p:>6g} | {m9:>7.2f} +- {sd9:>4.2f} ({m4:>4.2f}) | {b9:>10.2f} +- {se:>4.2f} "
+              f"({b4:>5.2f}) | {'' if paper is None else f'{paper[0]:.1f} ({paper[1]:.1f})':>12}")
+    for peers, p in ((512, 0.01), (900, 0.005)):
+        print(f"all-reduce N={peers} p={p:g}: analytic expectation {allreduce_expected(peers, p):.1f} rounds "
+              f"(cap 50); P(all 10 restarts hit the cap) = {(1 - (1 - p) ** peers) ** 500:.4f}")
+    # The issue's names for the cells: the notebook's averager (grid topology) and its all-reduce.
+    # (n512_rounds_to_1e9 and n512_rounds_to_1e4 already carry those names.)
+    figures["n512_p01_rounds"] = figures["n512_p01_rounds_to_1e9"]
+    figures["n512_p01_allreduce_rounds"] = figures["allreduce_n512_p01_rounds_to_1e9"]
+    figures["n900_p005_rounds"] = figures["n900_p005_rounds_to_1e9"]
+    figures["n900_p005_allreduce_rounds"] = figures["allreduce_n900_p005_rounds_to_1e9"]
+    return figures
+
+
+def round_timing(timed: int) -> dict:
+    figures, lines = {}, []
+    for loss in (0.0, 0.01):
+        worst = 0.0
+        for g in (4, 8, 16):
+            config = AveragingConfig(peers=10_000, dim=1_000, group_size=g, min_group_size=2, failure_rate=0.01,
+                                     chunk_loss=loss, chunk_numel=64, rounds=timed + 1)
+            sim = AveragingSimulation(config, seed=0)
+            sim.step()  # warm-up: first touches of the arrays
+            times = []
+            for _ in range(timed):
+                started = time.perf_counter()
+                stats = sim.step()
+                times.append(time.perf_counter() - started)
+            median = statistics.median(times)
+            worst = max(worst, median)
+            lines.append(f"10,000 peers, dim 1,000, g={g:>2}, chunk loss {loss:g}: {median:.2f} s/round "
+                         f"(groups {stats.groups}, mean size {stats.mean_group_size:.1f}, key bits {sim.key_bits})")
+            figures[f"round_wall_s_10k_g{g}" + ("_loss" if loss else "")] = round(median, 3)
+        figures["round_wall_s_10k" + ("_loss" if loss else "")] = round(worst, 3)
+    print("\n".join(lines))
+    return figures
+
+
+def group_sizes() -> dict:
+    figures = {}
+    print(f"{'N':>6} {'p':>5} " + " ".join(f"{f'g={g}':>12}" for g in (4, 8, 16)) + "   (rounds to 1e-4, mean +- sd)")
+    for peers in (100, 1_000, 10_000):
+        for p in (0.0, 0.01):
+            cells = []
+            for g in (4, 8, 16):
+                cell = run_cell(AveragingConfig(peers=peers, group_size=g, failure_rate=p, rounds=50),
+                                restarts=10 if peers < 10_000 else 5, seed=0, eps=(1e-4,))
+                cells.append(f"{cell.mean(1e-4):>5.1f} +- {cell.sd(1e-4):.1f}")
+                figures[f"groups_n{peers}_p{p:g}_g{g}_rounds_to_1e4"] = round(cell.mean(1e-4), 2)
+            print(f"{peers:>6} {p:>5g} " + " ".join(f"{c:>12}" for c in cells))
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grids", type=int, default=100, help="grid draws for the paper's protocol (default 100)")
+    parser.add_argument("--many", type=int, default=100, help="restarts for the expected values (default 100)")
+    parser.add_argument("--timed", type=int, default=3, help="timed rounds per 10,000-peer case (default 3)")
+    parser.add_argument("--skip-groups", action="store_true", help="skip the group-size table")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    figures = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}"}
+    figures.update(paper_cells(args.grids, args.many))
+    figures.update(round_timing(args.timed))
+    if not args.skip_groups:
+        figures.update(group_sizes())
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
