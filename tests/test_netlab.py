@@ -22,6 +22,12 @@ from moshpeer.testing.netlab import Netlab
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netlab.unavailable()))]
+needs_delays = pytest.mark.skipif(netlab.unavailable(delays=True) is not None,
+                                  reason=str(netlab.unavailable(delays=True)))
+needs_sites = pytest.mark.skipif(netlab.unavailable(sites=True) is not None,
+                                 reason=str(netlab.unavailable(sites=True)))
+needs_cpu = pytest.mark.skipif(netlab.unavailable(cpu_budgets=True) is not None,
+                               reason=str(netlab.unavailable(cpu_budgets=True)))
 
 # hivemind's leader and follower can disagree on a group when a loaded machine stalls an event loop past the
 # request timeout (the left-out peer finds no group); this file measures the data plane, so such a round reruns.
@@ -47,10 +53,105 @@ STREAM = textwrap.dedent("""
 """)
 
 
+# UDP echo and a ping-like client: the median round trip in ms of 20 probes (a real one, over the lab's links).
+PROBE = textwrap.dedent("""
+    import socket, statistics, sys, time
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if sys.argv[1] == "echo":
+        sock.bind((sys.argv[2], 7777))
+        print("ready", flush=True)
+        sock.settimeout(30)
+        while True:
+            data, sender = sock.recvfrom(2048)
+            sock.sendto(data, sender)
+    sock.settimeout(5)
+    rtts = []
+    for _ in range(20):
+        started = time.monotonic()
+        sock.sendto(b"x" * 64, (sys.argv[2], 7777))
+        sock.recvfrom(2048)
+        rtts.append((time.monotonic() - started) * 1000)
+    print(statistics.median(rtts), flush=True)
+""")
+# Connect to port 5555 within 3 s; prints the local address or the error.
+CONNECT = ("import socket, sys\ntry:\n    s = socket.create_connection((sys.argv[1], 5555), timeout=3)\n"
+           "    print('connected', s.getsockname()[1])\nexcept OSError as e:\n    print('failed', type(e).__name__)")
+# Accept one connection within 5 s; prints the address it came from.
+ACCEPT = ("import socket\nserver = socket.create_server(('0.0.0.0', 5555))\nprint('listening', flush=True)\n"
+          "server.settimeout(5)\ntry:\n    conn, peer = server.accept()\n    print('from', peer[0], peer[1])\n"
+          "except OSError:\n    print('nothing')")
+
+
 def lab_names(lab_id: str) -> list:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + \
-        subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout + \
+        " ".join(os.listdir("/sys/fs/cgroup/cpu") if os.path.isdir("/sys/fs/cgroup/cpu") else [])
     return [word for word in listed.split() if lab_id in word]
+
+
+def median_rtt_ms(lab: Netlab, a: int, b: int) -> float:
+    echo = lab.popen(b, [sys.executable, "-c", PROBE, "echo", lab.nodes[b].address], stdout=subprocess.PIPE,
+                     text=True)
+    assert echo.stdout.readline().strip() == "ready"
+    probe = lab.run(a, [sys.executable, "-c", PROBE, "ping", lab.nodes[b].address], capture_output=True, text=True)
+    echo.kill()
+    echo.wait()
+    return float(probe.stdout)
+
+
+@needs_delays
+def test_delay_line_gives_the_configured_round_trip():
+    with Netlab([100, 100, 100], rtt=["100ms", "100ms", "40ms"], jitter="4ms") as lab:
+        assert 90 <= median_rtt_ms(lab, 0, 1) <= 110  # both peers add 50 ms each way
+        assert 63 <= median_rtt_ms(lab, 0, 2) <= 77  # 50 + 20
+    with Netlab([100, 100]) as lab:
+        assert median_rtt_ms(lab, 0, 1) < 5  # no delay line unless asked for
+    assert not lab_names(lab.lab_id)
+
+
+@needs_sites
+def test_sites_translate_as_their_kind_and_drop_what_nobody_asked_for():
+    kinds = [None, "cone", "symmetric", "firewall", None]
+    with Netlab([None] * 5, sites=kinds) as lab:
+        public = lab.nodes[0].address
+
+        def connect(a: int, b: int, target: str) -> tuple:
+            server = lab.popen(b, [sys.executable, "-c", ACCEPT], stdout=subprocess.PIPE, text=True)
+            assert server.stdout.readline().strip() == "listening"
+            client = lab.run(a, [sys.executable, "-c", CONNECT, target], capture_output=True, text=True)
+            seen = server.stdout.readline().split()
+            server.wait(10)
+            return client.stdout.split(), seen
+
+        for k, kind in enumerate(kinds[1:4], start=1):
+            (status, port), (_, source, seen_port) = connect(k, 0, public)  # outbound: always works
+            node = lab.nodes[k]
+            if kind == "firewall":  # routed: the others see the peer's own address
+                assert status == "connected" and source == node.address
+            else:  # translated: the others see the site's address
+                assert status == "connected" and source == node.site_address != node.address
+            if kind == "cone":
+                assert seen_port == port  # the mapping keeps the inside port
+            # Inbound, unsolicited: silently dropped (a timeout, not a refusal), whatever the address.
+            for target in filter(None, {node.address, node.site_address}):
+                client, seen = connect(0, k, target)
+                assert client[0] == "failed" and seen == ["nothing"], (kind, target, client)
+        # Symmetric: a new outside port per destination, so a port learned through one peer is useless.
+        ports = {connect(2, b, lab.nodes[b].address)[1][2] for b in (0, 4)}
+        assert len(ports) == 2
+    assert not lab_names(lab.lab_id)
+
+
+@needs_cpu
+def test_cpu_budgets_hold_a_peer_to_its_share_and_are_torn_down():
+    spin = "import time\nt, w = time.process_time(), time.time()\nwhile time.time() - w < 2: pass\n" \
+           "print(time.process_time() - t)"
+    with Netlab([None, None], cpu_shares=[0.25, None]) as lab:
+        group = lab.nodes[0].cgroup
+        assert group is not None and abs(float((group / "cpu.cfs_quota_us").read_text()) / 100_000 - 0.25) < 1e-9
+        budgeted = float(lab.run(0, [sys.executable, "-c", spin], capture_output=True, text=True).stdout)
+        assert budgeted <= 2 * 0.25 * 1.2  # 0.5 s of CPU in 2 s of wall time, whatever else runs here
+    assert not group.exists() and not lab_names(lab.lab_id)
 
 
 def test_shaped_private_links_and_teardown():
@@ -72,7 +173,9 @@ def test_shaped_private_links_and_teardown():
 
 
 def test_leftovers_of_a_killed_owner_are_cleaned_up():
-    code = ("import os, subprocess; from moshpeer.testing.netlab import Netlab; lab = Netlab([10, 10]).up(); "
+    features = "rtt='20ms', cpu_shares=0.5" if netlab.unavailable(delays=True, cpu_budgets=True) is None else ""
+    code = ("import os, subprocess; from moshpeer.testing.netlab import Netlab; "
+            f"lab = Netlab([10, 10], {features}).up(); "
             "lab.popen(0, ['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
             "print(lab.lab_id, flush=True); os.kill(os.getpid(), 9)")
     crashed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
