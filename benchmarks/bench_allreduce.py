@@ -88,7 +88,7 @@ def moshpeer_worker(args) -> None:
                                         min_group_size=args.peers, compression=codec, host=args.host,
                                         chunk_bytes=args.chunk_bytes, matchmaking_time=args.matchmaking_time,
                                         round_timeout=args.round_timeout, links=links, start=False,
-                                        partition=args.partition, **extra)
+                                        partition=args.partition, transport=args.transport, **extra)
                  for k, codec in enumerate(args.compression.split(","))}
     for averager in averagers.values():
         averager.start()
@@ -107,6 +107,7 @@ def moshpeer_worker(args) -> None:
                  cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime,
                  matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
                  all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
+                 relayed=len(report.relayed),
                  rel_err=rel_err(tensor, exact))
     emit(event="done")
     wait_for_exit()
@@ -206,7 +207,7 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
             "--drop", str(args.drop if system == "moshpeer" else 0.0),
             "--matchmaking-time", str(args.matchmaking_time), "--torch-threads", str(args.torch_threads),
             "--round-timeout", str(args.round_timeout), "--chunk-bytes", str(args.chunk_bytes),
-            "--partition", getattr(args, "partition", "equal")]
+            "--partition", getattr(args, "partition", "equal"), "--transport", getattr(args, "transport", "auto")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     master = "127.0.0.1"
     if lab is not None:
@@ -285,6 +286,10 @@ def summarize(rounds: List[List[dict]]) -> Dict[str, float]:
         "cpu_s": statistics.median(statistics.mean(p["cpu_user_s"] + p["cpu_sys_s"] for p in r)
                                    for r in rounds) if "cpu_user_s" in rounds[0][0] else float("nan"),
         "all_ok": all(p["ok"] for r in rounds for p in r),
+        # Rounds in which every peer averaged with the whole group.
+        "ok_fraction": sum(all(p["ok"] and p.get("group_size", len(r)) == len(r) for p in r) for r in rounds)
+        / max(len(rounds), 1),
+        "relayed_members": max((p.get("relayed", 0) for r in rounds for p in r), default=0),
         "rounds": len(rounds),
     }
 
@@ -308,6 +313,7 @@ def main() -> int:
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--bandwidth", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--partition", default="equal", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)

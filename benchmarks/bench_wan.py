@@ -4,14 +4,18 @@
         [--scenarios 100mbit,1gbit,hetero] [--codecs none,int8,int4-int8,arc-topk:0.01]
         [--systems moshpeer,hivemind,gloo] [--declare-bandwidth]
 
-Every scenario builds a `moshpeer.testing.netlab` lab: one network namespace per peer on a private
-bridge, each peer's upload shaped with tbf (no added latency or loss: netem is not available; the
-fault injector is not used here). The workers are bench_allreduce.py's, started inside the namespaces,
-so every system moves its bytes over the same shaped links. Scenarios:
+Every scenario builds a `moshpeer.testing.netlab` lab: one network namespace per peer behind a router
+namespace, each peer's upload shaped with tbf, with netlab's own delay line for round-trip times and site
+routers for NAT (no loss; the fault injector is not used here). The workers are bench_allreduce.py's,
+started inside the namespaces, so every system moves its bytes over the same links. Scenarios:
 
 - `100mbit`, `1gbit`: every peer uploads at that rate (`--size` MB of fp32 per peer);
 - `hetero`: one peer at 10 Mbit/s among 100 Mbit/s peers (`--hetero-size` MB); moshpeer runs twice,
-  parts sized by measured upload (`--declare-bandwidth`: by the declared rates) and equal parts.
+  parts sized by measured upload (`--declare-bandwidth`: by the declared rates) and equal parts;
+- `rtt100`: 100 Mbit/s with 100 ms round trips (`--size` MB); `rtt0`, `rtt50`, `rtt200`: matchmaking and
+  handshake overhead at that round-trip time (4 MB, moshpeer only);
+- `nat`: 2 peers behind each of two NATs + 1 public peer (moshpeer only: gloo and hivemind's averager need
+  every peer reachable), `--nat-rounds` rounds, then the libp2p fallback's throughput.
 
 Lower bounds (S bytes, n peers, uploads B_i; reduce-scatter + all-gather, downloads unconstrained):
 uniform: 2(n-1)/n * S/B. Heterogeneous: member i uploads S - s_i + (n-1) s_i for part sizes s_i, so the
@@ -44,14 +48,34 @@ from bench_allreduce import run_system, summarize  # noqa: E402
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds  # noqa: E402
 from moshpeer.testing import netlab  # noqa: E402
 
-SCENARIOS = {"100mbit": None, "1gbit": None, "hetero": None}
 SLOW_MBIT, FAST_MBIT = 10.0, 100.0
+# Scenarios with latency, NAT or both (the others are a rate, or "hetero"): what each lab adds to uniform links.
+# rtt0/50/100/200: every peer at 100 Mbit/s with that round-trip time; rtt100 moves --size MB like 100mbit,
+# the others a small vector (their figure is matchmaking: round trips, not bandwidth).
+# nat: 2 peers behind each of two NATs (a cone and a symmetric one) and 1 public peer, --nat-rounds rounds, then
+# the same lab with every chunk over the libp2p fallback (nat_relay_mbps).
+RTT_MS = {"rtt0": 0.0, "rtt50": 50.0, "rtt100": 100.0, "rtt200": 200.0}
+NAT_SITES = [None, "cone-a", "cone-a", "symmetric-b", "symmetric-b"]
+SCENARIOS = ("100mbit", "1gbit", "hetero", *RTT_MS, "nat")
+MATCHMAKING_MB = 4.0
 
 
 def uploads_of(scenario: str, peers: int) -> List[float]:
     if scenario == "hetero":
         return [FAST_MBIT] * (peers - 1) + [SLOW_MBIT]
+    if scenario in RTT_MS:
+        return [FAST_MBIT] * peers
+    if scenario == "nat":
+        return [None] * len(NAT_SITES)
     return [netlab.parse_rate(scenario)] * peers
+
+
+def lab_options(scenario: str) -> dict:
+    if scenario in RTT_MS:
+        return {"rtt": RTT_MS[scenario]}
+    if scenario == "nat":
+        return {"sites": NAT_SITES}
+    return {}
 
 
 def bounds(size_bytes: float, uploads_mbit: List[float], numel: int) -> Dict[str, float]:
@@ -63,9 +87,10 @@ def bounds(size_bytes: float, uploads_mbit: List[float], numel: int) -> Dict[str
             "equal_split_s": reduce_allgather_seconds(size_bytes, bws, equal)}
 
 
-def run_in_lab(system: str, settings, uploads: List[float], codecs: str) -> Dict[str, dict]:
-    """One system in a fresh lab: {name: summary + link bytes per peer per round}."""
-    with netlab.Netlab(uploads) as lab:
+def run_in_lab(system: str, settings, uploads: List[float], codecs: str, **options) -> Dict[str, dict]:
+    """One system in a fresh lab (`options`: netlab.Netlab's rtt, sites, ...): {name: summary + link bytes per
+    peer per round}."""
+    with netlab.Netlab(uploads, **options) as lab:
         before = [lab.tx_bytes(k) for k in range(len(uploads))]
         per_codec = run_system(system, settings, codecs, lab=lab)
         after = [lab.tx_bytes(k) for k in range(len(uploads))]
@@ -80,13 +105,37 @@ def run_in_lab(system: str, settings, uploads: List[float], codecs: str) -> Dict
     return out
 
 
+def nat_scenario(args) -> Dict[str, float]:
+    """Peers behind a cone and a symmetric NAT with one public peer (NAT_SITES): the fraction of rounds that
+    averaged with every member, and the throughput of a round whose chunks all take the libp2p fallback."""
+    numel = int(args.nat_size * 1e6 / 4)
+    peers = len(NAT_SITES)
+    settings = SimpleNamespace(peers=peers, numel=numel, rounds=args.nat_rounds, drop=0.0,
+                               matchmaking_time=args.matchmaking_time, torch_threads=1, round_timeout=120.0,
+                               chunk_bytes=args.chunk_bytes, partition="equal", declare_bandwidth=False)
+    uploads = uploads_of("nat", peers)
+    auto = run_in_lab("moshpeer", settings, uploads, "none", sites=NAT_SITES)["none"]
+    relayed = SimpleNamespace(**{**vars(settings), "rounds": 3, "transport": "libp2p"})
+    forced = run_in_lab("moshpeer", relayed, uploads, "none", sites=NAT_SITES)["none"]
+    print(f"  nat: {auto['ok_fraction']:.2f} of {args.nat_rounds} rounds averaged with all {peers} peers "
+          f"(up to {auto['relayed_members']} members relayed per peer); every chunk over libp2p: "
+          f"{forced['bytes_sent'] * 8 / forced['seconds'] / 1e6:.0f} Mbit/s per peer", flush=True)
+    return {"nat_round_ok_fraction": auto["ok_fraction"], "nat_relayed_members": auto["relayed_members"],
+            "nat_round_s": auto["seconds"], "nat_rel_err": auto["rel_err"],
+            "nat_relay_mbps": forced["bytes_sent"] * 8 / forced["seconds"] / 1e6,
+            "nat_relay_round_s": forced["seconds"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--size", type=float, default=64.0, help="MB of fp32 per peer, uniform scenarios")
     parser.add_argument("--hetero-size", type=float, default=16.0, help="MB of fp32 per peer, hetero scenario")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per system and codec (after a warm-up)")
-    parser.add_argument("--scenarios", default="100mbit,1gbit,hetero")
+    parser.add_argument("--scenarios", default="100mbit,1gbit,hetero",
+                        help=f"comma-separated: {', '.join(SCENARIOS)} or any rate (e.g. 20mbit)")
+    parser.add_argument("--nat-rounds", type=int, default=20, help="rounds of the nat scenario")
+    parser.add_argument("--nat-size", type=float, default=16.0, help="MB of fp32 per peer, nat scenario")
     parser.add_argument("--codecs", default="none,int8,int4-int8,arc-topk:0.01")
     parser.add_argument("--systems", default="moshpeer,hivemind,gloo")
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
@@ -94,14 +143,18 @@ def main() -> int:
     parser.add_argument("--declare-bandwidth", action="store_true",
                         help="moshpeer peers declare the lab's upload rates (default: they measure them)")
     args = parser.parse_args()
-    reason = netlab.unavailable()
+    scenarios = args.scenarios.split(",")
+    reason = netlab.unavailable(delays=any(s in RTT_MS for s in scenarios), sites="nat" in scenarios)
     if reason is not None:
         print(reason, file=sys.stderr)
         return 2
-    scenarios = args.scenarios.split(",")
     for scenario in scenarios:
-        if scenario not in SCENARIOS and netlab.parse_rate(scenario) is None:
-            print(f"unknown scenario {scenario!r} (100mbit, 1gbit, hetero or any rate)", file=sys.stderr)
+        try:
+            known = scenario in SCENARIOS or netlab.parse_rate(scenario) is not None
+        except netlab.NetlabError:
+            known = False
+        if not known:
+            print(f"unknown scenario {scenario!r} ({', '.join(SCENARIOS)} or any rate)", file=sys.stderr)
             return 2
     systems = args.systems.split(",")
 
@@ -109,8 +162,12 @@ def main() -> int:
     figures: Dict[str, Optional[float]] = {"peers": args.peers, "size_mb": args.size, "hetero_size_mb": args.hetero_size,
                                            "load_at_start": os.getloadavg()[0]}
     for scenario in scenarios:
+        if scenario == "nat":
+            figures.update(nat_scenario(args))
+            continue
         uploads = uploads_of(scenario, args.peers)
-        size_mb = args.hetero_size if scenario == "hetero" else args.size
+        size_mb = {"hetero": args.hetero_size, "rtt0": MATCHMAKING_MB, "rtt50": MATCHMAKING_MB,
+                   "rtt200": MATCHMAKING_MB}.get(scenario, args.size)
         numel = int(size_mb * 1e6 / 4)
         bound = bounds(numel * 4, uploads, numel)
         slowest_round = max(bound["equal_split_s"] * 5, 60.0)
@@ -118,21 +175,31 @@ def main() -> int:
                                    matchmaking_time=args.matchmaking_time, torch_threads=1,
                                    round_timeout=slowest_round, chunk_bytes=args.chunk_bytes,
                                    partition="bandwidth", declare_bandwidth=args.declare_bandwidth)
+        options = lab_options(scenario)
         results: Dict[str, dict] = {}
+        if scenario in RTT_MS and scenario != "rtt100":  # matchmaking and handshakes at this round-trip time
+            summary = run_in_lab("moshpeer", settings, uploads, "none", **options)["none"]
+            figures[f"matchmaking_s_{scenario}"] = summary["matchmaking_s"]
+            figures[f"round_overhead_s_{scenario}"] = summary["seconds"] - bound["optimum_s"]
+            rows.append((scenario, "moshpeer[none]", {**summary, "link_bytes_per_round": float("nan")},
+                         bound["optimum_s"]))
+            continue
         if "moshpeer" in systems:
-            for codec, summary in run_in_lab("moshpeer", settings, uploads, args.codecs).items():
+            for codec, summary in run_in_lab("moshpeer", settings, uploads, args.codecs, **options).items():
                 results[f"moshpeer[{codec}]"] = summary
             if scenario == "hetero":
                 equal = SimpleNamespace(**{**vars(settings), "partition": "equal"})
                 results["moshpeer[none] equal parts"] = run_in_lab("moshpeer", equal, uploads, "none")["none"]
         for system in ("hivemind", "gloo"):
             if system in systems:
-                results.update(run_in_lab(system, settings, uploads, "none"))
+                results.update(run_in_lab(system, settings, uploads, "none", **options))
         for name, summary in results.items():
             rows.append((scenario, name, summary, bound["optimum_s"]))
             print(f"  {scenario} {name}: round {summary['seconds']:.3f} s, bound {bound['optimum_s']:.3f} s, "
                   f"rel err {summary['rel_err']:.1e}, cpu/peer {summary['cpu_s']:.2f} s", flush=True)
 
+        if scenario == "rtt100" and "moshpeer[none]" in results:
+            figures["matchmaking_s_rtt100"] = results["moshpeer[none]"]["matchmaking_s"]
         prefix = {"100mbit": "", "1gbit": "gbit_", "hetero": "hetero_"}.get(scenario, f"{scenario}_")
         none = results.get("moshpeer[none]", {}).get("seconds")
         if none:
