@@ -57,34 +57,42 @@ def run(args: argparse.Namespace, *, churn: bool, loopback_bps: float) -> ChurnR
             grace_period=args.grace_period, checkpoint_every_s=args.checkpoint_every,
             fixed_round_deadline_s=2 * args.matchmaking_time + args.round_timeout + 5.0,
             peer_args=("--group-size", str(args.group_size), "--matchmaking-time", str(args.matchmaking_time),
-                       "--round-timeout", str(args.round_timeout)))
-        started = time.monotonic()
-        harness.start()
-        print(f"[{name}] {args.peers} peers training after {time.monotonic() - started:.1f} s", flush=True)
-        window_end = harness.training_started_at + args.duration
-        if churn:
-            harness.run_chaos(ChaosPlan(duration_s=args.duration, every_s=args.kill_every, pause_s=args.pause,
-                                        seed=args.seed))
-            try:  # the last restarts' joins: measured if they come back in time, reported as missing if not
-                harness.wait_rejoined(timeout=args.rejoin_timeout)
-            except AssertionError as e:
-                print(f"[{name}] {str(e).splitlines()[0]}", flush=True)
-        else:
-            while time.monotonic() < window_end:
-                time.sleep(min(1.0, max(0.0, window_end - time.monotonic())))
-        window_end = min(window_end, time.monotonic())
-        harness.stop()
-        report = harness.measure(window_end=window_end, loopback_bps=loopback_bps)
-        leftovers = swarm.cleanup()
-        report.hung.extend(f"{info.name}({info.pid}) still running after the final stop" for info in leftovers)
-        if args.events_out:
-            with open(f"{args.events_out}.{name}.jsonl", "w") as f:
-                for slot in harness.slots:
-                    for life in slot.lives:
-                        for received, line in life.proc.timed_stdout():
-                            if line.startswith("{"):
-                                f.write(json.dumps({"proc": life.proc.name, "received": received, "line": line}) + "\n")
-        return report
+                       "--round-timeout", str(args.round_timeout)), cpu_share=args.cpu_share)
+        try:
+            return _run_schedule(args, harness, swarm, name, churn=churn, loopback_bps=loopback_bps)
+        finally:
+            harness.remove_budgets()
+
+
+def _run_schedule(args: argparse.Namespace, harness: ChurnSwarm, swarm: Swarm, name: str, *, churn: bool,
+                  loopback_bps: float) -> ChurnReport:
+    started = time.monotonic()
+    harness.start()
+    print(f"[{name}] {args.peers} peers training after {time.monotonic() - started:.1f} s", flush=True)
+    window_end = harness.training_started_at + args.duration
+    if churn:
+        harness.run_chaos(ChaosPlan(duration_s=args.duration, every_s=args.kill_every, pause_s=args.pause,
+                                    seed=args.seed))
+        try:  # the last restarts' joins: measured if they come back in time, reported as missing if not
+            harness.wait_rejoined(timeout=args.rejoin_timeout)
+        except AssertionError as e:
+            print(f"[{name}] {str(e).splitlines()[0]}", flush=True)
+    else:
+        while time.monotonic() < window_end:
+            time.sleep(min(1.0, max(0.0, window_end - time.monotonic())))
+    window_end = min(window_end, time.monotonic())
+    harness.stop()
+    report = harness.measure(window_end=window_end, loopback_bps=loopback_bps)
+    leftovers = swarm.cleanup()
+    report.hung.extend(f"{info.name}({info.pid}) still running after the final stop" for info in leftovers)
+    if args.events_out:
+        with open(f"{args.events_out}.{name}.jsonl", "w") as f:
+            for slot in harness.slots:
+                for life in slot.lives:
+                    for received, line in life.proc.timed_stdout():
+                        if line.startswith("{"):
+                            f.write(json.dumps({"proc": life.proc.name, "received": received, "line": line}) + "\n")
+    return report
 
 
 def load_average() -> str:
@@ -106,6 +114,9 @@ def main() -> int:
     parser.add_argument("--rejoin-timeout", type=float, default=90.0,
                         help="after the schedule: how long the last restarted peers get to average again")
     parser.add_argument("--seed", type=int, default=0, help="which peers the chaos loop picks")
+    parser.add_argument("--cpu-share", type=float, default=None, metavar="CORES",
+                        help="CPU budget of each peer (cgroup quota, e.g. 0.3): a peer that dies frees nothing for "
+                             "the others, as on separate machines (default: none; needs root and cgroup v1 cpu)")
     parser.add_argument("--skip-calm", action="store_true", help="churn run only (no useful_time_fraction, acc_calm)")
     parser.add_argument("--events-out", metavar="PREFIX", help="write every process's JSON lines to PREFIX.{calm,churn}.jsonl")
     args = parser.parse_args()
@@ -160,7 +171,7 @@ def main() -> int:
         "bad_exits": len(churned.bad_exits) + (len(calm.bad_exits) if calm else 0),
         "endings": churned.endings,
         "epochs_churn": churned.epochs, "epochs_calm": calm.epochs if calm else None,
-        "peers": args.peers, "duration_s": args.duration, "kill_every_s": args.kill_every, "pause_s": args.pause,
+        "peers": args.peers, "cpu_share": args.cpu_share, "duration_s": args.duration, "kill_every_s": args.kill_every, "pause_s": args.pause,
         "group_size": args.group_size, "loopback_MBps": round(loopback_bps / 1e6, 1),
         "load_before": load_before, "load_after": load_after,
         "joins": [asdict(j) for j in churned.joins],

@@ -186,11 +186,14 @@ class ChurnSwarm:
     :param peer_args: extra `moshpeer join` flags for every peer (matchmaking, group size, ...)
     :param grace_period: each peer's `--grace-period`: SIGTERM / notice to exit
     :param checkpoint_every_s: each peer's periodic checkpoint interval
+    :param cpu_share: cores each peer slot may use (a cgroup per slot, moshpeer.testing.netlab.cpu; the restarted
+        process gets its slot's), so that a peer that dies frees nothing for the others, as on real machines;
+        None = no budget. The caller removes the cgroups (`remove_budgets`)
     """
 
     def __init__(self, swarm: Swarm, run_id: str, workdir: Path, *, peers: int,
                  peer_args: Sequence[str] = (), grace_period: float = 10.0, checkpoint_every_s: float = 5.0,
-                 fixed_round_deadline_s: Optional[float] = None):
+                 fixed_round_deadline_s: Optional[float] = None, cpu_share: Optional[float] = None):
         self.swarm, self.run_id, self.workdir = swarm, run_id, Path(workdir)
         self.peer_args = list(peer_args)
         self.grace_period, self.checkpoint_every_s = grace_period, checkpoint_every_s
@@ -202,6 +205,18 @@ class ChurnSwarm:
         self.lost: List[str] = []
         self.endings = 0
         self._loopback_bps: Optional[float] = None
+        self.budgets = []
+        if cpu_share is not None:
+            from moshpeer.testing.netlab import cpu_budget
+
+            self.budgets = [cpu_budget(i, cpu_share) for i in range(peers)]
+
+    def remove_budgets(self) -> None:
+        from moshpeer.testing.netlab import cpu
+
+        for group in self.budgets:
+            cpu.remove(group)
+        self.budgets = []
 
     # -- processes --
 
@@ -224,7 +239,13 @@ class ChurnSwarm:
                 "--checkpoint-dir", str(slot.checkpoint_dir), "--checkpoint-every-seconds",
                 str(self.checkpoint_every_s), "--grace-period", str(self.grace_period),
                 "--preemption-notice", str(slot.notice_file), *self.peer_args]
-        life = Life(self.swarm.spawn(*args, name=f"peer{slot.index}.{len(slot.lives)}"), start, time.monotonic())
+        preexec = None
+        if self.budgets:
+            from moshpeer.testing.netlab import cpu
+
+            preexec = cpu.joiner(self.budgets[slot.index])
+        life = Life(self.swarm.spawn(*args, name=f"peer{slot.index}.{len(slot.lives)}", preexec=preexec), start,
+                    time.monotonic())
         slot.lives.append(life)
         return life
 

@@ -94,7 +94,8 @@ class ProcessFailed(AssertionError):
 class Proc:
     """One spawned `python -m moshpeer ...` process, with its stdout and stderr collected line by line."""
 
-    def __init__(self, args: Sequence[str], *, name: str, swarm_tag: str, env: Dict[str, str], cwd: str):
+    def __init__(self, args: Sequence[str], *, name: str, swarm_tag: str, env: Dict[str, str], cwd: str,
+                 preexec: Optional[Callable[[], None]] = None):
         self.args = list(args)
         self.name = name
         self.tag = f"{name}-{uuid.uuid4().hex[:8]}"
@@ -108,6 +109,7 @@ class Proc:
             env=env,
             cwd=cwd,
             start_new_session=True,  # own process group: signals to pytest's group do not reach it
+            preexec_fn=preexec,  # e.g. joining a CPU budget's cgroup (moshpeer.testing.netlab.cpu.joiner)
         )
         self.stdout_lines: List[str] = []
         self.stdout_times: List[float] = []  # time.monotonic() at which each stdout line arrived
@@ -297,11 +299,13 @@ class Swarm:
 
     # -- spawning --
 
-    def spawn(self, *args: str, name: Optional[str] = None) -> Proc:
-        """Start `python -m moshpeer *args`; returns at once (use wait_ready / wait_for_line / wait_exit)."""
+    def spawn(self, *args: str, name: Optional[str] = None, preexec: Optional[Callable[[], None]] = None) -> Proc:
+        """Start `python -m moshpeer *args`; returns at once (use wait_ready / wait_for_line / wait_exit).
+        `preexec` runs in the child before it starts (e.g. joining a cgroup)."""
         self._counter += 1
         command = next((arg for arg in args if not arg.startswith("-")), "moshpeer")
-        proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env=self.env, cwd=self.cwd)
+        proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env=self.env, cwd=self.cwd,
+                    preexec=preexec)
         self.procs.append(proc)
         return proc
 

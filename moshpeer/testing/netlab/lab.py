@@ -223,6 +223,13 @@ def pick_subnet(candidates: Sequence[str] = SUBNET_CANDIDATES, taken: Sequence =
     raise NetlabError(f"netlab: every candidate subnet ({candidates[0]} ...) is in use on this machine")
 
 
+def cpu_budget(index: int, share: float) -> Path:
+    """A CPU budget of `share` cores for a process started outside a lab (e.g. a loopback swarm's peer: pass
+    `cpu.joiner(path)` as its preexec_fn), named as this process's, so `cleanup()` removes it once this process
+    is gone; remove it with `cpu.remove(path)` when done. NetlabError where budgets are unavailable."""
+    return cpu.create(f"{PREFIX}-{_owner_tag(os.getpid())}c-{index}", share)
+
+
 # ---- the lab ----------------------------------------------------------------------------------------
 
 _live_labs: Dict[int, "Netlab"] = {}
