@@ -247,3 +247,49 @@ def test_validator_ignores_other_keys_and_merges(alice):
     bad_for_b = signed_record(alice, {"peer_id": alice.peer_id}, alice.owner_subkey, run_id="run-b")
     assert not validator.validate(dataclasses.replace(bad_for_b, value=RSASignatureValidator().strip_value(bad_for_b)))
     assert validator.rejected, "rejections are counted"
+
+
+def test_identities_below_2048_bits_are_refused():
+    """Issue 26: 1024-bit RSA keys (about 30 ms each to mint) were accepted as identities and record owners."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from moshpeer.dht.identity import crypto_pb2, peer_id_from_owner_key
+
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    ssh = weak.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    assert peer_id_from_owner_key(b"[owner:" + ssh + b"]") is None
+    strong = Identity.generate()
+    assert peer_id_from_owner_key(strong.owner_subkey) == strong.peer_id
+    der = weak.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                             serialization.NoEncryption())
+    with pytest.raises(ValueError, match="too weak"):
+        Identity.from_file_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString())
+
+
+def test_refused_peer_memory_is_bounded():
+    """Issue 26: an allow-list run remembered every refused made-up peer id, without bound."""
+    from moshpeer.dht import admission as admission_module
+
+    allowed = Identity.generate().peer_id
+    gate = admission_module.Admission(allowed=[allowed])
+    made_up = [Identity.generate().peer_id for _ in range(3)]
+    for k in range(admission_module.MAX_REMEMBERED_REFUSALS + 50):
+        gate.refuse("records", made_up[k % 3][:-6] + f"{k:06d}"[-6:], once=True)
+    assert len(gate._outsiders) <= admission_module.MAX_REMEMBERED_REFUSALS
+    assert len(gate._counted) <= admission_module.MAX_REMEMBERED_REFUSALS
+
+
+def test_a_swarm_key_file_others_can_read_is_warned_about(tmp_path, caplog):
+    from moshpeer.dht.admission import Admission
+
+    key = tmp_path / "swarm.key"
+    key.write_text("k" * 64)
+    key.chmod(0o600)
+    with caplog.at_level("WARNING"):
+        Admission.from_files(str(key))
+    assert "chmod 600" not in caplog.text
+    key.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        Admission.from_files(str(key))
+    assert "can be read by other users" in caplog.text and "chmod 600" in caplog.text

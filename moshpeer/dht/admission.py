@@ -24,8 +24,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import re
+import stat
 import threading
+from collections import OrderedDict
 from typing import Dict, FrozenSet, Iterable, Optional, Set, Tuple
 
 from moshpeer.errors import UserError
@@ -37,6 +40,7 @@ POINTS = ("records", "matchmaking", "dataplane", "state")
 MIN_SWARM_KEY_BYTES = 16
 MAX_SWARM_KEY_BYTES = 4096
 MAX_ALLOWED_PEERS = 100_000
+MAX_REMEMBERED_REFUSALS = 4096  # refused peer ids kept for `known_outsider` and once-only counting
 TAG_BYTES = 16
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")  # base58, as in PeerRecord
 
@@ -65,8 +69,9 @@ class Admission:
         self.own_peer_id: Optional[str] = None  # always admitted (set by the DHT node that uses this policy)
         self._lock = threading.Lock()
         self._proven: Set[str] = set()  # peer ids whose tags we checked (swarm key)
-        self._counted: Set[Tuple[str, str]] = set()  # (point, peer id) refusals counted once
-        self._outsiders: Set[str] = set()  # peer ids refused anywhere
+        # Bounded (MAX_REMEMBERED_REFUSALS, oldest forgotten first): made-up peer ids cost an attacker nothing.
+        self._counted: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (point, peer id) counted once
+        self._outsiders: "OrderedDict[str, None]" = OrderedDict()  # peer ids refused anywhere
         self._refused: Dict[str, int] = {point: 0 for point in POINTS}
         self._log = RateLimitedLog(logger)
 
@@ -77,6 +82,7 @@ class Admission:
         key = None
         if swarm_key_path is not None:
             key = _read(swarm_key_path, "--swarm-key", MAX_SWARM_KEY_BYTES + 1024).strip()
+            _warn_if_readable_by_others(swarm_key_path)
             if len(key) < MIN_SWARM_KEY_BYTES:
                 raise UserError(f"--swarm-key {swarm_key_path}: the key has {len(key)} bytes, at least "
                                 f"{MIN_SWARM_KEY_BYTES} are needed (e.g. `openssl rand -hex 32 > {swarm_key_path}`)")
@@ -154,11 +160,11 @@ class Admission:
     def refuse(self, point: str, peer_id: str, *, once: bool = False) -> None:
         """Count (and log, rate-limited) a refusal of `peer_id` at `point`; see `check`."""
         with self._lock:
-            self._outsiders.add(peer_id)
+            _remember(self._outsiders, peer_id)
             if once:
                 if (point, peer_id) in self._counted:
                     return
-                self._counted.add((point, peer_id))
+                _remember(self._counted, (point, peer_id))
             self._refused[point] += 1
         listed = self.allowed is None or peer_id in self.allowed
         self._log.warning(f"private run: refused {peer_id[-12:]} at {point} "
@@ -176,6 +182,25 @@ class Admission:
         """Refusals so far, per point."""
         with self._lock:
             return dict(self._refused)
+
+
+def _warn_if_readable_by_others(path: str) -> None:
+    """One warning if users other than the owner may read the key file: anyone who reads it is a member."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        logger.warning(f"--swarm-key {path} can be read by other users (mode {stat.S_IMODE(mode):o}); anyone "
+                       f"who reads it can join the run: chmod 600 {path}")
+
+
+def _remember(memory: "OrderedDict", key) -> None:
+    """Add `key` as the newest entry, forgetting the oldest beyond MAX_REMEMBERED_REFUSALS."""
+    memory[key] = None
+    memory.move_to_end(key)
+    while len(memory) > MAX_REMEMBERED_REFUSALS:
+        memory.popitem(last=False)
 
 
 def _read(path: str, flag: str, limit: int) -> bytes:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import base58
 from cryptography.hazmat.primitives import serialization
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
@@ -29,6 +30,9 @@ from moshpeer.errors import UserError
 
 # An identity file holds one 2048-bit key (about 1.2 KB); anything far larger is not one.
 _MAX_IDENTITY_FILE_BYTES = 64 * 1024
+# Identities below this strength are refused, ours and others': a 1024-bit key costs ~30 ms to mint (Sybils by
+# the thousand) and is within reach of factoring. hivemind generates 2048-bit keys.
+MIN_RSA_BITS = 2048
 # libp2p peer ids of RSA keys: multihash(sha2-256) of the protobuf-encoded public key.
 _MULTIHASH_SHA2_256 = bytes([0x12, 0x20])
 # A subkey that is exactly one `[owner:<key>]` marker and nothing else.
@@ -36,9 +40,13 @@ _OWNER_KEY_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
 def _private_key_from_der(der: bytes) -> RSAPrivateKey:
-    """Wrap a DER-encoded RSA key in hivemind's RSAPrivateKey (its constructor would generate a new key)."""
-    if not isinstance(serialization.load_der_private_key(der, password=None), rsa.RSAPrivateKey):
+    """Wrap a DER-encoded RSA key in hivemind's RSAPrivateKey (its constructor would generate a new key); raises
+    ValueError for another kind of key or one below MIN_RSA_BITS."""
+    loaded = serialization.load_der_private_key(der, password=None)
+    if not isinstance(loaded, rsa.RSAPrivateKey):
         raise ValueError("not an RSA private key")
+    if loaded.key_size < MIN_RSA_BITS:
+        raise ValueError(f"a {loaded.key_size}-bit RSA key is too weak (at least {MIN_RSA_BITS} bits)")
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": der})  # hivemind's own unpickling path, which loads DER
     return key
@@ -59,13 +67,17 @@ def peer_id_from_public_key(public_key: RSAPublicKey) -> str:
 
 
 def peer_id_from_owner_key(owner_subkey: bytes) -> Optional[str]:
-    """Peer id of the key inside an `[owner:<ssh-rsa key>]` marker, or None if it is not exactly one valid marker."""
+    """Peer id of the key inside an `[owner:<ssh-rsa key>]` marker, or None if it is not exactly one valid marker
+    of an RSA key of at least MIN_RSA_BITS (a weaker key is cheap to mint by the thousand, or to break)."""
     match = _OWNER_KEY_RE.fullmatch(owner_subkey)
     if match is None:
         return None
     try:
-        return peer_id_from_public_key(RSAPublicKey.from_bytes(match.group(1)))
-    except (ValueError, TypeError):
+        parsed = serialization.load_ssh_public_key(match.group(1))
+        if not isinstance(parsed, rsa.RSAPublicKey) or parsed.key_size < MIN_RSA_BITS:
+            return None
+        return peer_id_from_public_key(RSAPublicKey(parsed))
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
 
 
