@@ -293,3 +293,13 @@ def test_a_swarm_key_file_others_can_read_is_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         Admission.from_files(str(key))
     assert "can be read by other users" in caplog.text and "chmod 600" in caplog.text
+
+
+def test_status_counts_each_flagging_record_once(alice, mallory):
+    """Issue 26: `status` showed a flagged count of 2^62 that one record claimed about an honest peer."""
+    from moshpeer.cli.status import flagged_by
+
+    honest = PeerRecord(peer_id=alice.peer_id, role="trainer", version="test", protocol=2, started_at=0.0,
+                        updated_at=0.0)
+    liar = honest.updated(peer_id=mallory.peer_id, flagged={alice.peer_id: 1 << 62, mallory.peer_id: 5})
+    assert flagged_by([honest, liar]) == {alice.peer_id: 1}  # one reporter; claims about oneself ignored

@@ -208,11 +208,10 @@ def build_table(run_id: str, peers: List[PeerRecord], now: float):
     table.add_column("samples/s", justify="right")
     table.add_column("recent rounds", justify="right")  # averaged / rounds, share of chunks lost, seconds
     table.add_column("last seen", justify="right")
-    table.add_column("flagged", justify="right")  # chunks in which other peers' robust aggregation clipped it
-    flagged: Dict[str, int] = {}
-    for peer in peers:
-        for other, n in peer.flagged.items():
-            flagged[other] = flagged.get(other, 0) + n
+    # How many other peers' robust aggregation clipped it: each record counts once, whatever count it claims
+    # (a single record claiming 2^62 flags about an honest peer shows as 1 reporter, not 2^62).
+    table.add_column("flagged by", justify="right")
+    flagged = flagged_by(peers)
     for peer in peers:
         table.add_row(
             short_peer_id(peer.peer_id),
@@ -225,6 +224,16 @@ def build_table(run_id: str, peers: List[PeerRecord], now: float):
             str(flagged.get(peer.peer_id, 0)),
         )
     return table
+
+
+def flagged_by(peers: List[PeerRecord]) -> Dict[str, int]:
+    """Per peer id: how many other live peers' records flag it (claims about oneself are ignored)."""
+    reporters: Dict[str, int] = {}
+    for peer in peers:
+        for other, count in peer.flagged.items():
+            if other != peer.peer_id and count > 0:
+                reporters[other] = reporters.get(other, 0) + 1
+    return reporters
 
 
 def _describe_swarm(swarm: ProgressSnapshot) -> str:
