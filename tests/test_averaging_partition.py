@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_compression_allreduce import group_allreduce
 
-from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
+from moshpeer.averaging.partition import bandwidth_part_sizes, max_share, reduce_allgather_seconds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,11 +19,15 @@ def test_bandwidth_parts_are_optimal_over_a_grid_of_splits(bandwidths):
     sizes = bandwidth_part_sizes(numel, bandwidths)
     assert sum(sizes) == numel and all(s >= 0 for s in sizes)
     best = reduce_allgather_seconds(4 * numel, bandwidths, sizes)
-    # No split on a grid of 1/12ths does better (up to the rounding of sizes to whole values).
-    step = numel // 12
+    # No split on a grid of 1/12ths that keeps every part within the cap does better (up to the rounding of
+    # sizes to whole values).
+    step, cap = numel // 12, max_share(n) * numel
+    assert max(sizes) <= cap + 1
     for cut in itertools.product(range(0, 13), repeat=n - 1):
         if sum(cut) <= 12:
             split = [c * step for c in cut] + [numel - step * sum(cut)]
+            if max(split) > cap:
+                continue
             assert reduce_allgather_seconds(4 * numel, bandwidths, split) >= best * (1 - 1e-3)
 
 
@@ -47,3 +51,14 @@ def test_group_allreduce_with_uneven_and_empty_parts_is_exact():
     for result, report in zip(results, reports):
         assert report.reduce.chunks_lost == 0 and report.gather.chunks_lost == 0
         assert float((result.double() - mean).norm() / mean.norm()) <= 1e-6
+
+
+def test_a_declared_huge_uplink_owns_at_most_twice_the_equal_share():
+    """Issue 26: with --partition bandwidth, a member that declared 1e12 B/s owned 100% of the vector."""
+    for n in (2, 3, 4, 8):
+        sizes = bandwidth_part_sizes(100_000, [1e12] + [12.5e6] * (n - 1))
+        assert sum(sizes) == 100_000
+        assert sizes[0] <= max_share(n) * 100_000 + 1, (n, sizes)
+    assert max_share(4) == 0.5 and max_share(2) == 0.75
+    # Honest, moderately different uplinks are not affected by the cap.
+    assert bandwidth_part_sizes(1000, [1.0, 1.0, 1.0, 1.0]) == [250, 250, 250, 250]

@@ -11,38 +11,76 @@ from typing import List, Optional, Sequence, Tuple
 
 def bandwidth_part_sizes(numel: int, bandwidths: Sequence[float]) -> List[int]:
     """Part sizes (summing to `numel`) that minimize the round time of reduce-scatter + all-gather when
-    member i uploads at `bandwidths[i]` (downloads unconstrained). Raises ValueError on a non-positive bandwidth.
+    member i uploads at `bandwidths[i]` (downloads unconstrained), no part above `max_share` of the vector.
+    Raises ValueError on a non-positive bandwidth.
 
     Member i uploads S - s_i (its contribution to every other part) plus (n-1) s_i (its averaged part to
     every other member): U_i = S + (n-2) s_i, so the round takes T = max_i U_i / B_i. Equalizing U_i / B_i
     gives s_i = (T B_i - S) / (n-2) with T = 2(n-1) S / sum(B) -- parts grow with bandwidth -- as long as
-    every s_i >= 0. A member too slow for that (B_i < S / T) owns nothing and still uploads S; the others
-    share the vector as above, with T computed over them alone (water-filling). For two members U_i = S
-    whatever the split; parts are then proportional to bandwidth.
+    every s_i >= 0. A member too slow for that (B_i < S / T) owns nothing and still uploads S; a member that
+    would own more than the cap owns the cap; the others share what is left as above, with T computed over
+    them alone (water-filling). For two members U_i = S whatever the split; parts are then proportional to
+    bandwidth, capped.
     """
     n = len(bandwidths)
     if any(not b > 0 for b in bandwidths):
         raise ValueError(f"bandwidths must be positive, got {list(bandwidths)}")
+    cap = max_share(n)
     if n <= 2:
-        shares = [float(b) for b in bandwidths]
+        total = float(sum(bandwidths))
+        shares = capped_shares([b / total for b in bandwidths], cap)
     else:
-        active = list(range(n))
+        active, capped = list(range(n)), []
         while True:
+            left = 1.0 - cap * len(capped)  # of the vector, for the members not at the cap
             total = sum(bandwidths[i] for i in active)
-            # With k owners: sum over owners of (T B_i - S)/(n-2) = S  ->  T = S (n - 2 + k) / sum(B_owners).
-            t = (n - 2 + len(active)) / total  # in units of S
+            # With k owners sharing `left`: sum over them of (T B_i - S)/(n-2) = left S -> T below, in units of S.
+            t = ((n - 2) * left + len(active)) / total if active else 0.0
             shares_active = {i: (t * bandwidths[i] - 1.0) / (n - 2) for i in active}
             negative = [i for i, share in shares_active.items() if share < 0]
-            if not negative:
+            over = [i for i, share in shares_active.items() if share > cap]
+            if negative:
+                active = [i for i in active if i not in negative]
+            elif over:  # capped: everyone else shares the rest again, slow members included
+                capped += over
+                active = [i for i in range(n) if i not in capped]
+            else:
                 break
-            active = [i for i in active if i not in negative]
-        shares = [shares_active.get(i, 0.0) for i in range(n)]
+        shares = [cap if i in capped else shares_active.get(i, 0.0) for i in range(n)]
     total_share = sum(shares)
     sizes = [int(numel * share / total_share) for share in shares]
     # Hand the rounding remainder to the largest parts, one value each.
     for i in sorted(range(n), key=lambda i: -shares[i])[: numel - sum(sizes)]:
         sizes[i] += 1
     return sizes
+
+
+def max_share(group_size: int) -> float:
+    """The largest fraction of the vector one member may own when parts follow bandwidth: 2/g (3/4 in a pair).
+
+    The owner of a part sets the group's average of it, so a member that declares (or fakes) a huge uplink must
+    not own the vector: a declared 1e12 B/s once made one member own 100% of it and set every honest member's
+    values. Twice the equal share still lets a fast uplink take on a fair part of the work."""
+    return 1.0 if group_size <= 1 else max(1.0 / group_size, min(2.0 / group_size, 0.75))
+
+
+def capped_shares(shares: Sequence[float], cap: float) -> List[float]:
+    """`shares` (fractions summing to 1) with none above `cap`: what a capped member gives up is spread over the
+    others in proportion to their shares (members at zero stay at zero while others have room)."""
+    shares = list(shares)
+    for _ in range(len(shares)):
+        over = [i for i, share in enumerate(shares) if share > cap + 1e-12]
+        if not over:
+            break
+        excess = sum(shares[i] - cap for i in over)
+        for i in over:
+            shares[i] = cap
+        room = [i for i, share in enumerate(shares) if share < cap - 1e-12 and share > 0] or \
+            [i for i, share in enumerate(shares) if share < cap - 1e-12]
+        weight = sum(shares[i] for i in room)
+        for i in room:
+            shares[i] += excess * (shares[i] / weight if weight > 0 else 1.0 / len(room))
+    return shares
 
 
 def reduce_allgather_seconds(numel_bytes: float, bandwidths: Sequence[float], sizes: Sequence[int]) -> float:
