@@ -16,6 +16,7 @@ _PUBLIC = {
     "AveragingStrategy": "moshpeer.peer.strategies.base",
     "GradientsStrategy": "moshpeer.peer.strategies.gradients",
     "ParametersStrategy": "moshpeer.peer.strategies.parameters",
+    "DiLoCoStrategy": "moshpeer.peer.strategies.diloco",
     "MoshpitAverager": "moshpeer.averaging.averager",
     "RoundResult": "moshpeer.averaging.report",
     "RoundFuture": "moshpeer.averaging.deadline",

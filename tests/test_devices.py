@@ -76,7 +76,7 @@ def test_bf16_state_download_adopts_the_donors_state(dht_node):
             donor.step()
             donor.zero_grad()
         assert donor.local_epoch >= 2
-        donor._advertise()
+        donor.advertise(force=True)
         downloaded = newcomer.catch_up()
         assert downloaded is not None and newcomer.local_epoch == donor.local_epoch
         for p, q in zip(newcomer_model.parameters(), donor_model.parameters()):

@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 
 from moshpeer.peer import state_pieces, state_sync
 from moshpeer.peer.optimizer import CollaborativeOptimizer
+from moshpeer.peer.strategies.gradients import GradientsStrategy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,10 +167,10 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
             donor.step()
             donor.zero_grad()
         assert donor.local_epoch == 3
-        donor._advertise()
+        donor.advertise(force=True)
         # The liar claims one epoch more than the swarm (the most the robust progress view confirms), so it is
         # asked first.
-        liar = LyingDonor(donor._serialized_state()[1], liar_dht.identity, run, epoch=4)
+        liar = LyingDonor(donor.exchange.serialized_state()[1], liar_dht.identity, run, epoch=4)
         offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 4,
                  "protocol": state_sync.STATE_PROTOCOL}
         assert liar_dht.store(state_sync.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
@@ -246,8 +247,8 @@ def test_error_feedback_state_is_checkpointed_and_downloaded(dht_node):
 
         # A newcomer downloads it with the parameters.
         newcomer = collaborative(make_model(seed=9), dhts[2], run, serve_state=False, **options)
-        donor._advertise()
-        peers[1]._advertise()
+        donor.advertise(force=True)
+        peers[1].advertise(force=True)
         downloaded = newcomer.catch_up()
         assert downloaded is not None
         source = peers[0] if downloaded.donor == dhts[0].identity.peer_id else peers[1]
@@ -281,19 +282,19 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
     timing = opt.timing
     timing.matchmaking_time = 1.0
     try:
-        assert [opt.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
-        assert opt.group_target(swarm(2, aux=1)) == 3 and opt.group_target(swarm(4, aux=1)) == 4
+        assert [opt.epochs.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
+        assert opt.epochs.group_target(swarm(2, aux=1)) == 3 and opt.epochs.group_target(swarm(4, aux=1)) == 4
         # The window ends at the budget deadline of the epoch (0.4 s after it began), never below the floor.
         timing.begin_epoch()  # the epoch begins now
-        window = timing.window()
+        window = timing.matchmaking_window()
         assert MIN_BUDGET_WINDOW_S < window <= 0.4
-        timing.step._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
-        assert timing.window() == pytest.approx(MIN_BUDGET_WINDOW_S)
+        timing.epoch_budget._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
+        assert timing.matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
         timing.assembly_s = [0.15]  # complete groups took 0.15 s to assemble lately (a loaded machine)
-        assert timing.window() == pytest.approx(0.45)
-        timing.budget = None
+        assert timing.matchmaking_window() == pytest.approx(0.45)
+        timing.compute_budget = None
         timing.begin_epoch()
-        assert timing.window() == 1.0  # no budget: the configured matchmaking time
+        assert timing.matchmaking_window() == 1.0  # no budget: the configured matchmaking time
     finally:
         opt.shutdown()
 
@@ -304,7 +305,7 @@ def test_gradient_rounds_send_the_parameters_only_every_k_epochs(dht_node):
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     models = [make_model(seed=0), make_model(seed=1)]  # they start apart: the first parameter round joins them
     peers = [collaborative(model, dht_node(initial_peers=maddrs, run_ids=[run]), run, batch_size_per_step=32,
-                           params_every=3) for model in models]
+                           averaging=GradientsStrategy(params_every=3)) for model in models]
     try:
         assert all(opt.wait_for_peers(2, timeout=30) == 2 for opt in peers)
         _train_together(peers, models, epochs=7)

@@ -244,6 +244,21 @@ def deadline_settings_from_args(args: argparse.Namespace) -> dict:
     return floors
 
 
+def strategy_from_args(args: argparse.Namespace):
+    """The `AveragingStrategy` of `--averaging` with the options of that mode's flags (unset flags: the
+    strategy's defaults); UserError for a bad value."""
+    from moshpeer.peer.strategies import make_strategy
+
+    if args.averaging == "gradients":
+        return make_strategy("gradients", params_every=args.params_every)
+    if args.averaging == "diloco":
+        from moshpeer.peer.diloco import parse_outer_optimizer
+
+        return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
+                             outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
+    return make_strategy(args.averaging)
+
+
 def trainer_config_from_args(args: argparse.Namespace):
     """A `TrainerConfig` from the training flags."""
     from moshpeer.peer.dropcompute import parse_compute_budget, parse_straggler
@@ -255,17 +270,13 @@ def trainer_config_from_args(args: argparse.Namespace):
                                               ("--diloco-overlap", args.diloco_overlap)) if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
-    from moshpeer.peer.diloco import parse_outer_optimizer
     settings = loss_budget_settings_from_args(args)
     settings["averager_kwargs"].update(deadline_settings_from_args(args))
     settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
     if getattr(args, "bandwidth", None) is not None:
         settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8
     return TrainerConfig(
-        target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
-        params_every=args.params_every, inner_steps=args.inner_steps,
-        outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None,
-        overlap=args.diloco_overlap or None,
+        target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=strategy_from_args(args),
         compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,

@@ -130,9 +130,6 @@ class AveragingStrategy(abc.ABC):
         if state:
             raise ValueError(f"{self.name} strategy keeps no state, got {sorted(state)}")
 
-    def describe(self) -> str:
-        return self.name
-
     def settings(self) -> Dict[str, Any]:
         """This strategy's settings as the join event line and every round result show them."""
         return {}

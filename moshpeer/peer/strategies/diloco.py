@@ -103,10 +103,6 @@ class DiLoCoStrategy(AveragingStrategy):
         self.outer.pseudo_gradient(self.host.params, own)
         return own
 
-    def describe(self) -> str:
-        return f"diloco(H={self.inner_steps},outer={describe_outer_optimizer(self.outer_optimizer)}" \
-               f"{',overlap' if self.overlap else ''})"
-
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""
         return {"inner_steps": self.inner_steps, "outer_optimizer": describe_outer_optimizer(self.outer_optimizer),
