@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.averaged_buffers import flat_buffer_views, param_spread
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.device import resolve_device
 from moshpeer.peer.tasks import load_task
 from test_optimizer import batches, collaborative, loss_of, make_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moshpeer.peer.checkpoint import CheckpointStore
-from moshpeer.peer.diloco import OuterOptimizer
+from moshpeer.peer.strategies.diloco_outer import OuterOptimizer
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.tasks import load_task, train_locally

@@ -13,7 +13,8 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from moshpeer.peer import state_pieces, state_sync
+from moshpeer.peer.state import framing
+from moshpeer.peer.state import pieces as state_pieces
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 
@@ -127,7 +128,7 @@ class LyingDonor:
             except OSError:
                 return
             with conn:
-                request = state_sync._recv_msgpack(conn, time.monotonic() + 10)
+                request = framing.recv_msgpack(conn, time.monotonic() + 10)
                 self.requests += 1
                 m = self.manifest
                 if request["op"] == "get_manifest":
@@ -135,15 +136,15 @@ class LyingDonor:
                     header = {"ok": True, "epoch": m.epoch, "total_bytes": m.total_bytes, "sha256": m.sha256,
                               "piece_bytes": m.piece_bytes, "public_key": self.identity.public_key.to_bytes(),
                               "signature": self.identity.private_key.sign(signed)}
-                    state_sync._send_frame(conn, msgpack.packb(header))
-                    state_sync._send_frame(conn, b"".join(m.piece_hashes))
+                    framing.send_frame(conn, msgpack.packb(header))
+                    framing.send_frame(conn, b"".join(m.piece_hashes))
                     continue
-                state_sync._send_frame(conn, msgpack.packb({"ok": True}))
+                framing.send_frame(conn, msgpack.packb({"ok": True}))
                 for index in range(request["first"], request["first"] + request["count"]):
                     start, end = m.piece_range(index, 1)
                     corrupted = bytearray(self.payload[start:end])
                     corrupted[len(corrupted) // 2] ^= 0xFF
-                    state_sync._send_frame(conn, bytes(corrupted))
+                    framing.send_frame(conn, bytes(corrupted))
 
 
 def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
@@ -172,8 +173,8 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
         # asked first.
         liar = LyingDonor(donor.exchange.serialized_state()[1], liar_dht.identity, run, epoch=4)
         offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 4,
-                 "protocol": state_sync.STATE_PROTOCOL}
-        assert liar_dht.store(state_sync.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
+                 "protocol": framing.STATE_PROTOCOL}
+        assert liar_dht.store(framing.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
                               subkey=liar_dht.owner_subkey)
 
         downloaded = newcomer.catch_up()
@@ -269,8 +270,8 @@ def test_error_feedback_needs_a_sparsifying_codec(dht_node):
 
 
 def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
-    from moshpeer.peer.round_timing import MIN_BUDGET_WINDOW_S
-    from moshpeer.peer.progress import ProgressSnapshot
+    from moshpeer.peer.optimizer.round_timing import MIN_BUDGET_WINDOW_S
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
     def swarm(trainers: int, aux: int = 0) -> ProgressSnapshot:
         return ProgressSnapshot(global_epoch=0, samples_accumulated=0, target_batch_size=64, num_trainers=trainers,

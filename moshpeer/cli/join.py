@@ -3,7 +3,7 @@
 With `--initial-peers` it joins their swarm; without, it starts a new swarm and prints how others
 join. Either way it prints one JSON readiness line on stdout once it is in the swarm, then trains
 the task (`--task`, default: the built-in digits classifier) and prints one JSON line per
-collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the peer in the swarm.
+collaborative epoch (see `moshpeer.peer.runtime.trainer`). `--no-train` only keeps the peer in the swarm.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def strategy_from_args(args: argparse.Namespace):
     if args.averaging == "gradients":
         return make_strategy("gradients", params_every=args.params_every)
     if args.averaging == "diloco":
-        from moshpeer.peer.diloco import parse_outer_optimizer
+        from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
         return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
                              outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
@@ -261,8 +261,9 @@ def strategy_from_args(args: argparse.Namespace):
 
 def trainer_config_from_args(args: argparse.Namespace):
     """A `TrainerConfig` from the training flags."""
-    from moshpeer.peer.dropcompute import parse_compute_budget, parse_straggler
-    from moshpeer.peer.trainer import TrainerConfig
+    from moshpeer.peer.optimizer.dropcompute import parse_compute_budget
+    from moshpeer.peer.runtime.straggler import parse_straggler
+    from moshpeer.peer.runtime.trainer import TrainerConfig
 
     if args.role == "aux" and args.compute_budget not in ("none", None):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
@@ -295,7 +296,7 @@ def events_emitter(path: Optional[str]) -> Callable[[dict], None]:
 
     :raises UserError: the file cannot be opened
     """
-    from moshpeer.peer.trainer import emit_json
+    from moshpeer.peer.runtime.trainer import emit_json
 
     if path is None:
         return emit_json
@@ -341,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         failure: list = []
 
         def work() -> None:
-            from moshpeer.peer.trainer import run_training
+            from moshpeer.peer.runtime.trainer import run_training
 
             try:
                 task = load_task(args.task, device=device, **task_kwargs)

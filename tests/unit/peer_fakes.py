@@ -16,9 +16,9 @@ import torch
 
 from moshpeer.averaging.loss_budget import parse_loss_budget
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.epoch_loop import EpochCounters, EpochLoop
-from moshpeer.peer.progress import ProgressSnapshot
-from moshpeer.peer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochLoop
+from moshpeer.peer.optimizer.progress import ProgressSnapshot
+from moshpeer.peer.optimizer.round_timing import RoundTiming
 from moshpeer.peer.strategies.base import AveragingStrategy
 
 

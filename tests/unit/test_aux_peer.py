@@ -6,8 +6,8 @@ import threading
 from typing import Any, List
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.aux_peer import AuxPeer
-from moshpeer.peer.epoch_loop import EpochCounters
+from moshpeer.peer.optimizer.aux_peer import AuxPeer
+from moshpeer.peer.optimizer.epoch_loop import EpochCounters
 from moshpeer.peer.strategies.base import RoundPlan
 from peer_fakes import FakeFuture, swarm_view
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.epoch_loop import ROUND_HISTORY
+from moshpeer.peer.optimizer.epoch_loop import ROUND_HISTORY
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view

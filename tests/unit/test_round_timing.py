@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.round_timing import (ASSEMBLY_HISTORY, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
+from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_HISTORY, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
                                         MISSED_ROUND_GRACE_S, RoundTiming)
 from peer_fakes import FakeClock, FakeFuture
 

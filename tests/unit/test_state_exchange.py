@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moshpeer.peer.state_exchange import StateExchange
+from moshpeer.peer.optimizer.state_exchange import StateExchange
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, tiny_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.diloco import OuterOptimizer
+from moshpeer.peer.strategies.diloco_outer import OuterOptimizer
 from moshpeer.peer.strategies import make_strategy
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy

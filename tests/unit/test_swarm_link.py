@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List
 
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
-from moshpeer.peer.swarm_link import SwarmLink
+from moshpeer.peer.optimizer.swarm_link import SwarmLink
 from peer_fakes import swarm_view
 
 
@@ -63,7 +63,7 @@ class Failing:
     def __init__(self):
         self.calls = 0
 
-    def withdraw(self):
+    def withdraw(self, timeout=None):
         self.calls += 1
         raise RuntimeError("DHT gone")
 

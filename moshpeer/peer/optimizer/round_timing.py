@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, List, Optional
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
+from moshpeer.peer.optimizer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
 # takes a few round trips), even when the budget deadline is closer than this. Under load the round

@@ -1,29 +1,23 @@
-"""`CollaborativeOptimizer`: a torch optimizer whose steps are taken by a whole swarm.
+"""`CollaborativeOptimizer`: a torch optimizer whose steps are taken by a whole swarm (docs/training.md).
 
-    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), run_id="my-run",
-                                 target_batch_size=4096, batch_size_per_step=32,
-                                 initial_peers=["/ip4/.../p2p/Qm..."], averaging=DiLoCoStrategy(inner_steps=50))
+    opt = CollaborativeOptimizer(torch.optim.AdamW(model.parameters()), run_id="my-run", target_batch_size=4096,
+                                 batch_size_per_step=32, initial_peers=[...], averaging=DiLoCoStrategy(inner_steps=50))
     for batch in data:
-        loss = loss_fn(model, batch); loss.backward()
+        loss_fn(model, batch).backward()
         opt.step(); opt.zero_grad()          # local accumulation; a swarm step when the epoch is over
 
-It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the wrapped optimizer's (the same
-objects, also after `load_state_dict`), so LR schedulers and `transformers.Trainer(optimizers=(opt, sched))`
-work unchanged. It only wires its parts together:
-- `EpochLoop` (epoch_loop.py): progress toward the target batch, rounds, catch-up, the end of an epoch;
-  on an aux peer `AuxPeer` (aux_peer.py) runs the rounds instead;
-- the averaging mode, an `AveragingStrategy` (strategies/: "gradients", "parameters", "diloco", or an
-  instance that carries its own options, e.g. `DiLoCoStrategy(inner_steps=50, overlap=True)`);
-- `StateExchange` (state_exchange.py): state_dict, checkpoints, donating to and downloading from peers;
-- `RoundTiming` (round_timing.py): the epoch's compute budget and its round's window; `SwarmLink`
-  (swarm_link.py): the DHT record and the swarm's progress; `MoshpitAverager`: the rounds.
+It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the wrapped optimizer's (the same objects,
+also after `load_state_dict`), so LR schedulers and `transformers.Trainer(optimizers=(opt, sched))` work. It
+wires its parts together: `EpochLoop` (epochs, rounds, catch-up) or, on an aux peer, `AuxPeer`; the averaging
+`AveragingStrategy` (an instance carries its options); `StateExchange` (state dicts, checkpoints, donating and
+downloading state); `RoundTiming`; `SwarmLink` (the DHT record and the swarm's progress); `MoshpitAverager`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -31,17 +25,17 @@ from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
 from moshpeer.dht import Admission, SwarmDHT, validate_run_id
 from moshpeer.errors import UserError
-from moshpeer.peer.aux_peer import AuxPeer
-from moshpeer.peer.dropcompute import BudgetSetting
-from moshpeer.peer.epoch_loop import EpochCounters, EpochLoop
-from moshpeer.peer.error_feedback import ERROR_FEEDBACK_MODES, make_error_feedback
-from moshpeer.peer.round_timing import RoundTiming
-from moshpeer.peer.rounds import CollaborativeRound  # also imported from here: keep this path
-from moshpeer.peer.state_exchange import StateExchange
-from moshpeer.peer.state_sync import DownloadedState
+from moshpeer.peer.optimizer.aux_peer import AuxPeer
+from moshpeer.peer.optimizer.dropcompute import BudgetSetting
+from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochLoop
+from moshpeer.peer.optimizer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.rounds import CollaborativeRound
+from moshpeer.peer.optimizer.settings import averager_options, checked_params
+from moshpeer.peer.optimizer.state_exchange import StateExchange
+from moshpeer.peer.optimizer.swarm_link import link_to_swarm
+from moshpeer.peer.state.sync import DownloadedState
 from moshpeer.peer.strategies import make_strategy
 from moshpeer.peer.strategies.base import AveragingStrategy
-from moshpeer.peer.swarm_link import link_to_swarm
 
 logger = logging.getLogger(__name__)
 
@@ -83,37 +77,24 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                  averager_kwargs: Optional[Dict[str, Any]] = None, loss_budget: Any = None,
                  phase_threshold: float = 0.5, phase_window: Optional[int] = None,
                  swarm_key: Optional[bytes] = None, allow_peers: Optional[Sequence[str]] = None):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserError(f"CollaborativeOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if role not in ("trainer", "aux"):
-            raise UserError(f"role must be 'trainer' or 'aux', got {role!r}")
-        if target_batch_size < 1 or (batch_size_per_step is not None and batch_size_per_step < 1):
-            raise UserError("target_batch_size and batch_size_per_step must be positive")
-        if group_size < 2:
-            raise UserError(f"group size must be at least 2, got {group_size}")
-        self.params: List[torch.nn.Parameter] = [p for group in optimizer.param_groups for p in group["params"]]
-        if not self.params:
-            raise UserError("the wrapped optimizer has no parameters")
+        self.params = checked_params(optimizer, role=role, target_batch_size=target_batch_size,
+                                     batch_size_per_step=batch_size_per_step, group_size=group_size)
+        self.strategy, self.role, self.model = make_strategy(averaging), role, model
+        self.run_id, self.averaging = validate_run_id(run_id), self.strategy.name
+        budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold, window=phase_window or DEFAULT_WINDOW)
+        options = averager_options(optimizer, averaging=self.averaging, role=role, compression=compression,
+                                   error_feedback=error_feedback, loss_budget=budget_setting,
+                                   averager_kwargs=averager_kwargs)
+        self.error_feedback = options.get("error_feedback")
         # torch's own setup (hooks, step patching) over the wrapped optimizer's groups; then its very objects,
         # re-shared whenever the wrapped optimizer loads a state dict (which replaces them).
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.inner, self.model, self.role, self.strategy = optimizer, model, role, make_strategy(averaging)
+        self.inner = optimizer
         self._share_inner_state(optimizer)
         optimizer.register_load_state_dict_post_hook(self._share_inner_state)
-        self.run_id, self.averaging = validate_run_id(run_id), self.strategy.name
         self.batch_size_per_step, self.compression, self.group_size = batch_size_per_step, compression, group_size
         self.max_epoch_lag = max_epoch_lag
         self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
-        averager_kwargs = dict(averager_kwargs or {})
-        if role == "aux":  # an aux never leads: it sits in matchmaking far longer than any trainer would wait
-            averager_kwargs.setdefault("client_mode", True)
-        if error_feedback and averager_kwargs.get("error_feedback") is None:
-            averager_kwargs["error_feedback"] = make_error_feedback(optimizer, self.averaging, compression)
-        # Error feedback replaces the averaged vector by its own estimate: (pseudo-)gradients, never parameters.
-        self.error_feedback = averager_kwargs.get("error_feedback")
-        if self.error_feedback is not None and self.averaging not in ERROR_FEEDBACK_MODES:
-            raise UserError(f"error feedback needs averaging in {ERROR_FEEDBACK_MODES}")
-        budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold, window=phase_window or DEFAULT_WINDOW)
         self.lock = threading.RLock()  # held while the training state changes (the state server reads under it)
         # fp32 whatever the parameters' dtype: summed in bf16, 256 + 1 is 256.
         self.counters = EpochCounters([torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
@@ -125,11 +106,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                    admission=admission)
         self.dht, self.progress, self.peer_id = self.swarm.dht, self.swarm.progress, self.swarm.dht.identity.peer_id
         self.strategy.bind(self)
-        averager_kwargs.setdefault("loss_budget", budget_setting)
         self.averager = MoshpitAverager(
             [self.strategy.buffer], dht=self.dht, run_id=f"{run_id}.{self.averaging}", target_group_size=group_size,
             min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
-            round_timeout=round_timeout, host=host, **averager_kwargs)
+            round_timeout=round_timeout, host=host, **options)
         if self.averager.aggregation == "clipped":  # samples whose gradients are weighed at zero do not count
             self.progress.count_samples_except(lambda: self.averager.suspects.suspects)
         self.exchange = StateExchange(self, dht=self.dht, run_id=run_id, role=role, serve=serve_state, address=host,

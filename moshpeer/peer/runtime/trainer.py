@@ -35,11 +35,12 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
-from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
-from moshpeer.peer.health import round_health
-from moshpeer.peer.metrics import PeerMetrics
+from moshpeer.peer.optimizer.dropcompute import BudgetSetting
+from moshpeer.peer.runtime.straggler import StragglerDelay
+from moshpeer.peer.runtime.health import round_health
+from moshpeer.peer.runtime.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
-from moshpeer.peer.rounds import CollaborativeRound
+from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.strategies.base import AveragingStrategy
 from moshpeer.peer.tasks import Task
 

@@ -37,13 +37,13 @@ import torch
 
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.loss_phase import LossPhaseTracker, epoch_gradient
-from moshpeer.peer.progress import ProgressSnapshot
-from moshpeer.peer.round_timing import RoundTiming
-from moshpeer.peer.rounds import CollaborativeRound
-from moshpeer.peer.speed_meter import SpeedMeter
+from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
+from moshpeer.peer.optimizer.progress import ProgressSnapshot
+from moshpeer.peer.optimizer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.rounds import CollaborativeRound
+from moshpeer.peer.optimizer.speed_meter import SpeedMeter
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
-from moshpeer.peer.swarm_link import SwarmLink
+from moshpeer.peer.optimizer.swarm_link import SwarmLink
 
 # Records kept in `EpochLoop.rounds` (the trainer's round health reads the last 20): a long run must not
 # grow a list per epoch. `rounds_total` and `rounds_ok` count them all.

@@ -22,10 +22,11 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-from moshpeer.peer.epoch_loop import EpochCounters
-from moshpeer.peer.error_feedback import check_error_feedback_state, error_feedback_state, fresh_error_feedback_state
-from moshpeer.peer.state_sync import DownloadedState, StateDownloadFailed, StateServer, download_state, serialize_state
-from moshpeer.peer.state_validation import (MAX_COUNTER, validate_counters, validate_model_state,
+from moshpeer.peer.optimizer.epoch_loop import EpochCounters
+from moshpeer.peer.optimizer.error_feedback import check_error_feedback_state, error_feedback_state, fresh_error_feedback_state
+from moshpeer.peer.state.framing import serialize_state
+from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
+from moshpeer.peer.state.validation import (MAX_COUNTER, validate_counters, validate_model_state,
                                             validate_optimizer_state)
 from moshpeer.peer.strategies.base import AveragingStrategy
 
@@ -147,7 +148,7 @@ class StateExchange:
             host.restart_epoch()
 
     def check_state_fits(self, state: Dict[str, Any], max_epoch: int = MAX_COUNTER) -> None:
-        """Raise ValueError unless `state` is a complete, plausible state of our model (state_validation.py)."""
+        """Raise ValueError unless `state` is a complete, plausible state of our model (state/validation.py)."""
         host = self.host
         if state.get("format") != 1 or not isinstance(state.get("epoch"), int):
             raise ValueError("unknown state format")
