@@ -97,9 +97,19 @@ def test_scheduler_and_state_dict_pass_through(dht_node):
         other_dht = dht_node(run_ids=["surface2"])  # one averager per DHT node and run
         fresh = collaborative(make_model(), other_dht, "surface2", batch_size_per_step=32, serve_state=False)
         try:
+            hooked = []
+            fresh.register_step_post_hook(lambda optimizer, args, kwargs: hooked.append(optimizer))
             fresh.load_state_dict(state)
             assert fresh.local_epoch == 1
             assert fresh.inner.param_groups[0]["lr"] == pytest.approx(opt.inner.param_groups[0]["lr"])
+            # The wrapped optimizer replaced its groups and state while loading: ours are still its very objects,
+            # so a scheduler attached later changes the learning rate the inner optimizer uses.
+            assert fresh.param_groups is fresh.inner.param_groups and fresh.state is fresh.inner.state
+            torch.optim.lr_scheduler.StepLR(fresh, step_size=1, gamma=0.1).step()
+            assert fresh.inner.param_groups[0]["lr"] == pytest.approx(opt.inner.param_groups[0]["lr"] * 0.1)
+            loss_of(fresh.model, batches(1, 32)[0]).backward()
+            fresh.step()
+            assert hooked == [fresh]  # torch's step hooks run around our step
         finally:
             fresh.shutdown()
     finally:

@@ -157,7 +157,7 @@ class FakeHost:
         self.averager, self.swarm = FakeAverager(), FakeSwarm()
         self.strategy = strategy
         self.stop = False
-        self.donor_state: Optional[Any] = None  # what download_state adopts (None: no donor delivers)
+        self.donor_state: Optional[Any] = None  # what catch_up adopts (None: no donor delivers)
         self.downloads: List[int] = []
         self.advertised: List[bool] = []
         strategy.bind(self)
@@ -181,7 +181,7 @@ class FakeHost:
     def should_stop(self) -> bool:
         return self.stop
 
-    def download_state(self, min_epoch: int) -> Optional[Any]:
+    def catch_up(self, min_epoch: int) -> Optional[Any]:
         self.downloads.append(min_epoch)
         if self.donor_state is None:
             return None

@@ -167,3 +167,15 @@ def test_progress_is_published_after_every_micro_batch():
     report = host.swarm.progress.reports[-1]
     assert (report["epoch"], report["samples_accumulated"], report["force"]) == (0, 4, False)
     assert host.swarm.flagged[-1] == {"peer-a": 2}
+
+
+def test_step_takes_the_default_batch_size_or_refuses_without_one():
+    from moshpeer.errors import UserError
+
+    host = gradients_host()
+    host.backward()
+    with pytest.raises(UserError):
+        host.epochs.step()
+    host.epochs.batch_size_per_step = 8
+    assert host.epochs.step() is None and host.counters.samples == 8
+    assert host.epochs.step(4) is None and host.counters.samples == 12

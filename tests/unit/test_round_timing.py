@@ -19,7 +19,7 @@ def test_without_a_budget_a_round_waits_the_matchmaking_time():
     timing = RoundTiming(1.5, None, 4)
     assert timing.matchmaking_window() == 1.5 and not timing.budget_spent() and timing.end_compute() is False
     assert not timing.too_late_for_round()
-    assert timing.aux_window() == AUX_WINDOW_FACTOR * 1.5 and timing.round_timeout_for(1.5) == 3.0
+    assert timing.aux_window() == AUX_WINDOW_FACTOR * 1.5 and timing.search_time_for(1.5) == 3.0
 
 
 def test_the_window_ends_at_the_budget_deadline_but_never_below_the_floor():

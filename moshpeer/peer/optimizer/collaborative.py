@@ -43,22 +43,20 @@ logger = logging.getLogger(__name__)
 class CollaborativeOptimizer(torch.optim.Optimizer):
     """Wraps a local optimizer so that a swarm of peers trains one model; see the module docstring.
 
-    :param optimizer: the local optimizer over the model's parameters; run_id: the training run
-    :param target_batch_size: samples the swarm gathers per epoch; batch_size_per_step: samples behind one
-        `step()` without `batch_size=`
+    :param optimizer, model: the local optimizer; the model (optional: downloaded states then carry its buffers)
+    :param run_id, target_batch_size: the run; samples the swarm gathers per epoch. batch_size_per_step: samples
+        behind a `step()` without `batch_size=`
     :param daemon / dht / initial_peers: a started `PeerDaemon`, a running `SwarmDHT`, or multiaddrs for a DHT
-        node of this optimizer's own (swarm_link.py); host: the address this peer's data plane listens on
-    :param averaging: an `AveragingStrategy` instance, or a name in `strategies.STRATEGIES` (default options)
-    :param compression, group_size, min_group_size, matchmaking_time, round_timeout: the rounds' codec, group
-        sizes and deadlines (seconds); averager_kwargs: more `MoshpitAverager` arguments
-    :param compute_budget: DropCompute threshold per epoch: None, seconds, or "auto"
-    :param error_feedback: keep EF21M state around a sparsifying codec (arc-topk)
-    :param role: "trainer", or "aux" (averages with weight 0, never computes: `step()` waits for a round)
-    :param max_epoch_lag: download state when the swarm's epoch is ahead by more than this
-    :param serve_state, state_download_timeout, state_bytes_per_second: donating and downloading state
-    :param should_stop: polled while a round is in flight; True abandons it (prompt shutdown)
-    :param swarm_key, allow_peers: a private run (`moshpeer.dht.Admission`; docs/security.md)
-    :param loss_budget, phase_threshold, phase_window: DBLP loss budget of the rounds (loss_budget.py)
+        node of this optimizer's own; host: the address this peer's data plane and state server listen on
+    :param averaging: an `AveragingStrategy` instance (with its options), or a name in `strategies.STRATEGIES`
+    :param compression, group_size, min_group_size, matchmaking_time, round_timeout, averager_kwargs: the
+        rounds' codec, group sizes, deadlines (seconds) and further `MoshpitAverager` arguments
+    :param compute_budget: DropCompute threshold per epoch (None, seconds, "auto"); max_epoch_lag: download
+        state when the swarm is further ahead; role: "trainer" or "aux" (weight 0, no compute)
+    :param error_feedback: EF21M state around a sparsifying codec; loss_budget, phase_threshold, phase_window:
+        the rounds' DBLP loss budget; swarm_key, allow_peers: a private run (docs/security.md)
+    :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating and downloading
+        state; should_stop: polled while a round is in flight (True abandons it)
 
     Bad settings raise `UserError` with one line. A round that fails or finds no group is logged and the epoch
     ends with this peer's own step (its record says why).
@@ -116,9 +114,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                       download_timeout=state_download_timeout, show_progress=show_progress,
                                       bytes_per_second=state_bytes_per_second)
         self.epochs = EpochLoop(self, target_batch_size=int(target_batch_size), group_size=group_size,
-                                max_epoch_lag=max_epoch_lag, loss_budget=budget_setting)
+                                max_epoch_lag=max_epoch_lag, loss_budget=budget_setting,
+                                batch_size_per_step=batch_size_per_step)
         self.aux = AuxPeer(self.epochs, round_timeout=round_timeout, should_stop=self.should_stop) \
             if role == "aux" else None
+        self._stepper = self.aux or self.epochs  # what step() does: a trainer's epochs, or an aux's rounds
         self.ended_round: Optional[CollaborativeRound] = None  # what the last step() ended (None: no epoch)
         self.exchange.advertise(force=True)
         self.epochs.report_progress(force=True)
@@ -140,13 +140,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.aux is not None:
-            self.ended_round = self.aux.step()
-            return loss
-        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
-        if batch_size is None:
-            raise UserError("pass step(batch_size=...) or set batch_size_per_step")
-        self.ended_round = self.epochs.account(int(batch_size))
+        self.ended_round = self._stepper.step(batch_size)
         return loss
 
     def wait_and_average(self, timeout: Optional[float] = None) -> Optional[CollaborativeRound]:
@@ -181,8 +175,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if downloaded is not None:
             self.epochs.report_progress(force=True)
         return downloaded
-
-    download_state = catch_up  # EpochHost
 
     # State: state_exchange.py does the work; these are torch's and the checkpointer's entry points.
     def state_dict(self) -> Dict[str, Any]:

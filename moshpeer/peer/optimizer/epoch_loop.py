@@ -2,7 +2,7 @@
 
 Life of an epoch (all from the training thread):
 
-    account(n)          after each micro-batch of n samples: add its gradients (x n) to `counters.grad_sums`
+    step(n) / account(n) after each micro-batch of n samples: add its gradients (x n) to `counters.grad_sums`
                         when the strategy averages gradients (or the loss budget watches them), let a local
                         strategy take its inner step, publish progress; if `epoch_is_over()`, `end_epoch()`
     epoch_is_over()     this peer computed its share of `target_batch_size` (target / contributing trainers),
@@ -37,6 +37,7 @@ import torch
 
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import RoundResult
+from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming
@@ -97,8 +98,8 @@ class EpochHost(Protocol):
 
     def inner_step(self) -> None: ...
 
-    def download_state(self, min_epoch: int) -> Optional[Any]:
-        """Adopt a donor's state of `min_epoch` or later (no round may be in flight); None if none delivered."""
+    def catch_up(self, min_epoch: int) -> Optional[Any]:
+        """Adopt a donor's state of `min_epoch` or later; None if none delivered."""
 
     def advertise(self, force: bool = False) -> None:
         """Offer this peer's state to newcomers (throttled unless `force`)."""
@@ -115,10 +116,10 @@ class EpochLoop:
     """
 
     def __init__(self, host: EpochHost, *, target_batch_size: int, group_size: int, max_epoch_lag: int,
-                 loss_budget: LossBudget):
+                 loss_budget: LossBudget, batch_size_per_step: Optional[int] = None):
         self.host, self.counters, self.lock = host, host.counters, host.lock
         self.target_batch_size, self.group_size = target_batch_size, group_size
-        self.max_epoch_lag = max_epoch_lag
+        self.max_epoch_lag, self.batch_size_per_step = max_epoch_lag, batch_size_per_step
         self.loss_budget_setting = loss_budget
         self.rounds: Deque[CollaborativeRound] = collections.deque(maxlen=ROUND_HISTORY)
         self.rounds_total = self.rounds_ok = 0
@@ -126,6 +127,14 @@ class EpochLoop:
         self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
 
     # ---- micro-batches ------------------------------------------------------------------------
+
+    def step(self, batch_size: Optional[int] = None) -> Optional[CollaborativeRound]:
+        """What `optimizer.step()` does on a trainer: `account` for `batch_size` samples (default:
+        `batch_size_per_step`); UserError when neither is given."""
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        if batch_size is None:
+            raise UserError("pass step(batch_size=...) or set batch_size_per_step")
+        return self.account(int(batch_size))
 
     @torch.no_grad()
     def account(self, batch_size: int) -> Optional[CollaborativeRound]:
@@ -236,7 +245,7 @@ class EpochLoop:
 
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
         """Start one averaging round in the averager's round thread; its `RoundFuture`."""
-        return self.host.averager.step(weight=weight, timeout=self.host.timing.round_timeout_for(window),
+        return self.host.averager.step(weight=weight, timeout=self.host.timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
                                        averaged=plan.averages, wait=False)
 
@@ -270,7 +279,7 @@ class EpochLoop:
         """Drop this epoch's samples and adopt a donor's state of `min_epoch` or later; None if no donor."""
         stale, epoch = self.counters.samples, self.counters.epoch
         self.settle()  # a round still in the background must not land on the downloaded state
-        if self.host.download_state(min_epoch) is None:
+        if self.host.catch_up(min_epoch) is None:
             return None
         self.counters.dropped_samples += stale
         self.report_progress(force=True)

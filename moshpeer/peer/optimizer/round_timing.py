@@ -1,10 +1,10 @@
 """`RoundTiming`: the peer side's one owner of round timing.
 
 It answers, for the epoch loop and the aux peer: when this epoch's compute must stop (the DropCompute
-budget, dropcompute.py), how long this epoch's round waits for its group (`matchmaking_window`), how long
-an aux waits as a follower (`aux_window`), the round's overall timeout, how long a peer whose round failed
-watches for the others having finished it (`missed_round_grace`), and it waits for a started round within
-the round's own deadline (`await_result`).
+budget, dropcompute.py), how long this epoch's round waits for its group to fill (`matchmaking_window`) and
+searches for one at all (`search_time_for`), how long an aux waits as a follower (`aux_window`), how long a
+peer whose round failed watches for the others having finished it (`missed_round_grace`), and it waits for a
+started round within the round's own deadline (`await_result`).
 
 With a budget, the swarm waits for nobody past the budget deadline of the epoch (a straggler still inside a
 micro-batch is left out), but at least the time a complete group needs to assemble, learned from this peer's
@@ -32,8 +32,9 @@ MIN_BUDGET_WINDOW_S = 0.2
 ASSEMBLY_MARGIN = 3.0
 ASSEMBLY_HISTORY = 8
 STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
-# A round may run this many matchmaking windows in all (search, assembly and data plane).
-ROUND_TIMEOUT_WINDOWS = 2
+# A round looks for a group for this many matchmaking windows (the averager's `timeout`; its assembly and data
+# plane have their own deadlines after that).
+SEARCH_WINDOWS = 2
 # An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
 # when the group is complete), and a leader accepts only followers whose window outlasts its own.
 AUX_WINDOW_FACTOR = 10
@@ -102,9 +103,9 @@ class RoundTiming:
         return AUX_WINDOW_FACTOR * self.matchmaking_time
 
     @staticmethod
-    def round_timeout_for(window: float) -> float:
-        """The whole round's timeout for a matchmaking `window`."""
-        return ROUND_TIMEOUT_WINDOWS * window
+    def search_time_for(window: float) -> float:
+        """How long a round with a matchmaking `window` looks for a group (`MoshpitAverager.step`'s timeout)."""
+        return SEARCH_WINDOWS * window
 
     def missed_round_grace(self) -> float:
         """How long a peer whose round failed watches the swarm for the others having finished it."""

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 # How long a starting peer retries reading the swarm's progress before it decides whether to download state.
 STARTUP_VIEW_TIMEOUT_S = 20.0
+# An aux learns that the trainers are done from their records' epoch. Trainers withdraw their records right
+# after their last epoch, so an aux waiting in matchmaking then may never see that epoch: one epoch short of
+# --max-epochs, with no trainer visible for this long (after it saw some), it is done too.
+AUX_ORPHANED_S = 5.0
 
 Emit = Callable[[Dict[str, Any]], None]
 
@@ -188,6 +192,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     metrics: Dict[str, float] = {}
     reason = "stopped"
     loss_sum, loss_count = 0.0, 0
+    trainers_seen_at: Optional[float] = None  # an aux: when it last saw a live trainer
     while True:
         if daemon.stop_requested:
             reason = "stopped"
@@ -209,6 +214,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             micro_steps += 1
         else:
             _optimizer_call(lambda: optimizer.wait_and_average(timeout=1.0), checkpointer, in_step)
+            if optimizer.progress.snapshot().num_trainers > 0:
+                trainers_seen_at = time.monotonic()
         # The record of the epoch this call ended; with an overlapping strategy (DiLoCo with overlap) the round
         # resolved now, the previous epoch's (a "round in flight" record at the first epoch end).
         round_ = optimizer.ended_round
@@ -220,7 +227,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         if peer_metrics is not None and checkpointer is not None:
             peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
         if round_ is None and optimizer.local_epoch == epoch_before:
-            if stream is None and _reached_limit(optimizer, config):
+            if stream is None and (_reached_limit(optimizer, config) or _trainers_finished(
+                    optimizer.local_epoch, config.max_epochs, trainers_seen_at, time.monotonic())):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
                 break
             continue
@@ -334,6 +342,14 @@ def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, em
           "state_digest": state_digest(checkpointer.capture(step)),
           "params_digest": params_digest(checkpointer.model),
           "seconds_left": None if left == float("inf") else round(left, 3)})
+
+
+def _trainers_finished(local_epoch: int, max_epochs: Optional[int], trainers_seen_at: Optional[float],
+                       now: float) -> bool:
+    """For an aux: the trainers it followed finished their last epoch and left before it saw that epoch (see
+    AUX_ORPHANED_S): it is one epoch short of `max_epochs` and has seen no trainer for AUX_ORPHANED_S."""
+    return (max_epochs is not None and local_epoch >= max_epochs - 1 and trainers_seen_at is not None
+            and now - trainers_seen_at > AUX_ORPHANED_S)
 
 
 def _reached_limit(optimizer: CollaborativeOptimizer, config: TrainerConfig) -> bool:
