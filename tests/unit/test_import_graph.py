@@ -102,8 +102,9 @@ def test_find_cycle_finds_one():
 def test_every_module_imports_in_a_fresh_interpreter():
     # One interpreter for all (each module in its own would take minutes: torch and hivemind load each time).
     names = sorted(name for name in module_names() if not name.endswith("__main__"))  # that one runs the CLI
-    out = subprocess.run([sys.executable, "-c", "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]",
-                          *names], capture_output=True, text=True, timeout=240, cwd=PACKAGE_ROOT.parent)
+    script = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]"
+    out = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True, timeout=240,
+                         cwd=PACKAGE_ROOT.parent)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -171,28 +171,35 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         """Settle any round in flight, then download the most advanced donor's state (no further than the swarm
         epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered."""
         self.epochs.settle()
-        downloaded = self.exchange.download(min_epoch, max_epoch=self.progress.refresh_now(timeout=2.0).global_epoch + 1)
+        swarm_epoch = self.progress.refresh_now(timeout=2.0).global_epoch
+        downloaded = self.exchange.download(min_epoch, max_epoch=swarm_epoch + 1)
         if downloaded is not None:
             self.epochs.report_progress(force=True)
         return downloaded
 
-    # State: state_exchange.py does the work; these are torch's and the checkpointer's entry points.
+    # State: state_exchange.py does the work (and documents what each raises when a state does not fit).
     def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict plus epoch, steps, error-feedback and strategy state."""
         return self.exchange.state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Inverse of `state_dict` (a plain torch optimizer state dict loads too); raises what torch raises."""
         self.exchange.load_state_dict(state_dict)
 
     def collaborative_state(self) -> Dict[str, Any]:
+        """Everything a newcomer downloads (parameters, optimizer, epoch, strategy state), as copies."""
         return self.exchange.collaborative_state()
 
     def load_collaborative_state(self, state: Dict[str, Any]) -> None:
+        """Adopt a `collaborative_state()`; ValueError, with nothing changed, when it does not fit."""
         self.exchange.load_collaborative_state(state)
 
     def checkpoint_state(self) -> Dict[str, Any]:
+        """This peer's own training state for a local checkpoint (live tensors: snapshot them)."""
         return self.exchange.checkpoint_state()
 
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
+        """Continue from a `checkpoint_state()`; ValueError when it does not fit this model."""
         self.exchange.load_checkpoint_state(state)
         self.epochs.report_progress(force=True)
         self.exchange.advertise(force=True)
@@ -204,7 +211,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def advertise(self, force: bool = False) -> None:
         self.exchange.advertise(force)
 
-    def averaging_paused(self) -> Any:
+    def averaging_paused(self) -> ContextManager:
         return self.averager.get_tensors()
 
     grad_sums = property(lambda self: self.counters.grad_sums)

@@ -96,7 +96,8 @@ class EpochHost(Protocol):
 
     def should_stop(self) -> bool: ...
 
-    def inner_step(self) -> None: ...
+    def inner_step(self) -> None:
+        """One step of the wrapped optimizer, counted in `counters.steps`."""
 
     def catch_up(self, min_epoch: int) -> Optional[Any]:
         """Adopt a donor's state of `min_epoch` or later; None if none delivered."""
@@ -113,6 +114,7 @@ class EpochLoop:
     :param group_size: the largest group a round aims for
     :param max_epoch_lag: adopt a donor's state when the swarm's epoch is ahead by more than this
     :param loss_budget: the loss-budget setting (`parse_loss_budget`; a phase-aware one watches the gradients)
+    :param batch_size_per_step: samples behind a `step()` that names none
     """
 
     def __init__(self, host: EpochHost, *, target_batch_size: int, group_size: int, max_epoch_lag: int,

@@ -23,7 +23,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple
 import torch
 
 from moshpeer.peer.optimizer.epoch_loop import EpochCounters
-from moshpeer.peer.optimizer.error_feedback import check_error_feedback_state, error_feedback_state, fresh_error_feedback_state
+from moshpeer.peer.optimizer.error_feedback import (check_error_feedback_state, error_feedback_state,
+                                                    fresh_error_feedback_state)
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
 from moshpeer.peer.state.validation import (MAX_COUNTER, validate_counters, validate_model_state,

@@ -1,4 +1,4 @@
-"""`DiLoCoStrategy`: rare, compressed outer steps (averaging="diloco"; the math is in moshpeer/peer/strategies/diloco_outer.py).
+"""`DiLoCoStrategy`: rare, compressed outer steps (averaging="diloco"; the math is in diloco_outer.py).
 
 Every `step()` is an inner optimizer step (AdamW in the paper). After `inner_steps` (H) of them the
 epoch is over: the round averages the pseudo-gradient Δ = θ_outer − θ_local with a Moshpit group (any
