@@ -303,7 +303,7 @@ def hivemind_worker(args) -> int:
     import hivemind
     import torch
 
-    from moshpeer.peer.dropcompute import parse_straggler
+    from moshpeer.peer.runtime.straggler import parse_straggler
     from moshpeer.peer.tasks import load_task
 
     task = load_task("digits")

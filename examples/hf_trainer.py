@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     rounds = optimizer.rounds
     print(json.dumps({
         "event": "done", "initial_eval_loss": initial, "eval_loss": final, "epochs": optimizer.local_epoch,
-        "rounds_ok": sum(r.ok for r in rounds), "rounds": len(rounds), "seconds": round(time.monotonic() - started, 2),
+        "rounds_ok": optimizer.epochs.rounds_ok, "rounds": optimizer.epochs.rounds_total, "seconds": round(time.monotonic() - started, 2),
         "max_group_size": max((r.group_size for r in rounds), default=1),
     }), flush=True)
     optimizer.shutdown(close_averager=False)

@@ -12,10 +12,11 @@ from moshpeer.version import __version__
 
 _PUBLIC = {
     "CollaborativeOptimizer": "moshpeer.peer.optimizer",
-    "CollaborativeRound": "moshpeer.peer.rounds",
+    "CollaborativeRound": "moshpeer.peer.optimizer.rounds",
     "AveragingStrategy": "moshpeer.peer.strategies.base",
     "GradientsStrategy": "moshpeer.peer.strategies.gradients",
     "ParametersStrategy": "moshpeer.peer.strategies.parameters",
+    "DiLoCoStrategy": "moshpeer.peer.strategies.diloco",
     "MoshpitAverager": "moshpeer.averaging.averager",
     "RoundResult": "moshpeer.averaging.report",
     "RoundFuture": "moshpeer.averaging.deadline",

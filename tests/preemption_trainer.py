@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from moshpeer.peer.checkpoint import CheckpointStore, Parts, capture_rng_state, restore_rng_state  # noqa: E402
-from moshpeer.peer.preemption import PreemptionWatcher  # noqa: E402
+from moshpeer.peer.runtime.preemption import PreemptionWatcher  # noqa: E402
 
 NUM_SAMPLES = 512
 

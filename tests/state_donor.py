@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from moshpeer.dht import start_dht  # noqa: E402
-from moshpeer.peer.state_sync import StateServer, serialize_state  # noqa: E402
+from moshpeer.peer.state.framing import serialize_state  # noqa: E402
+from moshpeer.peer.state.sync import StateServer  # noqa: E402
 
 EPOCH = 7
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.averaged_buffers import flat_buffer_views, param_spread
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.device import resolve_device
 from moshpeer.peer.tasks import load_task
 from test_optimizer import batches, collaborative, loss_of, make_model
@@ -76,7 +76,7 @@ def test_bf16_state_download_adopts_the_donors_state(dht_node):
             donor.step()
             donor.zero_grad()
         assert donor.local_epoch >= 2
-        donor._advertise()
+        donor.advertise(force=True)
         downloaded = newcomer.catch_up()
         assert downloaded is not None and newcomer.local_epoch == donor.local_epoch
         for p, q in zip(newcomer_model.parameters(), donor_model.parameters()):

@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 
 from moshpeer.dht import Identity, PeerRecord, list_peers, peers_key, publish_record, withdraw
 from moshpeer.errors import UserError
-from moshpeer.peer.daemon import PeerDaemon
+from moshpeer.peer.runtime.daemon import PeerDaemon
 from moshpeer.version import PROTOCOL_VERSION, __version__
 from swarm import LOOPBACK
 

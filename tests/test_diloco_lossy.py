@@ -12,7 +12,7 @@ import torch
 from averaging_stats import mean_within_bound, owner_pull
 from averaging_worker import peer_values
 from moshpeer.averaging import FaultyLinks, MoshpitAverager, Partition
-from moshpeer.peer.diloco import OuterState
+from moshpeer.peer.strategies.diloco_outer import OuterState
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""DiLoCo's outer loop in one process (moshpeer.peer.diloco): the outer step, the one-step delay, its state."""
+"""DiLoCo's outer loop in one process (moshpeer.peer.strategies.diloco_outer): the outer step, the one-step delay, its state."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.diloco import OuterOptimizer, OuterState, describe_outer_optimizer, parse_outer_optimizer
+from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterState, describe_outer_optimizer, parse_outer_optimizer
 
 
 def params_like(seed: int, shapes=((4, 3), (3,))) -> list:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from moshpeer.peer.checkpoint import CheckpointStore
-from moshpeer.peer.diloco import OuterOptimizer
+from moshpeer.peer.strategies.diloco_outer import OuterOptimizer
 from moshpeer.peer.optimizer import CollaborativeOptimizer
+from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.tasks import load_task, train_locally
 from swarm import LOOPBACK
 from training_swarm import events, start_trainers, wait_event
@@ -123,7 +124,7 @@ def make_model() -> torch.nn.Module:
 
 def diloco_peer(model, dht, run_id: str, **kwargs) -> CollaborativeOptimizer:
     return CollaborativeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), run_id=run_id, dht=dht, model=model,
-                                  averaging="diloco", inner_steps=3, outer_optimizer=OuterOptimizer(),
+                                  averaging=DiLoCoStrategy(inner_steps=3, outer_optimizer=OuterOptimizer()),
                                   target_batch_size=64, batch_size_per_step=16, matchmaking_time=2.0,
                                   round_timeout=10.0, progress_refresh=0.2, **kwargs)
 

@@ -12,17 +12,16 @@ import torch
 from torch import nn
 
 from moshpeer.errors import UserError
-from moshpeer.peer.dropcompute import (
+from moshpeer.peer.optimizer.dropcompute import (
     ComputeBudget,
     StepReport,
-    StragglerDelay,
     choose_threshold,
     computed_under_threshold,
     default_candidates,
     parse_compute_budget,
-    parse_straggler,
     simulate_threshold,
 )
+from moshpeer.peer.runtime.straggler import StragglerDelay, parse_straggler
 
 pytestmark = pytest.mark.timeout(60)
 

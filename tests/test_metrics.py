@@ -107,7 +107,7 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist():
     import re
     from pathlib import Path
 
-    from moshpeer.peer.metrics import PeerMetrics
+    from moshpeer.peer.runtime.metrics import PeerMetrics
 
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "moshpeer.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]

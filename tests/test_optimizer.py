@@ -13,8 +13,10 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from moshpeer.peer import state_pieces, state_sync
+from moshpeer.peer.state import framing
+from moshpeer.peer.state import pieces as state_pieces
 from moshpeer.peer.optimizer import CollaborativeOptimizer
+from moshpeer.peer.strategies.gradients import GradientsStrategy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,9 +97,19 @@ def test_scheduler_and_state_dict_pass_through(dht_node):
         other_dht = dht_node(run_ids=["surface2"])  # one averager per DHT node and run
         fresh = collaborative(make_model(), other_dht, "surface2", batch_size_per_step=32, serve_state=False)
         try:
+            hooked = []
+            fresh.register_step_post_hook(lambda optimizer, args, kwargs: hooked.append(optimizer))
             fresh.load_state_dict(state)
             assert fresh.local_epoch == 1
             assert fresh.inner.param_groups[0]["lr"] == pytest.approx(opt.inner.param_groups[0]["lr"])
+            # The wrapped optimizer replaced its groups and state while loading: ours are still its very objects,
+            # so a scheduler attached later changes the learning rate the inner optimizer uses.
+            assert fresh.param_groups is fresh.inner.param_groups and fresh.state is fresh.inner.state
+            torch.optim.lr_scheduler.StepLR(fresh, step_size=1, gamma=0.1).step()
+            assert fresh.inner.param_groups[0]["lr"] == pytest.approx(opt.inner.param_groups[0]["lr"] * 0.1)
+            loss_of(fresh.model, batches(1, 32)[0]).backward()
+            fresh.step()
+            assert hooked == [fresh]  # torch's step hooks run around our step
         finally:
             fresh.shutdown()
     finally:
@@ -126,7 +138,7 @@ class LyingDonor:
             except OSError:
                 return
             with conn:
-                request = state_sync._recv_msgpack(conn, time.monotonic() + 10)
+                request = framing.recv_msgpack(conn, time.monotonic() + 10)
                 self.requests += 1
                 m = self.manifest
                 if request["op"] == "get_manifest":
@@ -134,15 +146,15 @@ class LyingDonor:
                     header = {"ok": True, "epoch": m.epoch, "total_bytes": m.total_bytes, "sha256": m.sha256,
                               "piece_bytes": m.piece_bytes, "public_key": self.identity.public_key.to_bytes(),
                               "signature": self.identity.private_key.sign(signed)}
-                    state_sync._send_frame(conn, msgpack.packb(header))
-                    state_sync._send_frame(conn, b"".join(m.piece_hashes))
+                    framing.send_frame(conn, msgpack.packb(header))
+                    framing.send_frame(conn, b"".join(m.piece_hashes))
                     continue
-                state_sync._send_frame(conn, msgpack.packb({"ok": True}))
+                framing.send_frame(conn, msgpack.packb({"ok": True}))
                 for index in range(request["first"], request["first"] + request["count"]):
                     start, end = m.piece_range(index, 1)
                     corrupted = bytearray(self.payload[start:end])
                     corrupted[len(corrupted) // 2] ^= 0xFF
-                    state_sync._send_frame(conn, bytes(corrupted))
+                    framing.send_frame(conn, bytes(corrupted))
 
 
 def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
@@ -166,13 +178,13 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
             donor.step()
             donor.zero_grad()
         assert donor.local_epoch == 3
-        donor._advertise()
+        donor.advertise(force=True)
         # The liar claims one epoch more than the swarm (the most the robust progress view confirms), so it is
         # asked first.
-        liar = LyingDonor(donor._serialized_state()[1], liar_dht.identity, run, epoch=4)
+        liar = LyingDonor(donor.exchange.serialized_state()[1], liar_dht.identity, run, epoch=4)
         offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 4,
-                 "protocol": state_sync.STATE_PROTOCOL}
-        assert liar_dht.store(state_sync.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
+                 "protocol": framing.STATE_PROTOCOL}
+        assert liar_dht.store(framing.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
                               subkey=liar_dht.owner_subkey)
 
         downloaded = newcomer.catch_up()
@@ -246,8 +258,8 @@ def test_error_feedback_state_is_checkpointed_and_downloaded(dht_node):
 
         # A newcomer downloads it with the parameters.
         newcomer = collaborative(make_model(seed=9), dhts[2], run, serve_state=False, **options)
-        donor._advertise()
-        peers[1]._advertise()
+        donor.advertise(force=True)
+        peers[1].advertise(force=True)
         downloaded = newcomer.catch_up()
         assert downloaded is not None
         source = peers[0] if downloaded.donor == dhts[0].identity.peer_id else peers[1]
@@ -268,8 +280,8 @@ def test_error_feedback_needs_a_sparsifying_codec(dht_node):
 
 
 def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
-    from moshpeer.peer.round_timing import MIN_BUDGET_WINDOW_S
-    from moshpeer.peer.progress import ProgressSnapshot
+    from moshpeer.peer.optimizer.round_timing import MIN_BUDGET_WINDOW_S
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
     def swarm(trainers: int, aux: int = 0) -> ProgressSnapshot:
         return ProgressSnapshot(global_epoch=0, samples_accumulated=0, target_batch_size=64, num_trainers=trainers,
@@ -281,19 +293,19 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
     timing = opt.timing
     timing.matchmaking_time = 1.0
     try:
-        assert [opt.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
-        assert opt.group_target(swarm(2, aux=1)) == 3 and opt.group_target(swarm(4, aux=1)) == 4
+        assert [opt.epochs.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
+        assert opt.epochs.group_target(swarm(2, aux=1)) == 3 and opt.epochs.group_target(swarm(4, aux=1)) == 4
         # The window ends at the budget deadline of the epoch (0.4 s after it began), never below the floor.
         timing.begin_epoch()  # the epoch begins now
-        window = timing.window()
+        window = timing.matchmaking_window()
         assert MIN_BUDGET_WINDOW_S < window <= 0.4
-        timing.step._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
-        assert timing.window() == pytest.approx(MIN_BUDGET_WINDOW_S)
+        timing.epoch_budget._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
+        assert timing.matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
         timing.assembly_s = [0.15]  # complete groups took 0.15 s to assemble lately (a loaded machine)
-        assert timing.window() == pytest.approx(0.45)
-        timing.budget = None
+        assert timing.matchmaking_window() == pytest.approx(0.45)
+        timing.compute_budget = None
         timing.begin_epoch()
-        assert timing.window() == 1.0  # no budget: the configured matchmaking time
+        assert timing.matchmaking_window() == 1.0  # no budget: the configured matchmaking time
     finally:
         opt.shutdown()
 
@@ -304,7 +316,7 @@ def test_gradient_rounds_send_the_parameters_only_every_k_epochs(dht_node):
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     models = [make_model(seed=0), make_model(seed=1)]  # they start apart: the first parameter round joins them
     peers = [collaborative(model, dht_node(initial_peers=maddrs, run_ids=[run]), run, batch_size_per_step=32,
-                           params_every=3) for model in models]
+                           averaging=GradientsStrategy(params_every=3)) for model in models]
     try:
         assert all(opt.wait_for_peers(2, timeout=30) == 2 for opt in peers)
         _train_together(peers, models, epochs=7)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from moshpeer.peer.preemption import PreemptionNotice, PreemptionWatcher
+from moshpeer.peer.runtime.preemption import PreemptionNotice, PreemptionWatcher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,7 +48,7 @@ def test_sigint_is_graceful_not_keyboard_interrupt():
 
 
 def test_repeated_signals_are_ignored_and_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="moshpeer.peer.preemption"):
+    with caplog.at_level(logging.WARNING, logger="moshpeer.peer.runtime.preemption"):
         with PreemptionWatcher(grace_period=20.0) as watcher:
             os.kill(os.getpid(), signal.SIGTERM)
             assert watcher.wait(timeout=5)
@@ -143,7 +143,7 @@ def test_peer_daemon_owns_signals_with_a_grace_period(dht_node):
     """PeerDaemon runs the watcher: with a grace period the stop has a deadline and work gets its share
     of it, the reason is known at once, and a second SIGTERM is logged and ignored (it would otherwise
     cut a final checkpoint short)."""
-    from moshpeer.peer.daemon import PeerDaemon
+    from moshpeer.peer.runtime.daemon import PeerDaemon
     from swarm import LOOPBACK
 
     boot = dht_node(run_ids=["daemon-grace"])

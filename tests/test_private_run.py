@@ -16,7 +16,7 @@ import pytest
 from moshpeer.averaging import handshake, wire
 from moshpeer.dht import Admission, Identity
 from moshpeer.errors import UserError
-from moshpeer.peer import state_sync
+from moshpeer.peer.state import sync as state_sync
 from swarm import Proc, ProcessFailed
 from training_swarm import events, start_trainers, wait_event
 

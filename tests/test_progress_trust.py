@@ -4,7 +4,7 @@ epochs, a record is credited only plausible steps, and an established view rises
 from __future__ import annotations
 
 from moshpeer.dht import PeerRecord
-from moshpeer.peer.progress import EpochCredit, summarize
+from moshpeer.peer.optimizer.progress import EpochCredit, summarize
 
 TARGET = 256
 

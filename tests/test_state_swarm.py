@@ -18,8 +18,8 @@ from typing import List
 import pytest
 import torch
 
-from moshpeer.peer import state_sync
-from moshpeer.peer.state_sync import download_state
+from moshpeer.peer.state import sync as state_sync
+from moshpeer.peer.state.sync import download_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from state_donor import donor_state  # noqa: E402

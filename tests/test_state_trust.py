@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from moshpeer.dht.identity import Identity
-from moshpeer.peer import state_sync
+from moshpeer.peer.state import framing
+from moshpeer.peer.state import sync as state_sync
 from moshpeer.peer.optimizer import CollaborativeOptimizer
-from moshpeer.peer.state_sync import StateOffer, StateServer, download_state, fetch_state_from, serialize_state
-from moshpeer.peer.state_validation import validate_counters, validate_optimizer_state
+from moshpeer.peer.state.framing import StateOffer, serialize_state
+from moshpeer.peer.state.sync import StateServer, download_state, fetch_state_from
+from moshpeer.peer.state.validation import validate_counters, validate_optimizer_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,15 +38,15 @@ class SlowDonor:
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
-            request = state_sync._recv_msgpack(conn, time.monotonic() + 10)
+            request = framing.recv_msgpack(conn, time.monotonic() + 10)
             digest = "0" * 64
-            signed = state_sync._signed_fields(RUN, request["challenge"], 1, self.announced, digest)
+            signed = framing.signed_fields(RUN, request["challenge"], 1, self.announced, digest)
             header = {"ok": True, "epoch": 1, "total_bytes": self.announced, "chunk_bytes": 64 << 20,
                       "sha256": digest, "public_key": self.identity.public_key.to_bytes(),
                       "signature": self.identity.private_key.sign(signed)}
-            state_sync._send_frame(conn, msgpack.packb(header))
+            framing.send_frame(conn, msgpack.packb(header))
             try:
-                conn.sendall(state_sync._LEN.pack(min(self.announced, 64 << 20)))
+                conn.sendall(framing._LEN.pack(min(self.announced, 64 << 20)))
                 while self.drip:
                     conn.sendall(b"x" * self.drip)
                     time.sleep(0.1)

@@ -18,7 +18,7 @@ from moshpeer.errors import UserError
 
 if TYPE_CHECKING:
     from moshpeer.dht.records import Role
-    from moshpeer.peer.daemon import PeerDaemon
+    from moshpeer.peer.runtime.daemon import PeerDaemon
 
 # The parsers are built from this module before any flag is checked: nothing here imports hivemind or torch at
 # module level (they take seconds to load), so a mistyped flag is reported at once. Functions that start
@@ -139,7 +139,7 @@ def metrics_from_args(args: argparse.Namespace, command: str):
     it does not inherit the listening socket), or None without the flag."""
     if getattr(args, "metrics_port", None) is None:
         return None
-    from moshpeer.peer.metrics import PeerMetrics
+    from moshpeer.peer.runtime.metrics import PeerMetrics
 
     return PeerMetrics(run_id=args.run_id, role=getattr(args, "role", "bootstrap"), command=command)
 
@@ -178,11 +178,11 @@ def check_flags(args: argparse.Namespace) -> None:
 
             get_compression(args.compression)
         if getattr(args, "error_feedback", False):
-            from moshpeer.peer.error_feedback import error_feedback_sparsifier
+            from moshpeer.peer.optimizer.error_feedback import error_feedback_sparsifier
 
             error_feedback_sparsifier(args.averaging, args.compression)
         if getattr(args, "compute_budget", None) is not None:
-            from moshpeer.peer.dropcompute import parse_compute_budget
+            from moshpeer.peer.optimizer.dropcompute import parse_compute_budget
 
             parse_compute_budget(args.compute_budget)
         if getattr(args, "task", None) is not None:
@@ -198,7 +198,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if path is not None:
             check_file_flag(f"--{flag.replace('_', '-')}", path)
     if getattr(args, "metrics_port", None) is not None:
-        from moshpeer.peer.metrics import check_metrics_port
+        from moshpeer.peer.runtime.metrics import check_metrics_port
 
         check_metrics_port(args.metrics_port)
     admission_from_args(args)
@@ -250,7 +250,7 @@ def print_ready_line(**fields: Any) -> None:
 
 def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = False) -> PeerDaemon:
     """A `PeerDaemon` configured from the network and membership options."""
-    from moshpeer.peer.daemon import PeerDaemon
+    from moshpeer.peer.runtime.daemon import PeerDaemon
 
     return PeerDaemon(
         args.run_id,

@@ -3,7 +3,7 @@
 With `--initial-peers` it joins their swarm; without, it starts a new swarm and prints how others
 join. Either way it prints one JSON readiness line on stdout once it is in the swarm, then trains
 the task (`--task`, default: the built-in digits classifier) and prints one JSON line per
-collaborative epoch (see `moshpeer.peer.trainer`). `--no-train` only keeps the peer in the swarm.
+collaborative epoch (see `moshpeer.peer.runtime.trainer`). `--no-train` only keeps the peer in the swarm.
 """
 
 from __future__ import annotations
@@ -244,10 +244,26 @@ def deadline_settings_from_args(args: argparse.Namespace) -> dict:
     return floors
 
 
+def strategy_from_args(args: argparse.Namespace):
+    """The `AveragingStrategy` of `--averaging` with the options of that mode's flags (unset flags: the
+    strategy's defaults); UserError for a bad value."""
+    from moshpeer.peer.strategies import make_strategy
+
+    if args.averaging == "gradients":
+        return make_strategy("gradients", params_every=args.params_every)
+    if args.averaging == "diloco":
+        from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
+
+        return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
+                             outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
+    return make_strategy(args.averaging)
+
+
 def trainer_config_from_args(args: argparse.Namespace):
     """A `TrainerConfig` from the training flags."""
-    from moshpeer.peer.dropcompute import parse_compute_budget, parse_straggler
-    from moshpeer.peer.trainer import TrainerConfig
+    from moshpeer.peer.optimizer.dropcompute import parse_compute_budget
+    from moshpeer.peer.runtime.straggler import parse_straggler
+    from moshpeer.peer.runtime.trainer import TrainerConfig
 
     if args.role == "aux" and args.compute_budget not in ("none", None):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
@@ -255,17 +271,13 @@ def trainer_config_from_args(args: argparse.Namespace):
                                               ("--diloco-overlap", args.diloco_overlap)) if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
-    from moshpeer.peer.diloco import parse_outer_optimizer
     settings = loss_budget_settings_from_args(args)
     settings["averager_kwargs"].update(deadline_settings_from_args(args))
     settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
     if getattr(args, "bandwidth", None) is not None:
         settings["averager_kwargs"]["upload_bandwidth"] = args.bandwidth * 1e6 / 8
     return TrainerConfig(
-        target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=args.averaging,
-        params_every=args.params_every, inner_steps=args.inner_steps,
-        outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None,
-        overlap=args.diloco_overlap or None,
+        target_batch_size=args.target_batch_size, batch_size=args.batch_size, averaging=strategy_from_args(args),
         compression=args.compression, error_feedback=args.error_feedback, group_size=max(args.group_size, 2),
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
@@ -284,7 +296,7 @@ def events_emitter(path: Optional[str]) -> Callable[[dict], None]:
 
     :raises UserError: the file cannot be opened
     """
-    from moshpeer.peer.trainer import emit_json
+    from moshpeer.peer.runtime.trainer import emit_json
 
     if path is None:
         return emit_json
@@ -330,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         failure: list = []
 
         def work() -> None:
-            from moshpeer.peer.trainer import run_training
+            from moshpeer.peer.runtime.trainer import run_training
 
             try:
                 task = load_task(args.task, device=device, **task_kwargs)

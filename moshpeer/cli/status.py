@@ -33,7 +33,7 @@ from moshpeer.errors import UserError
 
 if TYPE_CHECKING:
     from moshpeer.dht.records import PeerRecord
-    from moshpeer.peer.progress import ProgressSnapshot
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
 # hivemind (and with it torch) loads only once the command runs, not while its flags are parsed.
 
@@ -168,7 +168,7 @@ def watch(dht: Any, args: argparse.Namespace, leave: threading.Event) -> None:
 def swarm_view(peers: List[PeerRecord], now: float) -> ProgressSnapshot:
     """The swarm as the peers describe it (epoch, progress, throughput); the target batch is the one the
     trainers publish (0: unknown)."""
-    from moshpeer.peer.progress import summarize
+    from moshpeer.peer.optimizer.progress import summarize
 
     target = max((peer.target_batch_size for peer in peers if peer.role == "trainer"), default=0)
     return summarize(tuple(peers), own=None, target_batch_size=target, now=now)

@@ -106,7 +106,3 @@ class PeerRecord(BaseModel):
         data = self.model_dump(mode="python")
         data.update(fields)
         return PeerRecord.model_validate(data)
-
-    def seconds_since_update(self, now: float) -> float:
-        """How long ago the owner published this record (negative if its clock runs ahead of ours)."""
-        return now - self.updated_at

@@ -15,17 +15,9 @@ from moshpeer.peer.checkpoint.format import (
     UnsupportedCheckpointVersion,
 )
 from moshpeer.peer.checkpoint.rng import capture_rng_state, restore_rng_state
-from moshpeer.peer.checkpoint.store import (
-    CheckpointInfo,
-    CheckpointMeta,
-    CheckpointStore,
-    Parts,
-    SaveHandle,
-    StoreStats,
-    inspect_file,
-    list_checkpoints,
-    load_checkpoint,
-)
+from moshpeer.peer.checkpoint.directory import (CheckpointInfo, CheckpointMeta, inspect_file, list_checkpoints,
+                                               load_checkpoint)
+from moshpeer.peer.checkpoint.store import CheckpointStore, Parts, SaveHandle, StoreStats
 
 __all__ = [
     "FORMAT_VERSION",

@@ -9,21 +9,30 @@ One process writes to a directory at a time (an advisory lock enforces it); any 
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
-import re
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from moshpeer.errors import UserError
+from moshpeer.peer.checkpoint.directory import (
+    CHECKPOINT_SUFFIX,
+    LOCK_FILE_NAME,
+    CheckpointInfo,
+    CheckpointMeta,
+    PathLike,
+    active_writer_pid,
+    list_checkpoints,
+    load_checkpoint,
+    scan_directory,
+    temp_file_reason,
+)
 from moshpeer.peer.checkpoint.filewriter import (
     TEMP_SUFFIX,
     WriteAborted,
@@ -31,16 +40,7 @@ from moshpeer.peer.checkpoint.filewriter import (
     unlink_quietly,
     write_checkpoint_file,
 )
-from moshpeer.peer.checkpoint.format import (
-    CheckpointError,
-    CorruptCheckpoint,
-    Header,
-    UnsupportedCheckpointVersion,
-    encode_meta,
-    read_header,
-    read_verified,
-    verify_payload_streaming,
-)
+from moshpeer.peer.checkpoint.format import CorruptCheckpoint, UnsupportedCheckpointVersion, encode_meta
 from moshpeer.peer.checkpoint.snapshot import PendingCopies, SnapshotBuffers, wait_until_ready
 from moshpeer.version import __version__
 
@@ -50,12 +50,6 @@ except ImportError:  # pragma: no cover
     fcntl = None
 
 logger = logging.getLogger(__name__)
-
-PathLike = Union[str, os.PathLike]
-
-CHECKPOINT_SUFFIX = ".mpck"
-LOCK_FILE_NAME = ".moshpeer-checkpoints.lock"
-_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})-epoch(\d+)-step(\d+)\.mpck$")
 
 
 class Parts:
@@ -71,73 +65,6 @@ class Parts:
     GRID = "grid"  # Moshpit grid coordinates / group bits
     RNG = "rng"  # capture_rng_state()
     DATA = "data"  # position of the data stream (BatchStream.state_dict())
-
-
-@dataclass(frozen=True)
-class CheckpointMeta:
-    """What a checkpoint's header says about it."""
-
-    path: Path
-    seq: int
-    step: int
-    epoch: int
-    created: float  # unix time at which the state was captured
-    moshpeer_version: str
-    torch_version: str
-    format_version: int
-    parts: Dict[str, int]  # part name -> bytes of tensor data in it
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_header(cls, path: PathLike, header: Header) -> "CheckpointMeta":
-        meta = header.meta
-        try:
-            return cls(
-                path=Path(path),
-                seq=int(meta["seq"]),
-                step=int(meta["step"]),
-                epoch=int(meta["epoch"]),
-                created=float(meta["created"]),
-                moshpeer_version=str(meta["moshpeer_version"]),
-                torch_version=str(meta["torch_version"]),
-                format_version=header.format_version,
-                parts={str(name): int(size) for name, size in meta["parts"].items()},
-                extra=dict(meta.get("extra") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise CorruptCheckpoint(path, "damaged header (metadata fields)") from None
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One file of a checkpoint directory, as `list()` and `moshpeer checkpoint inspect` show it."""
-
-    path: Path
-    size: int
-    valid: bool
-    reason: Optional[str] = None  # why it is not valid
-    meta: Optional[CheckpointMeta] = None
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    def to_json(self) -> Dict[str, Any]:
-        meta = self.meta
-        return {
-            "file": self.name,
-            "valid": self.valid,
-            "reason": self.reason,
-            "size": self.size,
-            "seq": meta.seq if meta else None,
-            "epoch": meta.epoch if meta else None,
-            "step": meta.step if meta else None,
-            "created": meta.created if meta else None,
-            "parts": meta.parts if meta else None,
-            "moshpeer_version": meta.moshpeer_version if meta else None,
-            "format_version": meta.format_version if meta else None,
-            "extra": meta.extra if meta else None,
-        }
 
 
 @dataclass
@@ -201,134 +128,6 @@ class SaveHandle:
         self._error = error
         self.finished_at = time.monotonic()
         self._done.set()
-
-
-@dataclass
-class _DirectoryListing:
-    checkpoints: List[Tuple[int, Path]]  # (seq, path), oldest first
-    temp_files: List[Path]
-    misnamed: List[Path]
-
-
-def _scan(directory: Path) -> _DirectoryListing:
-    checkpoints, temp_files, misnamed = [], [], []
-    for entry in os.scandir(directory):
-        name = entry.name
-        if name.endswith(CHECKPOINT_SUFFIX + TEMP_SUFFIX):
-            temp_files.append(Path(entry.path))
-        elif name.endswith(CHECKPOINT_SUFFIX):
-            match = _CHECKPOINT_NAME.match(name)
-            if match and entry.is_file():
-                checkpoints.append((int(match.group(1)), Path(entry.path)))
-            else:
-                misnamed.append(Path(entry.path))
-    checkpoints.sort()
-    return _DirectoryListing(checkpoints, sorted(temp_files), sorted(misnamed))
-
-
-def inspect_file(path: PathLike, *, verify: bool = True) -> CheckpointInfo:
-    """Check one checkpoint file: header, size, and (if `verify`) the payload checksum."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header = read_header(f, path, size)
-            if verify:
-                verify_payload_streaming(f, path, header)
-            meta = CheckpointMeta.from_header(path, header)
-    except CorruptCheckpoint as e:
-        return CheckpointInfo(path, _size_or_zero(path), False, e.reason)
-    except UnsupportedCheckpointVersion as e:
-        return CheckpointInfo(path, _size_or_zero(path), False, f"unknown format version {e.version}")
-    except OSError as e:
-        return CheckpointInfo(path, _size_or_zero(path), False, f"unreadable: {e.strerror or e}")
-    return CheckpointInfo(path, size, True, None, meta)
-
-
-def active_writer_pid(directory: Path) -> Optional[int]:
-    """The pid of another live process that holds this directory's writer lock, if any.
-
-    Read from the lock file without locking (a reader must never make a writer's lock attempt
-    fail). A dead writer's pid may have been reused, so this only serves to word messages.
-    """
-    try:
-        pid = int((directory / LOCK_FILE_NAME).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return None
-    if pid <= 0 or pid == os.getpid():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return pid  # alive, owned by someone else
-    return pid
-
-
-def _temp_file_reason(writer_pid: Optional[int]) -> str:
-    if writer_pid is not None:
-        return f"being written (or left by an interrupted write); pid {writer_pid} is writing here"
-    return "leftover temp file of an interrupted write"
-
-
-def _size_or_zero(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def list_checkpoints(
-    directory: PathLike, *, verify: bool = True, in_flight: Optional[Path] = None
-) -> List[CheckpointInfo]:
-    """Every checkpoint-like file in `directory`, oldest first, then temp and misnamed files.
-
-    Raises `UserError` if the directory does not exist or cannot be read.
-    """
-    directory = Path(directory)
-    try:
-        listing = _scan(directory)
-    except FileNotFoundError:
-        raise UserError(f"checkpoint directory {directory} does not exist") from None
-    except NotADirectoryError:
-        raise UserError(f"{directory} is not a directory") from None
-    except PermissionError:
-        raise UserError(f"cannot read checkpoint directory {directory}: permission denied") from None
-    infos = [inspect_file(path, verify=verify) for _, path in listing.checkpoints]
-    writer_pid = active_writer_pid(directory) if listing.temp_files else None
-    for path in listing.temp_files:
-        being_written = in_flight is not None and path.name == in_flight.name + TEMP_SUFFIX
-        reason = "being written" if being_written else _temp_file_reason(writer_pid)
-        infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason))
-    for path in listing.misnamed:
-        reason = "name is not ckpt-<seq>-epoch<E>-step<S>.mpck: ignored"
-        infos.append(CheckpointInfo(path, _size_or_zero(path), False, reason))
-    return infos
-
-
-def load_checkpoint(
-    path: PathLike, *, map_location: Any = "cpu", weights_only: bool = True
-) -> Tuple[Dict[str, Any], CheckpointMeta]:
-    """Verify one checkpoint file, then load it: `(state, meta)`.
-
-    Raises `CorruptCheckpoint` (damaged), `UnsupportedCheckpointVersion` (newer format), or
-    `CheckpointError` (intact file that torch cannot load, e.g. objects `weights_only` refuses).
-    """
-    header, data = read_verified(path)
-    meta = CheckpointMeta.from_header(path, header)
-    buffer = io.BytesIO(data)  # shares `data`, no copy
-    buffer.seek(header.header_size)  # torch reads the zip relative to the current position
-    try:
-        state = torch.load(buffer, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path}: checksum is valid but torch.load(weights_only={weights_only}) refused it: {first_line}"
-        ) from e
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: checksum is valid but torch cannot read the payload: {e}") from e
-    return state, meta
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -522,14 +321,14 @@ class CheckpointStore:
         `UnsupportedCheckpointVersion` instead of being skipped, so newer progress is not lost.
         """
         try:
-            listing = _scan(self.directory)
+            listing = scan_directory(self.directory)
         except FileNotFoundError:
             return None
         in_flight = self.in_flight
         writer_pid = active_writer_pid(self.directory) if listing.temp_files else None
         for temp in listing.temp_files:
             if in_flight is None or temp.name != in_flight.path.name + TEMP_SUFFIX:
-                logger.warning(f"ignoring {temp.name}: {_temp_file_reason(writer_pid)}")
+                logger.warning(f"ignoring {temp.name}: {temp_file_reason(writer_pid)}")
         for path in listing.misnamed:
             logger.warning(f"ignoring {path.name}: not a checkpoint name (ckpt-<seq>-epoch<E>-step<S>.mpck)")
         for _, path in reversed(listing.checkpoints):
@@ -608,7 +407,7 @@ class CheckpointStore:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
         # We are the only writer now: any temp file is the remains of a writer that died.
-        listing = _scan(self.directory)
+        listing = scan_directory(self.directory)
         for temp in listing.temp_files:
             logger.info(f"removing {temp.name}: leftover temp file of an interrupted write")
             unlink_quietly(temp)
@@ -665,7 +464,7 @@ class CheckpointStore:
         """Delete checkpoints older than the newest `keep_last` (the newest is already durable)."""
         lower_current_thread_priority(self.background_nice)
         try:
-            checkpoints = _scan(self.directory).checkpoints
+            checkpoints = scan_directory(self.directory).checkpoints
             for _, path in checkpoints[: -self.keep_last]:
                 unlink_quietly(path)
                 logger.debug(f"removed old checkpoint {path.name}")

@@ -35,7 +35,8 @@ import torch
 from moshpeer.errors import UserError
 from moshpeer.peer.checkpoint.format import CheckpointError, UnsupportedCheckpointVersion
 from moshpeer.peer.checkpoint.rng import capture_rng_state, restore_rng_state
-from moshpeer.peer.checkpoint.store import CheckpointMeta, CheckpointStore, Parts
+from moshpeer.peer.checkpoint.directory import CheckpointMeta
+from moshpeer.peer.checkpoint.store import CheckpointStore, Parts
 
 logger = logging.getLogger(__name__)
 

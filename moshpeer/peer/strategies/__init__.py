@@ -1,7 +1,8 @@
 """Averaging strategies of `CollaborativeOptimizer` (see base.py for the interface).
 
-`CollaborativeOptimizer(averaging=...)` takes a name from `STRATEGIES` or an `AveragingStrategy`
-instance (e.g. `GradientsStrategy(average_parameters=True)`). A new mode is one class in its own
+`CollaborativeOptimizer(averaging=...)` takes an `AveragingStrategy` instance, which carries its own
+options (e.g. `GradientsStrategy(params_every=4)`, `DiLoCoStrategy(inner_steps=50, overlap=True)`), or a
+name from `STRATEGIES` for that mode with its default options. A new mode is one class in its own
 module plus one line in `STRATEGIES`. The names map to "module:Class" so that the CLI can list
 them without importing torch; the classes load on first use.
 """
@@ -9,7 +10,6 @@ them without importing torch; the classes load on first use.
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import TYPE_CHECKING, Any, Dict, Union
 
 from moshpeer.errors import UserError
@@ -43,18 +43,23 @@ def strategy_class(name: str) -> type:
 
 def make_strategy(averaging: Union[str, "AveragingStrategy"], **options: Any) -> "AveragingStrategy":
     """The strategy for `averaging`: an `AveragingStrategy` instance as is, or the class named so in
-    `STRATEGIES` built with those of `options` its constructor takes (the optimizer passes all its
-    strategy options, e.g. average_parameters, and each class picks its own; None: the class's default). UserError for an
-    unknown name or a bad option value."""
+    `STRATEGIES` built with `options`, its constructor's keyword arguments (None values are left out, so the
+    class's defaults hold; the CLI passes its flags this way). UserError for an unknown name, options given
+    with an instance, an option that mode does not take, or a bad option value."""
     from moshpeer.peer.strategies.base import AveragingStrategy
 
+    options = {name: value for name, value in options.items() if value is not None}
     if isinstance(averaging, AveragingStrategy):
+        if options:
+            raise UserError(f"options {sorted(options)} belong in the strategy instance {type(averaging).__name__}")
         return averaging
     if not isinstance(averaging, str):
         raise UserError(f"averaging must be a name or an AveragingStrategy, got {type(averaging).__name__}")
     cls = strategy_class(averaging)
-    accepted = inspect.signature(cls.__init__).parameters
-    return cls(**{name: value for name, value in options.items() if name in accepted and value is not None})
+    try:
+        return cls(**options)
+    except TypeError as e:  # an option this mode does not take
+        raise UserError(f"averaging {averaging!r}: {e}") from None
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,13 @@
 """Averaging strategies: what a collaborative round averages and how its average is applied.
 
-`CollaborativeOptimizer` runs the epochs (progress toward the target batch, catch-up, deadlines, the
-commit decision); an `AveragingStrategy` is everything that differs between averaging modes. Adding
+The optimizer's epoch loop (optimizer/epoch_loop.py) runs the epochs (progress toward the target batch,
+catch-up, deadlines, the commit decision); an `AveragingStrategy` is everything that differs between averaging
+modes, and carries its own options (e.g. `DiLoCoStrategy(inner_steps=50)`). Adding
 a mode (e.g. DiLoCo) means adding one subclass and, if it should be selectable by name, one entry in
 `moshpeer.peer.strategies.STRATEGIES`.
 
-Life of a strategy inside a `CollaborativeOptimizer` (all calls under the optimizer's lock, from the
-training thread, except `state_dict`, which the state server may call from another thread):
+Life of a strategy inside a `CollaborativeOptimizer` (all calls from the training thread, and all but `bind`
+and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state server's thread, under it):
 
     bind(host)              once, before the averager exists: keep the host, allocate `buffer`
     buffer                  one flat fp32 tensor; the averager is built over [buffer] and every round
@@ -41,11 +42,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from moshpeer.peer.progress import ProgressSnapshot
+if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
+
 
 
 class StrategyHost(Protocol):
@@ -129,9 +132,6 @@ class AveragingStrategy(abc.ABC):
         """ValueError unless `state` is a `state_dict()` this strategy can adopt (a donor's, a checkpoint's)."""
         if state:
             raise ValueError(f"{self.name} strategy keeps no state, got {sorted(state)}")
-
-    def describe(self) -> str:
-        return self.name
 
     def settings(self) -> Dict[str, Any]:
         """This strategy's settings as the join event line and every round result show them."""

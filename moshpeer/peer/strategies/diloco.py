@@ -1,4 +1,4 @@
-"""`DiLoCoStrategy`: rare, compressed outer steps (averaging="diloco"; the math is in moshpeer/peer/diloco.py).
+"""`DiLoCoStrategy`: rare, compressed outer steps (averaging="diloco"; the math is in diloco_outer.py).
 
 Every `step()` is an inner optimizer step (AdamW in the paper). After `inner_steps` (H) of them the
 epoch is over: the round averages the pseudo-gradient Δ = θ_outer − θ_local with a Moshpit group (any
@@ -24,15 +24,18 @@ state (momentum), the outer step count, the inner steps taken in the current epo
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.averaged_buffers import flat_buffer_views
-from moshpeer.peer.diloco import OuterOptimizer, OuterOptimizerFactory, OuterState, describe_outer_optimizer
-from moshpeer.peer.progress import ProgressSnapshot
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views
+from moshpeer.peer.strategies.diloco_outer import (OuterOptimizer, OuterOptimizerFactory, OuterState,
+                                                   describe_outer_optimizer)
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
+
+if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
 DEFAULT_INNER_STEPS = 50
 
@@ -102,10 +105,6 @@ class DiLoCoStrategy(AveragingStrategy):
         own = [torch.empty_like(d) for d in self.delta]
         self.outer.pseudo_gradient(self.host.params, own)
         return own
-
-    def describe(self) -> str:
-        return f"diloco(H={self.inner_steps},outer={describe_outer_optimizer(self.outer_optimizer)}" \
-               f"{',overlap' if self.overlap else ''})"
 
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""

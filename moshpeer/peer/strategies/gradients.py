@@ -18,14 +18,16 @@ meaningful for gradients only, so parameters are never averaged then).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.averaged_buffers import flat_buffer_views, param_spread
-from moshpeer.peer.progress import ProgressSnapshot
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
+
+if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
 # Epochs between parameter rounds: 16 sends (1 + 1/16) / 2 = 0.53x the bytes of averaging the parameters
 # every round, and a peer that stepped alone rejoins the swarm's parameters within 16 epochs.

@@ -10,13 +10,15 @@ Buffer: [parameters..., one optimizer statistic per parameter (zeros where there
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
-from moshpeer.peer.averaged_buffers import flat_buffer_views, optimizer_statistics, param_spread
-from moshpeer.peer.progress import ProgressSnapshot
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, optimizer_statistics, param_spread
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
+
+if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
+    from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
 
 class ParametersStrategy(AveragingStrategy):

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.dropcompute import ComputeBudget, parse_compute_budget
+from moshpeer.peer.optimizer.dropcompute import ComputeBudget, parse_compute_budget
 from moshpeer.peer.tasks.loading import DEFAULT_TASK, load_task, parse_task_kwargs
 from moshpeer.peer.tasks.local import train_locally
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from moshpeer.errors import UserError
-from moshpeer.peer.dropcompute import ComputeBudget
+from moshpeer.peer.optimizer.dropcompute import ComputeBudget
 from moshpeer.peer.tasks.protocol import Task
 
 

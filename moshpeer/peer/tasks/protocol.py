@@ -12,7 +12,7 @@ Rules a factory must follow (the swarm relies on them):
   (see `BatchStream`), the checkpoint layer saves the data position and training resumes on
   exactly the next batch; `IndexedBatches` gives this for free.
 - `loss_fn(model, batch)` returns `(mean loss over the batch, number of samples in it)`; moshpeer
-  weights gradients by samples (see `moshpeer.peer.dropcompute`).
+  weights gradients by samples (see `moshpeer.peer.optimizer.dropcompute`).
 """
 
 from __future__ import annotations

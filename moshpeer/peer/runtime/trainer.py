@@ -30,22 +30,28 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
-from moshpeer.peer.dropcompute import BudgetSetting, StragglerDelay
-from moshpeer.peer.health import round_health
-from moshpeer.peer.metrics import PeerMetrics
+from moshpeer.peer.optimizer.dropcompute import BudgetSetting
+from moshpeer.peer.runtime.straggler import StragglerDelay
+from moshpeer.peer.runtime.health import round_health
+from moshpeer.peer.runtime.metrics import PeerMetrics
 from moshpeer.peer.optimizer import CollaborativeOptimizer
-from moshpeer.peer.rounds import CollaborativeRound
+from moshpeer.peer.optimizer.rounds import CollaborativeRound
+from moshpeer.peer.strategies.base import AveragingStrategy
 from moshpeer.peer.tasks import Task
 
 logger = logging.getLogger(__name__)
 
 # How long a starting peer retries reading the swarm's progress before it decides whether to download state.
 STARTUP_VIEW_TIMEOUT_S = 20.0
+# An aux learns that the trainers are done from their records' epoch. Trainers withdraw their records right
+# after their last epoch, so an aux waiting in matchmaking then may never see that epoch: one epoch short of
+# --max-epochs, with no trainer visible for this long (after it saw some), it is done too.
+AUX_ORPHANED_S = 5.0
 
 Emit = Callable[[Dict[str, Any]], None]
 
@@ -56,11 +62,9 @@ class TrainerConfig:
 
     target_batch_size: Optional[int] = None  # default: the task's
     batch_size: Optional[int] = None  # micro-batch; default: the task's
-    averaging: str = "gradients"
-    params_every: Optional[int] = None  # gradients mode: epochs between parameter rounds (None: the default)
-    inner_steps: Optional[int] = None  # diloco: inner steps per outer step (None: the default, 50)
-    outer_optimizer: Any = None  # diloco: an outer optimizer factory, e.g. moshpeer.peer.diloco.OuterOptimizer
-    overlap: Optional[bool] = None  # diloco: average Δ while computing the next inner steps
+    # A strategy name (default options) or an `AveragingStrategy` carrying its options, e.g.
+    # DiLoCoStrategy(inner_steps=50); the CLI builds one from its flags (cli/join.py).
+    averaging: Union[str, AveragingStrategy] = "gradients"
     compression: str = "none"
     error_feedback: bool = False  # EF21M state around a sparsifying codec (arc-topk)
     group_size: int = 4
@@ -130,8 +134,6 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
-        params_every=config.params_every, inner_steps=config.inner_steps, outer_optimizer=config.outer_optimizer,
-        overlap=config.overlap,
         compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
         compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
@@ -161,7 +163,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                                  name="final checkpoint")
     emit({"event": "training", "task": task.name, "peer_id": daemon.peer_id, "role": config.role,
           "device": str(task.device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-          "target_batch_size": target, "batch_size": micro, "averaging": config.averaging,
+          "target_batch_size": target, "batch_size": micro, "averaging": optimizer.averaging,
           "group_size": config.group_size, "compression": config.compression,
           "compute_budget": config.compute_budget, "fingerprint": task.fingerprint,
           "loss_budget": optimizer.loss_budget.describe(), **optimizer.strategy.settings()})
@@ -190,6 +192,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     metrics: Dict[str, float] = {}
     reason = "stopped"
     loss_sum, loss_count = 0.0, 0
+    trainers_seen_at: Optional[float] = None  # an aux: when it last saw a live trainer
     while True:
         if daemon.stop_requested:
             reason = "stopped"
@@ -197,7 +200,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         if config.max_seconds is not None and time.monotonic() - started >= config.max_seconds:
             reason = "max_seconds"
             break
-        epoch_before, rounds_before = optimizer.local_epoch, len(optimizer.rounds)
+        epoch_before = optimizer.local_epoch
         if stream is not None:
             batch = next(stream)
             if config.straggler is not None:
@@ -211,6 +214,11 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             micro_steps += 1
         else:
             _optimizer_call(lambda: optimizer.wait_and_average(timeout=1.0), checkpointer, in_step)
+            if optimizer.progress.snapshot().num_trainers > 0:
+                trainers_seen_at = time.monotonic()
+        # The record of the epoch this call ended; with an overlapping strategy (DiLoCo with overlap) the round
+        # resolved now, the previous epoch's (a "round in flight" record at the first epoch end).
+        round_ = optimizer.ended_round
         if checkpointer is not None and not daemon.stop_requested:
             path = checkpointer.maybe_save(micro_steps)
             if path is not None:
@@ -218,15 +226,15 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
                       "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
         if peer_metrics is not None and checkpointer is not None:
             peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
-        if len(optimizer.rounds) == rounds_before and optimizer.local_epoch == epoch_before:
-            if stream is None and _reached_limit(optimizer, config):
+        if round_ is None and optimizer.local_epoch == epoch_before:
+            if stream is None and (_reached_limit(optimizer, config) or _trainers_finished(
+                    optimizer.local_epoch, config.max_epochs, trainers_seen_at, time.monotonic())):
                 reason = "max_epochs"  # an aux peer follows the trainers' epoch: they are done
                 break
             continue
-        # An overlapping strategy (DiLoCo with overlap) resolves each round one epoch later: the record is
-        # the round resolved now, and there is none at the first epoch end (its round is in flight).
-        round_ = optimizer.rounds[-1] if len(optimizer.rounds) > rounds_before else CollaborativeRound(
-            epoch=epoch_before, samples=0, error="round in flight", settings=optimizer.strategy.settings())
+        if round_ is None:  # the epoch moved without a record of ours: an aux peer followed the trainers' epoch
+            round_ = CollaborativeRound(epoch=epoch_before, samples=0, error="round in flight",
+                                        settings=optimizer.strategy.settings())
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
@@ -235,7 +243,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         if peer_metrics is not None:
             peer_metrics.observe_round(round_)
             peer_metrics.observe_refusals(daemon.dht.admission.refused)
-            peer_metrics.observe_training(samples_per_second=optimizer._speed.rate(),
+            peer_metrics.observe_training(samples_per_second=optimizer.samples_per_second,
                                           loss=loss_sum / loss_count if loss_count else None,
                                           metrics=metrics if evaluate else None)
         emit({  # the epoch's record and its round result, serialised here, once
@@ -246,7 +254,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             "loss": round(loss_sum / loss_count, 5) if loss_count else None,
             "metric": metrics.get(task.metric) if evaluate else None,
             "metric_name": task.metric, "eval_loss": metrics.get("loss") if evaluate else None,
-            "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer._speed.rate(), 1),
+            "samples_total": optimizer.total_samples, "samples_per_second": round(optimizer.samples_per_second, 1),
             "params_digest": params_digest(model),
             **({"refused": daemon.dht.admission.refused} if daemon.dht.admission.private else {}),
         })
@@ -269,7 +277,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     summary = TrainingSummary(epochs=optimizer.local_epoch, samples=optimizer.total_samples,
                               seconds=time.monotonic() - started, metrics=metrics, reason=reason)
     emit({"event": "done", **asdict(summary), "params_digest": params_digest(model),
-          "rounds_ok": sum(r.ok for r in optimizer.rounds), "rounds": len(optimizer.rounds),
+          "rounds_ok": optimizer.epochs.rounds_ok, "rounds": optimizer.epochs.rounds_total,
           "downloads": len(optimizer.downloads)})
     return summary
 
@@ -334,6 +342,14 @@ def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, em
           "state_digest": state_digest(checkpointer.capture(step)),
           "params_digest": params_digest(checkpointer.model),
           "seconds_left": None if left == float("inf") else round(left, 3)})
+
+
+def _trainers_finished(local_epoch: int, max_epochs: Optional[int], trainers_seen_at: Optional[float],
+                       now: float) -> bool:
+    """For an aux: the trainers it followed finished their last epoch and left before it saw that epoch (see
+    AUX_ORPHANED_S): it is one epoch short of `max_epochs` and has seen no trainer for AUX_ORPHANED_S."""
+    return (max_epochs is not None and local_epoch >= max_epochs - 1 and trainers_seen_at is not None
+            and now - trainers_seen_at > AUX_ORPHANED_S)
 
 
 def _reached_limit(optimizer: CollaborativeOptimizer, config: TrainerConfig) -> bool:

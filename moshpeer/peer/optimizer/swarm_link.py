@@ -12,13 +12,22 @@ from moshpeer.dht import Admission, SwarmDHT, start_dht
 from moshpeer.dht.admission import install as install_admission
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
-from moshpeer.peer.progress import RecordPublisher, SwarmProgress
+from moshpeer.peer.optimizer.progress import SwarmProgress
+from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
 
 logger = logging.getLogger(__name__)
+
+# Without a daemon's heartbeat, our record lives this long per publication (SwarmProgress's refresh thread
+# re-publishes it every third of that).
+OWN_RECORD_EXPIRATION_S = 15.0
 
 
 @dataclass
 class SwarmLink:
+    """This optimizer's presence in its swarm: the DHT, the swarm's progress, and how our record is published.
+    What it does with the DHT (waiting for trainers, watching the swarm move on) fails soft: it returns what it
+    saw, never raises for a slow or failing DHT."""
+
     dht: SwarmDHT
     progress: SwarmProgress
     publish: Callable[..., Any]  # update fields of our record and publish it
@@ -60,7 +69,7 @@ class SwarmLink:
         own_dht, self.own_dht = self.own_dht, None
         steps = [("progress", self.progress.shutdown)]
         if own_dht is not None:
-            steps += [("record", self.publisher.withdraw), ("dht", own_dht.stop)]
+            steps += [("record", lambda: self.publisher.withdraw(timeout=1.0)), ("dht", own_dht.stop)]
         for name, stop in steps:
             try:
                 stop()
@@ -89,9 +98,9 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
         dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"],
                                   admission=admission)
     install_admission(dht, admission)
-    publisher = RecordPublisher(dht, run_id, role=role)
-    publisher.publish()
+    publisher = RecordPublisher(dht, run_id, fresh_record(dht, role), expiration=OWN_RECORD_EXPIRATION_S)
+    publisher.publish_quietly()
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
-                             publish=publisher.update, refresh_interval=progress_refresh,
+                             publish=publisher.update_and_publish, refresh_interval=progress_refresh,
                              on_refresh=publisher.refresh_if_stale)
-    return SwarmLink(dht, progress, publisher.update, own_dht, publisher)
+    return SwarmLink(dht, progress, publisher.update_and_publish, own_dht, publisher)

@@ -7,7 +7,7 @@ if a donor is unreachable, cannot prove its identity, dies mid-transfer, sends m
 announced or more than `max_bytes`, misses the deadline, or sends bytes whose SHA-256 does not match
 its signed header, or a state that fails validation. Where a second donor is available, the
 download is cross-checked: two donors' states must agree on a sample of parameters
-(`state_validation.disagreeing_tensors`), else both are set aside and the next donors are tried.
+(`validation.disagreeing_tensors`), else both are set aside and the next donors are tried.
 
 Wire protocol (version 3), every message framed as a 4-byte big-endian length + body:
   client -> server  msgpack {"op": "get_state", "protocol": 3, "run_id": str, "challenge": 32 random bytes,
@@ -36,172 +36,35 @@ advertise), but they can still download.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import socket
 import socketserver
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import msgpack
-import torch
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPublicKey
 
 from moshpeer.dht import Admission, SwarmDHT
-from moshpeer.dht.identity import Identity, peer_id_from_owner_key, peer_id_from_public_key
+from moshpeer.dht.identity import Identity, peer_id_from_owner_key
 from moshpeer.errors import ProtocolError
-from moshpeer.peer.state_validation import disagreeing_tensors
+from moshpeer.peer.state.framing import (OPS, STATE_PROTOCOL, StateOffer, check_donor, client_peer,
+                                         deserialize_state, parse_header, recv_frame_length, recv_msgpack, remaining,
+                                         send_frame, signed_fields, signed_request, state_offers_key)
+from moshpeer.peer.state.pieces import serve_piece_request
+from moshpeer.peer.state.swarm import SwarmedState, download_swarmed
+from moshpeer.peer.state.validation import disagreeing_tensors
 
 logger = logging.getLogger(__name__)
 
-STATE_PROTOCOL = 3
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_STATE_BYTES = 8 << 30
-MAX_HEADER_BYTES = 4096
 RECEIVE_SCRATCH_BYTES = 1 << 20
-_LEN = struct.Struct(">I")
-_OPS = ("get_state", "get_manifest", "get_pieces")  # the last two: state_pieces.py (multi-donor download)
 
 StateSource = Callable[[], Tuple[int, bytes]]  # -> (epoch, serialized state)
-
-
-def state_offers_key(run_id: str) -> str:
-    """DHT key of the run's state offers: one signed entry per donor (subkey = owner marker)."""
-    return f"{run_id}_state_offers"
-
-
-def serialize_state(state: Dict[str, Any]) -> bytes:
-    """Bytes of a state dict (tensors, numbers, strings, lists, dicts) for `deserialize_state`."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def deserialize_state(data: bytes) -> Dict[str, Any]:
-    """Inverse of `serialize_state`; refuses anything but tensors and plain values (weights_only)."""
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ProtocolError(f"state does not decode: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict):
-        raise ProtocolError(f"state must be a dict, got {type(state).__name__}")
-    return state
-
-
-# ---- framing ------------------------------------------------------------------------------------
-
-
-def _send_frame(sock: socket.socket, body: bytes) -> None:
-    if len(body) < 65536:  # small frames: one send, no extra packet
-        sock.sendall(_LEN.pack(len(body)) + body)
-    else:  # large chunks: no copy of the body
-        sock.sendall(_LEN.pack(len(body)))
-        sock.sendall(body)
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("state transfer deadline passed")
-    return left
-
-
-def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """`size` bytes by `deadline` (time.monotonic()); every recv waits at most the time left."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        sock.settimeout(_remaining(deadline))
-        n = sock.recv_into(view[received:], size - received)
-        if n == 0:
-            raise ConnectionError(f"connection closed after {received} of {size} bytes")
-        received += n
-    return bytes(buffer)
-
-
-def _recv_frame_length(sock: socket.socket, limit: int, deadline: float) -> int:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    if length > limit:
-        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {limit}")
-    return length
-
-
-def _recv_msgpack(sock: socket.socket, deadline: float) -> Dict[str, Any]:
-    body = _recv_exact(sock, _recv_frame_length(sock, MAX_HEADER_BYTES, deadline), deadline)
-    try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ProtocolError(f"bad message: {e}") from None
-    if not isinstance(message, dict):
-        raise ProtocolError("message is not a map")
-    return message
-
-
-def _signed_fields(run_id: str, challenge: bytes, epoch: int, total: int, digest: str) -> bytes:
-    return b"|".join((b"moshpeer-state", run_id.encode(), challenge, str(epoch).encode(), str(total).encode(),
-                      digest.encode()))
-
-
-def _request_fields(run_id: str, challenge: bytes) -> bytes:
-    return b"|".join((b"moshpeer-state-request", run_id.encode(), challenge))
-
-
-def _signed_request(op: str, run_id: str, challenge: bytes, identity: Optional[Identity], tag: bytes,
-                    **fields: Any) -> Dict[str, Any]:
-    """A request for `op`; with `identity`, signed by it and carrying `tag` (what a private run's donors need)."""
-    request = {"op": op, "protocol": STATE_PROTOCOL, "run_id": run_id, "challenge": challenge, **fields}
-    if identity is not None:
-        request.update(public_key=identity.public_key.to_bytes(), tag=tag,
-                       signature=identity.private_key.sign(_request_fields(run_id, challenge)))
-    return request
-
-
-def _parse_header(header: Dict[str, Any], max_bytes: int, unit_field: str) -> Tuple[int, int, str, int]:
-    """(epoch, total_bytes, sha256, header[unit_field]) of a donor's header; ProtocolError if malformed or the
-    announced size is over `max_bytes`."""
-    total, digest, epoch, unit = (header.get("total_bytes"), header.get("sha256"), header.get("epoch"),
-                                  header.get(unit_field))
-    if not (header.get("ok") is True and isinstance(total, int) and 0 < total
-            and isinstance(digest, str) and len(digest) == 64 and isinstance(epoch, int) and epoch >= 0
-            and isinstance(unit, int) and 0 < unit <= 64 << 20):
-        raise ProtocolError(f"bad state header {header!r:.200}")
-    if total > max_bytes:
-        raise ProtocolError(f"donor announced {total} bytes, over this peer's limit of {max_bytes}")
-    return epoch, total, digest, unit
-
-
-def _client_peer(request: Dict[str, Any], run_id: str, challenge: bytes) -> Optional[str]:
-    """The peer id that signed a state request, None if it is unsigned or the signature does not verify."""
-    public_key, signature = request.get("public_key"), request.get("signature")
-    if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
-        return None
-    try:
-        key = RSAPublicKey.from_bytes(public_key)
-        return peer_id_from_public_key(key) if key.verify(_request_fields(run_id, challenge), signature) else None
-    except Exception:  # a malformed key
-        return None
-
-
-def _check_donor(header: Dict[str, Any], expected_peer: str, fields: bytes) -> None:
-    """Raise ProtocolError unless the header's signature over `fields` (which hold our challenge) is by the key
-    of `expected_peer`."""
-    public_key, signature = header.get("public_key"), header.get("signature")
-    if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
-        raise ProtocolError("donor did not sign its state")
-    try:
-        key = RSAPublicKey.from_bytes(public_key)
-    except Exception:
-        raise ProtocolError("donor's public key does not parse") from None
-    if peer_id_from_public_key(key) != expected_peer:
-        raise ProtocolError("donor is not the peer that offered the state")
-    if not key.verify(fields, signature):
-        raise ProtocolError("bad signature on the state header")
 
 
 # ---- serving ------------------------------------------------------------------------------------
@@ -235,7 +98,7 @@ class StateServer:
         self.bytes_per_second = bytes_per_second
         self.on_served = on_served
         self.served = 0
-        self.manifest_cache: Dict[str, list] = {}  # state_pieces: digest -> [bytes, manifest, last asked]
+        self.manifest_cache: Dict[str, list] = {}  # pieces.py: digest -> [bytes, manifest, last asked]
         self.manifest_lock = threading.Lock()
         server_self = self
 
@@ -255,8 +118,8 @@ class StateServer:
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(30.0)
         try:
-            request = _recv_msgpack(sock, time.monotonic() + 30.0)
-            if request.get("op") not in _OPS or request.get("protocol") != STATE_PROTOCOL:
+            request = recv_msgpack(sock, time.monotonic() + 30.0)
+            if request.get("op") not in OPS or request.get("protocol") != STATE_PROTOCOL:
                 raise ProtocolError(f"unsupported request {request!r:.200}")
             if request.get("run_id") != self.run_id:
                 raise ProtocolError("request for another run")
@@ -264,7 +127,7 @@ class StateServer:
             if not isinstance(challenge, bytes) or len(challenge) != 32:
                 raise ProtocolError("request without a 32-byte challenge")
             if self.admission is not None and self.admission.private:
-                client = _client_peer(request, self.run_id, challenge)
+                client = client_peer(request, self.run_id, challenge)
                 tag = request.get("tag") if isinstance(request.get("tag"), bytes) else None
                 if client is None:
                     self.admission.refuse("state", "(unsigned request)")
@@ -272,18 +135,16 @@ class StateServer:
                     raise ProtocolError(f"client {client or '(unsigned)'} is not admitted to this private run")
             epoch, data = self.source()
             if request["op"] != "get_state":
-                from moshpeer.peer.state_pieces import serve_piece_request  # it builds on this module's framing
-
                 serve_piece_request(self, sock, request, challenge, epoch, data)
                 return
             digest = hashlib.sha256(data).hexdigest()
             logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
-            signature = self.identity.private_key.sign(_signed_fields(self.run_id, challenge, int(epoch), len(data),
+            signature = self.identity.private_key.sign(signed_fields(self.run_id, challenge, int(epoch), len(data),
                                                                       digest))
             header = {"ok": True, "epoch": int(epoch), "total_bytes": len(data), "sha256": digest,
                       "chunk_bytes": self.chunk_bytes, "public_key": self.identity.public_key.to_bytes(),
                       "signature": signature}
-            _send_frame(sock, msgpack.packb(header))
+            send_frame(sock, msgpack.packb(header))
             self.send_range(sock, data, 0, len(data))
             self.count_served(int(epoch), digest, len(data))
         except (OSError, ProtocolError, ConnectionError) as e:
@@ -310,7 +171,7 @@ class StateServer:
                 ahead = (offset - start) / self.bytes_per_second - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
-            _send_frame(sock, self.piece(view, offset, min(end, offset + frame_bytes)))
+            send_frame(sock, self.piece(view, offset, min(end, offset + frame_bytes)))
 
     def piece(self, view: memoryview, start: int, end: int) -> bytes:
         """The bytes sent for data[start:end] (a test's corrupt donor overrides it)."""
@@ -333,14 +194,6 @@ class StateServer:
 
 
 # ---- downloading --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StateOffer:
-    peer_id: str
-    host: str
-    port: int
-    epoch: int
 
 
 @dataclass
@@ -412,23 +265,23 @@ def fetch_state_from(
     """
     deadline = time.monotonic() + timeout
     challenge = os.urandom(32)
-    with socket.create_connection((offer.host, offer.port), timeout=min(_remaining(deadline), 5.0)) as sock:
-        sock.settimeout(_remaining(deadline))
-        _send_frame(sock, msgpack.packb(_signed_request("get_state", run_id, challenge, identity, tag)))
-        header = _recv_msgpack(sock, deadline)
-        epoch, total, digest, chunk_limit = _parse_header(header, max_bytes, "chunk_bytes")
-        _check_donor(header, offer.peer_id, _signed_fields(run_id, challenge, epoch, total, digest))
+    with socket.create_connection((offer.host, offer.port), timeout=min(remaining(deadline), 5.0)) as sock:
+        sock.settimeout(remaining(deadline))
+        send_frame(sock, msgpack.packb(signed_request("get_state", run_id, challenge, identity, tag)))
+        header = recv_msgpack(sock, deadline)
+        epoch, total, digest, chunk_limit = parse_header(header, max_bytes, "chunk_bytes")
+        check_donor(header, offer.peer_id, signed_fields(run_id, challenge, epoch, total, digest))
         # Memory follows the bytes that actually arrive, read through a small scratch buffer: a donor that
         # announces gigabytes and sends nothing costs nothing.
         data = bytearray()
         scratch = memoryview(bytearray(min(RECEIVE_SCRATCH_BYTES, total)))
         hasher = hashlib.sha256()
         while len(data) < total:
-            length = _recv_frame_length(sock, chunk_limit, deadline)
+            length = recv_frame_length(sock, chunk_limit, deadline)
             if len(data) + length > total:
                 raise ProtocolError("donor sent more bytes than it announced")
             while length:
-                sock.settimeout(_remaining(deadline))
+                sock.settimeout(remaining(deadline))
                 n = sock.recv_into(scratch, min(length, len(scratch)))
                 if n == 0:
                     raise ConnectionError(f"donor closed the connection after {len(data)} of {total} bytes")
@@ -471,7 +324,6 @@ def download_state(
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
         set aside, or every donor on offer is past `max_epoch` (at once)
     """
-    from moshpeer.peer.state_swarm import SwarmedState, download_swarmed  # it builds on this module's wire format
 
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
@@ -512,7 +364,7 @@ def download_state(
         offer = offers[0]
         same_epoch = [o for o in offers if o.epoch == offer.epoch]
         attempt_failed: List[Tuple[str, str]] = []
-        swarmed: Optional["SwarmedState"] = None
+        swarmed: Optional[SwarmedState] = None
         try:
             with _progress_bar(show_progress, offer, len(same_epoch)) as update:
                 swarmed = download_swarmed(

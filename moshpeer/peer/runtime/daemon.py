@@ -33,24 +33,11 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from hivemind.utils import get_dht_time
-
-from moshpeer.dht import (
-    DEFAULT_HOST_MADDRS,
-    MUTABLE_FIELDS,
-    PeerRecord,
-    Role,
-    StartCancelled,
-    SwarmDHT,
-    publish_record,
-    start_dht,
-    validate_run_id,
-    withdraw,
-)
-from moshpeer.dht.records import MAX_ADDRESSES
+from moshpeer.dht import (DEFAULT_HOST_MADDRS, MUTABLE_FIELDS, PeerRecord, Role, StartCancelled, SwarmDHT, start_dht,
+                          validate_run_id)
 from moshpeer.errors import UserError
-from moshpeer.peer.preemption import PreemptionNotice, PreemptionWatcher
-from moshpeer.version import PROTOCOL_VERSION, __version__
+from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
+from moshpeer.peer.runtime.preemption import PreemptionNotice, PreemptionWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +121,7 @@ class PeerDaemon:
         )
 
         self._dht: Optional[SwarmDHT] = None
-        self._record: Optional[PeerRecord] = None
-        self._record_lock = threading.Lock()
+        self._publisher: Optional[RecordPublisher] = None  # this peer's record (record_publisher.py)
         self._stop_event = threading.Event()
         self._stop_reason = ""
         self._stop_at: Optional[float] = None  # time.monotonic() of the stop request
@@ -174,10 +160,9 @@ class PeerDaemon:
     @property
     def record(self) -> PeerRecord:
         """The record as last published (or about to be)."""
-        with self._record_lock:
-            if self._record is None:
-                raise RuntimeError("PeerDaemon is not started")
-            return self._record
+        if self._publisher is None:
+            raise RuntimeError("PeerDaemon is not started")
+        return self._publisher.record
 
     @property
     def stop_requested(self) -> bool:
@@ -227,16 +212,8 @@ class PeerDaemon:
             raise RuntimeError("PeerDaemon is already started")
         self._dht = start_dht(run_ids=[self.run_id], should_stop=lambda: self.stop_requested, **self._dht_options)
         self._visible_maddrs = [str(m) for m in self._dht.get_visible_maddrs()]
-        now = get_dht_time()
-        self._record = PeerRecord(
-            peer_id=self._dht.identity.peer_id,
-            role=self.role,
-            addresses=self._visible_maddrs[:MAX_ADDRESSES],
-            version=__version__,
-            protocol=PROTOCOL_VERSION,
-            started_at=now,
-            updated_at=now,
-        )
+        self._publisher = RecordPublisher(self._dht, self.run_id,
+                                          fresh_record(self._dht, self.role, self._visible_maddrs), self.expiration)
         # Publish once before returning, so that whoever waits for "ready" finds the record.
         if not self._publish():
             logger.warning("could not publish this peer's record yet; the heartbeat will keep trying")
@@ -266,11 +243,9 @@ class PeerDaemon:
         not_mutable = set(fields) - MUTABLE_FIELDS
         if not_mutable:
             raise ValueError(f"cannot update record fields {sorted(not_mutable)}; mutable: {sorted(MUTABLE_FIELDS)}")
-        with self._record_lock:
-            if self._record is None:
-                raise RuntimeError("PeerDaemon is not started")
-            self._record = self._record.updated(**fields)
-            record = self._record
+        if self._publisher is None:
+            raise RuntimeError("PeerDaemon is not started")
+        record = self._publisher.update(**fields)
         if publish_now:
             self._wake_heartbeat.set()
         return record
@@ -364,10 +339,7 @@ class PeerDaemon:
     # ---- internals -----------------------------------------------------------------------------
 
     def _publish(self) -> bool:
-        with self._record_lock:
-            self._record = self._record.updated(updated_at=get_dht_time())
-            record = self._record
-        return publish_record(self.dht, self.run_id, record, self.expiration, timeout=self.heartbeat)
+        return self._publisher.publish(timeout=self.heartbeat)
 
     def _idle_until_stopped(self) -> None:
         # Python runs signal handlers in the main thread, between bytecodes. A signal the kernel
@@ -408,11 +380,11 @@ class PeerDaemon:
             self._heartbeat_thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
 
     def _withdraw(self, deadline: float) -> None:
-        if self._dht is None or self._record is None or not self._dht.is_alive():
+        if self._dht is None or self._publisher is None or not self._dht.is_alive():
             return
         timeout = max(0.1, min(1.5, deadline - time.monotonic()))
-        # The same expiration as the heartbeats: the leaving version must outlive every live one.
-        if not withdraw(self._dht, self.run_id, self.record, self.expiration, timeout=timeout):
+        # The publisher's expiration is the heartbeats': the leaving version must outlive every live one.
+        if not self._publisher.withdraw(timeout=timeout):
             logger.warning("could not withdraw this peer's record; it will expire by itself")
 
     def _run_shutdown_hooks(self, deadline: float) -> None:

@@ -11,10 +11,10 @@ import hashlib
 
 import pytest
 
-from moshpeer.peer import state_swarm
-from moshpeer.peer.state_pieces import Manifest
-from moshpeer.peer.state_swarm import download_swarmed, manifest_epoch_ok
-from moshpeer.peer.state_sync import StateOffer
+from moshpeer.peer.state import swarm as state_swarm
+from moshpeer.peer.state.pieces import Manifest
+from moshpeer.peer.state.swarm import download_swarmed, manifest_epoch_ok
+from moshpeer.peer.state.framing import StateOffer
 
 PIECE = 4
 

@@ -1,4 +1,4 @@
-"""One state pulled from several donors at once, piece by piece (state_pieces.py), surviving donors that die.
+"""One state pulled from several donors at once, piece by piece (pieces.py), surviving donors that die.
 
 The donors offering one epoch are asked for their signed manifests in parallel. The manifest held by the most
 donors wins (the first offer's on a tie: offers come most trusted first); its donors then fetch ranges of
@@ -22,8 +22,8 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from moshpeer.dht.identity import Identity
 from moshpeer.errors import ProtocolError
-from moshpeer.peer.state_pieces import CorruptPiece, Manifest, fetch_manifest, fetch_pieces
-from moshpeer.peer.state_sync import StateOffer
+from moshpeer.peer.state.pieces import CorruptPiece, Manifest, fetch_manifest, fetch_pieces
+from moshpeer.peer.state.framing import StateOffer
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, Optional, Sequence, Tuple
 
-from hivemind.utils import get_dht_time
-
-from moshpeer.dht import PeerRecord, SwarmDHT, list_peers, publish_record
-from moshpeer.version import PROTOCOL_VERSION, __version__
+from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
 
 logger = logging.getLogger(__name__)
 
@@ -203,57 +200,6 @@ def summarize(
         peers=tuple(sorted(by_id.values(), key=lambda r: r.peer_id)),
         counted_trainers=len(counted),
     )
-
-
-class RecordPublisher:
-    """Publishes this peer's record straight to a DHT, for optimizers used without a `PeerDaemon`.
-
-    A `PeerDaemon` already heartbeats its record; use `daemon.update_record` there instead. This
-    class re-publishes on every `update` (throttled by the caller) and from `SwarmProgress`'s
-    refresh thread, so the record never expires while the peer lives.
-    """
-
-    def __init__(self, dht: SwarmDHT, run_id: str, *, role: str = "trainer", expiration: float = 15.0):
-        now = get_dht_time()
-        self.dht, self.run_id, self.expiration = dht, run_id, expiration
-        self._lock = threading.Lock()
-        self.record = PeerRecord(
-            peer_id=dht.identity.peer_id,
-            role=role,
-            addresses=[str(m) for m in dht.get_visible_maddrs()][:16],
-            version=__version__,
-            protocol=PROTOCOL_VERSION,
-            started_at=now,
-            updated_at=now,
-        )
-        self._last_publish = 0.0
-
-    def update(self, **fields) -> None:
-        with self._lock:
-            self.record = self.record.updated(**fields)
-        self.publish()
-
-    def publish(self) -> None:
-        with self._lock:
-            self.record = self.record.updated(updated_at=get_dht_time())
-            record = self.record
-        self._last_publish = time.monotonic()
-        try:
-            publish_record(self.dht, self.run_id, record, self.expiration, timeout=2.0)
-        except Exception as e:  # the DHT went away (shutdown): progress is best effort
-            logger.debug(f"could not publish progress: {e}")
-
-    def refresh_if_stale(self) -> None:
-        if time.monotonic() - self._last_publish > self.expiration / 3:
-            self.publish()
-
-    def withdraw(self) -> None:
-        with self._lock:
-            record = self.record.updated(leaving=True, updated_at=get_dht_time())
-        try:
-            publish_record(self.dht, self.run_id, record, self.expiration, timeout=1.0)
-        except Exception:
-            pass
 
 
 class SwarmProgress:

@@ -1,8 +1,8 @@
 """The piece-wise half of the state protocol (version 3): a signed manifest of per-piece hashes, and ranges of
 pieces checked against it. This is what lets a newcomer pull one state from several donors at once
-(state_swarm.py); `StateServer` (state_sync.py) answers both requests.
+(swarm.py); `StateServer` (sync.py) answers both requests. Framing and signatures: framing.py.
 
-  client -> server  the signed request of state_sync.py with op "get_manifest"
+  client -> server  the signed request of framing.py with op "get_manifest"
   server -> client  msgpack {"ok": true, "epoch", "total_bytes", "sha256", "piece_bytes", "public_key",
                              "signature": over the challenge, those fields and the SHA-256 of the hash list}
                     then one frame: the pieces' SHA-256 digests, 32 bytes each, in order
@@ -23,14 +23,17 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import msgpack
 
 from moshpeer.dht.identity import Identity
 from moshpeer.errors import ProtocolError
-from moshpeer.peer import state_sync
-from moshpeer.peer.state_sync import StateOffer, StateServer
+from moshpeer.peer.state.framing import (StateOffer, check_donor, parse_header, recv_exact, recv_frame_length,
+                                         recv_msgpack, remaining, send_frame, signed_request)
+
+if TYPE_CHECKING:  # the server calls into this module; this module only uses the server it is handed
+    from moshpeer.peer.state.sync import StateServer
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ def _manifest_fields(run_id: str, challenge: bytes, manifest: Manifest) -> bytes
 # ---- serving ------------------------------------------------------------------------------------
 
 
-def _manifest_of(server: StateServer, epoch: int, data: bytes) -> Manifest:
+def _manifest_of(server: "StateServer", epoch: int, data: bytes) -> Manifest:
     """The manifest of `data`, computed once per state the server's source hands out, and pinned: the donor
     keeps serving pieces of it after it moved on (a download may outlast several epochs), for the last
     PINNED_SNAPSHOTS manifests asked within PIN_S seconds (bounded memory on the donor)."""
@@ -109,7 +112,7 @@ def _manifest_of(server: StateServer, epoch: int, data: bytes) -> Manifest:
         return manifest
 
 
-def _pinned(server: StateServer, digest: Any) -> Optional[Tuple[bytes, Manifest]]:
+def _pinned(server: "StateServer", digest: Any) -> Optional[Tuple[bytes, Manifest]]:
     """(bytes, manifest) of a pinned state, None if the donor no longer holds it."""
     with server.manifest_lock:
         entry = server.manifest_cache.get(digest) if isinstance(digest, str) else None
@@ -119,7 +122,7 @@ def _pinned(server: StateServer, digest: Any) -> Optional[Tuple[bytes, Manifest]
         return entry[0], entry[1]
 
 
-def serve_piece_request(server: StateServer, sock: socket.socket, request: Dict[str, Any], challenge: bytes,
+def serve_piece_request(server: "StateServer", sock: socket.socket, request: Dict[str, Any], challenge: bytes,
                         epoch: int, data: bytes) -> None:
     """Answer an admitted "get_manifest" or "get_pieces" request (see the module docstring).
 
@@ -130,20 +133,20 @@ def serve_piece_request(server: StateServer, sock: socket.socket, request: Dict[
                   "sha256": manifest.sha256, "piece_bytes": manifest.piece_bytes,
                   "public_key": server.identity.public_key.to_bytes(),
                   "signature": server.identity.private_key.sign(_manifest_fields(server.run_id, challenge, manifest))}
-        state_sync._send_frame(sock, msgpack.packb(header))
-        state_sync._send_frame(sock, b"".join(manifest.piece_hashes))
+        send_frame(sock, msgpack.packb(header))
+        send_frame(sock, b"".join(manifest.piece_hashes))
         server.count_served(manifest.epoch, manifest.sha256, manifest.total_bytes)
         return
     pinned = _pinned(server, request.get("sha256"))
     if pinned is None:
-        state_sync._send_frame(sock, msgpack.packb({"ok": False, "error": f"serving epoch {epoch} now"}))
+        send_frame(sock, msgpack.packb({"ok": False, "error": f"serving epoch {epoch} now"}))
         return
     data, manifest = pinned
     first, count = request.get("first"), request.get("count")
     if not (isinstance(first, int) and isinstance(count, int) and 0 <= first and 0 < count
             and first + count <= len(manifest.piece_hashes)):
         raise ProtocolError(f"bad piece range {first!r}+{count!r}")
-    state_sync._send_frame(sock, msgpack.packb({"ok": True}))
+    send_frame(sock, msgpack.packb({"ok": True}))
     start, end = manifest.piece_range(first, count)
     logger.info(f"serving state of epoch {manifest.epoch}: pieces {first}..{first + count - 1} ({end - start} bytes) "
                 f"to {sock.getpeername()[0]}")
@@ -161,19 +164,19 @@ def fetch_manifest(offer: StateOffer, run_id: str, *, deadline: float, max_bytes
     or sends a malformed header or hash list; TimeoutError past the deadline; OSError / ConnectionError
     when the connection fails."""
     challenge = os.urandom(32)
-    with socket.create_connection((offer.host, offer.port), timeout=min(state_sync._remaining(deadline), 5.0)) as sock:
-        request = state_sync._signed_request("get_manifest", run_id, challenge, identity, tag)
-        state_sync._send_frame(sock, msgpack.packb(request))
-        header = state_sync._recv_msgpack(sock, deadline)
-        epoch, total, digest, piece = state_sync._parse_header(header, max_bytes, "piece_bytes")
+    with socket.create_connection((offer.host, offer.port), timeout=min(remaining(deadline), 5.0)) as sock:
+        request = signed_request("get_manifest", run_id, challenge, identity, tag)
+        send_frame(sock, msgpack.packb(request))
+        header = recv_msgpack(sock, deadline)
+        epoch, total, digest, piece = parse_header(header, max_bytes, "piece_bytes")
         if piece < MIN_PIECE_BYTES:
             raise ProtocolError(f"pieces of {piece} bytes are below the minimum of {MIN_PIECE_BYTES}")
         count = -(-total // piece)
-        raw = state_sync._recv_exact(sock, state_sync._recv_frame_length(sock, count * _DIGEST, deadline), deadline)
+        raw = recv_exact(sock, recv_frame_length(sock, count * _DIGEST, deadline), deadline)
         if len(raw) != count * _DIGEST:
             raise ProtocolError(f"manifest lists {len(raw) // _DIGEST} pieces, the state has {count}")
         manifest = Manifest(epoch, total, digest, piece, tuple(raw[i : i + _DIGEST] for i in range(0, len(raw), _DIGEST)))
-        state_sync._check_donor(header, offer.peer_id, _manifest_fields(run_id, challenge, manifest))
+        check_donor(header, offer.peer_id, _manifest_fields(run_id, challenge, manifest))
         return manifest
 
 
@@ -187,19 +190,19 @@ def fetch_pieces(offer: StateOffer, run_id: str, manifest: Manifest, first: int,
     donor goes away. `on_bytes(n)` is called as each verified piece arrives."""
     challenge = os.urandom(32)
     pieces: List[bytes] = []
-    with socket.create_connection((offer.host, offer.port), timeout=min(state_sync._remaining(deadline), 5.0)) as sock:
-        request = state_sync._signed_request("get_pieces", run_id, challenge, identity, tag, sha256=manifest.sha256,
+    with socket.create_connection((offer.host, offer.port), timeout=min(remaining(deadline), 5.0)) as sock:
+        request = signed_request("get_pieces", run_id, challenge, identity, tag, sha256=manifest.sha256,
                                              first=first, count=count)
-        state_sync._send_frame(sock, msgpack.packb(request))
-        answer = state_sync._recv_msgpack(sock, deadline)
+        send_frame(sock, msgpack.packb(request))
+        answer = recv_msgpack(sock, deadline)
         if answer.get("ok") is not True:
             raise DonorMovedOn(f"donor no longer serves that state ({str(answer.get('error'))[:100]})")
         for index in range(first, first + count):
             start, end = manifest.piece_range(index, 1)
-            length = state_sync._recv_frame_length(sock, manifest.piece_bytes, deadline)
+            length = recv_frame_length(sock, manifest.piece_bytes, deadline)
             if length != end - start:
                 raise ProtocolError(f"piece {index} has {length} bytes, the manifest says {end - start}")
-            piece = state_sync._recv_exact(sock, length, deadline)
+            piece = recv_exact(sock, length, deadline)
             if hashlib.sha256(piece).digest() != manifest.piece_hashes[index]:
                 raise CorruptPiece(f"piece {index} does not match the manifest")
             pieces.append(piece)

@@ -1,0 +1,346 @@
+"""`EpochLoop`: a trainer's collaborative epochs: progress toward the target batch, rounds, catch-up, ending an epoch.
+
+Life of an epoch (all from the training thread):
+
+    step(n) / account(n) after each micro-batch of n samples: add its gradients (x n) to `counters.grad_sums`
+                        when the strategy averages gradients (or the loss budget watches them), let a local
+                        strategy take its inner step, publish progress; if `epoch_is_over()`, `end_epoch()`
+    epoch_is_over()     this peer computed its share of `target_batch_size` (target / contributing trainers),
+                        or the swarm reached the target, or the DropCompute budget is spent (round_timing.py);
+                        a strategy that counts its own epochs (DiLoCo's H inner steps) decides instead
+    end_epoch()         behind the swarm by more than `max_epoch_lag`: adopt a donor's state instead of
+                        averaging stale gradients. Otherwise plan a round (the strategy fills its buffer),
+                        run it in the averager within the round's window, apply the group's average, or the
+                        peer's own step when no group formed, and start the next epoch
+    settle()            an overlapping strategy's round runs while the peer computes the next epoch; it is
+                        resolved at the next epoch end (or by this call after the last one)
+
+Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with
+the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
+never stops for lack of peers. A catch-up that finds no donor leaves the epoch to end as usual. Nothing here
+raises for network trouble.
+
+The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
+it the averager, the swarm link, the strategy, the round timing and the state catch-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ContextManager, Deque, Dict, List, Optional, Protocol
+
+import torch
+
+from moshpeer.averaging.loss_budget import LossBudget
+from moshpeer.averaging.report import RoundResult
+from moshpeer.errors import UserError
+from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
+from moshpeer.peer.optimizer.progress import ProgressSnapshot
+from moshpeer.peer.optimizer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.rounds import CollaborativeRound
+from moshpeer.peer.optimizer.speed_meter import SpeedMeter
+from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
+from moshpeer.peer.optimizer.swarm_link import SwarmLink
+
+# Records kept in `EpochLoop.rounds` (the trainer's round health reads the last 20): a long run must not
+# grow a list per epoch. `rounds_total` and `rounds_ok` count them all.
+ROUND_HISTORY = 256
+
+
+@dataclass
+class EpochCounters:
+    """This peer's own place in training, shared by the epoch loop (which advances it), the state exchange
+    (which saves and adopts it) and the strategies (which read the accumulators through their host)."""
+
+    grad_sums: List[torch.Tensor]  # per parameter: gradients x samples summed over this epoch, fp32
+    epoch: int = 0
+    steps: int = 0  # inner optimizer steps taken
+    samples: int = 0  # samples accumulated in this epoch
+    total_samples: int = 0  # ever, by this peer
+    dropped_samples: int = 0  # computed but left out of the swarm's average (missed rounds)
+
+    def reset_epoch(self) -> None:
+        """Forget this epoch's accumulated gradients and samples."""
+        for acc in self.grad_sums:
+            acc.zero_()
+        self.samples = 0
+
+
+class RoundRunner(Protocol):
+    """What the loop uses of `MoshpitAverager`."""
+
+    min_group_size: int
+    loss_budget: Any
+    upload_bandwidth: Optional[float]
+    flagged_peers: Dict[str, int]
+
+    def step(self, **kwargs: Any) -> Any: ...
+
+    def get_tensors(self) -> ContextManager: ...
+
+
+class EpochHost(Protocol):
+    """What an `EpochLoop` needs from its optimizer."""
+
+    params: List[torch.nn.Parameter]
+    lock: threading.RLock  # held while the training state changes (the state server reads under it)
+    counters: EpochCounters
+    strategy: AveragingStrategy
+    averager: RoundRunner
+    swarm: SwarmLink
+    timing: RoundTiming
+
+    def should_stop(self) -> bool: ...
+
+    def inner_step(self) -> None:
+        """One step of the wrapped optimizer, counted in `counters.steps`."""
+
+    def catch_up(self, min_epoch: int) -> Optional[Any]:
+        """Adopt a donor's state of `min_epoch` or later; None if none delivered."""
+
+    def advertise(self, force: bool = False) -> None:
+        """Offer this peer's state to newcomers (throttled unless `force`)."""
+
+
+class EpochLoop:
+    """A trainer's epochs; see the module docstring.
+
+    :param host: the optimizer (`EpochHost`)
+    :param target_batch_size: samples the swarm gathers per epoch
+    :param group_size: the largest group a round aims for
+    :param max_epoch_lag: adopt a donor's state when the swarm's epoch is ahead by more than this
+    :param loss_budget: the loss-budget setting (`parse_loss_budget`; a phase-aware one watches the gradients)
+    :param batch_size_per_step: samples behind a `step()` that names none
+    """
+
+    def __init__(self, host: EpochHost, *, target_batch_size: int, group_size: int, max_epoch_lag: int,
+                 loss_budget: LossBudget, batch_size_per_step: Optional[int] = None):
+        self.host, self.counters, self.lock = host, host.counters, host.lock
+        self.target_batch_size, self.group_size = target_batch_size, group_size
+        self.max_epoch_lag, self.batch_size_per_step = max_epoch_lag, batch_size_per_step
+        self.loss_budget_setting = loss_budget
+        self.rounds: Deque[CollaborativeRound] = collections.deque(maxlen=ROUND_HISTORY)
+        self.rounds_total = self.rounds_ok = 0
+        self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
+        self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
+
+    # ---- micro-batches ------------------------------------------------------------------------
+
+    def step(self, batch_size: Optional[int] = None) -> Optional[CollaborativeRound]:
+        """What `optimizer.step()` does on a trainer: `account` for `batch_size` samples (default:
+        `batch_size_per_step`); UserError when neither is given."""
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        if batch_size is None:
+            raise UserError("pass step(batch_size=...) or set batch_size_per_step")
+        return self.account(int(batch_size))
+
+    @torch.no_grad()
+    def account(self, batch_size: int) -> Optional[CollaborativeRound]:
+        """Account for the gradients in `.grad`, computed from `batch_size` samples, and end the epoch if it is
+        over; returns what `end_epoch` returned then, else None."""
+        host, counters = self.host, self.counters
+        with host.lock:
+            # Gradient sums are what the gradients strategy averages; the others keep them only as the phase
+            # signal of a phase-aware loss budget.
+            if host.strategy.accumulates_gradients or self.loss_budget_setting.phase_aware:
+                for acc, p in zip(counters.grad_sums, host.params):
+                    if p.grad is not None:
+                        acc.add_(p.grad, alpha=float(batch_size))
+            if host.strategy.steps_locally:
+                host.inner_step()
+            counters.samples += batch_size
+            counters.total_samples += batch_size
+            host.strategy.on_micro_batch(batch_size)
+        self.speed.add(batch_size)
+        host.timing.record_micro_batch(batch_size)
+        self.report_progress()
+        return self.end_epoch() if self.epoch_is_over() else None
+
+    def epoch_is_over(self) -> bool:
+        """Whether this peer should average now (see the module docstring)."""
+        counted = self.host.strategy.epoch_is_over()
+        if self.host.timing.budget_spent() or counted is not None:
+            return self.host.timing.budget_spent() or bool(counted)
+        snapshot = self.host.swarm.progress.snapshot()
+        return snapshot.ready or self.counters.samples >= self.share(snapshot)
+
+    def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
+        """This peer's share of the target batch: target / live trainers whose samples count, rounded up."""
+        snapshot = snapshot or self.host.swarm.progress.snapshot()
+        return math.ceil(self.target_batch_size / max(snapshot.contributing_trainers, 1))
+
+    def group_target(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
+        """This round's group size: `group_size`, or the number of live peers (trainers and aux) when the swarm
+        is smaller, so a small swarm does not wait the whole matchmaking time for members that do not exist."""
+        snapshot = snapshot or self.host.swarm.progress.snapshot()
+        live = snapshot.num_trainers + snapshot.num_aux
+        return max(self.host.averager.min_group_size, min(self.group_size, live))
+
+    # ---- the end of an epoch ------------------------------------------------------------------
+
+    def end_epoch(self) -> CollaborativeRound:
+        """End this peer's epoch now: catch up if behind, else average and step (alone if no group). Returns the
+        epoch's record; with an overlapping strategy the record of the round resolved now (the previous epoch's),
+        or at the first epoch end, whose round is still in flight, a record with error "round in flight" that
+        `rounds` does not keep."""
+        host = self.host
+        snapshot = host.swarm.progress.snapshot()
+        facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
+                     num_trainers=snapshot.num_trainers)
+        epoch = self.counters.epoch
+        if snapshot.global_epoch > epoch + self.max_epoch_lag:
+            # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
+            caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, "caught up", facts)
+            if caught is not None:
+                return caught
+        alone = snapshot.num_trainers + snapshot.num_aux <= 1
+        # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
+        # would find nobody, or mix gradients of stale parameters into the next epoch.
+        if not alone and host.timing.too_late_for_round() and host.swarm.moved_past(epoch, 0.0, host.should_stop):
+            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
+            if missed is not None:
+                return missed
+        resolved = self.settle() if host.strategy.overlaps else None
+        target, plan = self.group_target(snapshot), self.plan_round(snapshot)
+        facts.update(epoch=epoch, samples=self.counters.samples, group_target=target)
+        if alone:  # a lone peer does not wait for a group that cannot form: it steps on its own data
+            return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
+        future = self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window())
+        if host.strategy.overlaps:  # resolved at the next epoch end (settle), while the peer computes
+            self._in_flight = (future, plan, facts)
+            with host.lock:
+                self._next_epoch()
+            return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",
+                                                  settings=host.strategy.settings())
+        started = time.monotonic()
+        result = host.timing.await_result(future, target, host.should_stop)
+        if not (result is not None and result.ok) and host.strategy.catches_up_after_missed_round \
+                and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop):
+            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
+            if missed is not None:
+                return missed
+        return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
+
+    def settle(self) -> Optional[CollaborativeRound]:
+        """Resolve the round still running in the background (overlapping strategies): wait for it within its
+        deadline, apply its outcome, record it and return it; None if none runs. The training loop calls it once
+        more after its last epoch, so that the last outer step is applied."""
+        if self._in_flight is None:
+            return None
+        (future, plan, facts), self._in_flight = self._in_flight, None
+        waited = time.monotonic()
+        result = self.host.timing.await_result(future, facts["group_target"], self.host.should_stop)
+        with self.host.lock:
+            record = self._resolve(plan, result, None, wait_s=time.monotonic() - waited, **facts)
+        self._remember(record)
+        return record
+
+    def plan_round(self, snapshot: ProgressSnapshot) -> RoundPlan:
+        """The strategy fills its buffer for this epoch's round."""
+        # The averager's lock: a round abandoned earlier may still be writing into the buffer.
+        with self.host.lock, self.host.averager.get_tensors():
+            return self.host.strategy.plan_round(self.counters.epoch, snapshot)
+
+    def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
+        """Start one averaging round in the averager's round thread; its `RoundFuture`."""
+        return self.host.averager.step(weight=weight, timeout=self.host.timing.search_time_for(window),
+                                       target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
+                                       averaged=plan.averages, wait=False)
+
+    def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
+                     **facts: Any) -> CollaborativeRound:
+        """Apply the round's outcome (`result` None or failed: the peer's own step), record the epoch and start
+        the next one."""
+        with self.host.lock:
+            record = self._resolve(plan, result, error, **facts)
+            self._next_epoch()
+        self._remember(record)
+        return record
+
+    @torch.no_grad()
+    def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
+                 **facts: Any) -> CollaborativeRound:
+        """Apply a round's outcome: the group's average, or this peer's own step (caller holds the lock)."""
+        strategy = self.host.strategy
+        ok = result is not None and result.ok
+        spread = strategy.apply_averaged(plan) if ok else strategy.apply_alone(plan)
+        if not ok:
+            error = error or (result.error if result is not None else "abandoned")
+        grads = epoch_gradient(strategy.averaged_gradient(plan) if ok else None, self.counters.grad_sums,
+                               self.counters.samples)
+        phase, budget, norm = self._loss_phase.after_round(facts["epoch"], result, self.host.averager.loss_budget,
+                                                           grads)
+        return CollaborativeRound(result=result, error=error, param_spread=spread, loss_phase=phase,
+                                  loss_budget=budget, grad_norm=norm, settings=strategy.settings(), **facts)
+
+    def _catch_up_instead(self, min_epoch: int, why: str, facts: dict) -> Optional[CollaborativeRound]:
+        """Drop this epoch's samples and adopt a donor's state of `min_epoch` or later; None if no donor."""
+        stale, epoch = self.counters.samples, self.counters.epoch
+        self.settle()  # a round still in the background must not land on the downloaded state
+        if self.host.catch_up(min_epoch) is None:
+            return None
+        self.counters.dropped_samples += stale
+        self.report_progress(force=True)
+        record = CollaborativeRound(**{**facts, "epoch": epoch, "samples": 0, "error": why, "dropped_samples": stale,
+                                       "settings": self.host.strategy.settings()})
+        self._remember(record)
+        return record
+
+    def _next_epoch(self) -> None:
+        self.counters.epoch += 1
+        self.restart_epoch()
+        self.report_progress(force=True)
+        self.host.advertise(force=True)
+
+    def restart_epoch(self) -> None:
+        """Forget this epoch's accumulators; its compute budget starts now."""
+        self.counters.reset_epoch()
+        self.host.timing.begin_epoch()
+
+    def _remember(self, record: CollaborativeRound) -> None:
+        self.rounds.append(record)
+        self.rounds_total += 1
+        self.rounds_ok += record.ok
+
+    # ---- presence -----------------------------------------------------------------------------
+
+    def report_progress(self, force: bool = False) -> None:
+        """Publish this peer's epoch, samples and speed (throttled unless `force`), and whom its averaging flagged."""
+        host = self.host
+        host.swarm.progress.report(epoch=self.counters.epoch, samples_accumulated=self.counters.samples,
+                                   samples_per_second=self.speed.rate(), step=self.counters.steps, force=force,
+                                   upload_bps=host.averager.upload_bandwidth or 0.0)
+        host.swarm.publish_flagged(host.averager.flagged_peers)
+        host.advertise()
+
+    def snapshot(self) -> ProgressSnapshot:
+        """The swarm's progress as last read (no DHT access)."""
+        return self.host.swarm.progress.snapshot()
+
+    def swarm_epoch_reached(self) -> int:
+        """The highest epoch this peer saw the swarm reach, kept after its trainers withdrew."""
+        return self.host.swarm.progress.swarm_epoch_reached
+
+    def wait_for_refresh(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the next read of the swarm's progress."""
+        self.host.swarm.progress.wait_for_refresh(timeout=timeout)
+
+    def await_result(self, future: Any, target: int) -> Optional[RoundResult]:
+        """A started round's result within its deadline; None if it failed or was abandoned (round_timing.py)."""
+        return self.host.timing.await_result(future, target, self.host.should_stop)
+
+    def aux_window(self) -> float:
+        """How long an aux peer waits in matchmaking (round_timing.py)."""
+        return self.host.timing.aux_window()
+
+    def wait_for_peers(self, min_trainers: int, timeout: float) -> int:
+        """Block until at least `min_trainers` trainers (this one included) are visible, or `timeout` passes, or
+        a stop is requested; returns how many are visible."""
+        visible = self.host.swarm.wait_for_trainers(min_trainers, timeout, self.host.should_stop)
+        if self.counters.samples == 0:
+            self.host.timing.begin_epoch()  # waiting for peers is not this epoch's compute time
+        return visible

@@ -1,0 +1,141 @@
+"""`RoundTiming`: the peer side's one owner of round timing.
+
+It answers, for the epoch loop and the aux peer: when this epoch's compute must stop (the DropCompute
+budget, dropcompute.py), how long this epoch's round waits for its group to fill (`matchmaking_window`) and
+searches for one at all (`search_time_for`), how long an aux waits as a follower (`aux_window`), how long a
+peer whose round failed watches for the others having finished it (`missed_round_grace`), and it waits for a
+started round within the round's own deadline (`await_result`).
+
+With a budget, the swarm waits for nobody past the budget deadline of the epoch (a straggler still inside a
+micro-batch is left out), but at least the time a complete group needs to assemble, learned from this peer's
+recent rounds (`min_matchmaking_window`). Without a budget a round waits `matchmaking_time`.
+
+What the averager times itself (the round's absolute deadlines, `averaging/deadline.py`; adaptive
+matchmaking windows and data-plane deadlines learned per group size, `averaging/adaptive_deadlines.py`)
+is not repeated here: the window computed here is the cap the averager's own deadlines work within.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable, List, Optional
+
+from moshpeer.averaging.report import RoundResult
+from moshpeer.peer.optimizer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
+
+# With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
+# takes a few round trips), even when the budget deadline is closer than this. Under load the round
+# trips take longer: the floor is then ASSEMBLY_MARGIN x the fastest recent assembly of a full group.
+MIN_BUDGET_WINDOW_S = 0.2
+ASSEMBLY_MARGIN = 3.0
+ASSEMBLY_HISTORY = 8
+STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
+# A round looks for a group for this many matchmaking windows (the averager's `timeout`; its assembly and data
+# plane have their own deadlines after that).
+SEARCH_WINDOWS = 2
+# An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
+# when the group is complete), and a leader accepts only followers whose window outlasts its own.
+AUX_WINDOW_FACTOR = 10
+# A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
+# swarm's records to show that the others finished the round it missed.
+MISSED_ROUND_GRACE_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+class RoundTiming:
+    """The compute budget of the current epoch and the waiting times of its round (see the module docstring).
+
+    :param matchmaking_time: the longest a round waits for its group (seconds)
+    :param budget: DropCompute threshold per epoch: None, seconds, or "auto" ("auto" simulates a synchronous
+        group of `group_size` workers from this peer's own times)
+    :param round_timeout: the averager's cap on one round (seconds), bounding `missed_round_grace`
+    :param clock: monotonic seconds for the compute budget (tests pass a fake one)
+    """
+
+    def __init__(self, matchmaking_time: float, budget: BudgetSetting, group_size: int, *,
+                 round_timeout: float = 10.0, clock: Callable[[], float] = time.perf_counter):
+        self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
+        self.compute_budget = ComputeBudget(budget, num_workers=group_size, clock=clock) \
+            if budget is not None else None
+        self.epoch_budget: Optional[BudgetedStep] = None  # the current epoch's compute, with a budget
+        self.assembly_s: List[float] = []  # matchmaking times of recent rounds whose group was complete
+        self.begin_epoch()
+
+    # ---- the epoch's compute ------------------------------------------------------------------
+
+    def begin_epoch(self) -> None:
+        """The DropCompute clock of an epoch starts when the previous epoch ended."""
+        self.epoch_budget = self.compute_budget.begin_step(None) if self.compute_budget is not None else None
+
+    def record_micro_batch(self, batch_size: int) -> None:
+        """A micro-batch of `batch_size` samples was computed (its time counts toward the budget)."""
+        if self.epoch_budget is not None:
+            self.epoch_budget.record(batch_size)
+
+    def budget_spent(self) -> bool:
+        """Whether this epoch's compute budget is used up (False without a budget)."""
+        return self.epoch_budget is not None and not self.epoch_budget.should_continue()
+
+    def end_compute(self) -> bool:
+        """End the epoch's compute; True if the budget stopped it."""
+        return self.epoch_budget.finish().stopped_by_budget if self.epoch_budget is not None else False
+
+    # ---- the round's waiting times ----------------------------------------------------------------
+
+    def matchmaking_window(self) -> float:
+        """How long this epoch's round waits for its group to fill (see the module docstring)."""
+        epoch = self.epoch_budget
+        if epoch is None or epoch.tau_s is None:
+            return self.matchmaking_time
+        return min(self.matchmaking_time, max(epoch.tau_s - epoch.elapsed_s, self.min_matchmaking_window()))
+
+    def min_matchmaking_window(self) -> float:
+        """The shortest matchmaking window worth trying: how long a complete group took to assemble recently
+        (its fastest case, i.e. no member was late), with a margin; at least MIN_BUDGET_WINDOW_S."""
+        fastest = min(self.assembly_s, default=0.0)
+        return min(self.matchmaking_time, max(MIN_BUDGET_WINDOW_S, ASSEMBLY_MARGIN * fastest))
+
+    def aux_window(self) -> float:
+        """How long an aux peer waits in matchmaking as a follower."""
+        return AUX_WINDOW_FACTOR * self.matchmaking_time
+
+    @staticmethod
+    def search_time_for(window: float) -> float:
+        """How long a round with a matchmaking `window` looks for a group (`MoshpitAverager.step`'s timeout)."""
+        return SEARCH_WINDOWS * window
+
+    def missed_round_grace(self) -> float:
+        """How long a peer whose round failed watches the swarm for the others having finished it."""
+        return min(self.round_timeout, MISSED_ROUND_GRACE_S)
+
+    def too_late_for_round(self) -> bool:
+        """With a budget: has every window of this epoch closed (the peer is too late for its round)?"""
+        epoch = self.epoch_budget
+        return epoch is not None and epoch.tau_s is not None and \
+            epoch.elapsed_s >= epoch.tau_s + self.min_matchmaking_window()
+
+    # ---- a round in flight ------------------------------------------------------------------------
+
+    def observe_assembly(self, result: Optional[RoundResult], target: int) -> None:
+        """Learn from a finished round: a complete group's matchmaking time bounds later windows from below."""
+        if result is not None and result.ok and result.group_size >= target:
+            self.assembly_s = (self.assembly_s + [result.matchmaking_s])[-ASSEMBLY_HISTORY:]
+
+    def await_result(self, future: Any, target: int, should_stop: Callable[[], bool]) -> Optional[RoundResult]:
+        """A started round's `RoundResult` (from its `RoundFuture`); None if it failed (logged), or if it is
+        abandoned (cancelled) because `should_stop()` or its own deadline passed."""
+        while True:
+            try:
+                result = future.result(timeout=STOP_POLL_S)
+                self.observe_assembly(result, target)
+                return result
+            except concurrent.futures.TimeoutError:
+                if should_stop() or future.deadline.remaining() == 0.0:
+                    future.cancel()
+                    return None
+            except Exception as e:
+                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
+                return None

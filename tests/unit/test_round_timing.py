@@ -1,0 +1,84 @@
+"""`RoundTiming` on a fake clock: the epoch's compute budget and how long its round waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from moshpeer.averaging.report import RoundResult
+from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_HISTORY, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
+                                        MISSED_ROUND_GRACE_S, RoundTiming)
+from peer_fakes import FakeClock, FakeFuture
+
+
+def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0):
+    clock = FakeClock()
+    return RoundTiming(matchmaking_time, seconds, 4, clock=clock), clock
+
+
+def test_without_a_budget_a_round_waits_the_matchmaking_time():
+    timing = RoundTiming(1.5, None, 4)
+    assert timing.matchmaking_window() == 1.5 and not timing.budget_spent() and timing.end_compute() is False
+    assert not timing.too_late_for_round()
+    assert timing.aux_window() == AUX_WINDOW_FACTOR * 1.5 and timing.search_time_for(1.5) == 3.0
+
+
+def test_the_window_ends_at_the_budget_deadline_but_never_below_the_floor():
+    timing, clock = budgeted(0.4)
+    assert timing.matchmaking_window() == pytest.approx(0.4)  # the epoch just began
+    clock.advance(0.1)
+    assert timing.matchmaking_window() == pytest.approx(0.3)
+    clock.advance(0.5)  # past the deadline
+    assert timing.matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
+    timing.assembly_s = [0.15]  # complete groups took 0.15 s lately (a loaded machine)
+    assert timing.min_matchmaking_window() == pytest.approx(0.45)
+    assert timing.matchmaking_window() == pytest.approx(0.45)
+
+
+def test_the_budget_stops_compute_after_tau_and_says_so():
+    timing, clock = budgeted(0.4)
+    timing.record_micro_batch(8)
+    assert not timing.budget_spent()
+    clock.advance(0.5)
+    assert timing.budget_spent() and timing.end_compute() is True
+    timing.begin_epoch()  # the next epoch's clock starts now
+    assert not timing.budget_spent()
+
+
+def test_a_peer_is_too_late_once_every_window_of_its_epoch_closed():
+    timing, clock = budgeted(0.4)
+    clock.advance(0.4 + MIN_BUDGET_WINDOW_S - 0.01)
+    assert not timing.too_late_for_round()
+    clock.advance(0.02)
+    assert timing.too_late_for_round()
+
+
+def test_only_complete_groups_teach_the_assembly_time():
+    timing, _ = budgeted()
+    timing.observe_assembly(RoundResult(ok=True, group_size=2, matchmaking_s=0.3), target=4)  # not complete
+    timing.observe_assembly(RoundResult(ok=False, group_size=4, matchmaking_s=0.3), target=4)  # failed
+    timing.observe_assembly(None, target=4)
+    assert timing.assembly_s == []
+    for i in range(ASSEMBLY_HISTORY + 2):
+        timing.observe_assembly(RoundResult(ok=True, group_size=4, matchmaking_s=float(i)), target=4)
+    assert timing.assembly_s == [float(i) for i in range(2, ASSEMBLY_HISTORY + 2)]
+
+
+def test_await_result_returns_abandons_or_swallows_a_failure():
+    timing, _ = budgeted()
+    done = RoundResult(ok=True, group_size=4, matchmaking_s=0.05)
+    assert timing.await_result(FakeFuture(done), 4, lambda: False) is done and timing.assembly_s == [0.05]
+    pending = FakeFuture()  # its deadline has passed
+    assert timing.await_result(pending, 4, lambda: False) is None and pending.cancelled
+    assert timing.await_result(FakeFuture(error=RuntimeError("boom")), 4, lambda: False) is None
+
+
+def test_await_result_abandons_a_round_when_asked_to_stop():
+    timing, _ = budgeted()
+    pending = FakeFuture()
+    pending.deadline._remaining = 10.0  # still inside its deadline: only the stop request ends the wait
+    assert timing.await_result(pending, 4, lambda: True) is None and pending.cancelled
+
+
+def test_missed_round_grace_is_bounded_by_the_round_timeout():
+    assert RoundTiming(1.0, None, 4, round_timeout=2.0).missed_round_grace() == 2.0
+    assert RoundTiming(1.0, None, 4, round_timeout=60.0).missed_round_grace() == MISSED_ROUND_GRACE_S
