@@ -19,7 +19,7 @@ keeps the durations it measured recently and sets the next deadline to
   `--min-matchmaking-time / --matchmaking-time`). With fewer than `min_samples` measurements the
   cap is used, so a new peer starts with the patient setting and tightens as it learns.
 
-Round durations depend on the group size and the payload, so `RoundDeadlines` keeps one history per
+Round durations depend on the group size and the payload, so `DeadlineLearner` keeps one history per
 (group size, payload size class) and falls back to all group sizes of that payload class while a
 group size has too few measurements. Assembly times are kept per target group size.
 """
@@ -31,7 +31,10 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from moshpeer.averaging.report import RoundResult
 
 MAD_TO_SIGMA = 1.4826  # MAD of normally distributed data x this = its standard deviation
 DEFAULT_K = 4.0
@@ -40,6 +43,9 @@ DEFAULT_HISTORY = 32
 DEFAULT_MIN_SAMPLES = 4
 DEFAULT_GROWTH = 2.0
 DEFAULT_MIN_ROUND_S = 1.0
+# A data plane that took this much of its budget ran into its deadline (its owners stopped waiting for
+# contributions at deadline.REDUCE_SCATTER_SHARE of it).
+DEADLINE_HIT_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -118,13 +124,21 @@ class AdaptiveDeadline:
         return self._streak
 
 
+def payload_bytes(tensors: Iterable) -> int:
+    """fp32 bytes a round averages (of these tensors), before compression: what its deadline's history is
+    keyed by."""
+    return 4 * sum(t.numel() for t in tensors)
+
+
 def payload_class(nbytes: int) -> int:
     """Payload size class: rounds whose payloads are within a factor of two share a history."""
     return max(int(nbytes), 1).bit_length()
 
 
-class RoundDeadlines:
-    """The matchmaking window and round deadline of a peer's next averaging round.
+class DeadlineLearner:
+    """Learns, from the rounds a peer measured, the matchmaking window and data-plane deadline (seconds) of its
+    next averaging round; `MoshpitAverager.step()` turns them into that round's absolute `RoundDeadline`
+    (deadline.py).
 
     :param matchmaking_floor, matchmaking_cap: bounds of the matchmaking window (seconds)
     :param round_floor, round_cap: bounds of the data-plane deadline of a round (seconds)
@@ -194,6 +208,18 @@ class RoundDeadlines:
         else:
             deadline.observe(seconds)
 
+    def observe_result(self, result: "RoundResult", *, target: int, payload_bytes: int) -> None:
+        """Learn from a finished round: its assembly time (a full group only; nothing when no group formed:
+        the window ran out, which says nothing about how long assembly takes) and its data-plane time (not
+        when a member sent nothing at all: that says when the others gave up, not how long rounds take)."""
+        if not result.group_id:
+            return
+        self.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
+        if result.ok:
+            self.observe_round(result.group_size, payload_bytes, result.total_s,
+                               hit_deadline=result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s,
+                               member_died=bool(result.departed or result.absent))
+
     def round_deadline_samples(self, group_size: int, payload_bytes: int) -> List[float]:
         """The round durations measured for this group size and payload class (oldest first)."""
         return self._round_for(group_size, payload_bytes).samples
@@ -203,3 +229,6 @@ class RoundDeadlines:
         with self._lock:
             return {"assembly": {size: len(d.samples) for size, d in self._assembly.items()},
                     "rounds": {f"{size}x{cls}": len(d.samples) for (size, cls), d in self._rounds.items()}}
+
+
+RoundDeadlines = DeadlineLearner  # the name before it said what it does; kept for existing imports
