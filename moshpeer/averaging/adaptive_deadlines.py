@@ -229,6 +229,3 @@ class DeadlineLearner:
         with self._lock:
             return {"assembly": {size: len(d.samples) for size, d in self._assembly.items()},
                     "rounds": {f"{size}x{cls}": len(d.samples) for (size, cls), d in self._rounds.items()}}
-
-
-RoundDeadlines = DeadlineLearner  # the name before it said what it does; kept for existing imports
