@@ -33,6 +33,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple
 
+from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.errors import UserError
+
 if TYPE_CHECKING:
     from moshpeer.averaging.report import RoundResult
 
@@ -145,6 +148,18 @@ class DeadlineLearner:
     :raises ValueError: on bounds that are not 0 < floor <= cap
     """
 
+    @classmethod
+    def for_settings(cls, matchmaking_time: float, round_timeout: float, min_matchmaking_time: Optional[float] = None,
+                     min_round_timeout: Optional[float] = None) -> "DeadlineLearner":
+        """The averager's settings: caps `matchmaking_time` / `round_timeout`, floors the `min_*` ones (None: that
+        deadline stays at its cap). UserError unless 0 < floor <= cap."""
+        try:
+            return cls(matchmaking_floor=min_matchmaking_time or matchmaking_time, matchmaking_cap=matchmaking_time,
+                       round_floor=min_round_timeout or round_timeout, round_cap=round_timeout)
+        except ValueError:
+            raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
+                            f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
+
     def __init__(self, *, matchmaking_floor: float, matchmaking_cap: float, round_floor: float, round_cap: float,
                  policy: MarginPolicy = MarginPolicy(), history: int = DEFAULT_HISTORY):
         # Checked once here, so the per-key histories below cannot fail later.
@@ -207,6 +222,19 @@ class DeadlineLearner:
             deadline.observe_deadline_hit()
         else:
             deadline.observe(seconds)
+
+    def next_round(self, target: int, payload_bytes: int, round_timeout: float, *, grace_s: float,
+                   timeout: Optional[float] = None, window_cap: Optional[float] = None) -> Tuple[float, RoundDeadline]:
+        """The matchmaking window (seconds) and the `RoundDeadline` of a round starting now: the learned window,
+        at most `window_cap` (a caller's, e.g. up to a compute-budget deadline); a search of `timeout` (default
+        5 windows, at least one); `grace_s` longer while committed to a group; then the learned data-plane
+        budget, `round_timeout` at most."""
+        window = self.matchmaking_window(target)
+        if window_cap is not None:
+            window = min(window, window_cap)
+        search_s = max(timeout if timeout is not None else 5 * window, window)
+        return window, RoundDeadline.starting_now(search_s, grace_s, round_timeout,
+                                                  data_s=self.round_deadline(target, payload_bytes))
 
     def observe_result(self, result: "RoundResult", *, target: int, payload_bytes: int) -> None:
         """Learn from a finished round: its assembly time (a full group only; nothing when no group formed:

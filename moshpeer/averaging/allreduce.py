@@ -28,6 +28,7 @@ Decisions live apart from the threads: the owner's bookkeeping and averaging in 
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -37,7 +38,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from moshpeer.averaging import handshake, wire
-from moshpeer.averaging.aggregation import DEFAULT_MAX_BUFFER_BYTES, cap_weights, check_aggregation, weight_cap_factor
+from moshpeer.averaging.aggregation import DEFAULT_MAX_BUFFER_BYTES
 from moshpeer.averaging.budget_stall import PhaseArrivals, allowance_share
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.deadline import reduce_scatter_end
@@ -137,18 +138,16 @@ class GroupAllReduce:
         self.connector = MemberConnector(self.members, tag=tag, secret=secret, credentials=credentials,
                                          deadline=deadline, relay=relay, force_relay=force_relay,
                                          closing=lambda: self._closing, on_unauthentic=plane.count_rejected)
-        self.reduce_deadline = reduce_deadline if reduce_deadline is not None else \
-            reduce_scatter_end(time.monotonic(), deadline)
+        now = time.monotonic()
+        self.reduce_deadline = reduce_deadline if reduce_deadline is not None else reduce_scatter_end(now, deadline)
         self.partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes)
+        self._chunk_seed = functools.partial(wire.chunk_seed, tag, my_index)
         self.others = [i for i in range(self.group_size) if i != my_index]
         self.staging = staging if staging is not None else staging_for(flat.device)
-
         self.cond = threading.Condition()
         self._scratch = ScratchLease(scratch, flat.device)
-        aggregation = check_aggregation(aggregation)
-        weights = cap_weights([float(m.weight) for m in self.members], weight_cap_factor(aggregation))
         # The owner's bookkeeping; its shared counters are guarded by `cond`, each chunk by a lock of its own.
-        self.reducer = PartReducer(flat, self.partition, my_index, weights,
+        self.reducer = PartReducer(flat, self.partition, my_index, [m.weight for m in self.members],
                                    gather_codec=compression.gather_codec, chunk_seed=self._chunk_seed,
                                    aggregation=aggregation, distrusted=distrusted, loss_budget=loss_budget,
                                    max_buffer_bytes=max_buffer_bytes, buffer=self._scratch.take, lock=self.cond,
@@ -160,15 +159,12 @@ class GroupAllReduce:
         self.gather_finished = bytearray(self.group_size)  # sender will send no more GATHER chunks
         self.sent_progress = [0.0] * self.group_size  # how many REDUCE chunks our sender to j is past
         self.senders_done = 0
-        self.absent: List[int] = []
-        self.relayed: List[int] = []
-        self.reduce, self.gather, self.rejected_messages = PhaseStats(), PhaseStats(), 0
-        self._sockets: List[socket.socket] = []
+        self.stats = DataPlaneStats()  # what this all-reduce did: counted into while it runs, returned by run()
+        self.reduce, self.gather = self.stats.reduce, self.stats.gather
+        self._sockets, self._threads = [], []  # to close and to join at teardown
         self._uplink: Optional[UplinkMeter] = None
-        self._threads: List[threading.Thread] = []
-        self._closing = False
-        self._reduce_done_at: Optional[float] = None
-        self._arrivals = {"reduce": PhaseArrivals(), "gather": PhaseArrivals()}
+        self._closing, self._reduce_done_at = False, None
+        self._arrivals = {"reduce": PhaseArrivals(loss_budget), "gather": PhaseArrivals(loss_budget)}
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -190,7 +186,8 @@ class GroupAllReduce:
                 self._threads.append(thread)
                 thread.start()
             with self.cond:
-                self._wait(self._reduce_done_or_within_budget, self.reduce_deadline)
+                self._wait(lambda: self.reducer.all_final or self._within_budget(self.reduce, "reduce"),
+                           self.reduce_deadline)
             # No-op unless the reduce deadline passed or the budget allowed stopping.
             self._finalize(self.reducer.finalize_all)
             with self.cond:
@@ -205,28 +202,21 @@ class GroupAllReduce:
             self._scratch.end(reusable=self.reducer.all_final)
         finished = time.monotonic()
         reduce_done = self._reduce_done_at or finished
-        missing = self.receipts.missing()
-        self.gather.chunks_lost = len(missing)
-        self.reduce.chunks_lost = self.reduce.chunks_expected - self.reduce.chunks_received
-        self.reduce.seconds, self.gather.seconds = reduce_done - started, finished - reduce_done
-        return DataPlaneStats(
-            reduce=self.reduce,
-            gather=self.gather,
-            departed=sorted(self.reducer.departed),
-            rejected_messages=self.rejected_messages,
-            rejected_connections=self.plane.rejected_connections - rejected_before,
-            missing_chunks=missing,
-            reduce_scatter_s=reduce_done - started,
-            all_gather_s=finished - reduce_done,
-            total_s=finished - started,
-            absent=sorted(self.absent),
-            relayed=sorted(self.relayed),
-            staged_bytes=self.staging.bytes_copied,
-            upload_bps=upload_bps,
-            nonfinite_averages=self.reducer.nonfinite_averages,
-            flagged_by_index=list(self.reducer.flagged),
-            contributed_by_index=self.reducer.contributed(),
-        )
+        stats, reducer = self.stats, self.reducer
+        stats.missing_chunks = self.receipts.missing()
+        stats.gather.chunks_lost = len(stats.missing_chunks)
+        stats.reduce.chunks_lost = stats.reduce.chunks_expected - stats.reduce.chunks_received
+        stats.reduce.seconds = stats.reduce_scatter_s = reduce_done - started
+        stats.gather.seconds = stats.all_gather_s = finished - reduce_done
+        stats.total_s = finished - started
+        stats.departed = sorted(reducer.departed)
+        stats.absent.sort()
+        stats.relayed.sort()
+        stats.rejected_connections = self.plane.rejected_connections - rejected_before
+        stats.staged_bytes, stats.upload_bps = self.staging.bytes_copied, upload_bps
+        stats.nonfinite_averages = reducer.nonfinite_averages
+        stats.flagged_by_index, stats.contributed_by_index = list(reducer.flagged), reducer.contributed()
+        return stats
 
     def peer_id_of(self, index: int) -> bytes:
         """The libp2p peer id of member `index` (bound into the handshake MACs)."""
@@ -245,20 +235,13 @@ class GroupAllReduce:
 
     def _within_budget(self, stats: PhaseStats, phase: str) -> bool:
         """With self.cond held: may `phase` stop waiting at the loss budget now (budget_stall.py)?"""
-        return self._arrivals[phase].may_stop(time.monotonic(), stats.chunks_received, stats.chunks_expected,
-                                              self.loss_budget)
-
-    def _reduce_done_or_within_budget(self) -> bool:
-        return self.reducer.all_final or self._within_budget(self.reduce, "reduce")
+        return self._arrivals[phase].may_stop(time.monotonic(), stats.chunks_received, stats.chunks_expected)
 
     def _gather_done_or_within_budget(self) -> bool:
-        return self._everything_done() or (self.senders_done == len(self.others)
-                                           and self._within_budget(self.gather, "gather"))
-
-    def _everything_done(self) -> bool:
-        if not self.reducer.all_final or self.senders_done < len(self.others):
-            return False
-        return all(self.gather_finished[j] or self.receipts.complete(j) for j in self.others)
+        if self.senders_done < len(self.others):
+            return False  # our averaged chunks are still on their way out
+        done = self.reducer.all_final and all(self.gather_finished[j] or self.receipts.complete(j) for j in self.others)
+        return done or self._within_budget(self.gather, "gather")
 
     def _finalize(self, decide: Callable[[], List[int]]) -> None:
         """Run one of the reducer's finalize calls; wake whoever waits for chunks it finalized."""
@@ -269,10 +252,6 @@ class GroupAllReduce:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
 
-    def _chunk_seed(self, part: int, chunk: int) -> int:
-        # The sender's index is in the seed: members sharing rounding noise would not average it out.
-        return int.from_bytes(self.tag[:4], "big") ^ (self.my_index << 40) ^ (part << 20) ^ chunk
-
     # ---- sending ------------------------------------------------------------------------------
 
     def _sender(self, j: int) -> None:
@@ -282,12 +261,12 @@ class GroupAllReduce:
                 if not self._closing:
                     logger.warning(f"group member {j} is absent from this round; averaging without it")
                     with self.cond:
-                        self.absent.append(j)
+                        self.stats.absent.append(j)
                 self._give_up_on(j)
                 return
             with self.cond:
                 if link.relayed:
-                    self.relayed.append(j)
+                    self.stats.relayed.append(j)
                 if self._closing:
                     _close(link.sock)
                     return
@@ -321,7 +300,8 @@ class GroupAllReduce:
                 return False
 
     def _give_up_on(self, j: int) -> None:
-        """Member j is not in this round (unreachable, or it refused our hello): expect nothing from it."""
+        """Member j is not in this round (unreachable, refused our hello) or its connection ended: expect nothing
+        more from it."""
         self.reducer.member_finished(j)
         with self.cond:
             self.gather_finished[j] = 1
@@ -337,16 +317,10 @@ class GroupAllReduce:
         return self.links.stream(WireStream(link, stats, lambda: self._closing), spec)
 
     def _send_chunk(self, stream: ChunkStream, phase: int, part: int, chunk: int, codec, outbox: Outbox,
-                    staged: dict, lookahead: Optional[int] = None) -> None:
-        """Encode and send one chunk. `staged`: chunks of this stream already encoded and on their way to host
-        memory; with a device outbox, chunk `lookahead` is encoded and staged before this one is sent, so its
-        copy overlaps with this send."""
-        ready = staged.pop(chunk, None)
-        if ready is None:
-            ready = outbox.prepare(self._encode_chunk(phase, part, chunk, codec))
-        if outbox.lookahead and lookahead is not None and lookahead not in staged:
-            staged[lookahead] = outbox.prepare(self._encode_chunk(phase, part, lookahead, codec))
-        data = outbox.host_bytes(ready)
+                    lookahead: Optional[int] = None) -> None:
+        """Encode and send one chunk; with a device outbox, chunk `lookahead` is encoded and staged first, so its
+        copy to host memory overlaps with this send (staging.py)."""
+        data = outbox.next_bytes(chunk, lambda c: self._encode_chunk(phase, part, c, codec), lookahead)
         stream.send(wire.pack_header(phase, part, chunk, len(data), self.tag), data)
 
     def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
@@ -360,12 +334,12 @@ class GroupAllReduce:
     def _send_reduce(self, link: OutboundLink, j: int) -> None:
         stream = self._stream(link, j, "reduce")
         codec = self.links.contribution_codec(self.compression.reduce_codec)
-        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
+        outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
         num_chunks = self.partition.num_chunks(j)
         for c in range(num_chunks):
             if time.monotonic() > self.reduce_deadline:
                 break
-            self._send_chunk(stream, wire.PHASE_REDUCE, j, c, codec, outbox, staged,
+            self._send_chunk(stream, wire.PHASE_REDUCE, j, c, codec, outbox,
                              lookahead=c + 1 if c + 1 < num_chunks else None)
             with self.cond:
                 self.sent_progress[j] = c + 1
@@ -378,14 +352,14 @@ class GroupAllReduce:
     def _send_gather(self, link: OutboundLink, j: int) -> None:
         stream = self._stream(link, j, "gather")
         codec = self.compression.gather_codec
-        outbox, staged = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel)), {}
+        outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
         finalized = self.reducer.finalized
         for c in range(self.num_my_chunks):
             if not self._wait_finalized_watching(link, j, c):
                 return
             # Stage the next chunk early only if it is already averaged (finalized chunks never change).
             ahead = c + 1 if c + 1 < self.num_my_chunks and finalized[c + 1] else None
-            self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, outbox, staged, lookahead=ahead)
+            self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, outbox, lookahead=ahead)
         stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.tag))
 
     # ---- receiving ----------------------------------------------------------------------------
@@ -413,15 +387,11 @@ class GroupAllReduce:
         except ProtocolError as e:
             self._reject(i, str(e))
         finally:
-            self.reducer.member_finished(i)
-            with self.cond:
-                self.gather_finished[i] = 1
-                self.cond.notify_all()
-            self._finalize(self.reducer.finalize_ready)
+            self._give_up_on(i)
 
     def _reject(self, i: int, why: str) -> None:
         with self.cond:
-            self.rejected_messages += 1
+            self.stats.rejected_messages += 1
         logger.warning(f"data plane: rejected a message from member {i}: {why}")
 
     def _receive(self, i: int, sock: socket.socket, auth: FrameAuth) -> None:
@@ -458,8 +428,7 @@ class GroupAllReduce:
             return
         with self.cond:
             self.reduce.chunks_received += 1
-            self._arrivals["reduce"].note(time.monotonic(), self.reduce.chunks_received, self.reduce.chunks_expected,
-                                          self.loss_budget)
+            self._arrivals["reduce"].note(time.monotonic(), self.reduce.chunks_received, self.reduce.chunks_expected)
             if self.loss_budget > 0:
                 self.cond.notify_all()  # the main thread checks the budget
         self._finalize(lambda: self.reducer.finalize_ready((chunk,)))
@@ -481,8 +450,7 @@ class GroupAllReduce:
         with self.cond:
             self.receipts.note(i, chunk)
             self.gather.chunks_received += 1
-            self._arrivals["gather"].note(time.monotonic(), self.gather.chunks_received, self.gather.chunks_expected,
-                                          self.loss_budget)
+            self._arrivals["gather"].note(time.monotonic(), self.gather.chunks_received, self.gather.chunks_expected)
             self.cond.notify_all()
 
     # ---- teardown -----------------------------------------------------------------------------

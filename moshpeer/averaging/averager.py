@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -33,7 +32,6 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 
 from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
@@ -48,9 +46,8 @@ from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_
 from moshpeer.averaging.loop_thread import LoopThread
 from moshpeer.averaging.matchmaking_adapter import (ASSEMBLY_GRACE_S, MatchmakingAdapter, StepRequest,
                                                     initial_group_bits, schema_hash)
-from moshpeer.averaging.member_info import (MAX_BANDWIDTH, NONCE_BYTES, MemberInfo, pack_member_info,
-                                            parse_member_info)
-from moshpeer.averaging.private import admits_follower, dataplane_check, outsider_in_group
+from moshpeer.averaging.member_info import MAX_BANDWIDTH, NONCE_BYTES, MemberInfo, pack_member_info, parse_member_info
+from moshpeer.averaging.private import dataplane_check, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import DataPlaneStats, RoundResult
 from moshpeer.averaging.scratch import ScratchPool
@@ -174,13 +171,8 @@ class MoshpitAverager(ServicerBase):
         self.compression = get_compression(compression)
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
-        try:
-            self.deadlines = DeadlineLearner(
-                matchmaking_floor=min_matchmaking_time or matchmaking_time, matchmaking_cap=matchmaking_time,
-                round_floor=min_round_timeout or round_timeout, round_cap=round_timeout)
-        except ValueError:
-            raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
-                            f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
+        self.deadlines = DeadlineLearner.for_settings(matchmaking_time, round_timeout, min_matchmaking_time,
+                                                      min_round_timeout)
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.links = links
         self.client_mode = client_mode
@@ -304,17 +296,8 @@ class MoshpitAverager(ServicerBase):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: refused if a private run does not admit it, else
-        `MatchmakingAdapter.join_group` answers (hivemind's matchmaking, less a late acceptance)."""
-        arrived = time.monotonic()
-        try:
-            tag = parse_member_info(request.gather).tag
-        except ProtocolError:
-            tag = None
-        if not admits_follower(self.admission, str(context.remote_id), tag):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
-            return
-        responses = self._matchmaking.join_group(request, context, arrived)
+        """Another peer asks us to lead its group: `MatchmakingAdapter.join_group` answers."""
+        responses = self._matchmaking.join_group(request, context, time.monotonic())
         try:
             async for response in responses:
                 yield response
@@ -359,15 +342,9 @@ class MoshpitAverager(ServicerBase):
             raise UserError("averager is not started")
         tensors = round_tensors(tensors, self.tensors, self._numel if self.error_feedback is not None else None)
         target = target_group_size or self.target_group_size
-        payload = payload_bytes(tensors)
-        # The deadlines in force: what this averager measured, between the floors and the caps; a caller's
-        # window (e.g. up to a compute-budget deadline) is an upper bound on top.
-        window = self.deadlines.matchmaking_window(target)
-        if matchmaking_time is not None:
-            window = min(window, matchmaking_time)
-        search_s = max(timeout if timeout is not None else 5 * window, window)
-        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout,
-                                              data_s=self.deadlines.round_deadline(target, payload))
+        window, deadline = self.deadlines.next_round(target, payload_bytes(tensors), self.round_timeout,
+                                                     grace_s=self.request_timeout + ASSEMBLY_GRACE_S,
+                                                     timeout=timeout, window_cap=matchmaking_time)
         future = RoundFuture(deadline)
         round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
         try:
@@ -392,33 +369,15 @@ class MoshpitAverager(ServicerBase):
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
         host, port = self._announced_address()
-        search_end = deadline.dht_time(deadline.search_end)
-        request = StepRequest(
-            data_for_gather=pack_member_info(
-                host, port, self.links.declared_weight(weight), nonce,
-                (self.loss_budget.budget, self.loss_budget.phase),
-                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
-                self.admission.tag(self.identity.peer_id)),
-            scheduled_time=min(get_dht_time() + window, search_end),
-            deadline=search_end,
-            weight=weight,
-            schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
-            target_group_size=target_group_size,
-            matchmaking_time=window,
-            grace=deadline.assembly_end - deadline.search_end,
-        )
+        gathered = pack_member_info(host, port, self.links.declared_weight(weight), nonce,
+                                    (self.loss_budget.budget, self.loss_budget.phase),
+                                    (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
+                                    self.admission.tag(self.identity.peer_id))
+        request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
+                                        schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
-        outcome: dict = {}
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
-            search = asyncio.run_coroutine_threadsafe(
-                self._matchmaking.look_for_group(request, functools.partial(outcome.__setitem__, "error")),
-                self._loop_thread.loop)
-            try:  # the search ends itself by assembly_end; the round's end bounds a stalled loop
-                group = search.result(max(0.0, deadline.end - time.monotonic()))
-            except Exception as e:
-                search.cancel()
-                logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
-                group = None
+            group, error = self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
@@ -426,9 +385,9 @@ class MoshpitAverager(ServicerBase):
                       compression=self.compression_spec, matchmaking_window_s=window,
                       round_deadline_s=deadline.budget_s)
         if group is None:
-            if "error" in outcome:
-                logger.warning(f"matchmaking: {outcome['error']}")
-            return RoundResult(ok=False, error=outcome.get("error", "no group found"), group_bits=bits_before,
+            if error is not None:
+                logger.warning(f"matchmaking: {error}")
+            return RoundResult(ok=False, error=error or "no group found", group_bits=bits_before,
                                coordinates=self.coordinates, **common)
         try:
             return self._round_with_group(group, tensors, deadline, bits_before, common)
@@ -458,8 +417,8 @@ class MoshpitAverager(ServicerBase):
                                                                           data_deadline)
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
-                           loss_phase=loss_phase, aggregation=self.aggregation, data_deadline_s=data_deadline - assembled,
-                           data=data, **extra, **ids, **common)
+                           loss_phase=loss_phase, aggregation=self.aggregation,
+                           data_deadline_s=data_deadline - assembled, data=data, **extra, **ids, **common)
 
     def _average_with_group(self, group: GroupInfo, members: List[MemberInfo], my_index: int,
                             tensors: List[torch.Tensor], deadline: float

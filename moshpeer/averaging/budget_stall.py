@@ -30,25 +30,27 @@ def quorum(loss_budget: float, expected: int) -> int:
 
 @dataclass
 class PhaseArrivals:
-    """Arrival times of one phase (0.0: not yet). `start` is set by the caller when the phase starts."""
+    """Arrival times of one phase under loss budget P (0.0: not yet). The caller sets `start` when the phase
+    starts."""
 
+    loss_budget: float = 0.0
     start: float = 0.0
     first: float = 0.0
     last: float = 0.0
     quorum_reached: float = 0.0
 
-    def note(self, now: float, received: int, expected: int, loss_budget: float) -> None:
-        """A chunk arrived at `now`; `received` counts it."""
+    def note(self, now: float, received: int, expected: int) -> None:
+        """A chunk arrived at `now`; `received` (of `expected` in the phase) counts it."""
         self.last = now
         if not self.first:
             self.first = now
-        if not self.quorum_reached and loss_budget > 0 and received >= quorum(loss_budget, expected):
+        if not self.quorum_reached and self.loss_budget > 0 and received >= quorum(self.loss_budget, expected):
             self.quorum_reached = now
 
-    def may_stop(self, now: float, received: int, expected: int, loss_budget: float) -> bool:
+    def may_stop(self, now: float, received: int, expected: int) -> bool:
         """Loss budget P (DBLP): enough of the phase arrived that the rest may be reconstructed, and the
         rest is overdue (arrivals stalled), not merely still on its way. Always False when P is 0."""
-        if loss_budget <= 0 or received < quorum(loss_budget, expected):
+        if self.loss_budget <= 0 or received < quorum(self.loss_budget, expected):
             return False
         mean_gap = (self.last - self.first) / (received - 1) if received > 1 else 0.0
         if now - self.last < max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap):

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence, Union
+from typing import AsyncIterator, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -38,8 +38,10 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
-from moshpeer.averaging.private import filter_leaders
-from moshpeer.errors import UserError
+from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.averaging.member_info import parse_member_info
+from moshpeer.averaging.private import admits_follower, filter_leaders
+from moshpeer.errors import ProtocolError, UserError
 from moshpeer.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,18 @@ class StepRequest:
     matchmaking_time: float = 3.0
     grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
 
+    @classmethod
+    def for_round(cls, deadline: RoundDeadline, data_for_gather: bytes, weight: float, window: float,
+                  target_group_size: int, schema: bytes) -> "StepRequest":
+        """The request of a round with these deadlines: declare for `window` seconds (never past the search end),
+        and, committed to a group, wait for it until the assembly end."""
+        search_end = deadline.dht_time(deadline.search_end)
+        return cls(data_for_gather, scheduled_time=min(get_dht_time() + window, search_end), deadline=search_end,
+                   weight=weight, schema_hash=schema, target_group_size=target_group_size, matchmaking_time=window,
+                   grace=deadline.assembly_end - deadline.search_end)
+
     def get_timeout(self) -> float:
+        """What hivemind's look_for_group waits for (DHT time): until the search end plus the grace."""
         return max(0.0, self.deadline + self.grace - get_dht_time())
 
 
@@ -104,7 +117,7 @@ class MatchmakingAdapter:
     def __init__(self, p2p, schema: bytes, dht, *, servicer_type: type, prefix: str, target_group_size: int,
                  min_group_size: int, matchmaking_time: float, request_timeout: float, client_mode: bool,
                  initial_group_bits: str, admission):
-        self.request_timeout = request_timeout
+        self.request_timeout, self._admission = request_timeout, admission
         self._mm = Matchmaking(p2p, schema, dht, servicer_type=servicer_type, prefix=prefix,
                                target_group_size=target_group_size, min_group_size=min_group_size,
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
@@ -123,6 +136,21 @@ class MatchmakingAdapter:
         mm = self._mm
         return (mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
                 or mm.assembled_group.done())
+
+    def find_group(self, request: StepRequest, loop: asyncio.AbstractEventLoop, end: float
+                   ) -> Tuple[Optional[GroupInfo], Optional[str]]:
+        """From another thread: `look_for_group` on `loop` (the adapter's), waiting until `end` (time.monotonic())
+        at most, which bounds a stalled loop (the search ends itself by the assembly end). -> (the group, None), or
+        (None, why when it says: gave up while committed, or failed)."""
+        errors: List[str] = []
+        search = asyncio.run_coroutine_threadsafe(self.look_for_group(request, errors.append), loop)
+        try:
+            group = search.result(max(0.0, end - time.monotonic()))
+        except Exception as e:
+            search.cancel()
+            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+            group = None
+        return group, (errors[0] if errors else None)
 
     async def look_for_group(self, request: StepRequest, on_error: Callable[[str], None]) -> Optional[GroupInfo]:
         """hivemind's look_for_group, stopped at the search end unless this peer is committed to a group.
@@ -163,7 +191,8 @@ class MatchmakingAdapter:
 
     async def join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
                          ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: hivemind's matchmaking decides, except for a late acceptance.
+        """Another peer asks us to lead its group: refused if a private run does not admit it; else hivemind's
+        matchmaking decides, except for a late acceptance.
 
         hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
         request to another leader waits (up to request_timeout); the asker meanwhile waits request_timeout for
@@ -171,6 +200,13 @@ class MatchmakingAdapter:
         has left (the leader's group and the asker's view disagree), so it is withdrawn: the asker is told
         NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
         drops it from our followers. `arrived`: when the request reached us (time.monotonic())."""
+        try:
+            tag = parse_member_info(request.gather).tag
+        except ProtocolError:
+            tag = None
+        if not admits_follower(self._admission, str(context.remote_id), tag):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
         responses = self._mm.rpc_join_group(request, context)
         try:
             async for response in responses:

@@ -24,7 +24,8 @@ from typing import Callable, ContextManager, Iterable, List, Optional, Sequence
 
 import torch
 
-from moshpeer.averaging.aggregation import DEFAULT_MAX_BUFFER_BYTES, check_aggregation, robust_combine
+from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weights, check_aggregation, robust_combine,
+                                            weight_cap_factor)
 from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
@@ -54,7 +55,7 @@ class PartReducer:
     """Bookkeeping and averaging of the part `my_index` owns in `flat` (modified in place when chunks finalize).
 
     :param flat: the all-reduce's 1-D fp32 vector; our part's values in it are our contribution until final
-    :param weights: every member's (already capped) averaging weight
+    :param weights: every member's declared averaging weight (capped here: `aggregation.cap_weights`)
     :param gather_codec: the all-gather codec; a lossy one encodes each final chunk once (`gather_payload`) and
         our values become its decoded bits, so that every member holds the same ones
     :param chunk_seed: (part, chunk) -> the codec seed of our encoding of that chunk
@@ -74,10 +75,10 @@ class PartReducer:
                  chunk_lock: Callable[[], ContextManager] = contextlib.nullcontext):
         self.flat, self.partition, self.my_index = flat, partition, my_index
         self.group_size = partition.group_size
-        self.weights = list(weights)
         self.others = [i for i in range(self.group_size) if i != my_index]
         self.gather_codec, self.chunk_seed = gather_codec, chunk_seed
         self.aggregation = check_aggregation(aggregation)
+        self.weights = cap_weights([float(w) for w in weights], weight_cap_factor(self.aggregation))
         self.distrusted = frozenset(distrusted) - {my_index}
         self.loss_budget = loss_budget
         self._lock = lock if lock is not None else contextlib.nullcontext()

@@ -64,6 +64,12 @@ def tag_group(tag: bytes) -> bytes:
     return bytes(tag[:TAG_GROUP_BYTES])
 
 
+def chunk_seed(tag: bytes, sender: int, part: int, chunk: int) -> int:
+    """The codec seed of `sender`'s encoding of (part, chunk) in the all-reduce `tag`. The sender's index is in
+    the seed: members sharing rounding noise would not average it out."""
+    return int.from_bytes(tag[:4], "big") ^ (sender << 40) ^ (part << 20) ^ chunk
+
+
 def pack_header(phase: int, part: int, chunk: int, payload_len: int, tag: bytes) -> bytes:
     return HEADER.pack(CHUNK_MAGIC, PROTOCOL_VERSION, phase, part, chunk, payload_len, tag)
 

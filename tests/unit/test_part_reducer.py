@@ -220,36 +220,36 @@ def test_gather_receipts():
 # ---- the loss budget's stall decision (budget_stall.py), with explicit timestamps ---------------------
 
 def arrivals(times, expected: int, budget: float, start: float = 0.0) -> PhaseArrivals:
-    a = PhaseArrivals(start=start)
+    a = PhaseArrivals(budget, start=start)
     for received, t in enumerate(times, start=1):
-        a.note(t, received, expected, budget)
+        a.note(t, received, expected)
     return a
 
 
 def test_no_budget_never_stops_a_phase():
     a = arrivals([0.1 * k for k in range(1, 10)], expected=10, budget=0.0)
-    assert not a.may_stop(1000.0, 9, 10, 0.0)
+    assert not a.may_stop(1000.0, 9, 10)
 
 
 def test_below_the_quorum_a_phase_waits():
     assert quorum(0.2, 10) == 8
     a = arrivals([0.1 * k for k in range(1, 8)], expected=10, budget=0.2)  # 7 of 10
-    assert a.quorum_reached == 0.0 and not a.may_stop(1000.0, 7, 10, 0.2)
+    assert a.quorum_reached == 0.0 and not a.may_stop(1000.0, 7, 10)
 
 
 def test_at_the_quorum_a_phase_stops_only_once_arrivals_stalled_and_it_waited_as_long_as_the_quorum_took():
     # 8 of 10 arrived, one every 0.1 s from t=0.1 to 0.8: quorum reached at 0.8 after a start at 0.
     a = arrivals([0.1 * k for k in range(1, 9)], expected=10, budget=0.2)
     assert a.quorum_reached == pytest.approx(0.8)
-    assert not a.may_stop(0.85, 8, 10, 0.2)  # still streaming: 0.05 s < 5 mean gaps (0.5 s)
-    assert not a.may_stop(1.4, 8, 10, 0.2)  # stalled 0.6 s (> 0.5 s), but waited 0.6 s < 0.8 s past the quorum
-    assert a.may_stop(1.6, 8, 10, 0.2)  # stalled, and waited 0.8 s past the quorum
+    assert not a.may_stop(0.85, 8, 10)  # still streaming: 0.05 s < 5 mean gaps (0.5 s)
+    assert not a.may_stop(1.4, 8, 10)  # stalled 0.6 s (> 0.5 s), but waited 0.6 s < 0.8 s past the quorum
+    assert a.may_stop(1.6, 8, 10)  # stalled, and waited 0.8 s past the quorum
 
 
 def test_a_single_arrival_stalls_after_the_floor():
     a = arrivals([0.01], expected=1, budget=0.5)
-    assert not a.may_stop(0.01 + BUDGET_STALL_FLOOR_S / 2, 1, 1, 0.5)
-    assert a.may_stop(0.01 + 2 * BUDGET_STALL_FLOOR_S, 1, 1, 0.5)
+    assert not a.may_stop(0.01 + BUDGET_STALL_FLOOR_S / 2, 1, 1)
+    assert a.may_stop(0.01 + 2 * BUDGET_STALL_FLOOR_S, 1, 1)
 
 
 def test_allowance_shares_add_up_to_the_receivers_allowance():
