@@ -6,7 +6,7 @@ Threads (all blocking sockets, which release the GIL in send/recv; torch ops rel
   (this peer's contribution, encoded with the reduce codec), then an END_REDUCE marker, then the
   chunks of this peer's own part as each one is finalized (averaged), then END_GATHER;
 - one receiver per other member i, on the connection i opened to us (handed over by `DataPlane`):
-  REDUCE chunks are decoded and accumulated in fp32 into `others_sum` as they arrive; GATHER chunks
+  REDUCE chunks go to the `PartReducer`, which decodes and accumulates them in fp32; GATHER chunks
   (i's averaged part) are decoded and written into the flat vector.
 
 A chunk of our part is finalized as soon as every other member either delivered it or is known to
