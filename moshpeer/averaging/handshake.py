@@ -27,7 +27,8 @@ AES-256-GCM under the connection key with the frame's sequence number as nonce, 
 (encrypted, then discarded) message and the payload as associated data, i.e. a GMAC over both. A
 connection carries frames one way only, so a (key, nonce) pair is never used twice. The payload is
 authenticated, not encrypted (see docs/security.md). A frame that fails its MAC ends the connection
-(`ProtocolError`). GCM rather than ChaCha20-Poly1305: with AES-NI and carry-less multiply (every
+(`ProtocolError`). `send_frame` writes a frame; `FrameReader` reads one and checks its MAC before
+anything reads its payload. GCM rather than ChaCha20-Poly1305: with AES-NI and carry-less multiply (every
 x86-64 and ARMv8 server CPU) its GHASH runs at about twice Poly1305's speed, and on a loopback round,
 which is all memory traffic, the MAC is a tenth of the CPU (docs/benchmarks.md, bench_trust).
 """
