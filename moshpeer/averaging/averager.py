@@ -7,9 +7,9 @@ metadata (member_info.py) travels inside matchmaking over libp2p's encrypted cha
 is a hash of the group id and all nonces.
 
 Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; libp2p streams through `StreamRelay`
-for members without a direct path), run in the thread that calls `step()`. After every assembled
-group the key manager shifts an index drawn from an RNG seeded by the group id into the group bits,
-so the next round's group mixes different peers.
+for members without a direct path), one or two per round (group_dataplane.py), run in the averager's
+round thread. After every assembled group the key manager shifts an index drawn from an RNG seeded by
+the group id into the group bits, so the next round's group mixes different peers.
 
 Matchmaking talks to hivemind only through `MatchmakingAdapter` (matchmaking_adapter.py, which also
 explains how long a committed peer waits for its group); what members tell each other is member_info.py.
