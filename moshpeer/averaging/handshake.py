@@ -41,7 +41,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -251,8 +251,7 @@ def send_frame(sock: socket.socket, auth: FrameAuth, header: bytes, payload=b"")
     wire.send_parts(sock, [header, payload, auth.tag(header, payload)] if len(payload) else [header, auth.tag(header)])
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(NamedTuple):  # a tuple: one is made per chunk on the hot path
     """One authenticated frame as read: its header fields and its payload (None for an END_* marker)."""
 
     phase: int
