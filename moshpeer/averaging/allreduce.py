@@ -33,7 +33,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ class GroupAllReduce:
                                    gather_codec=compression.gather_codec, chunk_seed=self._chunk_seed,
                                    aggregation=aggregation, distrusted=distrusted, loss_budget=loss_budget,
                                    max_buffer_bytes=max_buffer_bytes, buffer=self._scratch.take, lock=self.cond,
-                                   chunk_lock=threading.Lock)
+                                   chunk_lock=threading.Lock, on_final=self._on_final)
         self.num_my_chunks = self.reducer.num_chunks
         self.receipts = GatherReceipts(self.partition, my_index)
         # Guarded by cond:
@@ -177,7 +177,7 @@ class GroupAllReduce:
         self.reduce.chunks_expected = self.num_my_chunks * len(self.others)
         self.gather.chunks_expected = sum(self.partition.num_chunks(j) for j in self.others)
         if self.num_my_chunks == 0 or not self.others:
-            self._finalize(self.reducer.finalize_all)
+            self.reducer.finalize_all()
         self.plane.register(self.tag, self)
         self._uplink = UplinkMeter()
         try:
@@ -189,7 +189,7 @@ class GroupAllReduce:
                 self._wait(lambda: self.reducer.all_final or self._within_budget(self.reduce, "reduce"),
                            self.reduce_deadline)
             # No-op unless the reduce deadline passed or the budget allowed stopping.
-            self._finalize(self.reducer.finalize_all)
+            self.reducer.finalize_all()
             with self.cond:
                 self._arrivals["gather"].start = time.monotonic()
                 self._wait(self._gather_done_or_within_budget, self.deadline)
@@ -243,12 +243,10 @@ class GroupAllReduce:
         done = self.reducer.all_final and all(self.gather_finished[j] or self.receipts.complete(j) for j in self.others)
         return done or self._within_budget(self.gather, "gather")
 
-    def _finalize(self, decide: Callable[[], List[int]]) -> None:
-        """Run one of the reducer's finalize calls; wake whoever waits for chunks it finalized."""
-        if not decide():
-            return
+    def _on_final(self, chunk: int) -> None:
+        """The reducer finalized `chunk` (it holds the chunk's lock): wake its gather senders at once."""
         with self.cond:
-            if self.reducer.all_final and self._reduce_done_at is None:
+            if self.reducer.all_final:
                 self._reduce_done_at = time.monotonic()
             self.cond.notify_all()
 
@@ -306,7 +304,7 @@ class GroupAllReduce:
         with self.cond:
             self.gather_finished[j] = 1
             self.cond.notify_all()
-        self._finalize(self.reducer.finalize_ready)
+        self.reducer.finalize_ready()
 
     def _stream(self, link: OutboundLink, j: int, phase: str) -> ChunkStream:
         """Our stream of `phase` to member j, through `self.links` (the real one unless a wrapper was injected)."""
@@ -408,7 +406,7 @@ class GroupAllReduce:
                 self.reducer.member_finished(i)
                 with self.cond:
                     self.cond.notify_all()
-                self._finalize(self.reducer.finalize_ready)
+                self.reducer.finalize_ready()
             elif frame.phase == wire.PHASE_END_GATHER:
                 with self.cond:
                     self.gather_finished[i] = 1
@@ -431,7 +429,7 @@ class GroupAllReduce:
             self._arrivals["reduce"].note(time.monotonic(), self.reduce.chunks_received, self.reduce.chunks_expected)
             if self.loss_budget > 0:
                 self.cond.notify_all()  # the main thread checks the budget
-        self._finalize(lambda: self.reducer.finalize_ready((chunk,)))
+        self.reducer.finalize_ready((chunk,))
 
     def _on_gather_chunk(self, i: int, part: int, chunk: int, payload, codec) -> None:
         why = self.receipts.check(i, part, chunk, payload.numel(), codec)

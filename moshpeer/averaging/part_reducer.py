@@ -63,6 +63,8 @@ class PartReducer:
     :param loss_budget: > 0: a chunk that arrives after its chunk is final is late, not a protocol violation
     :param buffer: numel -> an fp32 working buffer on flat's device (contents irrelevant); default: allocate
     :param lock, chunk_lock: see the module docstring
+    :param on_final: called with each chunk as soon as it is final (with its chunk lock held), e.g. to wake the
+        senders of its average
     Raises ValueError if a robust mode would buffer more than `max_buffer_bytes`.
     """
 
@@ -72,7 +74,8 @@ class PartReducer:
                  max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
                  buffer: Optional[Callable[[int], torch.Tensor]] = None,
                  lock: Optional[ContextManager] = None,
-                 chunk_lock: Callable[[], ContextManager] = contextlib.nullcontext):
+                 chunk_lock: Callable[[], ContextManager] = contextlib.nullcontext,
+                 on_final: Callable[[int], None] = lambda chunk: None):
         self.flat, self.partition, self.my_index = flat, partition, my_index
         self.group_size = partition.group_size
         self.others = [i for i in range(self.group_size) if i != my_index]
@@ -82,6 +85,7 @@ class PartReducer:
         self.distrusted = frozenset(distrusted) - {my_index}
         self.loss_budget = loss_budget
         self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._on_final = on_final
         buffer = buffer or (lambda numel: torch.empty(numel, dtype=torch.float32, device=flat.device))
         self.num_chunks = partition.num_chunks(my_index)
         start, end = partition.part_range(my_index)
@@ -214,6 +218,7 @@ class PartReducer:
         self.finalized[c] = True
         with self._lock:
             self.finalized_count += 1
+        self._on_final(c)
 
     def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """With chunk lock c held: CenteredClip or trimmed mean of our value (`values`) and every contribution that

@@ -261,3 +261,14 @@ def test_allowance_shares_add_up_to_the_receivers_allowance():
             shares = [allowance_share(0.05, partition, phase, k, receiver) for k in senders]
             assert sum(shares) == int(0.05 * expected) and max(shares) - min(shares) <= 1
             assert all(allowance_share(0.0, partition, phase, k, receiver) == 0 for k in senders)
+
+
+def test_on_final_is_told_each_chunk_as_it_becomes_final():
+    told = []
+    r, values, _ = reducer(on_final=told.append)
+    for member in (1, 2, 3):
+        deliver(r, values, member, 1)
+    r.finalize_ready()
+    assert told == [1]
+    r.finalize_all()
+    assert told == [1, 0] and r.all_final
