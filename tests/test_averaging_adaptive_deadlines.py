@@ -12,7 +12,7 @@ from moshpeer.averaging.adaptive_deadlines import (
     MAD_TO_SIGMA,
     AdaptiveDeadline,
     MarginPolicy,
-    RoundDeadlines,
+    DeadlineLearner,
     payload_class,
     robust_deadline,
 )
@@ -76,7 +76,7 @@ def test_bad_bounds_and_policies_are_refused():
     with pytest.raises(ValueError):
         AdaptiveDeadline(0.0, 1.0)
     with pytest.raises(ValueError):
-        RoundDeadlines(matchmaking_floor=1.0, matchmaking_cap=0.5, round_floor=1.0, round_cap=10.0)
+        DeadlineLearner(matchmaking_floor=1.0, matchmaking_cap=0.5, round_floor=1.0, round_cap=10.0)
     with pytest.raises(ValueError):
         MarginPolicy(ratio=0.5)
     deadline = AdaptiveDeadline(0.5, 10.0, policy=MarginPolicy(min_samples=1))
@@ -85,8 +85,8 @@ def test_bad_bounds_and_policies_are_refused():
     assert deadline.samples == []
 
 
-def _deadlines(**policy) -> RoundDeadlines:
-    return RoundDeadlines(matchmaking_floor=0.2, matchmaking_cap=5.0, round_floor=0.1, round_cap=30.0,
+def _deadlines(**policy) -> DeadlineLearner:
+    return DeadlineLearner(matchmaking_floor=0.2, matchmaking_cap=5.0, round_floor=0.1, round_cap=30.0,
                           policy=MarginPolicy(k=0.0, ratio=1.0, min_samples=3, **policy))
 
 

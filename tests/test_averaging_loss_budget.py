@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from local_group import credentials, members as group_members, run_group
+from local_group import run_group
 
-from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
+from moshpeer.averaging import FaultConfig, FaultyLinks
+from moshpeer.averaging.budget_stall import allowance_share
 from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.loss_budget import CRITICAL, NORMAL, LossBudget
-from moshpeer.compression import get_compression
+from moshpeer.averaging.partition import Partition
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,25 +165,14 @@ def test_allowance_is_per_receiver_and_phase():
     """DBLP counts the budget over everything a receiver expects in a phase: the senders' shares of the
     allowance add up to floor(P x that), whatever the stream sizes."""
     n, numel, chunk, budget = 4, 4096 + 100, 64, 0.05
-    planes = [DataPlane() for _ in range(n)]
-    try:
-        members = group_members([p.address for p in planes])
-        rounds = [GroupAllReduce(planes[k], torch.zeros(numel), members=members, my_index=k,
-                                 tag=wire.allreduce_tag(b"a" * 20, 0), secret=b"s" * 32,
-                                 credentials=credentials(wire.allreduce_tag(b"a" * 20, 0), k),
-                                 compression=get_compression("none"), chunk_numel=chunk,
-                                 deadline=time.monotonic() + 5, loss_budget=budget) for k in range(n)]
-        partition = rounds[0].partition
-        for j in range(n):
-            expected = {"reduce": partition.num_chunks(j) * (n - 1),
-                        "gather": sum(partition.num_chunks(k) for k in range(n) if k != j)}
-            for phase, total in expected.items():
-                shares = [rounds[k]._allowance_share(j, phase) for k in range(n) if k != j]
-                assert sum(shares) == int(budget * total), (j, phase, shares)
-                assert max(shares) - min(shares) <= 1
-    finally:
-        for p in planes:
-            p.close()
+    partition = Partition(numel, n, chunk)
+    for j in range(n):
+        expected = {"reduce": partition.num_chunks(j) * (n - 1),
+                    "gather": sum(partition.num_chunks(k) for k in range(n) if k != j)}
+        for phase, total in expected.items():
+            shares = [allowance_share(budget, partition, phase, k, j) for k in range(n) if k != j]
+            assert sum(shares) == int(budget * total), (j, phase, shares)
+            assert max(shares) - min(shares) <= 1
 
 
 def test_critical_budget_resends_beyond_it_without_stalling():

@@ -20,7 +20,7 @@ import torch
 from local_group import credentials, identities, members as group_members
 
 from moshpeer.averaging import DataPlane, GroupAllReduce, Partition, dataplane, handshake, wire
-from moshpeer.averaging.allreduce import _peer_closed
+from moshpeer.averaging.member_connector import peer_closed as _peer_closed
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.compression import get_compression
 from moshpeer.ratelimited_log import REJECTION_LOGS_PER_INTERVAL

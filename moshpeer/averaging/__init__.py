@@ -11,11 +11,12 @@ from moshpeer.averaging.links import Links
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.partition import Partition
 from moshpeer.averaging.relay import StreamRelay
-from moshpeer.averaging.report import PhaseStats, RoundReport
+from moshpeer.averaging.report import DataPlaneStats, PhaseStats, RoundReport
 
 __all__ = [
     "AllReduceResult",
     "DataPlane",
+    "DataPlaneStats",
     "FaultConfig",
     "FaultyLinks",
     "GroupAllReduce",

@@ -19,7 +19,7 @@ keeps the durations it measured recently and sets the next deadline to
   `--min-matchmaking-time / --matchmaking-time`). With fewer than `min_samples` measurements the
   cap is used, so a new peer starts with the patient setting and tightens as it learns.
 
-Round durations depend on the group size and the payload, so `RoundDeadlines` keeps one history per
+Round durations depend on the group size and the payload, so `DeadlineLearner` keeps one history per
 (group size, payload size class) and falls back to all group sizes of that payload class while a
 group size has too few measurements. Assembly times are kept per target group size.
 """
@@ -31,7 +31,13 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple
+
+from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.errors import UserError
+
+if TYPE_CHECKING:
+    from moshpeer.averaging.report import RoundResult
 
 MAD_TO_SIGMA = 1.4826  # MAD of normally distributed data x this = its standard deviation
 DEFAULT_K = 4.0
@@ -40,6 +46,9 @@ DEFAULT_HISTORY = 32
 DEFAULT_MIN_SAMPLES = 4
 DEFAULT_GROWTH = 2.0
 DEFAULT_MIN_ROUND_S = 1.0
+# A data plane that took this much of its budget ran into its deadline (its owners stopped waiting for
+# contributions at deadline.REDUCE_SCATTER_SHARE of it).
+DEADLINE_HIT_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -118,18 +127,38 @@ class AdaptiveDeadline:
         return self._streak
 
 
+def payload_bytes(tensors: Iterable) -> int:
+    """fp32 bytes a round averages (of these tensors), before compression: what its deadline's history is
+    keyed by."""
+    return 4 * sum(t.numel() for t in tensors)
+
+
 def payload_class(nbytes: int) -> int:
     """Payload size class: rounds whose payloads are within a factor of two share a history."""
     return max(int(nbytes), 1).bit_length()
 
 
-class RoundDeadlines:
-    """The matchmaking window and round deadline of a peer's next averaging round.
+class DeadlineLearner:
+    """Learns, from the rounds a peer measured, the matchmaking window and data-plane deadline (seconds) of its
+    next averaging round; `MoshpitAverager.step()` turns them into that round's absolute `RoundDeadline`
+    (deadline.py).
 
     :param matchmaking_floor, matchmaking_cap: bounds of the matchmaking window (seconds)
     :param round_floor, round_cap: bounds of the data-plane deadline of a round (seconds)
     :raises ValueError: on bounds that are not 0 < floor <= cap
     """
+
+    @classmethod
+    def for_settings(cls, matchmaking_time: float, round_timeout: float, min_matchmaking_time: Optional[float] = None,
+                     min_round_timeout: Optional[float] = None) -> "DeadlineLearner":
+        """The averager's settings: caps `matchmaking_time` / `round_timeout`, floors the `min_*` ones (None: that
+        deadline stays at its cap). UserError unless 0 < floor <= cap."""
+        try:
+            return cls(matchmaking_floor=min_matchmaking_time or matchmaking_time, matchmaking_cap=matchmaking_time,
+                       round_floor=min_round_timeout or round_timeout, round_cap=round_timeout)
+        except ValueError:
+            raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
+                            f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
 
     def __init__(self, *, matchmaking_floor: float, matchmaking_cap: float, round_floor: float, round_cap: float,
                  policy: MarginPolicy = MarginPolicy(), history: int = DEFAULT_HISTORY):
@@ -193,6 +222,31 @@ class RoundDeadlines:
             deadline.observe_deadline_hit()
         else:
             deadline.observe(seconds)
+
+    def next_round(self, target: int, payload_bytes: int, round_timeout: float, *, grace_s: float,
+                   timeout: Optional[float] = None, window_cap: Optional[float] = None) -> Tuple[float, RoundDeadline]:
+        """The matchmaking window (seconds) and the `RoundDeadline` of a round starting now: the learned window,
+        at most `window_cap` (a caller's, e.g. up to a compute-budget deadline); a search of `timeout` (default
+        5 windows, at least one); `grace_s` longer while committed to a group; then the learned data-plane
+        budget, `round_timeout` at most."""
+        window = self.matchmaking_window(target)
+        if window_cap is not None:
+            window = min(window, window_cap)
+        search_s = max(timeout if timeout is not None else 5 * window, window)
+        return window, RoundDeadline.starting_now(search_s, grace_s, round_timeout,
+                                                  data_s=self.round_deadline(target, payload_bytes))
+
+    def observe_result(self, result: "RoundResult", *, target: int, payload_bytes: int) -> None:
+        """Learn from a finished round: its assembly time (a full group only; nothing when no group formed:
+        the window ran out, which says nothing about how long assembly takes) and its data-plane time (not
+        when a member sent nothing at all: that says when the others gave up, not how long rounds take)."""
+        if not result.group_id:
+            return
+        self.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
+        if result.ok:
+            self.observe_round(result.group_size, payload_bytes, result.total_s,
+                               hit_deadline=result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s,
+                               member_died=bool(result.departed or result.absent))
 
     def round_deadline_samples(self, group_size: int, payload_bytes: int) -> List[float]:
         """The round durations measured for this group size and payload class (oldest first)."""

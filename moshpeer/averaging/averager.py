@@ -3,27 +3,16 @@
 Control plane: the averager owns a hivemind `Matchmaking` (and through it a `GroupKeyManager`,
 whose group bits are Moshpit's grid coordinates) and serves its `rpc_join_group` on a P2P replica
 of the DHT's daemon. Both run on a private asyncio loop in a background thread. Each member's
-`data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss budget) travels
-inside matchmaking over libp2p's encrypted channel; the group secret is a hash of the group id and
-all nonces.
+metadata (member_info.py) travels inside matchmaking over libp2p's encrypted channel; the group secret
+is a hash of the group id and all nonces.
 
 Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; libp2p streams through `StreamRelay`
-for members without a direct path), run in the thread that calls `step()`. After every assembled
-group the key manager shifts an index drawn from an RNG seeded by the group id into the group bits,
-so the next round's group mixes different peers.
+for members without a direct path), one or two per round (group_dataplane.py), run in the averager's
+round thread. After every assembled group the key manager shifts an index drawn from an RNG seeded by
+the group id into the group bits, so the next round's group mixes different peers.
 
-Matchmaking deadline. hivemind's follower commits to a leader (ACCEPTED) and then waits for the
-leader's BEGIN_ALLREDUCE, which the leader sends when its group fills or at its declared expiration,
-at most the follower's own request expiration, itself capped at the follower's search end. If the
-follower stops waiting exactly at its search end (what `look_for_group` does when the step's timeout
-equals its deadline), a group assembled in the last moments before that deadline counts a follower
-that has already left: the leader's view and the follower's disagree. So a step gives hivemind its
-search end as `deadline` but waits for the group `request_timeout` + ASSEMBLY_GRACE_S longer (hivemind's
-own bound on a leader's answer), and only while it is committed (accepted by a leader, leading
-followers, or a join request in flight); an uncommitted peer stops at the search end. Should
-matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
-visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
-report it in `RoundResult.absent`, and the left-out peer's result says it gave up while committed.
+Matchmaking talks to hivemind only through `MatchmakingAdapter` (matchmaking_adapter.py, which also
+explains how long a committed peer waits for its group); what members tell each other is member_info.py.
 """
 
 from __future__ import annotations
@@ -31,158 +20,49 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import msgpack
 import torch
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
-from moshpeer.averaging.allreduce import AllReduceResult, GroupAllReduce, GroupMember
+from moshpeer.averaging.adaptive_deadlines import DeadlineLearner, payload_bytes
+from moshpeer.averaging.allreduce import GroupMember
 from moshpeer.averaging.dataplane import DataPlane
-from moshpeer.averaging.adaptive_deadlines import RoundDeadlines
+from moshpeer.averaging.group_dataplane import GroupDataPlane, flatten, log_round, round_tensors
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_budget
-from moshpeer.averaging.partition import bandwidth_part_sizes
-from moshpeer.averaging.private import admits_follower, dataplane_check, filter_leaders, outsider_in_group
+from moshpeer.averaging.loop_thread import LoopThread
+from moshpeer.averaging.matchmaking_adapter import (ASSEMBLY_GRACE_S, MatchmakingAdapter, StepRequest,
+                                                    initial_group_bits, schema_hash)
+from moshpeer.averaging.member_info import MAX_BANDWIDTH, NONCE_BYTES, MemberInfo, pack_member_info, parse_member_info
+from moshpeer.averaging.private import dataplane_check, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
-from moshpeer.averaging.report import PhaseStats, RoundResult
+from moshpeer.averaging.report import DataPlaneStats, RoundResult
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.suspects import SuspectTracker
+from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht import admission as private_runs
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
-from moshpeer.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger is rejected
-NONCE_BYTES = 16
-# Past its search end, how much longer than request_timeout a committed peer waits for its group
-# (event-loop and network latency of the leader's BEGIN_ALLREDUCE; see the module docstring).
-ASSEMBLY_GRACE_S = 1.0
-# A data plane that took this much of its budget ran into its deadline (the owners stop waiting at 60 %).
-DEADLINE_HIT_FRACTION = 0.9
-COMMITMENT_POLL_S = 0.02
-# A join request we could only accept after this fraction of request_timeout is refused (see rpc_join_group):
-# the asker's own wait started earlier and the answer still has to travel back.
-LATE_ACCEPTANCE_FRACTION = 0.5
 TRANSPORTS = ("auto", "libp2p")
-ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
 PARTITIONS = ("equal", "bandwidth")
-MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
-# Weight of the newest measurement in this peer's upload estimate (exponential average over rounds).
-UPLOAD_ESTIMATE_ALPHA = 0.5
-
-
-@dataclass
-class _StepRequest:
-    """What hivemind's Matchmaking reads from a step (a light stand-in for its multiprocess StepControl)."""
-
-    data_for_gather: bytes
-    scheduled_time: float
-    deadline: float  # search end (DHT time): no new declarations or join requests after it
-    weight: float
-    schema_hash: bytes  # of this round's tensors: peers group only with peers averaging the same schema
-    target_group_size: int = 4
-    matchmaking_time: float = 3.0
-    grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
-
-    def get_timeout(self) -> float:
-        return max(0.0, self.deadline + self.grace - get_dht_time())
-
-
-@dataclass(frozen=True)
-class _MemberInfo:
-    host: str  # "" and port 0: no direct address (reach it over libp2p)
-    port: int
-    weight: float
-    nonce: bytes
-    # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
-    loss_budget: Optional[Tuple[float, str]] = None
-    # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
-    bandwidth: float = 0.0
-    tag: bytes = b""  # a private run's membership tag (moshpeer/dht/admission.py); b"" in open runs
-
-
-def _pack_member_info(host: str, port: int, weight: float, nonce: bytes,
-                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
-                      tag: bytes = b"") -> bytes:
-    info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
-    if loss_budget is not None:
-        info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
-    if bandwidth > 0:
-        info["bw"] = float(bandwidth)
-    if tag:
-        info["tag"] = tag
-    return msgpack.packb(info)
-
-
-def _parse_member_info(data: bytes) -> _MemberInfo:
-    """Validate one member's gathered metadata (untrusted: it came from another peer)."""
-    if not isinstance(data, bytes) or len(data) > MAX_GATHERED_BYTES:
-        raise ProtocolError("gathered metadata missing or too large")
-    try:
-        info = msgpack.unpackb(data, raw=False, max_bin_len=MAX_GATHERED_BYTES, max_str_len=MAX_GATHERED_BYTES)
-    except Exception as e:
-        raise ProtocolError(f"undecodable gathered metadata: {e}") from None
-    if not isinstance(info, dict) or info.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError("gathered metadata of another protocol version")
-    host, port, weight, nonce = info.get("host"), info.get("port"), info.get("weight"), info.get("nonce")
-    if not isinstance(host, str) or not len(host) <= 255:
-        raise ProtocolError("bad data-plane host")
-    if not isinstance(port, int) or not 0 <= port < 65536 or (port == 0) != (host == ""):
-        raise ProtocolError("bad data-plane port")
-    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise ProtocolError("bad weight")
-    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-        raise ProtocolError("bad nonce")
-    budget, phase = info.get("budget"), info.get("phase")
-    declared = None
-    if budget is not None:  # optional: a member without one leaves the decision to the others
-        if not isinstance(budget, (int, float)) or not 0.0 <= budget < 1.0 or not isinstance(phase, str) \
-                or len(phase) > 16:
-            raise ProtocolError("bad loss budget")
-        declared = (float(budget), phase)
-    bandwidth = info.get("bw", 0.0)
-    if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
-        raise ProtocolError("bad bandwidth")
-    tag = info.get("tag", b"")
-    if not isinstance(tag, bytes) or len(tag) > private_runs.TAG_BYTES:
-        raise ProtocolError("bad membership tag")
-    return _MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag)
-
-
-def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """fp32 bytes a round averages, before compression: what its deadline's history is keyed by."""
-    return 4 * sum(t.numel() for t in tensors)
-
-
-def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
-    """Peers only group with peers that average the same shapes with the same codec and chunking."""
-    h = hashlib.blake2b(digest_size=20, person=b"moshpeer-schema")
-    h.update(f"v{PROTOCOL_VERSION}|{compression}|{chunk_numel}".encode())
-    for t in tensors:
-        h.update(f"|{tuple(t.shape)}:{t.dtype}".encode())
-    return h.digest()
 
 
 class MoshpitAverager(ServicerBase):
@@ -291,13 +171,8 @@ class MoshpitAverager(ServicerBase):
         self.compression = get_compression(compression)
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
-        try:
-            self.deadlines = RoundDeadlines(
-                matchmaking_floor=min_matchmaking_time or matchmaking_time, matchmaking_cap=matchmaking_time,
-                round_floor=min_round_timeout or round_timeout, round_cap=round_timeout)
-        except ValueError:
-            raise UserError(f"need 0 < min_matchmaking_time <= matchmaking_time ({matchmaking_time:g}) and "
-                            f"0 < min_round_timeout <= round_timeout ({round_timeout:g})") from None
+        self.deadlines = DeadlineLearner.for_settings(matchmaking_time, round_timeout, min_matchmaking_time,
+                                                      min_round_timeout)
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.links = links
         self.client_mode = client_mode
@@ -309,12 +184,11 @@ class MoshpitAverager(ServicerBase):
         if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
             raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
         self.partition = partition
-        self.declared_upload = upload_bandwidth
-        self.measured_upload: Optional[float] = None  # bytes/s, from the rounds so far
+        self._upload = UploadEstimate(upload_bandwidth)
         self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
-        self._initial_bits = self._initial_group_bits(grid_bits)
+        self._initial_bits = initial_group_bits(grid_bits)
         self._schema_hash = schema_hash(self.tensors, compression, self.chunk_numel)
         self._numel = sum(t.numel() for t in self.tensors)
         if error_feedback is not None and (self.compression.sparsifier is None or error_feedback.numel != self._numel):
@@ -327,11 +201,8 @@ class MoshpitAverager(ServicerBase):
         self._lock_tensors = threading.RLock()
         # Rounds run here, one at a time (step() queues them; see RoundFuture).
         self._rounds = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moshpeer-round")
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self._ready = threading.Event()
-        self._startup_error: Optional[BaseException] = None
-        self._matchmaking: Optional[Matchmaking] = None
+        self._loop_thread = LoopThread("moshpeer-averager-loop")
+        self._matchmaking: Optional[MatchmakingAdapter] = None
         self._p2p = None
         self.peer_id = None
         self.rounds_done = 0
@@ -340,43 +211,10 @@ class MoshpitAverager(ServicerBase):
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def _initial_group_bits(self, grid_bits: Union[int, str, None]) -> str:
-        if grid_bits is None:
-            return ""
-        if isinstance(grid_bits, str):
-            if any(bit not in "01" for bit in grid_bits):
-                raise UserError(f"grid_bits must be a string of 0/1, got {grid_bits!r}")
-            return grid_bits
-        if grid_bits < 0:
-            raise UserError("grid_bits must be non-negative")
-        return "".join(str(b) for b in torch.randint(0, 2, (grid_bits,)).tolist())
-
     def start(self, timeout: float = 60.0) -> None:
-        """Start the background matchmaking loop and wait until it serves requests."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run_loop, name="moshpeer-averager-loop", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise UserError(f"averager did not start within {timeout:g} s")
-        if self._startup_error is not None:
-            raise self._startup_error
-
-    def _run_loop(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._setup())
-        except BaseException as e:
-            self._startup_error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-        loop.run_until_complete(self._teardown())
-        _finish_pending_tasks(loop)
-        loop.close()
+        """Start the background matchmaking loop and wait until it serves requests; UserError if it does not
+        within `timeout`, or the error that stopped it."""
+        self._loop_thread.start(self._setup, self._teardown, timeout)
 
     async def _setup(self) -> None:
         # A replica of our own: dht.replicate_p2p() hands every caller in a process the same cached replica,
@@ -390,20 +228,11 @@ class MoshpitAverager(ServicerBase):
             await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
         self._relay = StreamRelay(self._p2p, asyncio.get_running_loop(), self._plane, f"{self.prefix}.dataplane")
         await self._relay.start()
-        self._matchmaking = Matchmaking(
-            self._p2p,
-            self._schema_hash,
-            self.dht,
-            servicer_type=MoshpitAverager,
-            prefix=self.prefix,
-            target_group_size=self.target_group_size,
-            min_group_size=self.min_group_size,
-            min_matchmaking_time=self.matchmaking_time,
-            request_timeout=self.request_timeout,
-            client_mode=self.client_mode,
-            initial_group_bits=self._initial_bits,
-        )
-        filter_leaders(self._matchmaking.group_key_manager, self.admission)
+        self._matchmaking = MatchmakingAdapter(
+            self._p2p, self._schema_hash, self.dht, servicer_type=MoshpitAverager, prefix=self.prefix,
+            target_group_size=self.target_group_size, min_group_size=self.min_group_size,
+            matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout,
+            client_mode=self.client_mode, initial_group_bits=self._initial_bits, admission=self.admission)
 
     async def _teardown(self) -> None:
         if self._relay is not None:
@@ -419,9 +248,7 @@ class MoshpitAverager(ServicerBase):
         """Stop serving matchmaking and close the data plane; the DHT is left running (the caller owns it).
         Rounds not started yet are cancelled; a round in flight ends by its deadline."""
         self._rounds.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
+        self._loop_thread.stop(timeout=5.0)
         self._plane.close()
 
     def __enter__(self) -> "MoshpitAverager":
@@ -437,7 +264,7 @@ class MoshpitAverager(ServicerBase):
         """Current group bits (the key is `{prefix}.0b{bits}`)."""
         if self._matchmaking is None:
             return self._initial_bits
-        return self._matchmaking.group_key_manager.group_bits
+        return self._matchmaking.group_bits
 
     @property
     def coordinates(self) -> Tuple[int, ...]:
@@ -453,13 +280,7 @@ class MoshpitAverager(ServicerBase):
     @property
     def upload_bandwidth(self) -> Optional[float]:
         """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
-        return self.declared_upload if self.declared_upload is not None else self.measured_upload
-
-    def _note_upload(self, measured: Optional[float]) -> None:
-        if measured is None:
-            return
-        old = self.measured_upload
-        self.measured_upload = measured if old is None else old + UPLOAD_ESTIMATE_ALPHA * (measured - old)
+        return self._upload.current
 
     def _announced_address(self) -> Tuple[str, int]:
         return ("", 0) if self.transport == "libp2p" else self._plane.address
@@ -475,34 +296,13 @@ class MoshpitAverager(ServicerBase):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: hivemind's matchmaking decides, except for a late acceptance.
-
-        hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
-        request to another leader waits (up to request_timeout); the asker meanwhile waits request_timeout for
-        the answer and then gives up. An acceptance given after most of that wait would count a peer that
-        has left (the leader's group and the asker's view disagree), so it is withdrawn: the asker is told
-        NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
-        drops it from our followers."""
-        arrived = time.monotonic()
-        try:
-            tag = _parse_member_info(request.gather).tag
-        except ProtocolError:
-            tag = None
-        if not admits_follower(self.admission, str(context.remote_id), tag):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
-            return
-        responses = self._matchmaking.rpc_join_group(request, context)
+        """Another peer asks us to lead its group: `MatchmakingAdapter.join_group` answers."""
+        responses = self._matchmaking.join_group(request, context, time.monotonic())
         try:
             async for response in responses:
-                waited = time.monotonic() - arrived
-                if (response.code == averaging_pb2.ACCEPTED
-                        and waited > LATE_ACCEPTANCE_FRACTION * self._matchmaking.request_timeout):
-                    logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
-                    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
-                    return
                 yield response
         finally:
-            await responses.aclose()
+            await responses.aclose()  # closes hivemind's handler too: a withdrawn or dropped asker leaves our group
 
     # ---- one round ----------------------------------------------------------------------------
 
@@ -520,9 +320,9 @@ class MoshpitAverager(ServicerBase):
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
-            accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see the
-            module docstring); the data plane then has the deadline in force from the group's assembly (`round_timeout`, or
-            the adaptive one between `min_round_timeout` and it)
+            accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see
+            matchmaking_adapter.py); the data plane then has the deadline in force from the group's assembly
+            (`round_timeout`, or the adaptive one between `min_round_timeout` and it)
         :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
             live peers when the swarm is smaller than the configured group); default: the configured one
         :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
@@ -538,19 +338,13 @@ class MoshpitAverager(ServicerBase):
             raise UserError(f"target_group_size must be at least min_group_size ({self.min_group_size})")
         if matchmaking_time is not None and not matchmaking_time > 0:
             raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
-        if self._loop is None or not self._ready.is_set():
+        if not self._loop_thread.running:
             raise UserError("averager is not started")
-        tensors = self._round_tensors(tensors)
+        tensors = round_tensors(tensors, self.tensors, self._numel if self.error_feedback is not None else None)
         target = target_group_size or self.target_group_size
-        payload = _payload_bytes(tensors)
-        # The deadlines in force: what this averager measured, between the floors and the caps; a caller's
-        # window (e.g. up to a compute-budget deadline) is an upper bound on top.
-        window = self.deadlines.matchmaking_window(target)
-        if matchmaking_time is not None:
-            window = min(window, matchmaking_time)
-        search_s = max(timeout if timeout is not None else 5 * window, window)
-        deadline = RoundDeadline.starting_now(search_s, self.request_timeout + ASSEMBLY_GRACE_S, self.round_timeout,
-                                              data_s=self.deadlines.round_deadline(target, payload))
+        window, deadline = self.deadlines.next_round(target, payload_bytes(tensors), self.round_timeout,
+                                                     grace_s=self.request_timeout + ASSEMBLY_GRACE_S,
+                                                     timeout=timeout, window_cap=matchmaking_time)
         future = RoundFuture(deadline)
         round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
         try:
@@ -565,54 +359,25 @@ class MoshpitAverager(ServicerBase):
         try:
             result = self._round(*round_args)
             _, _, _, target, tensors, _ = round_args
-            self._learn_deadlines(result, target=target, payload=_payload_bytes(tensors))
+            self.deadlines.observe_result(result, target=target, payload_bytes=payload_bytes(tensors))
             future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
-
-    def _learn_deadlines(self, result: RoundResult, *, target: int, payload: int) -> None:
-        """Feed a finished round's assembly time (a full group only) and data-plane time (not when a member
-        sent nothing at all: that says when the others gave up, not how long rounds take) to the adaptive
-        deadlines."""
-        if not result.group_id:
-            return  # no group: the window ran out, which says nothing about how long assembly takes
-        self.deadlines.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
-        if result.ok:
-            self.deadlines.observe_round(
-                result.group_size, payload, result.total_s,
-                hit_deadline=result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s,
-                member_died=bool(result.departed or result.absent))
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
                tensors: List[torch.Tensor], averaged: Tuple[str, ...]) -> RoundResult:
         started = time.monotonic()
         nonce = os.urandom(NONCE_BYTES)
         host, port = self._announced_address()
-        search_end = deadline.dht_time(deadline.search_end)
-        request = _StepRequest(
-            data_for_gather=_pack_member_info(
-                host, port, self.links.declared_weight(weight), nonce,
-                (self.loss_budget.budget, self.loss_budget.phase),
-                (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
-                self.admission.tag(self.identity.peer_id)),
-            scheduled_time=min(get_dht_time() + window, search_end),
-            deadline=search_end,
-            weight=weight,
-            schema_hash=schema_hash(tensors, self.compression_spec, self.chunk_numel),
-            target_group_size=target_group_size,
-            matchmaking_time=window,
-            grace=deadline.assembly_end - deadline.search_end,
-        )
+        gathered = pack_member_info(host, port, self.links.declared_weight(weight), nonce,
+                                    (self.loss_budget.budget, self.loss_budget.phase),
+                                    (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
+                                    self.admission.tag(self.identity.peer_id))
+        request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
+                                        schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
-        outcome: dict = {}
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
-            search = asyncio.run_coroutine_threadsafe(self._look_for_group(request, outcome), self._loop)
-            try:  # the search ends itself by assembly_end; the round's end bounds a stalled loop
-                group = search.result(max(0.0, deadline.end - time.monotonic()))
-            except Exception as e:
-                search.cancel()
-                logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
-                group = None
+            group, error = self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
@@ -620,31 +385,21 @@ class MoshpitAverager(ServicerBase):
                       compression=self.compression_spec, matchmaking_window_s=window,
                       round_deadline_s=deadline.budget_s)
         if group is None:
-            if "error" in outcome:
-                logger.warning(f"matchmaking: {outcome['error']}")
-            return RoundResult(ok=False, error=outcome.get("error", "no group found"), group_bits=bits_before,
+            if error is not None:
+                logger.warning(f"matchmaking: {error}")
+            return RoundResult(ok=False, error=error or "no group found", group_bits=bits_before,
                                coordinates=self.coordinates, **common)
         try:
             return self._round_with_group(group, tensors, deadline, bits_before, common)
         finally:
             self._plane.close_group(group_prefix)
 
-    def _round_tensors(self, tensors: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
-        if tensors is None:
-            return self.tensors
-        tensors = list(tensors)
-        if not tensors or any(not t.is_floating_point() for t in tensors):
-            raise UserError("a round averages one or more floating-point tensors")
-        if self.error_feedback is not None and sum(t.numel() for t in tensors) != self._numel:
-            raise UserError("with error feedback every round averages all the averager's values")
-        return tensors
-
     def _round_with_group(self, group: GroupInfo, tensors: List[torch.Tensor], deadline: "RoundDeadline",
                           bits_before: str, common: dict) -> RoundResult:
         group_id = group.group_id.hex()
         ids = dict(group_id=group_id, group_size=group.group_size, my_index=group.peer_ids.index(self.peer_id))
         try:
-            members = [_parse_member_info(data) for data in group.gathered]
+            members = [parse_member_info(data) for data in group.gathered]
         except ProtocolError as e:
             logger.warning(f"round {group_id[:8]}: bad group metadata: {e}")
             return RoundResult(ok=False, error=f"bad group metadata: {e}", group_bits=bits_before,
@@ -657,61 +412,17 @@ class MoshpitAverager(ServicerBase):
                     f"my index {ids['my_index']}")
         # The data plane has the round's data budget from now, never past the round's end.
         assembled = time.monotonic()
-        data_deadline = min(assembled + deadline.data_s, deadline.end)
+        data_deadline = deadline.data_plane_end(assembled)
         loss_budget, loss_phase, data, extra = self._average_with_group(group, members, ids["my_index"], tensors,
                                                                           data_deadline)
         self.rounds_done += 1
         return RoundResult(ok=True, group_bits=self.group_bits, coordinates=self.coordinates, loss_budget=loss_budget,
-                           loss_phase=loss_phase, aggregation=self.aggregation, data_deadline_s=data_deadline - assembled,
-                           **extra, **ids, **common,
-                           **{f.name: getattr(data, f.name) for f in fields(data) if f.name not in ("flagged", "contributed")})
+                           loss_phase=loss_phase, aggregation=self.aggregation,
+                           data_deadline_s=data_deadline - assembled, data=data, **extra, **ids, **common)
 
-    def _committed(self) -> bool:
-        """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
-        followers, a join request in flight, or a group already assembled whose result is still on its way
-        to `look_for_group` (a leader's followers leave `current_followers` as soon as they are told)."""
-        mm = self._matchmaking
-        return (mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
-                or mm.assembled_group.done())
-
-    async def _look_for_group(self, request: _StepRequest, outcome: dict) -> Optional[GroupInfo]:
-        """hivemind's look_for_group, stopped at the search end unless this peer is committed to a group."""
-        task = asyncio.create_task(self._search(request))
-        try:
-            await asyncio.wait({task}, timeout=max(0.0, request.deadline - get_dht_time()))
-            committed = False
-            while not task.done() and self._committed():  # bounded: the search ends at deadline + grace
-                committed = True
-                await asyncio.wait({task}, timeout=COMMITMENT_POLL_S)
-            if not task.done():
-                await cancel_and_wait(task)
-                return None
-            group = task.result()
-            if group is None and (committed or self._committed()):
-                outcome["error"] = ("gave up waiting for the group of a leader that had accepted this peer "
-                                    f"({request.grace:.1f} s past the search end): group assembly may disagree")
-            return group
-        except asyncio.CancelledError:
-            await cancel_and_wait(task)
-            raise
-
-    async def _search(self, request: _StepRequest) -> Optional[GroupInfo]:
-        # Per-round settings, set in the loop thread before this round's search starts. hivemind's
-        # Matchmaking reads them on every join request; the group-key manager keeps the configured
-        # size (it sets the grid, which must not change between rounds).
-        self._matchmaking.schema_hash = request.schema_hash
-        self._matchmaking.target_group_size = request.target_group_size
-        self._matchmaking.min_matchmaking_time = request.matchmaking_time
-        self._matchmaking.potential_leaders.target_group_size = request.target_group_size
-        self._matchmaking.potential_leaders.min_matchmaking_time = request.matchmaking_time
-        # hivemind: a request timeout above the matchmaking time can deadlock matchmaking; a short
-        # per-round window (e.g. a compute-budget deadline) needs a shorter one.
-        self._matchmaking.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
-        return await self._matchmaking.look_for_group(request)
-
-    def _average_with_group(self, group: GroupInfo, members: List[_MemberInfo], my_index: int,
+    def _average_with_group(self, group: GroupInfo, members: List[MemberInfo], my_index: int,
                             tensors: List[torch.Tensor], deadline: float
-                            ) -> Tuple[float, str, AllReduceResult, Dict[str, Any]]:
+                            ) -> Tuple[float, str, DataPlaneStats, Dict[str, Any]]:
         """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
         plane's counters (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (per
         member peer id, the chunks of our part robust aggregation clipped or trimmed), `distrusted` (members
@@ -724,145 +435,25 @@ class MoshpitAverager(ServicerBase):
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         loss_budget, loss_phase = group_budget(declared or [(self.loss_budget.budget, self.loss_budget.phase)])
-        group_members = [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
-                         for m, peer_id in zip(members, group.peer_ids)]
-        results: List[AllReduceResult] = []
-        bandwidths = [m.bandwidth for m in members]
-        by_bandwidth = all(b > 0 for b in bandwidths)  # else every member splits equally
-
-        def dense_allreduce_blocking(flat: torch.Tensor) -> torch.Tensor:
-            """Average one contiguous fp32 vector with this group (the `sequence`-th all-reduce of the round)."""
-            allreduce = GroupAllReduce(
-                self._plane,
-                flat,
-                members=group_members,
-                my_index=my_index,
-                tag=wire.allreduce_tag(group.group_id, len(results)),
-                secret=secret,
-                credentials=credentials,
-                compression=self.compression,
-                chunk_numel=self.chunk_numel,
-                deadline=deadline,
-                links=self.links,
-                loss_budget=loss_budget or 0.0,
-                relay=self._relay.connect if self._relay is not None else None,
-                force_relay=self.transport == "libp2p",
-                part_sizes=bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else None,
-                aggregation=self.aggregation,
-                distrusted=distrusted,
-                scratch=self._scratch,
-            )
-            results.append(allreduce.run())
-            return flat
-
+        dataplane = GroupDataPlane(
+            self._plane, [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
+                          for m, peer_id in zip(members, group.peer_ids)],
+            my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, self.links,
+            loss_budget or 0.0, [m.bandwidth for m in members], self.aggregation, distrusted, scratch=self._scratch,
+            relay=self._relay.connect if self._relay is not None else None, force_relay=self.transport == "libp2p")
         with self._lock_tensors:
-            flat, write_back = self._flatten(tensors)
-            sparsifier = self.compression.sparsifier
-            if sparsifier is None:
-                dense_allreduce_blocking(flat)
-            else:
-                # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group.
-                async def dense_allreduce(t: torch.Tensor) -> torch.Tensor:
-                    return dense_allreduce_blocking(t.detach().to(torch.float32).contiguous().clone())
-
-                seed = int.from_bytes(group.group_id[:8], "big") & 0x7FFFFFFF
-                if self.error_feedback is not None:  # gradients: the EF21M estimate is the update direction
-                    flat.copy_(asyncio.run(self.error_feedback.step(flat, seed, dense_allreduce)))
-                else:  # parameters: unselected rows keep their values (a zero there would destroy them)
-                    asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
+            flat, write_back = flatten(tensors)
+            result = dataplane.average(flat, self.error_feedback)
             write_back()
-        result = _merge_results(results)
-        self._note_upload(result.upload_bps)
-        flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged) if n}
+        self._upload.note(result.upload_bps)
+        flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged_by_index) if n}
         if self.aggregation == "clipped":
-            for peer in self.suspects.record_round(peer_ids, result.flagged, result.contributed):
+            for peer in self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index):
                 logger.warning(f"peer {peer[-8:]} was clipped in {self.suspects.after_rounds} rounds in a row: "
                                f"its contributions to our parts count for nothing until a round where it is not")
         for peer, n in flagged.items():
-
             self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
-        lost = result.reduce.chunks_lost + result.gather.chunks_lost
-        tag = group.group_id.hex()[:8]
-        if result.absent:
-            logger.warning(
-                f"round {tag}: members {result.absent} were not in this round (they refused or failed "
-                f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
-            )
-        if flagged:
-            logger.warning(f"round {tag}: {self.aggregation} aggregation flagged contributions of "
-                           + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in flagged.items()))
-        if lost or result.departed or result.rejected_messages or result.rejected_connections:
-            logger.warning(
-                f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
-                f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
-                f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
-                f"{result.rejected_connections} connections"
-            )
-        part_sizes = bandwidth_part_sizes(flat.numel(), bandwidths) if by_bandwidth else []
+        log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
+        part_sizes = dataplane.part_sizes(flat.numel()) or []
         return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,
                                                      distrusted=[peer_ids[i] for i in distrusted])
-
-    def _flatten(self, tensors: List[torch.Tensor]):
-        """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
-        encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
-        fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
-        device = tensors[0].device
-        if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
-            device = torch.device("cpu")
-        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
-                and tensors[0].device == device:
-            return tensors[0].detach().view(-1), lambda: None
-        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
-
-        def write_back() -> None:
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.data.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
-
-        return flat, write_back
-
-
-def _merge_results(results: List[AllReduceResult]) -> AllReduceResult:
-    """One round may run several all-reduces (ARC-Top-K): add their counters up."""
-    if len(results) == 1:
-        return results[0]
-
-    def add(phases: List[PhaseStats]) -> PhaseStats:
-        total = PhaseStats()
-        for phase in phases:
-            for name, value in vars(phase).items():
-                setattr(total, name, getattr(total, name) + value)
-        return total
-
-    return AllReduceResult(
-        reduce=add([r.reduce for r in results]),
-        gather=add([r.gather for r in results]),
-        departed=sorted({i for r in results for i in r.departed}),
-        rejected_messages=sum(r.rejected_messages for r in results),
-        rejected_connections=sum(r.rejected_connections for r in results),
-        missing_chunks=[chunk for r in results for chunk in r.missing_chunks],
-        absent=sorted({i for r in results for i in r.absent}),
-        relayed=sorted({i for r in results for i in r.relayed}),
-        staged_bytes=sum(r.staged_bytes for r in results),
-        flagged=[sum(counts) for counts in zip(*(r.flagged for r in results))],
-        contributed=[sum(counts) for counts in zip(*(r.contributed for r in results))],
-        nonfinite_averages=sum(r.nonfinite_averages for r in results),
-        reduce_scatter_s=sum(r.reduce_scatter_s for r in results),
-        all_gather_s=sum(r.all_gather_s for r in results),
-        total_s=sum(r.total_s for r in results),
-        upload_bps=max((r.upload_bps for r in results if r.upload_bps is not None), default=None),
-    )
-
-
-def _finish_pending_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 1.0) -> None:
-    """Cancel the tasks still on `loop` (hivemind's matchmaking leaves waiters behind, our relay its copy
-    tasks) and give them `timeout` to end, as asyncio.run does: a task garbage-collected while pending
-    logs "Task was destroyed but it is pending!" """
-    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-    for task in pending:
-        task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.wait(pending, timeout=timeout))
-    loop.run_until_complete(loop.shutdown_asyncgens())

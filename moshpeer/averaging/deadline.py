@@ -3,10 +3,14 @@
 `MoshpitAverager.step()` computes a `RoundDeadline` from its settings before anything else and passes it
 down: matchmaking stops looking at `search_end`, a peer committed to a group waits for it until
 `assembly_end`, and nothing of the round runs past `end`. The data plane has `data_s` from the group's
-assembly, capped at `end`; `data_s` is the adaptive deadline in force (`adaptive_deadlines`), `end` is
-`assembly_end` plus the `round_timeout` cap, so an event loop stalled by a loaded machine that delivers
-the group late still gets to run it. No layer below adds its own margin. `step(wait=False)` returns a `RoundFuture`, resolved by `deadline.end` plus the time
-the round needs to write its result back.
+assembly, capped at `end` (`data_plane_end`); `data_s` is the adaptive deadline in force
+(`adaptive_deadlines`), `end` is `assembly_end` plus the `round_timeout` cap, so an event loop stalled by a
+loaded machine that delivers the group late still gets to run it. Within the data plane, owners stop
+waiting for contributions at `reduce_scatter_end` (REDUCE_SCATTER_SHARE of the time left), and the rest is
+the all-gather's. No layer below adds time of its own: they split these deadlines and bound every wait by
+them; only teardown (closing sockets, joining threads for at most a second each) runs past them.
+`step(wait=False)` returns a `RoundFuture`, resolved by `deadline.end` plus the time the round needs to
+write its result back.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hivemind.utils import get_dht_time
+
+
+# Share of a data plane's time left at its start that the reduce-scatter gets (owners stop waiting for
+# contributions then); the all-gather, which overlaps it, has until the data plane's end.
+REDUCE_SCATTER_SHARE = 0.6
+
+
+def reduce_scatter_end(now: float, end: float) -> float:
+    """When owners stop waiting for contributions, for a data plane that starts at `now` and ends at `end`."""
+    return now + REDUCE_SCATTER_SHARE * (end - now)
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,11 @@ class RoundDeadline:
         """The round's budget in force (seconds from when it was computed): search, assembly grace and
         `data_s`. Past it only a group delivered late by a stalled event loop can run (up to `end`)."""
         return self.assembly_end + self.data_s - self.started
+
+    def data_plane_end(self, assembled: float) -> float:
+        """When the data plane of a group assembled at `assembled` (time.monotonic()) must end: `data_s` later,
+        never past `end`."""
+        return min(assembled + self.data_s, self.end)
 
     def dht_time(self, monotonic: float) -> float:
         """`monotonic` (one of this deadline's times) in DHT time."""

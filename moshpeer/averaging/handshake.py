@@ -27,7 +27,8 @@ AES-256-GCM under the connection key with the frame's sequence number as nonce, 
 (encrypted, then discarded) message and the payload as associated data, i.e. a GMAC over both. A
 connection carries frames one way only, so a (key, nonce) pair is never used twice. The payload is
 authenticated, not encrypted (see docs/security.md). A frame that fails its MAC ends the connection
-(`ProtocolError`). GCM rather than ChaCha20-Poly1305: with AES-NI and carry-less multiply (every
+(`ProtocolError`). `send_frame` writes a frame; `FrameReader` reads one and checks its MAC before
+anything reads its payload. GCM rather than ChaCha20-Poly1305: with AES-NI and carry-less multiply (every
 x86-64 and ARMv8 server CPU) its GHASH runs at about twice Poly1305's speed, and on a loopback round,
 which is all memory traffic, the MAC is a tenth of the CPU (docs/benchmarks.md, bench_trust).
 """
@@ -39,9 +40,8 @@ import hmac
 import os
 import socket
 import struct
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -154,28 +154,14 @@ class FrameAuth:
             raise ProtocolError("frame MAC mismatch (altered or forged on the way)")
 
 
-def recv_until(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """Read exactly `size` bytes by `deadline` (time.monotonic()): one deadline for every read of a
-    handshake, however slowly the bytes trickle in. Raises socket.timeout / ConnectionError."""
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
-    while got < size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise socket.timeout("handshake deadline passed")
-        sock.settimeout(remaining)
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise ConnectionError("connection closed")
-        got += n
-    return bytes(data)
+# Every read of a handshake shares the handshake's one deadline (the name before wire.py had the helper).
+recv_until = wire.recv_exactly_by
 
 
 def _read_identity(sock: socket.socket, key_len: int, sig_len: int, deadline: float) -> Tuple[bytes, bytes]:
     if not 0 < key_len <= MAX_PUBLIC_KEY_BYTES or not 0 < sig_len <= MAX_SIGNATURE_BYTES:
         raise ProtocolError(f"identity of impossible size (key {key_len}, signature {sig_len} bytes)")
-    blob = recv_until(sock, key_len + sig_len, deadline)
+    blob = wire.recv_exactly_by(sock, key_len + sig_len, deadline)
     return blob[:key_len], blob[key_len:]
 
 
@@ -194,7 +180,7 @@ def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
     unauthentic hello, no such round, a public key that `admit` refuses), ConnectionError or socket.timeout;
     the caller closes `sock`."""
     magic, version, tag, sender, receiver, c_s, x_s, key_len, sig_len = HELLO.unpack(
-        recv_until(sock, HELLO.size, deadline))
+        wire.recv_exactly_by(sock, HELLO.size, deadline))
     _check_magic(magic, version, HELLO_MAGIC, "hello")
     public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
     if admit is not None:
@@ -212,7 +198,7 @@ def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
     key = _connection_key(session.secret, creds.x25519, x_s, transcript)
     sock.sendall(REPLY.pack(REPLY_MAGIC, PROTOCOL_VERSION, c_r, creds.x25519_public, len(creds.public_key),
                             len(creds.signature)) + creds.public_key + creds.signature + _label_mac(key, b"reply"))
-    magic, version, mac = CONFIRM.unpack(recv_until(sock, CONFIRM.size, deadline))
+    magic, version, mac = CONFIRM.unpack(wire.recv_exactly_by(sock, CONFIRM.size, deadline))
     _check_magic(magic, version, CONFIRM_MAGIC, "confirmation")
     if not hmac.compare_digest(mac, _label_mac(key, b"confirm")):
         raise ProtocolError(f"member {sender} did not prove its round key (impersonation or a stale hello)")
@@ -242,12 +228,12 @@ def connect(sock: socket.socket, deadline: float, *, credentials: RoundCredentia
     me = credentials
     sock.sendall(pack_hello(me, tag, receiver, c_s))
     try:
-        magic, version, c_r, x_r, key_len, sig_len = REPLY.unpack(recv_until(sock, REPLY.size, deadline))
+        magic, version, c_r, x_r, key_len, sig_len = REPLY.unpack(wire.recv_exactly_by(sock, REPLY.size, deadline))
     except ConnectionError:
         raise PeerRefused(f"member {receiver} closed the connection after our hello") from None
     _check_magic(magic, version, REPLY_MAGIC, "reply")
     public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
-    mac = recv_until(sock, MAC_BYTES, deadline)
+    mac = wire.recv_exactly_by(sock, MAC_BYTES, deadline)
     try:
         _check_certificate(public_key, signature, receiver_peer, me.group_prefix, receiver, x_r)
     except ProtocolError as e:
@@ -263,3 +249,53 @@ def connect(sock: socket.socket, deadline: float, *, credentials: RoundCredentia
 def send_frame(sock: socket.socket, auth: FrameAuth, header: bytes, payload=b"") -> None:
     """Send header + payload + MAC with one syscall where possible (no Python-level copy of the payload)."""
     wire.send_parts(sock, [header, payload, auth.tag(header, payload)] if len(payload) else [header, auth.tag(header)])
+
+
+class Frame(NamedTuple):  # a tuple: one is made per chunk on the hot path
+    """One authenticated frame as read: its header fields and its payload (None for an END_* marker)."""
+
+    phase: int
+    part: int
+    chunk: int
+    payload_len: int
+    payload: Optional[object] = None
+
+
+class FrameReader:
+    """Reads the frames of one authenticated connection (`send_frame`'s other end), checking each one.
+
+    :param tag: the all-reduce's tag: a frame of another round is a protocol violation
+    :param max_payload: bytes a frame's payload may have at most
+    :param inbox: where payloads are received (`staging.Inbox`: `buffer(n)` to fill, then `payload(n)`)
+    """
+
+    def __init__(self, sock: socket.socket, auth: FrameAuth, *, tag: bytes, max_payload: int, inbox):
+        self.sock, self.auth, self.tag, self.max_payload, self.inbox = sock, auth, tag, max_payload, inbox
+        self._header = bytearray(wire.HEADER.size)
+        self._header_view = memoryview(self._header)
+        self._mac = bytearray(MAC_BYTES)
+        self._mac_view = memoryview(self._mac)
+
+    def read(self) -> Frame:
+        """The next frame, its MAC checked before anything reads its payload. Raises ProtocolError (bad header,
+        another round's tag, an oversized payload, a MAC mismatch: the stream cannot be trusted past it),
+        ConnectionError on EOF, OSError when the socket's timeout (`wire.block_until`) expires."""
+        sock, header = self.sock, self._header
+        wire.recv_exactly(sock, self._header_view)
+        # A bad header desynchronizes the stream: the connection is dropped (ProtocolError).
+        phase, part, chunk, payload_len, tag = wire.parse_header(header)
+        if tag != self.tag:
+            raise ProtocolError("chunk of another round")
+        if payload_len > self.max_payload:
+            raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit {self.max_payload}")
+        if phase == wire.PHASE_END_REDUCE or phase == wire.PHASE_END_GATHER:
+            if payload_len:
+                raise ProtocolError("end marker with a payload")
+            wire.recv_exactly(sock, self._mac_view)
+            self.auth.check(header, b"", self._mac)
+            return Frame(phase, part, chunk, 0)
+        received = self.inbox.buffer(payload_len)
+        wire.recv_exactly(sock, received)
+        wire.recv_exactly(sock, self._mac_view)
+        self.auth.check(header, received, self._mac)
+        return Frame(phase, part, chunk, payload_len, self.inbox.payload(payload_len))

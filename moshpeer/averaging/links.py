@@ -14,8 +14,9 @@ or `moshpeer join --faults` injects is a `Links` built outside and passed in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+from moshpeer.averaging.handshake import MAC_BYTES
 from moshpeer.averaging.report import PhaseStats
 
 
@@ -54,6 +55,29 @@ class ChunkStream(Protocol):
 
     def closing(self) -> bool:
         """True once the all-reduce is tearing down (a wrapper stops waiting)."""
+
+
+class FrameLink(Protocol):
+    """An authenticated connection that sends frames (`member_connector.OutboundLink`)."""
+
+    def send(self, header: bytes, payload=b"") -> None: ...
+
+
+@dataclass
+class WireStream:
+    """The real `ChunkStream` of one phase on our connection to a member: frames, counted in `stats`."""
+
+    link: FrameLink
+    stats: PhaseStats
+    closing: Callable[[], bool]
+
+    def send(self, header: bytes, data) -> None:
+        self.link.send(header, data)
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += len(header) + len(data) + MAC_BYTES
+
+    def end(self, marker: bytes) -> None:
+        self.link.send(marker)
 
 
 class Links:

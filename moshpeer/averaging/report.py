@@ -3,14 +3,15 @@
 `MoshpitAverager.step()` makes it once, when the round is over (`step(wait=False)` returns a future of
 it). The same object reaches `CollaborativeOptimizer` (held unchanged in its `CollaborativeRound`),
 the `moshpeer join` event line (serialised once, by `to_dict()`, at the edge), the metrics and the
-benchmarks. `GroupAllReduce` fills the data-plane counters (`PhaseStats`, `DataPlaneResult`); they are
-part of the result, not copied into a second report.
+benchmarks. `GroupAllReduce` fills one `DataPlaneStats` (with a `PhaseStats` per phase); the round
+result embeds it as `data` and reads its counters through properties, not a copy. A round that runs
+several all-reduces (ARC-Top-K) adds their stats up with `+`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 
@@ -28,6 +29,81 @@ class PhaseStats:
     bytes_received: int = 0
     seconds: float = 0.0
 
+    def __add__(self, other: "PhaseStats") -> "PhaseStats":
+        """Every counter summed (two all-reduces of one round, one after the other)."""
+        return PhaseStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+def _sum_by_index(a: List[int], b: List[int]) -> List[int]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+
+
+@dataclass
+class DataPlaneStats:
+    """What the data plane (`GroupAllReduce`) did in one all-reduce, or in all of a round's all-reduces
+    added up with `+`. Members are named by their index in the group here; `RoundResult` names the
+    flagged ones by peer id."""
+
+    reduce: PhaseStats = field(default_factory=PhaseStats)
+    gather: PhaseStats = field(default_factory=PhaseStats)
+    departed: List[int] = field(default_factory=list)  # group indices that sent nothing in the round
+    # Group indices that were not in the round at all: they refused our authenticated hello (matchmaking
+    # disagreed: they never learned of this group), failed to prove the group secret, or were unreachable.
+    absent: List[int] = field(default_factory=list)
+    relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams
+    missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
+    rejected_connections: int = 0  # strangers / failed authentication during the round
+    rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates
+    staged_bytes: int = 0  # encoded bytes copied between a device and pinned host memory (0 on a CPU peer)
+    reduce_scatter_s: float = 0.0
+    all_gather_s: float = 0.0
+    total_s: float = 0.0  # data plane only (matchmaking excluded)
+    upload_bps: Optional[float] = None  # this peer's upload rate measured on its direct connections (uplink.py)
+    nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
+    # Per member index: chunks of our part in which robust aggregation clipped or trimmed its contribution,
+    # and chunks of our part its contribution reached us in (what the first is out of; suspects.py).
+    flagged_by_index: List[int] = field(default_factory=list)
+    contributed_by_index: List[int] = field(default_factory=list)
+
+    def __add__(self, other: "DataPlaneStats") -> "DataPlaneStats":
+        """Two all-reduces of one round, one after the other: counters and times add up, member sets unite,
+        the upload rate is the better measurement (max)."""
+        uploads = [u for u in (self.upload_bps, other.upload_bps) if u is not None]
+        return DataPlaneStats(
+            reduce=self.reduce + other.reduce,
+            gather=self.gather + other.gather,
+            departed=sorted(set(self.departed) | set(other.departed)),
+            absent=sorted(set(self.absent) | set(other.absent)),
+            relayed=sorted(set(self.relayed) | set(other.relayed)),
+            missing_chunks=self.missing_chunks + other.missing_chunks,
+            rejected_connections=self.rejected_connections + other.rejected_connections,
+            rejected_messages=self.rejected_messages + other.rejected_messages,
+            staged_bytes=self.staged_bytes + other.staged_bytes,
+            reduce_scatter_s=self.reduce_scatter_s + other.reduce_scatter_s,
+            all_gather_s=self.all_gather_s + other.all_gather_s,
+            total_s=self.total_s + other.total_s,
+            upload_bps=max(uploads) if uploads else None,
+            nonfinite_averages=self.nonfinite_averages + other.nonfinite_averages,
+            flagged_by_index=_sum_by_index(self.flagged_by_index, other.flagged_by_index),
+            contributed_by_index=_sum_by_index(self.contributed_by_index, other.contributed_by_index),
+        )
+
+    @property
+    def chunks_lost(self) -> int:
+        return self.reduce.chunks_lost + self.gather.chunks_lost
+
+
+# DataPlaneStats fields that RoundResult reads through and `to_dict()` spreads out at its top level, in the
+# order its keys always had. The per-index counters are left out: a round's readers get `flagged` by peer id.
+_DATA_FIELDS = ("reduce", "gather", "departed", "absent", "relayed", "missing_chunks", "rejected_connections",
+                "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s", "upload_bps")
+_LAST_DATA_FIELDS = ("nonfinite_averages",)
+
+
+def _data_fact(name: str) -> property:
+    return property(lambda result: getattr(result.data, name), doc=f"`data.{name}` (see `DataPlaneStats`)")
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -35,7 +111,8 @@ class RoundResult:
 
     `ok` is False when no group was found (tensors unchanged) or the round failed before the data plane
     started (`error` says why). A round that lost data is still ok=True: see `lost_fraction` and the
-    counters. Frozen: nobody downstream rewrites it.
+    counters. Frozen: nobody downstream rewrites it. The data plane's counters (`reduce`, `gather`,
+    `departed`, `absent`, `total_s`, ...) are read from the embedded `data`.
     """
 
     ok: bool
@@ -56,21 +133,7 @@ class RoundResult:
     round_deadline_s: float = 0.0  # the whole round's budget: search, assembly grace and data plane
     data_deadline_s: float = 0.0  # the data plane's budget from the group's assembly (0 without a group)
     # ---- data plane (GroupAllReduce; summed over the all-reduces of the round) ----
-    reduce: PhaseStats = field(default_factory=PhaseStats)
-    gather: PhaseStats = field(default_factory=PhaseStats)
-    departed: List[int] = field(default_factory=list)  # group indices that sent nothing in the round
-    # Group indices that were not in the round at all: they refused our authenticated hello (matchmaking
-    # disagreed: they never learned of this group), failed to prove the group secret, or were unreachable.
-    absent: List[int] = field(default_factory=list)
-    relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams
-    missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
-    rejected_connections: int = 0  # strangers / failed authentication during the round
-    rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates
-    staged_bytes: int = 0  # encoded bytes copied between a device and pinned host memory (0 on a CPU peer)
-    reduce_scatter_s: float = 0.0
-    all_gather_s: float = 0.0
-    total_s: float = 0.0  # data plane only (matchmaking excluded)
-    upload_bps: Optional[float] = None  # this peer's upload rate measured in this round (averaging/uplink.py)
+    data: DataPlaneStats = field(default_factory=DataPlaneStats)
     part_sizes: List[int] = field(default_factory=list)  # values per member's part if sized by bandwidth, else []
     # ---- robust aggregation (aggregation.py) ----
     aggregation: str = "mean"
@@ -78,11 +141,25 @@ class RoundResult:
     flagged: Dict[str, int] = field(default_factory=dict)
     # Peer ids whose contributions our "clipped" aggregation weighed at zero in this round (suspects.py).
     distrusted: List[str] = field(default_factory=list)
-    nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
+
+    reduce = _data_fact("reduce")
+    gather = _data_fact("gather")
+    departed = _data_fact("departed")
+    absent = _data_fact("absent")
+    relayed = _data_fact("relayed")
+    missing_chunks = _data_fact("missing_chunks")
+    rejected_connections = _data_fact("rejected_connections")
+    rejected_messages = _data_fact("rejected_messages")
+    staged_bytes = _data_fact("staged_bytes")
+    reduce_scatter_s = _data_fact("reduce_scatter_s")
+    all_gather_s = _data_fact("all_gather_s")
+    total_s = _data_fact("total_s")
+    upload_bps = _data_fact("upload_bps")
+    nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `distrusted`)
 
     @property
     def chunks_lost(self) -> int:
-        return self.reduce.chunks_lost + self.gather.chunks_lost
+        return self.data.chunks_lost
 
     @property
     def lost_fraction(self) -> float:
@@ -99,8 +176,17 @@ class RoundResult:
         return self.reduce.bytes_received + self.gather.bytes_received
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain values (for JSON): the fields, plus chunks_lost, lost_fraction, bytes_sent, bytes_received."""
-        return {**asdict(self), "averaged": list(self.averaged), "chunks_lost": self.chunks_lost,
+        """Plain values (for JSON): the fields with the data plane's counters at the top level (no "data"
+        key), plus chunks_lost, lost_fraction, bytes_sent, bytes_received."""
+        plain = asdict(self)
+        out: Dict[str, Any] = {}
+        for name, value in plain.items():
+            if name == "data":
+                out.update((key, value[key]) for key in _DATA_FIELDS)
+            else:
+                out[name] = value
+        out.update((key, plain["data"][key]) for key in _LAST_DATA_FIELDS)
+        return {**out, "averaged": list(self.averaged), "chunks_lost": self.chunks_lost,
                 "lost_fraction": self.lost_fraction, "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received}
 

@@ -41,3 +41,27 @@ class ScratchPool:
             self._free.append(buffer)
             self._free.sort(key=torch.Tensor.numel, reverse=True)
             del self._free[self._keep:]
+
+
+class ScratchLease:
+    """The buffers one all-reduce takes: from `pool` if it has one, else freshly allocated on `device`."""
+
+    def __init__(self, pool: Optional[ScratchPool], device: torch.device):
+        self._pool, self._device = pool, device
+        self._taken: List[torch.Tensor] = []
+
+    def take(self, numel: int) -> torch.Tensor:
+        """An uninitialized 1-D fp32 buffer of exactly `numel` values."""
+        if self._pool is None:
+            return torch.empty(numel, dtype=torch.float32, device=self._device)
+        buffer = self._pool.take(numel, self._device)
+        self._taken.append(buffer)
+        return buffer[:numel]
+
+    def end(self, reusable: bool) -> None:
+        """The all-reduce is over: give its buffers back to the pool if `reusable` (no thread can still write
+        them), else leave them to the garbage collector."""
+        if self._pool is not None and reusable:
+            for buffer in self._taken:
+                self._pool.give_back(buffer)
+        self._taken = []

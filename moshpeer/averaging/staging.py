@@ -21,7 +21,7 @@ PCIe, in both directions.
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -36,6 +36,19 @@ class Outbox:
 
     def __init__(self, lookahead: bool = False):
         self.lookahead = lookahead
+        self._ahead: Dict[int, Any] = {}  # chunks already encoded and on their way to host memory
+
+    def next_bytes(self, chunk: int, encode: Callable[[int], torch.Tensor], lookahead: Optional[int] = None
+                   ) -> memoryview:
+        """Host bytes of `chunk` (`encode(chunk)`, unless it was prepared ahead). With `lookahead` (and an outbox
+        that looks ahead), chunk `lookahead` is encoded and prepared now, before this one is sent, so that its
+        copy overlaps with this send. Chunks are numbered within one stream: one outbox per stream."""
+        ready = self._ahead.pop(chunk, None)
+        if ready is None:
+            ready = self.prepare(encode(chunk))
+        if self.lookahead and lookahead is not None and lookahead not in self._ahead:
+            self._ahead[lookahead] = self.prepare(encode(lookahead))
+        return self.host_bytes(ready)
 
     def prepare(self, payload: torch.Tensor) -> Any:
         return payload

@@ -98,3 +98,27 @@ class UplinkMeter:
             elapsed = time.monotonic() - self._started_at
             return self.total_bytes / elapsed if elapsed > 0 else None
         return self.peak_rate
+
+
+# Weight of the newest measurement in a peer's upload estimate (exponential average over rounds).
+UPLOAD_ESTIMATE_ALPHA = 0.5
+
+
+class UploadEstimate:
+    """This peer's upload in bytes/s, for "bandwidth" partitioning: the declared one if any, else an
+    exponential average of the rounds' measurements (`UplinkMeter.stop()`); None while unknown."""
+
+    def __init__(self, declared: Optional[float] = None):
+        self.declared = declared
+        self.measured: Optional[float] = None
+
+    @property
+    def current(self) -> Optional[float]:
+        return self.declared if self.declared is not None else self.measured
+
+    def note(self, measured: Optional[float]) -> None:
+        """A round measured `measured` bytes/s (None: it could not tell)."""
+        if measured is None:
+            return
+        old = self.measured
+        self.measured = measured if old is None else old + UPLOAD_ESTIMATE_ALPHA * (measured - old)

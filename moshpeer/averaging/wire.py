@@ -22,7 +22,7 @@ import hashlib
 import socket
 import struct
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from moshpeer.errors import ProtocolError
 from moshpeer.version import PROTOCOL_VERSION
@@ -64,6 +64,12 @@ def tag_group(tag: bytes) -> bytes:
     return bytes(tag[:TAG_GROUP_BYTES])
 
 
+def chunk_seed(tag: bytes, sender: int, part: int, chunk: int) -> int:
+    """The codec seed of `sender`'s encoding of (part, chunk) in the all-reduce `tag`. The sender's index is in
+    the seed: members sharing rounding noise would not average it out."""
+    return int.from_bytes(tag[:4], "big") ^ (sender << 40) ^ (part << 20) ^ chunk
+
+
 def pack_header(phase: int, part: int, chunk: int, payload_len: int, tag: bytes) -> bytes:
     return HEADER.pack(CHUNK_MAGIC, PROTOCOL_VERSION, phase, part, chunk, payload_len, tag)
 
@@ -76,19 +82,36 @@ def parse_header(data) -> tuple:
     return phase, part, chunk, payload_len, tag
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`; raises ConnectionError on EOF (and socket.timeout / OSError from the socket).
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+    """Fill `view` (exactly len(view) bytes) from `sock`: the one "read exactly N bytes" of the data plane.
 
-    On a blocking socket (see `block_until`) MSG_WAITALL lets the kernel fill the whole buffer in one
-    call: one GIL release per chunk instead of one per arriving TCP segment.
+    deadline=None: the socket's own timeouts bound every call (see `block_until`); on a blocking socket
+    MSG_WAITALL lets the kernel fill the whole buffer in one call: one GIL release per chunk instead of one
+    per arriving TCP segment. With `deadline` (time.monotonic()): one deadline for all of it, however
+    slowly the bytes trickle in; every recv waits at most the time left (this sets the socket's timeout).
+
+    Raises ConnectionError on EOF, socket.timeout (TimeoutError) once `deadline` passed, and OSError (incl.
+    socket.timeout) from the socket; `view` is then partly filled.
     """
     got, size = 0, len(view)
-    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
+    flags = socket.MSG_WAITALL if deadline is None and sock.gettimeout() is None else 0
     while got < size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout(f"deadline passed after {got} of {size} bytes")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:], size - got, flags)
         if n == 0:
-            raise ConnectionError("connection closed")
+            raise ConnectionError(f"connection closed after {got} of {size} bytes")
         got += n
+
+
+def recv_exactly_by(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """Exactly `size` bytes from `sock` by `deadline` (time.monotonic()); see `recv_exactly` for the errors."""
+    data = bytearray(size)
+    recv_exactly(sock, memoryview(data), deadline)
+    return bytes(data)
 
 
 def send_parts(sock: socket.socket, parts: Sequence) -> None:

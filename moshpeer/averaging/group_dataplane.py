@@ -1,0 +1,157 @@
+"""The data plane of one round with an assembled group: `GroupDataPlane` runs the round's all-reduces.
+
+A round averages one flat fp32 vector (`flatten`). Dense codecs run one `GroupAllReduce` on it; ARC-Top-K
+runs two (a sketch, then the selected rows) through its sparsifier, or through EF21M error feedback when the
+round averages gradients. Every all-reduce of the round shares the group's members, secret, signed
+credentials and loss budget; each gets its own tag (its sequence number in the round). Their stats are
+added up into one `DataPlaneStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from moshpeer.averaging import wire
+from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember, RelayConnect
+from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.handshake import RoundCredentials
+from moshpeer.averaging.links import Links
+from moshpeer.averaging.partition import bandwidth_part_sizes
+from moshpeer.averaging.report import DataPlaneStats
+from moshpeer.averaging.scratch import ScratchPool
+from moshpeer.compression.codec import Compression
+from moshpeer.compression.ef21m import EF21M
+from moshpeer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
+
+
+@dataclass
+class GroupDataPlane:
+    """Everything the all-reduces of one round with one group share; `average(flat)` runs them.
+
+    :param bandwidths: per member, its announced upload (bytes/s); parts are sized by them if every one is
+        positive, else equal
+    :param relay: opens libp2p streams to members; force_relay: send everything over it
+    """
+
+    plane: DataPlane
+    members: List[GroupMember]
+    my_index: int
+    group_id: bytes
+    secret: bytes
+    credentials: RoundCredentials
+    compression: Compression
+    chunk_numel: int
+    deadline: float
+    links: Links
+    loss_budget: float
+    bandwidths: Sequence[float]
+    aggregation: str
+    distrusted: Sequence[int]
+    scratch: Optional[ScratchPool] = None
+    relay: Optional[RelayConnect] = None
+    force_relay: bool = False
+    results: List[DataPlaneStats] = field(default_factory=list)
+
+    def part_sizes(self, numel: int) -> Optional[List[int]]:
+        """Values per member's part for a vector of `numel` values; None = equal parts."""
+        if all(b > 0 for b in self.bandwidths):
+            return bandwidth_part_sizes(numel, self.bandwidths)
+        return None
+
+    def allreduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """Average one contiguous fp32 vector in place with this group (the round's next all-reduce); -> flat.
+        Raises ValueError for a vector the data plane cannot average (see `GroupAllReduce`)."""
+        allreduce = GroupAllReduce(
+            self.plane, flat, members=self.members, my_index=self.my_index,
+            tag=wire.allreduce_tag(self.group_id, len(self.results)), secret=self.secret,
+            credentials=self.credentials, compression=self.compression, chunk_numel=self.chunk_numel,
+            deadline=self.deadline, links=self.links, loss_budget=self.loss_budget, relay=self.relay,
+            force_relay=self.force_relay, part_sizes=self.part_sizes(flat.numel()), aggregation=self.aggregation,
+            distrusted=self.distrusted, scratch=self.scratch)
+        self.results.append(allreduce.run())
+        return flat
+
+    def average(self, flat: torch.Tensor, error_feedback: Optional[EF21M] = None) -> DataPlaneStats:
+        """Average `flat` in place with the group; -> the stats of the round's all-reduces, added up.
+
+        With a sparsifying codec, `error_feedback` (gradients) makes the EF21M estimate the result; without
+        it (parameters), rows the sparsifier did not select keep their values (a zero there would destroy them).
+        """
+        sparsifier = self.compression.sparsifier
+        if sparsifier is None:
+            self.allreduce(flat)
+        else:
+            # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group.
+            async def dense_allreduce(t: torch.Tensor) -> torch.Tensor:
+                return self.allreduce(t.detach().to(torch.float32).contiguous().clone())
+
+            seed = int.from_bytes(self.group_id[:8], "big") & 0x7FFFFFFF
+            if error_feedback is not None:
+                flat.copy_(asyncio.run(error_feedback.step(flat, seed, dense_allreduce)))
+            else:
+                asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
+        return sum(self.results, DataPlaneStats())
+
+
+def round_tensors(tensors: Optional[Sequence[torch.Tensor]], default: List[torch.Tensor],
+                  numel: Optional[int] = None) -> List[torch.Tensor]:
+    """The tensors a round averages: `tensors`, or `default` when None. UserError unless they are one or more
+    floating-point tensors with, if `numel` is given (error feedback averages every value), that many values."""
+    if tensors is None:
+        return default
+    tensors = list(tensors)
+    if not tensors or any(not t.is_floating_point() for t in tensors):
+        raise UserError("a round averages one or more floating-point tensors")
+    if numel is not None and sum(t.numel() for t in tensors) != numel:
+        raise UserError("with error feedback every round averages all the averager's values")
+    return tensors
+
+
+def flatten(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, Callable[[], None]]:
+    """A flat fp32 vector of `tensors` and a write-back. It lives on the first tensor's device, so a round
+    encodes and decodes there and only encoded bytes cross PCIe (staging.py); zero-copy for one contiguous
+    fp32 tensor (what `CollaborativeOptimizer` passes: its buffers are views of one such tensor)."""
+    device = tensors[0].device
+    if device.type not in ROUND_DEVICE_TYPES:  # the data plane stages CPU and CUDA memory only
+        device = torch.device("cpu")
+    if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous() \
+            and tensors[0].device == device:
+        return tensors[0].detach().view(-1), lambda: None
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
+
+    def write_back() -> None:
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.data.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    return flat, write_back
+
+
+def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str) -> None:
+    """Warn about what a round lost, refused or flagged (nothing when it went clean)."""
+    if result.absent:
+        logger.warning(
+            f"round {tag}: members {result.absent} were not in this round (they refused or failed "
+            f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
+        )
+    if flagged:
+        logger.warning(f"round {tag}: {aggregation} aggregation flagged contributions of "
+                       + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in flagged.items()))
+    if result.chunks_lost or result.departed or result.rejected_messages or result.rejected_connections:
+        logger.warning(
+            f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
+            f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
+            f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
+            f"{result.rejected_connections} connections"
+        )

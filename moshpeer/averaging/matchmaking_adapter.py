@@ -1,0 +1,222 @@
+"""The one place that talks to hivemind's `Matchmaking`: `MatchmakingAdapter`.
+
+The averager owns a hivemind `Matchmaking` (and through it a `GroupKeyManager`, whose group bits are
+Moshpit's grid coordinates) and serves its `rpc_join_group`. hivemind reads its settings from plain
+attributes on every join request and keeps its state (current leader, followers, the assembled group) in
+attributes too, with no public API for either; this module is the only one that reads or sets them, so a
+hivemind upgrade that renames them breaks here and nowhere else. Everything here runs on the averager's
+asyncio loop.
+
+Matchmaking deadline. hivemind's follower commits to a leader (ACCEPTED) and then waits for the
+leader's BEGIN_ALLREDUCE, which the leader sends when its group fills or at its declared expiration,
+at most the follower's own request expiration, itself capped at the follower's search end. If the
+follower stops waiting exactly at its search end (what `look_for_group` does when the step's timeout
+equals its deadline), a group assembled in the last moments before that deadline counts a follower
+that has already left: the leader's view and the follower's disagree. So a step gives hivemind its
+search end as `deadline` but waits for the group `request_timeout` + ASSEMBLY_GRACE_S longer (hivemind's
+own bound on a leader's answer), and only while it is committed (accepted by a leader, leading
+followers, or a join request in flight); an uncommitted peer stops at the search end. Should
+matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
+visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
+report it in `RoundResult.absent`, and the left-out peer's result says it gave up while committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import cancel_and_wait
+
+from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.averaging.member_info import parse_member_info
+from moshpeer.averaging.private import admits_follower, filter_leaders
+from moshpeer.errors import ProtocolError, UserError
+from moshpeer.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+# Past its search end, how much longer than request_timeout a committed peer waits for its group
+# (event-loop and network latency of the leader's BEGIN_ALLREDUCE; see the module docstring).
+ASSEMBLY_GRACE_S = 1.0
+COMMITMENT_POLL_S = 0.02
+# A join request we could only accept after this fraction of request_timeout is refused (see `join_group`):
+# the asker's own wait started earlier and the answer still has to travel back.
+LATE_ACCEPTANCE_FRACTION = 0.5
+
+
+def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
+    """Peers only group with peers that average the same shapes with the same codec and chunking."""
+    h = hashlib.blake2b(digest_size=20, person=b"moshpeer-schema")
+    h.update(f"v{PROTOCOL_VERSION}|{compression}|{chunk_numel}".encode())
+    for t in tensors:
+        h.update(f"|{tuple(t.shape)}:{t.dtype}".encode())
+    return h.digest()
+
+
+def initial_group_bits(grid_bits: Union[int, str, None]) -> str:
+    """A peer's first group bits (its grid coordinates): "" for None, the given '0'/'1' string, or that many
+    random bits for an int. UserError for anything else."""
+    if grid_bits is None:
+        return ""
+    if isinstance(grid_bits, str):
+        if any(bit not in "01" for bit in grid_bits):
+            raise UserError(f"grid_bits must be a string of 0/1, got {grid_bits!r}")
+        return grid_bits
+    if grid_bits < 0:
+        raise UserError("grid_bits must be non-negative")
+    return "".join(str(b) for b in torch.randint(0, 2, (grid_bits,)).tolist())
+
+
+@dataclass
+class StepRequest:
+    """What hivemind's Matchmaking reads from a step (a light stand-in for its multiprocess StepControl)."""
+
+    data_for_gather: bytes
+    scheduled_time: float
+    deadline: float  # search end (DHT time): no new declarations or join requests after it
+    weight: float
+    schema_hash: bytes  # of this round's tensors: peers group only with peers averaging the same schema
+    target_group_size: int = 4
+    matchmaking_time: float = 3.0
+    grace: float = 0.0  # how long past `deadline` a committed peer may still wait for its group
+
+    @classmethod
+    def for_round(cls, deadline: RoundDeadline, data_for_gather: bytes, weight: float, window: float,
+                  target_group_size: int, schema: bytes) -> "StepRequest":
+        """The request of a round with these deadlines: declare for `window` seconds (never past the search end),
+        and, committed to a group, wait for it until the assembly end."""
+        search_end = deadline.dht_time(deadline.search_end)
+        return cls(data_for_gather, scheduled_time=min(get_dht_time() + window, search_end), deadline=search_end,
+                   weight=weight, schema_hash=schema, target_group_size=target_group_size, matchmaking_time=window,
+                   grace=deadline.assembly_end - deadline.search_end)
+
+    def get_timeout(self) -> float:
+        """What hivemind's look_for_group waits for (DHT time): until the search end plus the grace."""
+        return max(0.0, self.deadline + self.grace - get_dht_time())
+
+
+class MatchmakingAdapter:
+    """hivemind's `Matchmaking` for one averager; build it on the averager's loop (`Matchmaking` binds to it).
+
+    :param admission: a private run's policy (`moshpeer.dht.admission`): leaders it excludes are hidden
+    :param request_timeout: the configured matchmaking request timeout (a round may use a shorter one)
+    The other parameters are hivemind's.
+    """
+
+    def __init__(self, p2p, schema: bytes, dht, *, servicer_type: type, prefix: str, target_group_size: int,
+                 min_group_size: int, matchmaking_time: float, request_timeout: float, client_mode: bool,
+                 initial_group_bits: str, admission):
+        self.request_timeout, self._admission = request_timeout, admission
+        self._mm = Matchmaking(p2p, schema, dht, servicer_type=servicer_type, prefix=prefix,
+                               target_group_size=target_group_size, min_group_size=min_group_size,
+                               min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
+                               client_mode=client_mode, initial_group_bits=initial_group_bits)
+        filter_leaders(self._mm.group_key_manager, admission)
+
+    @property
+    def group_bits(self) -> str:
+        """The current group bits (updated by hivemind's key manager after every assembled group)."""
+        return self._mm.group_key_manager.group_bits
+
+    def committed(self) -> bool:
+        """Is this peer part of a group in the making (see the module docstring)? Accepted by a leader, leading
+        followers, a join request in flight, or a group already assembled whose result is still on its way
+        to `look_for_group` (a leader's followers leave `current_followers` as soon as they are told)."""
+        mm = self._mm
+        return (mm.current_leader is not None or bool(mm.current_followers) or mm.lock_request_join_group.locked()
+                or mm.assembled_group.done())
+
+    def find_group(self, request: StepRequest, loop: asyncio.AbstractEventLoop, end: float
+                   ) -> Tuple[Optional[GroupInfo], Optional[str]]:
+        """From another thread: `look_for_group` on `loop` (the adapter's), waiting until `end` (time.monotonic())
+        at most, which bounds a stalled loop (the search ends itself by the assembly end). -> (the group, None), or
+        (None, why when it says: gave up while committed, or failed)."""
+        errors: List[str] = []
+        search = asyncio.run_coroutine_threadsafe(self.look_for_group(request, errors.append), loop)
+        try:
+            group = search.result(max(0.0, end - time.monotonic()))
+        except Exception as e:
+            search.cancel()
+            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+            group = None
+        return group, (errors[0] if errors else None)
+
+    async def look_for_group(self, request: StepRequest, on_error: Callable[[str], None]) -> Optional[GroupInfo]:
+        """hivemind's look_for_group, stopped at the search end unless this peer is committed to a group.
+        None: no group; `on_error` is told why when the peer gave up while committed."""
+        task = asyncio.create_task(self._search(request))
+        try:
+            await asyncio.wait({task}, timeout=max(0.0, request.deadline - get_dht_time()))
+            committed = False
+            while not task.done() and self.committed():  # bounded: the search ends at deadline + grace
+                committed = True
+                await asyncio.wait({task}, timeout=COMMITMENT_POLL_S)
+            if not task.done():
+                await cancel_and_wait(task)
+                return None
+            group = task.result()
+            if group is None and (committed or self.committed()):
+                on_error("gave up waiting for the group of a leader that had accepted this peer "
+                         f"({request.grace:.1f} s past the search end): group assembly may disagree")
+            return group
+        except asyncio.CancelledError:
+            await cancel_and_wait(task)
+            raise
+
+    async def _search(self, request: StepRequest) -> Optional[GroupInfo]:
+        # Per-round settings, set in the loop thread before this round's search starts. hivemind's
+        # Matchmaking reads them on every join request; the group-key manager keeps the configured
+        # size (it sets the grid, which must not change between rounds).
+        mm = self._mm
+        mm.schema_hash = request.schema_hash
+        mm.target_group_size = request.target_group_size
+        mm.min_matchmaking_time = request.matchmaking_time
+        mm.potential_leaders.target_group_size = request.target_group_size
+        mm.potential_leaders.min_matchmaking_time = request.matchmaking_time
+        # hivemind: a request timeout above the matchmaking time can deadlock matchmaking; a short
+        # per-round window (e.g. a compute-budget deadline) needs a shorter one.
+        mm.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
+        return await mm.look_for_group(request)
+
+    async def join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
+                         ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """Another peer asks us to lead its group: refused if a private run does not admit it; else hivemind's
+        matchmaking decides, except for a late acceptance.
+
+        hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
+        request to another leader waits (up to request_timeout); the asker meanwhile waits request_timeout for
+        the answer and then gives up. An acceptance given after most of that wait would count a peer that
+        has left (the leader's group and the asker's view disagree), so it is withdrawn: the asker is told
+        NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
+        drops it from our followers. `arrived`: when the request reached us (time.monotonic())."""
+        try:
+            tag = parse_member_info(request.gather).tag
+        except ProtocolError:
+            tag = None
+        if not admits_follower(self._admission, str(context.remote_id), tag):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        responses = self._mm.rpc_join_group(request, context)
+        try:
+            async for response in responses:
+                waited = time.monotonic() - arrived
+                if (response.code == averaging_pb2.ACCEPTED
+                        and waited > LATE_ACCEPTANCE_FRACTION * self._mm.request_timeout):
+                    logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
+                    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+                    return
+                yield response
+        finally:
+            await responses.aclose()
+

@@ -1,0 +1,177 @@
+"""Opening this peer's authenticated connection to one group member: `MemberConnector`.
+
+Direct TCP to the member's announced address, retried CONNECT_RETRIES times; when the member announced no
+address, the direct connection cannot be opened, or the peer sends over libp2p only (`force_relay`), a
+libp2p stream to its peer id (bridged into a local socket pair, see relay.py). On whichever opens, the
+sender's side of the handshake (handshake.py) proves both ends' identities and keys the frames' MACs. The
+result says which path was taken. Which paths to try is a pure decision (`connection_paths`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.dataplane import _close
+from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
+from moshpeer.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+CONNECT_RETRIES = 3
+CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) address then falls back to libp2p
+DIRECT, RELAYED = "direct", "relayed"
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """A member as the data plane sees it: where to connect, its averaging weight and libp2p peer id.
+
+    port 0 (or an empty host) = no direct address: reach this member over libp2p only.
+    """
+
+    host: str
+    port: int
+    weight: float
+    peer_id: bytes = b""
+
+    @property
+    def has_direct_address(self) -> bool:
+        return bool(self.host) and self.port > 0
+
+
+# (peer id, absolute time.monotonic() deadline) -> a connected socket carrying a libp2p stream to that peer
+RelayConnect = Callable[[bytes, float], socket.socket]
+
+
+@dataclass
+class OutboundLink:
+    """Our authenticated connection to one member: the socket, the MACs of our frames on it, and the path
+    it took (DIRECT or RELAYED)."""
+
+    sock: socket.socket
+    auth: FrameAuth
+    path: str = DIRECT
+
+    @property
+    def relayed(self) -> bool:
+        return self.path == RELAYED
+
+    def send(self, header: bytes, payload=b"") -> None:
+        """One frame; raises OSError / ConnectionError if the connection broke."""
+        handshake.send_frame(self.sock, self.auth, header, payload)
+
+
+def connection_paths(member: GroupMember, *, has_relay: bool, force_relay: bool) -> Tuple[str, ...]:
+    """The paths to try, in order: direct first when the member has an address and we may use it, then the
+    relay when we have one. () = the member cannot be reached at all."""
+    paths = []
+    if member.has_direct_address and not force_relay:
+        paths.append(DIRECT)
+    if has_relay:
+        paths.append(RELAYED)
+    return tuple(paths)
+
+
+class MemberConnector:
+    """Opens this peer's connections to the members of one all-reduce, each bounded by `deadline`.
+
+    :param tag, secret, credentials: the all-reduce's tag, group secret and this member's signed round key
+    :param relay: opens a libp2p stream to a member (see `RelayConnect`); None = direct TCP only
+    :param force_relay: send to every member over `relay`, never directly (ValueError without a relay)
+    :param closing: True once the all-reduce is tearing down: stop retrying
+    :param on_unauthentic: (why, who) when a member answered but could not prove its identity (`reach`)
+    """
+
+    def __init__(self, members: Sequence[GroupMember], *, tag: bytes, secret: bytes, credentials: RoundCredentials,
+                 deadline: float, relay: Optional[RelayConnect] = None, force_relay: bool = False,
+                 closing: Callable[[], bool] = lambda: False,
+                 on_unauthentic: Callable[[str, str], None] = lambda why, who: None):
+        if force_relay and relay is None:
+            raise ValueError("force_relay needs a relay")
+        self.members, self.tag, self.secret, self.credentials = list(members), tag, secret, credentials
+        self.deadline, self.relay, self.force_relay, self.closing = deadline, relay, force_relay, closing
+        self.on_unauthentic = on_unauthentic
+
+    def reach(self, j: int) -> Optional[OutboundLink]:
+        """`connect(j)`, with its failures logged instead of raised: None = member j is not in this round for
+        us (unreachable, refused our hello, could not prove its identity, or its handshake failed)."""
+        try:
+            return self.connect(j)
+        except (PeerRefused, PeerNotAuthentic, socket.timeout) as e:
+            if isinstance(e, PeerNotAuthentic):
+                self.on_unauthentic(str(e), f"member {j}")
+            logger.warning(f"group member {j} is not in this round: {e}")
+        except (OSError, ProtocolError) as e:
+            logger.warning(f"handshake with group member {j} failed: {type(e).__name__}: {e}")
+        return None
+
+    def connect(self, j: int) -> Optional[OutboundLink]:
+        """An authenticated connection to member j: direct TCP if possible, else a libp2p stream; None if
+        neither opens. Raises PeerRefused / PeerNotAuthentic when j answers but is not in this round, and
+        socket.timeout / OSError / ProtocolError when its handshake fails."""
+        member = self.members[j]
+        paths = connection_paths(member, has_relay=self.relay is not None, force_relay=self.force_relay)
+        if DIRECT in paths:
+            link, error, stopped = self._connect_direct(j)
+            if link is not None or stopped or RELAYED not in paths:
+                return link
+            logger.info(f"no direct connection to member {j} at {member.host}:{member.port} ({error}); "
+                        f"sending over libp2p")
+        if RELAYED not in paths:
+            logger.warning(f"member {j} has no direct address and this peer has no libp2p relay")
+            return None
+        try:
+            sock = self.relay(member.peer_id, self.deadline)
+        except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
+            logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
+            return None
+        return self._handshake(sock, j, RELAYED)
+
+    def _connect_direct(self, j: int) -> Tuple[Optional[OutboundLink], Optional[BaseException], bool]:
+        """-> (the link or None, the last connection error, stopped: the deadline passed or the all-reduce is
+        closing, so no other path is worth trying)."""
+        member = self.members[j]
+        last_error: Optional[BaseException] = None
+        for attempt in range(CONNECT_RETRIES):
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0 or self.closing():
+                return None, last_error, True
+            try:
+                sock = socket.create_connection((member.host, member.port), timeout=min(remaining, CONNECT_TIMEOUT))
+            except OSError as e:
+                last_error = e
+                logger.debug(f"connect to member {j} failed ({e}); attempt {attempt + 1}")
+                time.sleep(min(0.05 * (attempt + 1), max(self.deadline - time.monotonic(), 0)))
+                continue
+            return self._handshake(sock, j, DIRECT), None, False
+        return None, last_error, False
+
+    def _handshake(self, sock: socket.socket, j: int, path: str) -> OutboundLink:
+        """Run the sender's side of the authenticated handshake (handshake.py) on a fresh connection to member j;
+        the socket is closed if it fails."""
+        try:
+            wire.tune_socket(sock)
+            # The receiver may wait a little for its session to be registered: allow up to the deadline.
+            auth = handshake.connect(sock, self.deadline, credentials=self.credentials, tag=self.tag, receiver=j,
+                                     receiver_peer=self.members[j].peer_id, group_secret=self.secret)
+            wire.block_until(sock, self.deadline)
+            return OutboundLink(sock, auth, path)
+        except BaseException:
+            _close(sock)
+            raise
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True if the other end closed or reset `sock` (checked without blocking or consuming data; no select(),
+    which fails on descriptors >= 1024)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True

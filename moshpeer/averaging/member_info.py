@@ -1,0 +1,86 @@
+"""What each member tells its group in matchmaking, and its validation: `MemberInfo`.
+
+Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
+budget, upload bandwidth, a private run's membership tag) travels inside matchmaking over libp2p's encrypted
+channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import msgpack
+
+from moshpeer.dht import admission as private_runs
+from moshpeer.errors import ProtocolError
+from moshpeer.version import PROTOCOL_VERSION
+
+MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger is rejected
+NONCE_BYTES = 16
+MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One member's metadata as gathered in matchmaking (validated by `parse_member_info`)."""
+
+    host: str  # "" and port 0: no direct address (reach it over libp2p)
+    port: int
+    weight: float
+    nonce: bytes
+    # The loss budget P and phase this member would apply; the group applies the smallest (loss_budget.py).
+    loss_budget: Optional[Tuple[float, str]] = None
+    # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
+    bandwidth: float = 0.0
+    tag: bytes = b""  # a private run's membership tag (moshpeer/dht/admission.py); b"" in open runs
+
+
+def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
+                      loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
+                      tag: bytes = b"") -> bytes:
+    """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
+    info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
+    if loss_budget is not None:
+        info["budget"], info["phase"] = float(loss_budget[0]), str(loss_budget[1])
+    if bandwidth > 0:
+        info["bw"] = float(bandwidth)
+    if tag:
+        info["tag"] = tag
+    return msgpack.packb(info)
+
+
+def parse_member_info(data: bytes) -> MemberInfo:
+    """Validate one member's gathered metadata (untrusted: it came from another peer); ProtocolError if bad."""
+    if not isinstance(data, bytes) or len(data) > MAX_GATHERED_BYTES:
+        raise ProtocolError("gathered metadata missing or too large")
+    try:
+        info = msgpack.unpackb(data, raw=False, max_bin_len=MAX_GATHERED_BYTES, max_str_len=MAX_GATHERED_BYTES)
+    except Exception as e:
+        raise ProtocolError(f"undecodable gathered metadata: {e}") from None
+    if not isinstance(info, dict) or info.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("gathered metadata of another protocol version")
+    host, port, weight, nonce = info.get("host"), info.get("port"), info.get("weight"), info.get("nonce")
+    if not isinstance(host, str) or not len(host) <= 255:
+        raise ProtocolError("bad data-plane host")
+    if not isinstance(port, int) or not 0 <= port < 65536 or (port == 0) != (host == ""):
+        raise ProtocolError("bad data-plane port")
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ProtocolError("bad weight")
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        raise ProtocolError("bad nonce")
+    budget, phase = info.get("budget"), info.get("phase")
+    declared = None
+    if budget is not None:  # optional: a member without one leaves the decision to the others
+        if not isinstance(budget, (int, float)) or not 0.0 <= budget < 1.0 or not isinstance(phase, str) \
+                or len(phase) > 16:
+            raise ProtocolError("bad loss budget")
+        declared = (float(budget), phase)
+    bandwidth = info.get("bw", 0.0)
+    if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
+        raise ProtocolError("bad bandwidth")
+    tag = info.get("tag", b"")
+    if not isinstance(tag, bytes) or len(tag) > private_runs.TAG_BYTES:
+        raise ProtocolError("bad membership tag")
+    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag)

@@ -1,0 +1,56 @@
+"""`wire.recv_exactly` / `recv_exactly_by`: the one "read exactly N bytes (by a deadline)" of the data plane."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from moshpeer.averaging import handshake, wire
+
+
+def test_bytes_that_trickle_in_are_read_whole():
+    a, b = socket.socketpair()
+    with a, b:
+        def trickle():
+            for byte in b"hello":
+                b.sendall(bytes([byte]))
+                time.sleep(0.01)
+
+        threading.Thread(target=trickle).start()
+        assert wire.recv_exactly_by(a, 5, time.monotonic() + 5) == b"hello"
+
+
+def test_one_deadline_for_the_whole_read():
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(b"ab")
+        started = time.monotonic()
+        with pytest.raises(socket.timeout):
+            wire.recv_exactly_by(a, 4, started + 0.1)
+        assert time.monotonic() - started < 1.0
+
+
+def test_eof_is_a_connection_error():
+    a, b = socket.socketpair()
+    with a:
+        b.sendall(b"abc")
+        b.close()
+        with pytest.raises(ConnectionError, match="3 of 4"):
+            wire.recv_exactly_by(a, 4, time.monotonic() + 5)
+
+
+def test_without_a_deadline_the_socket_timeouts_bound_it():
+    a, b = socket.socketpair()
+    with a, b:
+        wire.block_until(a, time.monotonic() + 5)
+        b.sendall(b"wxyz")
+        buffer = bytearray(4)
+        wire.recv_exactly(a, memoryview(buffer))
+        assert buffer == b"wxyz"
+
+
+def test_the_handshake_reads_with_the_same_helper():
+    assert handshake.recv_until is wire.recv_exactly_by
