@@ -80,7 +80,7 @@ def test_member_cannot_pose_as_another():
         sock = socket.create_connection(planes[0].address, timeout=10)
         sock.sendall(handshake.pack_hello(attempt, tag, 0, os.urandom(32)))
         if attempt is certificate_reused:  # the hello passes; the confirmation needs the key only member 1 has
-            handshake.recv_until(sock, handshake.REPLY.size, time.monotonic() + 10)
+            wire.recv_exactly_by(sock, handshake.REPLY.size, time.monotonic() + 10)
             sock.sendall(handshake.CONFIRM.pack(handshake.CONFIRM_MAGIC, PROTOCOL_VERSION, os.urandom(16)))
         assert _closed_by_peer(sock)
         sock.close()
@@ -131,7 +131,7 @@ class RewritingProxy:
         far = time.monotonic() + 60
 
         def forward(n: int) -> bytes:
-            data = handshake.recv_until(src, n, far)
+            data = wire.recv_exactly_by(src, n, far)
             dst.sendall(data)
             return data
 
@@ -143,7 +143,7 @@ class RewritingProxy:
             while True:
                 header = forward(wire.HEADER.size)
                 payload_len = wire.parse_header(header)[3]
-                payload = handshake.recv_until(src, payload_len, far)
+                payload = wire.recv_exactly_by(src, payload_len, far)
                 if payload_len:
                     payload = struct.pack(f"{payload_len // 4}f", *[1e30] * (payload_len // 4))
                     self.rewritten += 1

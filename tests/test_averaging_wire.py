@@ -55,7 +55,7 @@ class Adversary:
         conn, _ = self.listener.accept()
         deadline = time.monotonic() + 10
         if self.answer == "close":
-            handshake.recv_until(conn, handshake.HELLO.size, deadline)
+            wire.recv_exactly_by(conn, handshake.HELLO.size, deadline)
             conn.close()
             return
         creds = credentials(self.tag, 1)
@@ -235,7 +235,7 @@ def test_inbound_hello_replayed_is_rejected(caplog):
     hello, confirm = sent
     replay = socket.create_connection(plane.address, timeout=10)
     replay.sendall(hello)
-    handshake.recv_until(replay, handshake.REPLY.size, time.monotonic() + 10)  # the plane answers a fresh challenge
+    wire.recv_exactly_by(replay, handshake.REPLY.size, time.monotonic() + 10)  # the plane answers a fresh challenge
     replay.sendall(confirm)
     while replay.recv(1 << 16):  # the rest of the reply, then EOF: the plane hangs up (a timeout would raise)
         pass
@@ -286,7 +286,7 @@ def test_strict_plane_holds_a_connection_while_matchmaking_and_refuses_it_after(
         assert outsider.rejected_connections == 0
     started = time.monotonic()
     with pytest.raises(ConnectionError):
-        handshake.recv_until(sock, handshake.REPLY.size, time.monotonic() + 10)
+        wire.recv_exactly_by(sock, handshake.REPLY.size, time.monotonic() + 10)
     assert time.monotonic() - started < 1.0
     assert outsider.rejected_connections == 1
     outsider.close()

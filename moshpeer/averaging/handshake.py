@@ -154,9 +154,6 @@ class FrameAuth:
             raise ProtocolError("frame MAC mismatch (altered or forged on the way)")
 
 
-# Every read of a handshake shares the handshake's one deadline (the name before wire.py had the helper).
-recv_until = wire.recv_exactly_by
-
 
 def _read_identity(sock: socket.socket, key_len: int, sig_len: int, deadline: float) -> Tuple[bytes, bytes]:
     if not 0 < key_len <= MAX_PUBLIC_KEY_BYTES or not 0 < sig_len <= MAX_SIGNATURE_BYTES:

@@ -50,7 +50,3 @@ def test_without_a_deadline_the_socket_timeouts_bound_it():
         buffer = bytearray(4)
         wire.recv_exactly(a, memoryview(buffer))
         assert buffer == b"wxyz"
-
-
-def test_the_handshake_reads_with_the_same_helper():
-    assert handshake.recv_until is wire.recv_exactly_by

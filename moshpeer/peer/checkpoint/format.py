@@ -48,7 +48,6 @@ _STABLE_PREFIX = struct.Struct("<8sIII")
 _V1_FIELDS = struct.Struct("<QII")
 _V1_FIXED_SIZE = _STABLE_PREFIX.size + _V1_FIELDS.size
 _CRC_OFFSET = 16  # where the header CRC32 sits inside the stable prefix
-_CRC_END = 20
 
 # Chunk size for streaming verification: large enough for zlib to run at full speed.
 _VERIFY_CHUNK = 16 << 20

@@ -8,7 +8,7 @@ announces, by the key whose hash is the peer id of its offer. Offers live in the
 values, read back with `weights_only=True`, so a malicious donor cannot run code here).
 
 Failure: every receive has one deadline (time.monotonic()) for the whole exchange and raises TimeoutError once
-it passed (`handshake.recv_until`, the same reader as the data plane's); a closed connection raises
+it passed (`wire.recv_exactly_by`, the same reader as the data plane's); a closed connection raises
 ConnectionError; a malformed, oversized or wrongly signed message raises ProtocolError. Nothing is allocated
 from an announced size before it is checked against a limit.
 """
@@ -26,7 +26,7 @@ import msgpack
 import torch
 from hivemind.utils.crypto import RSAPublicKey
 
-from moshpeer.averaging.handshake import recv_until
+from moshpeer.averaging.wire import recv_exactly_by
 from moshpeer.dht.identity import Identity, peer_id_from_public_key
 from moshpeer.errors import ProtocolError
 
@@ -90,20 +90,15 @@ def remaining(deadline: float) -> float:
 
 def recv_frame_length(sock: socket.socket, limit: int, deadline: float) -> int:
     """The next frame's length; ProtocolError if it is over `limit`."""
-    (length,) = _LEN.unpack(recv_until(sock, _LEN.size, deadline))
+    (length,) = _LEN.unpack(recv_exactly_by(sock, _LEN.size, deadline))
     if length > limit:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {limit}")
     return length
 
 
-def recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """`size` bytes by `deadline`, every read waiting at most the time left (`handshake.recv_until`)."""
-    return recv_until(sock, size, deadline)
-
-
 def recv_msgpack(sock: socket.socket, deadline: float) -> Dict[str, Any]:
     """The next frame as a msgpack map of at most MAX_HEADER_BYTES; ProtocolError if it is anything else."""
-    body = recv_until(sock, recv_frame_length(sock, MAX_HEADER_BYTES, deadline), deadline)
+    body = recv_exactly_by(sock, recv_frame_length(sock, MAX_HEADER_BYTES, deadline), deadline)
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:

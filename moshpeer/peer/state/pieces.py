@@ -29,7 +29,8 @@ import msgpack
 
 from moshpeer.dht.identity import Identity
 from moshpeer.errors import ProtocolError
-from moshpeer.peer.state.framing import (StateOffer, check_donor, parse_header, recv_exact, recv_frame_length,
+from moshpeer.averaging.wire import recv_exactly_by
+from moshpeer.peer.state.framing import (StateOffer, check_donor, parse_header, recv_frame_length,
                                          recv_msgpack, remaining, send_frame, signed_request)
 
 if TYPE_CHECKING:  # the server calls into this module; this module only uses the server it is handed
@@ -172,7 +173,7 @@ def fetch_manifest(offer: StateOffer, run_id: str, *, deadline: float, max_bytes
         if piece < MIN_PIECE_BYTES:
             raise ProtocolError(f"pieces of {piece} bytes are below the minimum of {MIN_PIECE_BYTES}")
         count = -(-total // piece)
-        raw = recv_exact(sock, recv_frame_length(sock, count * _DIGEST, deadline), deadline)
+        raw = recv_exactly_by(sock, recv_frame_length(sock, count * _DIGEST, deadline), deadline)
         if len(raw) != count * _DIGEST:
             raise ProtocolError(f"manifest lists {len(raw) // _DIGEST} pieces, the state has {count}")
         manifest = Manifest(epoch, total, digest, piece, tuple(raw[i : i + _DIGEST] for i in range(0, len(raw), _DIGEST)))
@@ -202,7 +203,7 @@ def fetch_pieces(offer: StateOffer, run_id: str, manifest: Manifest, first: int,
             length = recv_frame_length(sock, manifest.piece_bytes, deadline)
             if length != end - start:
                 raise ProtocolError(f"piece {index} has {length} bytes, the manifest says {end - start}")
-            piece = recv_exact(sock, length, deadline)
+            piece = recv_exactly_by(sock, length, deadline)
             if hashlib.sha256(piece).digest() != manifest.piece_hashes[index]:
                 raise CorruptPiece(f"piece {index} does not match the manifest")
             pieces.append(piece)
