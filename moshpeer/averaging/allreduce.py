@@ -52,7 +52,7 @@ from moshpeer.averaging.report import DataPlaneStats, PhaseStats
 from moshpeer.averaging.scratch import ScratchLease, ScratchPool
 from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
-from moshpeer.compression.codec import Compression
+from moshpeer.compression.codec import Compression, NoCompression
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,19 @@ PEER_CHECK_SECONDS = 0.05
 # With a loss budget, how often a waiting phase re-checks whether its arrivals stalled (budget_stall.py).
 BUDGET_POLL_S = 0.01
 _DONE = float("inf")
+# A part's chunks go through the codec in at most this many batches ("pipeline slices") per direction: encoding
+# slice k+1 overlaps sending slice k, and host syncs per part are bounded independently of its chunk count.
+PART_SLICES = 4
+
+
+def _slices(num_chunks: int, slices: int = PART_SLICES):
+    """range(num_chunks) cut into at most `slices` consecutive ranges of equal length (the last may be shorter)."""
+    size = max(1, -(-num_chunks // slices))
+    return [range(first, min(num_chunks, first + size)) for first in range(0, num_chunks, size)]
+
+
+def _batched(codec) -> bool:
+    return bool(getattr(codec, "batched", False))
 
 AllReduceResult = DataPlaneStats  # what `GroupAllReduce.run()` returns (report.py); the older name, kept
 
@@ -332,8 +345,55 @@ class GroupAllReduce:
     def _send_reduce(self, link: OutboundLink, j: int) -> None:
         stream = self._stream(link, j, "reduce")
         codec = self.links.contribution_codec(self.compression.reduce_codec)
-        outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
         num_chunks = self.partition.num_chunks(j)
+        if _batched(codec):
+            self._send_reduce_batched(stream, j, codec, num_chunks)
+        else:
+            self._send_reduce_chunks(stream, j, codec, num_chunks)
+        with self.cond:
+            self.sent_progress[j] = _DONE  # a stream that holds chunks back (to resend them) keeps their bytes
+            self.cond.notify_all()
+        stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.tag))
+
+    def _send_reduce_batched(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
+        """Part j's chunks, encoded a slice at a time (`codec.encode_chunks`: O(1) backend calls per slice) into one
+        buffer each, staged to host memory with one copy per slice; the next slice is encoded and staged before
+        this one is sent when the staging overlaps copies with sends (a device)."""
+        chunk_numel = self.partition.chunk_numel
+        slices = _slices(num_chunks)
+        outbox = self.staging.outbox(codec.row_stride(chunk_numel) * len(slices[0]) if slices else 1)
+        stride = codec.row_stride(chunk_numel)
+        buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
+
+        def encode(k: int):
+            chunks = slices[k]
+            start = self.partition.chunk_range(j, chunks[0])[0]
+            end = self.partition.chunk_range(j, chunks[-1])[1]
+            encoded = codec.encode_chunks(self.flat[start:end], chunk_numel,
+                                          [self._chunk_seed(j, c) for c in chunks], out=buffers[k % 2])
+            buffers[k % 2] = encoded.buffer.view(-1)
+            return encoded, outbox.prepare(encoded.buffer.view(-1))
+
+        ahead = None
+        for k, chunks in enumerate(slices):
+            if time.monotonic() > self.reduce_deadline:
+                break
+            encoded, staged = ahead if ahead is not None else encode(k)
+            ahead = encode(k + 1) if outbox.lookahead and k + 1 < len(slices) else None
+            data = outbox.host_bytes(staged)
+            for r, c in enumerate(chunks):
+                if time.monotonic() > self.reduce_deadline:
+                    return
+                if encoded.errors[r] is not None:
+                    raise ValueError(encoded.errors[r])
+                stream.send(wire.pack_header(wire.PHASE_REDUCE, j, c, encoded.nbytes[r], self.tag),
+                            data[r * stride: r * stride + encoded.nbytes[r]])
+                with self.cond:
+                    self.sent_progress[j] = c + 1
+                    self.cond.notify_all()
+
+    def _send_reduce_chunks(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
+        outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
         for c in range(num_chunks):
             if time.monotonic() > self.reduce_deadline:
                 break
@@ -342,23 +402,62 @@ class GroupAllReduce:
             with self.cond:
                 self.sent_progress[j] = c + 1
                 self.cond.notify_all()
-        with self.cond:
-            self.sent_progress[j] = _DONE  # a stream that holds chunks back (to resend them) keeps their bytes
-            self.cond.notify_all()
-        stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.tag))
 
     def _send_gather(self, link: OutboundLink, j: int) -> None:
         stream = self._stream(link, j, "gather")
         codec = self.compression.gather_codec
-        outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
         finalized = self.reducer.finalized
-        for c in range(self.num_my_chunks):
+        if _batched(codec) or isinstance(codec, NoCompression):
+            self._send_gather_runs(link, stream, j, codec)
+        else:
+            outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
+            for c in range(self.num_my_chunks):
+                if not self._wait_finalized_watching(link, j, c):
+                    return
+                # Stage the next chunk early only if it is already averaged (finalized chunks never change).
+                ahead = c + 1 if c + 1 < self.num_my_chunks and finalized[c + 1] else None
+                self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, outbox, lookahead=ahead)
+        stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.tag))
+
+    def _send_gather_runs(self, link: OutboundLink, stream: ChunkStream, j: int, codec) -> None:
+        """Our averaged chunks, a run of final chunks at a time: each run is one stretch of memory (rows of one
+        batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
+        reducer, n = self.reducer, self.num_my_chunks
+        cap = len(_slices(n)[0]) if n else 1
+        stride = codec.row_stride(self.partition.chunk_numel) if _batched(codec) else 0
+        outbox = self.staging.outbox(max(1, cap * (stride or 4 * self.partition.chunk_numel)))
+        c = 0
+        while c < n:
             if not self._wait_finalized_watching(link, j, c):
                 return
-            # Stage the next chunk early only if it is already averaged (finalized chunks never change).
-            ahead = c + 1 if c + 1 < self.num_my_chunks and finalized[c + 1] else None
-            self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, outbox, lookahead=ahead)
-        stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.tag))
+            end = c + 1
+            if stride:
+                rows = reducer.gather_rows
+                if rows[c] is None:  # could not be encoded (non-finite average): the sender's encode reports it
+                    self._send_chunk(stream, wire.PHASE_GATHER, self.my_index, c, codec, Outbox())
+                    c += 1
+                    continue
+                batch, first_row = rows[c]
+                while (end < n and end - c < cap and reducer.finalized[end] and rows[end] is not None
+                       and rows[end][0] is batch):
+                    end += 1
+                data = batch.buffer[first_row:first_row + end - c].reshape(-1)
+                offsets = [(r * stride, batch.nbytes[first_row + r]) for r in range(end - c)]
+            else:
+                while end < n and end - c < cap and reducer.finalized[end]:
+                    end += 1
+                lo = self.partition.chunk_range(self.my_index, c)[0]
+                hi = self.partition.chunk_range(self.my_index, end - 1)[1]
+                data = self.flat[lo:hi].view(torch.uint8)
+                offsets = []
+                for chunk in range(c, end):
+                    s0, s1 = self.partition.chunk_range(self.my_index, chunk)
+                    offsets.append(((s0 - lo) * 4, (s1 - s0) * 4))
+            host = outbox.host_bytes(outbox.prepare(data))
+            for r, (offset, nbytes) in enumerate(offsets):
+                stream.send(wire.pack_header(wire.PHASE_GATHER, self.my_index, c + r, nbytes, self.tag),
+                            host[offset: offset + nbytes])
+            c = end
 
     # ---- receiving ----------------------------------------------------------------------------
 
@@ -396,27 +495,138 @@ class GroupAllReduce:
         reduce_codec, gather_codec = self.compression.reduce_codec, self.compression.gather_codec
         chunk_numel = self.partition.chunk_numel
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
-        # Payloads are received into the inbox, then (on a device) copied to it.
-        frames = handshake.FrameReader(sock, auth, tag=self.tag, max_payload=max_payload,
-                                       inbox=self.staging.inbox(max_payload))
+        batched = _batched(reduce_codec) or _batched(gather_codec)
+        if batched:
+            # A pipeline slice of payloads lands in consecutive rows and is validated and decoded at once.
+            most = max(self.num_my_chunks, self.partition.num_chunks(i), 1)
+            inbox = self.staging.batch_inbox((max_payload + 3) & ~3, len(_slices(most)[0]))
+        else:
+            inbox = self.staging.inbox(max_payload)  # payloads are received into it, then (on a device) copied
+        frames = handshake.FrameReader(sock, auth, tag=self.tag, max_payload=max_payload, inbox=inbox)
+        pending = []  # (phase, part, chunk, nbytes) of the rows in the batch inbox, in arrival order
         wire.block_until(sock, self.deadline)
-        while time.monotonic() < self.deadline:
-            frame = frames.read()
-            if frame.phase == wire.PHASE_END_REDUCE:
-                self.reducer.member_finished(i)
-                with self.cond:
-                    self.cond.notify_all()
-                self.reducer.finalize_ready()
-            elif frame.phase == wire.PHASE_END_GATHER:
-                with self.cond:
-                    self.gather_finished[i] = 1
-                    self.cond.notify_all()
-            elif frame.phase == wire.PHASE_REDUCE:
-                self.reduce.bytes_received += wire.HEADER.size + frame.payload_len
-                self._on_reduce_chunk(i, frame.part, frame.chunk, frame.payload, reduce_codec)
+        try:
+            while time.monotonic() < self.deadline:
+                frame = frames.read()
+                if frame.phase == wire.PHASE_END_REDUCE:
+                    self._flush(i, inbox, pending)
+                    self.reducer.member_finished(i)
+                    with self.cond:
+                        self.cond.notify_all()
+                    self.reducer.finalize_ready()
+                elif frame.phase == wire.PHASE_END_GATHER:
+                    self._flush(i, inbox, pending)
+                    with self.cond:
+                        self.gather_finished[i] = 1
+                        self.cond.notify_all()
+                else:
+                    reduce = frame.phase == wire.PHASE_REDUCE
+                    phase_stats = self.reduce if reduce else self.gather
+                    phase_stats.bytes_received += wire.HEADER.size + frame.payload_len
+                    codec = reduce_codec if reduce else gather_codec
+                    if batched and _batched(codec):
+                        if pending and pending[-1][0] != frame.phase:
+                            # the row just received starts the next batch: decode the others, keep it
+                            self._decode_pending(i, inbox, pending)
+                            inbox.restart_with(len(pending))
+                            pending.clear()
+                        pending.append((frame.phase, frame.part, frame.chunk, frame.payload_len))
+                        if inbox.full:
+                            self._flush(i, inbox, pending)
+                    else:
+                        if batched:
+                            self._decode_pending(i, inbox, pending)
+                            pending.clear()
+                        if reduce:
+                            self._on_reduce_chunk(i, frame.part, frame.chunk, frame.payload, codec)
+                        else:
+                            self._on_gather_chunk(i, frame.part, frame.chunk, frame.payload, codec)
+                        if batched:
+                            inbox.reset()
+        finally:
+            if batched and not self._closing:
+                self._flush(i, inbox, pending)  # what arrived (MACs checked) before the connection ended
+
+    def _flush(self, i: int, inbox, pending: list) -> None:
+        if not pending:
+            return
+        self._decode_pending(i, inbox, pending)
+        inbox.reset()
+        pending.clear()
+
+    def _decode_pending(self, i: int, inbox, pending: list) -> None:
+        """Decode the batch of payloads in the first len(pending) rows of `inbox` (`pending`: their phase, part,
+        chunk and size, in arrival order): one batch per run of consecutive chunks of one phase and part."""
+        count = len(pending)
+        if not count:
+            return
+        rows = inbox.rows()[:count]
+        first = 0
+        while first < count:
+            phase, part, chunk, _ = pending[first]
+            end = first + 1
+            while end < count and pending[end][0] == phase and pending[end][1] == part and \
+                    pending[end][2] == pending[end - 1][2] + 1:
+                end += 1
+            nbytes = [entry[3] for entry in pending[first:end]]
+            if phase == wire.PHASE_REDUCE:
+                self._on_reduce_chunks(i, part, chunk, rows[first:end], nbytes)
             else:
-                self.gather.bytes_received += wire.HEADER.size + frame.payload_len
-                self._on_gather_chunk(i, frame.part, frame.chunk, frame.payload, gather_codec)
+                self._on_gather_chunks(i, part, chunk, rows[first:end], nbytes)
+            first = end
+
+    def _on_reduce_chunks(self, i: int, part: int, first_chunk: int, rows: torch.Tensor, nbytes) -> None:
+        verdicts = self.reducer.add_contributions(i, part, first_chunk, rows, nbytes, self.compression.reduce_codec)
+        accepted = []
+        for r, verdict in enumerate(verdicts):
+            if verdict.rejected:
+                self._reject(i, verdict.rejected)
+            elif verdict.accepted:
+                accepted.append(first_chunk + r)
+        if not accepted:
+            return
+        with self.cond:
+            self.reduce.chunks_received += len(accepted)
+            self._arrivals["reduce"].note(time.monotonic(), self.reduce.chunks_received, self.reduce.chunks_expected)
+            if self.loss_budget > 0:
+                self.cond.notify_all()  # the main thread checks the budget
+        self.reducer.finalize_ready(accepted)
+
+    def _on_gather_chunks(self, i: int, part: int, first_chunk: int, rows: torch.Tensor, nbytes) -> None:
+        codec = self.compression.gather_codec
+        count = len(nbytes)
+        modes = []
+        for r in range(count):
+            why = self.receipts.check(i, part, first_chunk + r, nbytes[r], codec)
+            if why is not None:
+                self._reject(i, why)
+            modes.append(None if why is not None else "into")
+        if not any(modes):
+            return
+        last = first_chunk + count - 1
+        with self.cond:
+            # Our own contribution to these chunks must have left before we overwrite them.
+            if not self._wait(lambda: self.sent_progress[i] > last, self.deadline):
+                return
+        start = self.partition.chunk_range(part, first_chunk)[0]
+        end = self.partition.chunk_range(part, last)[1]
+        # One batch straight into the vector; the codec validates every payload before writing it.
+        errors = codec.decode_chunks(rows, nbytes, self.flat[start:end], self.partition.chunk_numel, modes)
+        received = 0
+        for r in range(count):
+            if modes[r] is None:
+                continue
+            if errors[r] is not None:
+                self._reject(i, f"gather chunk {first_chunk + r}: {errors[r]}")
+                continue
+            received += 1
+            self.receipts.note(i, first_chunk + r)
+        if received:
+            with self.cond:
+                self.gather.chunks_received += received
+                self._arrivals["gather"].note(time.monotonic(), self.gather.chunks_received,
+                                              self.gather.chunks_expected)
+                self.cond.notify_all()
 
     def _on_reduce_chunk(self, i: int, part: int, chunk: int, payload: torch.Tensor, codec) -> None:
         verdict = self.reducer.add_contribution(i, part, chunk, payload, codec)

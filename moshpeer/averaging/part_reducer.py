@@ -107,6 +107,9 @@ class PartReducer:
         self.finalized = [False] * self.num_chunks
         # Lossy gather codec: each final chunk's encoding, made once at finalization.
         self.gather_payloads: List[Optional[torch.Tensor]] = [None] * self.num_chunks
+        # ... and, for a codec with `encode_chunks`, (the batch it was encoded in, its row): senders stage a run of
+        # rows of one batch with one copy.
+        self.gather_rows: List[Optional[tuple]] = [None] * self.num_chunks
         # Under `lock`:
         self.finalized_count = 0
         self.sent_any = bytearray(self.group_size)  # delivered at least one valid chunk
@@ -151,6 +154,64 @@ class PartReducer:
                 self.sent_any[member] = 1
         return ACCEPTED
 
+    def add_contributions(self, member: int, part: int, first_chunk: int, rows: torch.Tensor, nbytes: Sequence[int],
+                          codec: Codec) -> List[Verdict]:
+        """Member `member` delivered chunks first_chunk, first_chunk + 1, ... of `part`: row r of `rows` (2-D uint8,
+        nbytes[r] of it meaningful) is chunk first_chunk + r, encoded with `codec` (one with `decode_chunks`).
+        Each chunk is checked and taken in as `add_contribution` would, but the whole batch is validated and
+        decoded in O(1) codec backend calls (quantization.py). -> one verdict per row; a refused chunk changes
+        nothing, the others are taken in. Does not finalize."""
+        count = rows.shape[0]
+        chunks = range(first_chunk, first_chunk + count)
+        if part != self.my_index or first_chunk < 0 or first_chunk + count > self.num_chunks:
+            return [_refuse(f"reduce chunk ({part}, {c}) is not ours") for c in chunks]
+        verdicts: List[Optional[Verdict]] = [None] * count
+        for r, c in enumerate(chunks):
+            start, end = self.partition.chunk_range(part, c)
+            if nbytes[r] > codec.max_encoded_nbytes(end - start):
+                verdicts[r] = _refuse(f"reduce chunk {c}: {nbytes[r]} bytes for {end - start} values")
+        first_start = self.partition.chunk_range(part, first_chunk)[0]
+        last_end = self.partition.chunk_range(part, first_chunk + count - 1)[1]
+        lo, hi = first_start - self.part_start, last_end - self.part_start
+        with contextlib.ExitStack() as held:
+            for c in chunks:  # ascending, as every holder of several chunk locks takes them
+                held.enter_context(self.chunk_locks[c])
+            with self._lock:
+                departed = member in self.departed
+            modes: List[Optional[str]] = [None] * count
+            for r, c in enumerate(chunks):
+                if verdicts[r] is not None:
+                    continue
+                if self.finalized[c]:
+                    verdicts[r] = LATE if self.loss_budget > 0 else _refuse(f"reduce chunk {c} arrived after its deadline")
+                elif self.arrived_from[c][member]:
+                    verdicts[r] = _refuse(f"duplicate reduce chunk {c}")
+                elif departed:
+                    verdicts[r] = _refuse(f"reduce chunk {c} from a member already counted as departed")
+                elif self.contributions is not None:
+                    modes[r] = "into"
+                else:
+                    modes[r] = "add" if any(self.arrived_from[c]) else "into"
+            if any(modes):
+                if self.contributions is not None:
+                    out, weight = self.contributions[member, lo:hi], 1.0
+                else:
+                    out, weight = self.others_sum[lo:hi], self.weights[member]
+                errors = codec.decode_chunks(rows, nbytes, out, self.partition.chunk_numel, modes, weight)
+                for r, c in enumerate(chunks):
+                    if modes[r] is None:
+                        continue
+                    if errors[r] is not None:
+                        verdicts[r] = _refuse(f"reduce chunk {c}: {errors[r]}")
+                        continue
+                    self.arrived_from[c][member] = 1
+                    self.arrived_weight[c] += self.weights[member]
+                    verdicts[r] = ACCEPTED
+                if any(v is ACCEPTED for v in verdicts):
+                    with self._lock:
+                        self.sent_any[member] = 1
+        return verdicts
+
     def member_finished(self, member: int) -> None:
         """`member` will deliver no more chunks (its end marker, a closed connection, absent). Does not finalize:
         call `finalize_ready()` after."""
@@ -165,32 +226,39 @@ class PartReducer:
 
     def finalize_ready(self, chunks: Optional[Iterable[int]] = None) -> List[int]:
         """Finalize each of `chunks` (default: all) whose every other member delivered it or finished;
-        -> the chunks finalized by this call."""
-        done = []
-        for c in range(self.num_chunks) if chunks is None else chunks:
-            with self.chunk_locks[c]:
-                if self.finalized[c]:
-                    continue
-                with self._lock:
-                    ready = all(self.arrived_from[c][i] or self.finished[i] for i in self.others)
-                if ready:
-                    self._finalize_locked(c)
-                    done.append(c)
+        -> the chunks finalized by this call (together: see `_finalize_many_locked`)."""
+        candidates = sorted(set(range(self.num_chunks) if chunks is None else chunks))
+        with contextlib.ExitStack() as held:
+            for c in candidates:  # ascending, as every holder of several chunk locks takes them
+                held.enter_context(self.chunk_locks[c])
+            with self._lock:
+                finished = bytes(self.finished)
+            done = [c for c in candidates if not self.finalized[c]
+                    and all(self.arrived_from[c][i] or finished[i] for i in self.others)]
+            self._finalize_many_locked(done)
         return done
 
     def finalize_all(self) -> List[int]:
         """Time is up (the reduce deadline, or the loss budget allows stopping): finalize every chunk not final
         yet with what arrived; -> the chunks finalized by this call."""
-        done = []
-        for c in range(self.num_chunks):
-            with self.chunk_locks[c]:
-                if not self.finalized[c]:
-                    self._finalize_locked(c)
-                    done.append(c)
+        with contextlib.ExitStack() as held:
+            for c in range(self.num_chunks):
+                held.enter_context(self.chunk_locks[c])
+            done = [c for c in range(self.num_chunks) if not self.finalized[c]]
+            self._finalize_many_locked(done)
         return done
 
     def _finalize_locked(self, c: int) -> None:
         """With chunk lock c held: write the estimate of chunk c's average into the flat vector."""
+        self._finalize_many_locked([c])
+
+    def _finalize_many_locked(self, chunks: List[int]) -> None:
+        """With the chunk locks of `chunks` (ascending) held: write the estimate of each one's average into the flat
+        vector, then encode them for the all-gather. Runs of consecutive chunks whose contributions carry the same
+        weight are estimated in one pass and checked with one read-back; a lossy gather codec with
+        `encode_chunks` encodes (and decodes back) a run in O(1) backend calls."""
+        if not chunks:
+            return
         with self._lock:
             # "Departed" is decided once per member and never revised within the round, so every chunk
             # of the part is estimated with the same set of weights.
@@ -198,27 +266,88 @@ class PartReducer:
                 if not self.sent_any[i] and i not in self.departed:
                     self.departed.append(i)
             present = [i for i in self.others if i not in self.departed]
-        start, end = self.partition.chunk_range(self.my_index, c)
+        present_weight = sum(self.weights[i] for i in present)
+        for run in self._runs(chunks, key=lambda c: self.arrived_weight[c]):
+            if self.contributions is None:
+                self._estimate_run(run, present_weight)
+            else:
+                for c in run:
+                    start, end = self.partition.chunk_range(self.my_index, c)
+                    values = self.flat[start:end]
+                    self._accept_average(c, values, self._combine_robust(c, values, start - self.part_start,
+                                                                         end - self.part_start))
+        for run in self._runs(chunks):
+            self._encode_gather_run(run)
+        for c in chunks:
+            self.finalized[c] = True
+            with self._lock:
+                self.finalized_count += 1
+            self._on_final(c)
+
+    @staticmethod
+    def _runs(chunks: List[int], key=lambda c: None) -> List[List[int]]:
+        """`chunks` (ascending) cut into runs of consecutive chunks with the same key."""
+        runs: List[List[int]] = []
+        for c in chunks:
+            if runs and runs[-1][-1] == c - 1 and key(runs[-1][-1]) == key(c):
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        return runs
+
+    def _range_of(self, run: List[int]):
+        start = self.partition.chunk_range(self.my_index, run[0])[0]
+        end = self.partition.chunk_range(self.my_index, run[-1])[1]
+        return start, end
+
+    def _estimate_run(self, run: List[int], present_weight: float) -> None:
+        start, end = self._range_of(run)
         lo, hi = start - self.part_start, end - self.part_start
         values = self.flat[start:end]
         # The average is computed beside our value and checked before it replaces it (no copy of our value).
-        if self.contributions is None:
-            average = estimate_over_sum(values, self.weights[self.my_index], self.others_sum[lo:hi],
-                                        self.arrived_weight[c], sum(self.weights[i] for i in present))
+        average = estimate_over_sum(values, self.weights[self.my_index], self.others_sum[lo:hi],
+                                    self.arrived_weight[run[0]], present_weight)
+        if average is values:
+            return
+        if all_finite(average):  # one read-back for the run
+            values.copy_(average)
+            return
+        for c in run:  # some chunk's average is not finite: find which, chunk by chunk (rare)
+            s, e = self.partition.chunk_range(self.my_index, c)
+            self._accept_average(c, values[s - start:e - start], average[s - start:e - start])
+
+    def _accept_average(self, c: int, values: torch.Tensor, average: torch.Tensor) -> None:
+        if average is values:
+            return
+        if all_finite(average):  # e.g. finite contributions can overflow in the sum
+            values.copy_(average)
         else:
-            average = self._combine_robust(c, values, lo, hi)
-        if average is not values:
-            if all_finite(average):  # e.g. finite contributions can overflow in the sum
-                values.copy_(average)
-            else:
-                with self._lock:
-                    self.nonfinite_averages += 1
-                logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
-        self._encode_gather_chunk(c, values)
-        self.finalized[c] = True
-        with self._lock:
-            self.finalized_count += 1
-        self._on_final(c)
+            with self._lock:
+                self.nonfinite_averages += 1
+            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
+
+    def _encode_gather_run(self, run: List[int]) -> None:
+        """Encode the final chunks of `run` for the all-gather and replace our values by the decoded ones."""
+        codec = self.gather_codec
+        if isinstance(codec, NoCompression):
+            return  # its payload is a view of the final values: nothing to precompute, nothing lost
+        if not getattr(codec, "batched", False):
+            for c in run:
+                self._encode_gather_chunk(c, self.flat[slice(*self.partition.chunk_range(self.my_index, c))])
+            return
+        start, end = self._range_of(run)
+        values = self.flat[start:end]
+        encoded = codec.encode_chunks(values, self.partition.chunk_numel,
+                                      [self.chunk_seed(self.my_index, c) for c in run])
+        modes = [None if error else "into" for error in encoded.errors]
+        for c, error in zip(run, encoded.errors):
+            if error:  # non-finite average: the sender's own encode reports it
+                logger.warning(f"cannot encode averaged chunk {c}: {error}")
+        codec.decode_chunks(encoded.buffer, encoded.nbytes, values, self.partition.chunk_numel, modes)
+        for r, c in enumerate(run):
+            if modes[r] is not None:
+                self.gather_payloads[c] = encoded.buffer[r, :encoded.nbytes[r]]
+                self.gather_rows[c] = (encoded, r)
 
     def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """With chunk lock c held: CenteredClip or trimmed mean of our value (`values`) and every contribution that

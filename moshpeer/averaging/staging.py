@@ -74,6 +74,50 @@ class Inbox:
         return self._buffer[:nbytes]
 
 
+class BatchInbox:
+    """Host: the payloads of one connection received into consecutive rows of one buffer (`stride` bytes apart, at
+    most `capacity` of them), so that a batch of chunks is validated and decoded together (one pipeline slice).
+
+    `buffer(n)` / `payload(n)` as `Inbox` (the frame reader's interface): each frame takes the next row.
+    `rows()` -> the rows received so far as a 2-D uint8 tensor on the round's device; `reset()` starts a new batch.
+    """
+
+    def __init__(self, stride: int, capacity: int):
+        self.stride, self.capacity = stride, capacity
+        self._buffer = torch.empty(stride * capacity, dtype=torch.uint8)
+        self._view = memoryview(self._buffer.numpy())
+        self.count = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.capacity
+
+    def buffer(self, nbytes: int) -> memoryview:
+        offset = self.count * self.stride
+        return self._view[offset: offset + nbytes]
+
+    def payload(self, nbytes: int) -> torch.Tensor:
+        offset = self.count * self.stride
+        self.count += 1
+        return self._buffer[offset: offset + nbytes]
+
+    def host_rows(self) -> torch.Tensor:
+        return self._buffer[: self.count * self.stride].view(self.count, self.stride)
+
+    def rows(self) -> torch.Tensor:
+        return self.host_rows()
+
+    def reset(self) -> None:
+        self.count = 0
+
+    def restart_with(self, row: int) -> None:
+        """Start a new batch whose first row is row `row` of this one (a frame that belongs to the next batch)."""
+        rows = self._buffer.view(self.capacity, self.stride)
+        if row:
+            rows[0].copy_(rows[row])
+        self.count = 1
+
+
 class HostStaging:
     """Staging for tensors in host memory: nothing to copy. `lookahead=True` makes senders prepare one chunk
     ahead as they do on a device (the same code path, exercised on machines without one)."""
@@ -89,6 +133,9 @@ class HostStaging:
 
     def inbox(self, max_payload: int) -> Inbox:
         return Inbox(max_payload)
+
+    def batch_inbox(self, stride: int, capacity: int) -> BatchInbox:
+        return BatchInbox(stride, capacity)
 
 
 class _Slot:
@@ -183,6 +230,48 @@ class CudaInbox(Inbox):
         return slot.device[:nbytes]
 
 
+class CudaBatchInbox(BatchInbox):
+    """Pinned host rows received into; `rows()` copies the batch to a device buffer on a side stream in one copy
+    and makes the current stream wait for it; the next batch's first receive waits for that copy (one host
+    sync per batch)."""
+
+    def __init__(self, staging: "CudaStaging", stride: int, capacity: int):
+        self._staging = staging
+        self.stride, self.capacity = stride, capacity
+        self._buffer = staging.pinned(stride * capacity)
+        self._view = memoryview(self._buffer.numpy())
+        self._device_rows = torch.empty(stride * capacity, dtype=torch.uint8, device=staging.device)
+        self._stream = torch.cuda.Stream(device=staging.device)
+        self._event: Optional[torch.cuda.Event] = None
+        self.count = 0
+
+    def buffer(self, nbytes: int) -> memoryview:
+        if self.count == 0 and self._event is not None:
+            self._event.synchronize()  # the previous batch's bytes are on the device: the rows may be reused
+            self._event = None
+        return super().buffer(nbytes)
+
+    def rows(self) -> torch.Tensor:
+        nbytes = self.count * self.stride
+        device = self._staging.device
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream(device)
+            self._stream.wait_stream(current)  # the last decode that read the device rows is done
+            with torch.cuda.stream(self._stream):
+                self._device_rows[:nbytes].copy_(self._buffer[:nbytes], non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+            current.wait_event(self._event)
+        self._staging.count(nbytes)
+        return self._device_rows[:nbytes].view(self.count, self.stride)
+
+    def restart_with(self, row: int) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # the copy to the device read the row being moved
+            self._event = None
+        super().restart_with(row)
+
+
 class CudaStaging(HostStaging):
     """Staging for tensors on one CUDA device."""
 
@@ -206,6 +295,9 @@ class CudaStaging(HostStaging):
     def inbox(self, max_payload: int) -> Inbox:
         return CudaInbox(self, max_payload)
 
+    def batch_inbox(self, stride: int, capacity: int) -> BatchInbox:
+        return CudaBatchInbox(self, stride, capacity)
+
 
 def staging_for(device: torch.device) -> HostStaging:
     """The staging of a round whose vector lives on `device`: pass-through in host memory, pinned slots and a
@@ -215,4 +307,4 @@ def staging_for(device: torch.device) -> HostStaging:
     return HostStaging()
 
 
-__all__: List[str] = ["HostStaging", "CudaStaging", "Inbox", "Outbox", "staging_for"]
+__all__: List[str] = ["BatchInbox", "HostStaging", "CudaStaging", "Inbox", "Outbox", "staging_for"]

@@ -22,8 +22,9 @@ error bounds.
 from __future__ import annotations
 
 import struct
-from typing import Optional
+from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from moshpeer.compression.codec import Codec, Compression, register
@@ -72,6 +73,144 @@ class BlockQuantizer(Codec):
 
     def max_encoded_nbytes(self, numel: int) -> int:
         return HEADER_NBYTES + 4 * reference.num_blocks(numel, self.block) + self.code_nbytes(numel)
+
+    # ---- a part is the unit of work: many chunks per backend call ----------------------------------
+
+    batched = True  # encode_chunks / decode_chunks below (the group all-reduce checks for it)
+
+    def row_stride(self, chunk_numel: int) -> int:
+        """Bytes between two chunks' payloads in the buffer of `encode_chunks` (4-aligned: scales are viewed)."""
+        return (self.max_encoded_nbytes(chunk_numel) + 3) & ~3
+
+    def _header_rows(self, numel: int, rows: int, device) -> torch.Tensor:
+        """`rows` copies of the payload header of a `numel`-value chunk, built on the host from the sizes alone."""
+        flags = FLAG_STOCHASTIC if self.stochastic else 0
+        header = np.frombuffer(HEADER.pack(MAGIC, VERSION, self.bits, self.block, flags, 0, numel), dtype=np.uint8)
+        host = torch.from_numpy(np.tile(header, (rows, 1)))
+        if torch.device(device).type == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)
+        return host
+
+    def encode_chunks(self, x: torch.Tensor, chunk_numel: int, seeds: Sequence[int],
+                      out: Optional[torch.Tensor] = None) -> "EncodedChunks":
+        """Encode consecutive chunks of `chunk_numel` values of `x` (1-D contiguous float32; the last chunk may be
+        short) into one buffer, row r holding chunk r's payload (the bytes `encode(chunk r, seed=seeds[r])` makes).
+
+        Backend calls: one `quantize` for every full chunk together, one per short chunk (at most one), and,
+        with stochastic rounding (one RNG stream per chunk), one per chunk. Validation (finite values, scale bound)
+        is read back once: `errors[r]` says why chunk r cannot be encoded (its row is then garbage), else None.
+        """
+        numel, n = x.numel(), chunk_numel
+        rows = (numel + n - 1) // n
+        if len(seeds) != rows:
+            raise ValueError(f"{rows} chunks need {rows} seeds, got {len(seeds)}")
+        stride = self.row_stride(n)
+        if out is None or out.numel() < rows * stride or out.device != x.device:
+            buffer = torch.empty(rows * stride, dtype=torch.uint8, device=x.device)
+        else:
+            buffer = out[: rows * stride]
+        buffer = buffer.view(rows, stride)
+        errors: List[Optional[str]] = [None] * rows
+        nbytes = [self.max_encoded_nbytes(min(n, numel - r * n)) for r in range(rows)]
+        full = numel // n if (n % self.block == 0 and not self.stochastic and rows) else 0
+        if full:
+            nb, cb = n // self.block, self.code_nbytes(n)
+            values = x[: full * n]
+            scales = torch.empty(full * nb, dtype=torch.float32, device=x.device)
+            codes = torch.empty(full * cb, dtype=torch.uint8, device=x.device)
+            backend = backend_for(x.device)
+            finite = backend.quantize(values, scales, codes, self.bits, self.block, False, 0)
+            buffer[:full, :HEADER_NBYTES].copy_(self._header_rows(n, full, x.device))
+            buffer[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb].copy_(scales.view(torch.uint8).view(full, 4 * nb))
+            buffer[:full, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb].copy_(codes.view(full, cb))
+            # One read-back for the whole batch: which chunks hold a non-finite value or a scale above the bound.
+            huge = scales.view(full, nb).amax(dim=1) > MAX_SCALE
+            if not finite:
+                huge = huge | ~torch.isfinite(values.view(full, n)).all(dim=1)
+            for r, bad in enumerate(huge.tolist()):
+                if bad:
+                    errors[r] = f"{self.name}: cannot encode non-finite values or values above " \
+                                f"{MAX_SCALE * reference.QMAX[self.bits]:.3g}"
+        for r in range(full, rows):  # a short last chunk, or stochastic rounding: chunk by chunk
+            try:
+                self.encode(x[r * n: min(numel, (r + 1) * n)], seed=seeds[r], out=buffer[r])
+            except ValueError as e:
+                errors[r] = str(e)
+        return EncodedChunks(buffer, nbytes, errors)
+
+    def decode_chunks(self, payloads: torch.Tensor, nbytes: Sequence[int], out: torch.Tensor, chunk_numel: int,
+                      modes: Sequence[Optional[str]], weight: float = 1.0) -> List[Optional[str]]:
+        """Decode consecutive chunks at once: row r of `payloads` (2-D uint8 on out's device, `nbytes[r]` of the row
+        meaningful) is the payload of values [r * n, min((r + 1) * n, out.numel())) of `out` (n = chunk_numel).
+        `modes[r]`: "into" (`decode_into`), "add" (`decode_accumulate`) or None (skip the row).
+
+        Every row is validated as `decode_into` does (header, length, scales, padding) before anything is
+        written; -> per row, why it was rejected (its values untouched) or None. Headers are compared on the
+        host, scales on the payloads' device with one read-back for the batch; then one backend call per run of
+        consecutive accepted rows with the same mode (one in all, normally), and one per short chunk.
+        """
+        rows = payloads.shape[0]
+        if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError("out must be a contiguous 1-D float32 tensor")
+        weight = float(weight)
+        if weight != weight or abs(weight) == float("inf"):
+            raise ValueError(f"weight must be finite, got {weight}")
+        errors: List[Optional[str]] = [None] * rows
+        numel, n = out.numel(), chunk_numel
+        if rows == 0:
+            return errors
+        if (rows - 1) * n >= numel or rows * n < numel:
+            raise ValueError(f"{rows} chunks of {n} values do not cover {numel} values")
+        full = min(rows, numel // n) if n % self.block == 0 else 0
+        nb, cb = (n // self.block, self.code_nbytes(n)) if full else (0, 0)
+        expected = self.max_encoded_nbytes(n) if full else 0
+        ok = [modes[r] is not None for r in range(rows)]
+        if full:
+            heads = payloads[:full, :HEADER_NBYTES]
+            heads = (heads if heads.device.type == "cpu" else heads.cpu()).numpy()
+            want = np.frombuffer(HEADER.pack(MAGIC, VERSION, self.bits, self.block,
+                                             FLAG_STOCHASTIC if self.stochastic else 0, 0, n), dtype=np.uint8)
+            head_ok = (heads == want).all(axis=1).tolist()
+            scales = payloads[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb].contiguous().view(torch.float32)
+            bad = (~torch.isfinite(scales) | (scales < 0) | (scales > MAX_SCALE)).any(dim=1).tolist()
+            for r in range(full):
+                if not ok[r]:
+                    continue
+                if nbytes[r] != expected:
+                    errors[r] = f"{self.name} payload of {nbytes[r]} bytes; {n} values need exactly {expected}"
+                elif not head_ok[r]:
+                    try:  # the exact reason (rare path)
+                        self._checked_payload(payloads[r, :nbytes[r]], out[r * n:(r + 1) * n])
+                        errors[r] = f"{self.name} payload has a bad header"
+                    except ProtocolError as e:
+                        errors[r] = str(e)
+                elif bad[r]:
+                    errors[r] = f"{self.name} payload has an invalid (non-finite, negative or huge) scale"
+                ok[r] = errors[r] is None
+            backend = backend_for(out.device)
+            r = 0
+            while r < full:
+                if not ok[r]:
+                    r += 1
+                    continue
+                end = r + 1
+                while end < full and ok[end] and modes[end] == modes[r]:
+                    end += 1
+                codes = payloads[r:end, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb]
+                codes = codes.reshape(-1) if end - r == 1 else codes.contiguous().view(-1)
+                call = backend.dequantize if modes[r] == "into" else backend.dequantize_accumulate
+                call(scales[r:end].reshape(-1), codes, out[r * n:end * n], self.bits, self.block, weight)
+                r = end
+        for r in range(full, rows):  # rows that do not batch (a short last chunk): chunk by chunk
+            if not ok[r]:
+                continue
+            target = out[r * n: min(numel, (r + 1) * n)]
+            try:
+                (self.decode_into if modes[r] == "into" else self.decode_accumulate)(
+                    payloads[r, :nbytes[r]], target, weight)
+            except ProtocolError as e:
+                errors[r] = str(e)
+        return errors
 
     def encode(self, chunk: torch.Tensor, *, seed: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Quantize `chunk` (any float dtype and layout; read as a flat float32 vector) into a payload.
@@ -166,6 +305,21 @@ class BlockQuantizer(Codec):
     def _split(self, payload: torch.Tensor, numel: int):
         scale_end = HEADER_NBYTES + 4 * reference.num_blocks(numel, self.block)
         return payload[HEADER_NBYTES:scale_end].view(torch.float32), payload[scale_end:]
+
+
+class EncodedChunks:
+    """What `encode_chunks` made: `buffer` (rows x stride uint8), `nbytes[r]` of row r are chunk r's payload;
+    `errors[r]` is why chunk r could not be encoded (None: it was)."""
+
+    __slots__ = ("buffer", "nbytes", "errors")
+
+    def __init__(self, buffer: torch.Tensor, nbytes: List[int], errors: List[Optional[str]]):
+        self.buffer, self.nbytes, self.errors = buffer, nbytes, errors
+
+    def payload(self, r: int) -> torch.Tensor:
+        if self.errors[r] is not None:
+            raise ValueError(self.errors[r])
+        return self.buffer[r, : self.nbytes[r]]
 
 
 def parse_options(name: str, arg: Optional[str]):
