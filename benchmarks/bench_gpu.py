@@ -10,16 +10,21 @@ same harness on the CPU (the default test suite does, with tiny sizes).
    (`GroupAllReduce` over the TCP data plane on loopback; no matchmaking) per round and codec: median round
    time over `--rounds` after a warm-up, reduce-scatter and all-gather time, bytes staged across PCIe per peer
    (device <-> pinned host; 0 on the CPU), relative error to the exact mean. int8_round_vs_none = int8 round /
-   uncompressed round.
-2. Encoding on the data path: `codec.encode` over the vector in the data path's chunks, against a
-   device-to-device copy of the same vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth
-   for int8 (input bytes per second).
+   uncompressed round. The anchor, in the same run: two processes' `torch.distributed` gloo all_reduce of the
+   same tensors on the same device (NCCL cannot put two ranks on one GPU); none_round_vs_gloo and
+   int8_round_vs_gloo = moshpeer's round / gloo's.
+2. Encoding on the data path: a part encoded the way the averager encodes it (`encode_chunks`, a pipeline
+   slice of the part's chunks at a time: allreduce.PART_SLICES), against a device-to-device copy of the same
+   vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth for int8 (input bytes per second).
+   Also: the old chunk-by-chunk `codec.encode` loop (`*_chunkwise_encode_gbps`), backend calls per part (a
+   counter) and, on CUDA, syncs_per_part (host syncs `torch.cuda.set_sync_debug_mode("warn")` reports while one
+   part is encoded; None on the CPU, where nothing syncs).
 3. GPT: two `moshpeer join --device D --task gpt` peers (gradient averaging, group of 2) for `--gpt-epochs`
    epochs, and one process (`train_locally`) on the same number of samples with the same global batch:
    tokens/s per peer, averaging_share (seconds in averaging rounds / training seconds) and
    gpt_loss_over_single (the peers' final validation loss / the single process's).
 
-Ends with one JSON line: int8_round_vs_none, encode_vs_copy, averaging_share, gpt_loss_over_single, ...
+Ends with one JSON line: none_round_vs_gloo, int8_round_vs_gloo, int8_round_vs_none, encode_vs_copy, syncs_per_part, averaging_share, gpt_loss_over_single, ...
 """
 
 from __future__ import annotations
@@ -108,6 +113,57 @@ def averaging_worker(args) -> int:
     finally:
         plane.close()
     return 0
+
+
+def gloo_worker(args) -> int:
+    """One rank of the anchor: gloo all_reduce of this peer's vector on `--device`, warm-up + `--rounds` times."""
+    import torch
+    import torch.distributed as dist
+
+    from moshpeer.peer.device import resolve_device
+
+    device = resolve_device(args.device)
+    numel = args.mbytes * (1 << 20) // 4
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=args.rank, world_size=2)
+    try:
+        initial = peer_vector(args.rank, numel, device)
+        flat = torch.empty_like(initial)
+        times = []
+        for r in range(args.rounds + 1):
+            flat.copy_(initial)
+            synchronize(device)
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(flat)
+            synchronize(device)
+            if r:
+                times.append(time.perf_counter() - started)
+        print(json.dumps({"event": "gloo", "round_s": statistics.median(times)}), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def run_gloo(args) -> dict:
+    """The anchor: median gloo all_reduce time of the same 2 x `--mbytes` MB on the same device (slower rank)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--role", "gloo-worker", "--device", args.device,
+            "--mbytes", str(args.mbytes), "--rounds", str(args.rounds), "--gloo-port", str(port)]
+    workers = [subprocess.Popen(argv + ["--rank", str(rank)], stdout=subprocess.PIPE, env=env(), cwd=str(REPO),
+                                text=True) for rank in range(2)]
+    try:
+        results = [json.loads(_next_json(w, "gloo", 300)) for w in workers]
+    finally:
+        for w in workers:
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+    return {"round_s": max(r["round_s"] for r in results)}
 
 
 def run_averaging(args) -> Dict[str, dict]:
@@ -202,10 +258,61 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
         return numel * 4 / min(times) / 1e9
 
     figures = {"copy_gbps": best_of(lambda: target.copy_(source))}
+    from moshpeer.averaging.allreduce import _slices
+    import moshpeer.compression.quantization as quantization
+
+    num_chunks = -(-numel // chunk)
+    slices = _slices(num_chunks)
+
+    def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (allreduce.py)
+        for chunks in slices:
+            start, end = chunks[0] * chunk, min(numel, (chunks[-1] + 1) * chunk)
+            codec.encode_chunks(source[start:end], chunk, list(chunks))
+
     for spec in codecs:
         codec = get_compression(spec).reduce_codec
-        figures[f"{spec}_encode_gbps"] = best_of(
+        figures[f"{spec}_encode_gbps"] = best_of(lambda: encode_part(codec))
+        figures[f"{spec}_chunkwise_encode_gbps"] = best_of(
             lambda: [codec.encode(source[start:start + chunk], seed=start) for start in range(0, numel, chunk)])
+        # Backend calls per part (a counter around the backend quantization.py calls) ...
+        calls = [0]
+        real = quantization.backend_for
+
+        class Counting:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                attr = getattr(self.inner, name)
+
+                def counted(*a, **k):
+                    calls[0] += 1
+                    return attr(*a, **k)
+
+                return counted if callable(attr) else attr
+
+        quantization.backend_for = lambda dev: Counting(real(dev))
+        try:
+            encode_part(codec)
+        finally:
+            quantization.backend_for = real
+        figures[f"{spec}_backend_calls_per_part"] = calls[0]
+        figures[f"{spec}_chunks_per_part"] = num_chunks
+        # ... and host syncs per part on CUDA (the sync debug mode warns once per synchronizing call).
+        if device.type == "cuda":
+            import warnings
+
+            synchronize(device)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    encode_part(codec)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            figures[f"{spec}_syncs_per_part"] = sum("synchroniz" in str(w.message).lower() for w in caught)
+        else:
+            figures[f"{spec}_syncs_per_part"] = None
     return figures
 
 
@@ -277,11 +384,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"gpt task argument (repeatable; defaults: {' '.join(DEFAULT_GPT)})")
     parser.add_argument("--gpt-compression", default="none", help="codec of the GPT peers' rounds")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds the GPT peers may take")
-    parser.add_argument("--role", choices=["avg-worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["avg-worker", "gloo-worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "avg-worker":
         return averaging_worker(args)
+    if args.role == "gloo-worker":
+        return gloo_worker(args)
 
     import torch
 
@@ -294,6 +404,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = resolve_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     averaging = run_averaging(args)
+    gloo = run_gloo(args)
     encoding = encode_bandwidth(device, args.mbytes, [c for c in args.codecs.split(",") if c != "none"])
     gpt = run_gpt(args) if args.gpt_epochs > 0 else None
 
@@ -302,11 +413,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     for codec, f in averaging.items():
         print(f"{codec:<10}{f['round_s']:>10.3f}{f['reduce_scatter_s']:>10.3f}{f['all_gather_s']:>10.3f}"
               f"{f['pcie_mb']:>10.1f}{f['sent_mb']:>10.1f}{f['rel_err']:>11.2e}")
+    print(f"{'gloo':<10}{gloo['round_s']:>10.3f}   (torch.distributed all_reduce of the same tensors, same device)")
     print(f"\nencoding on the data path (GB/s of fp32 input; anchor: device-to-device copy "
           f"{encoding['copy_gbps']:.1f} GB/s)")
     for key, value in encoding.items():
-        if key != "copy_gbps":
-            print(f"  {key[:-len('_encode_gbps')]:<10}{value:>8.1f} GB/s = {value / encoding['copy_gbps']:.2f}x copy")
+        if key.endswith("_encode_gbps"):
+            print(f"  {key[:-len('_encode_gbps')]:<20}{value:>8.1f} GB/s = {value / encoding['copy_gbps']:.2f}x copy")
+    for key, value in encoding.items():
+        if key.endswith("_per_part"):
+            print(f"  {key:<30}{value}")
     if gpt is not None:
         print(f"\nGPT ({gpt['parameters'] / 1e6:.1f}M parameters, {' '.join(gpt['task_args'])}), 2 peers, "
               f"{args.gpt_epochs} epochs")
@@ -321,6 +436,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     figures = {
         "device": str(device), "device_name": name, "mbytes": args.mbytes,
+        "none_round_vs_gloo": ratio(averaging.get("none"), gloo),
+        "int8_round_vs_gloo": ratio(averaging.get("int8"), gloo),
+        "gloo_round_s": gloo["round_s"],
+        "syncs_per_part": encoding.get("int8_syncs_per_part"),
+        "backend_calls_per_part": encoding.get("int8_backend_calls_per_part"),
         "int8_round_vs_none": ratio(averaging.get("int8"), averaging.get("none")),
         "int4_round_vs_none": ratio(averaging.get("int4"), averaging.get("none")),
         "encode_vs_copy": (encoding["int8_encode_gbps"] / encoding["copy_gbps"]

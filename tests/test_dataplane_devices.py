@@ -3,7 +3,8 @@ lives and stages only encoded bytes through host memory (averaging/staging.py).
 
 On the CPU (default suite): staging is a pass-through that copies nothing, and the senders' one-chunk lookahead
 (what a device uses to overlap its copies with the sends) gives the same bits, faults included.
-With CUDA (`cuda` marker): the codecs' kernels on the data path match the pure-torch reference, ARC-Top-K
+Device tests run on every device present (the CPU always: their twin), the CUDA ones under the `cuda` marker: the
+codecs' kernels on the data path match the pure-torch reference, ARC-Top-K
 sketches and selects on the GPU, and a round on CUDA tensors stages exactly its encoded bytes.
 """
 
@@ -26,6 +27,8 @@ from moshpeer.compression.kernels import ENV_BACKEND
 pytestmark = pytest.mark.timeout(120)
 
 CUDA = torch.cuda.is_available()
+# Every device test runs on the CPU too (its twin), so that a mistake in the shared code fails without a GPU.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
 CODECS = ["none", "fp16", "int8", "int4", "int4-int8"]
 
 
@@ -68,14 +71,13 @@ def test_lookahead_staging_with_dropped_chunks():
 # ---- CUDA ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", CODECS)
-def test_round_on_cuda_stages_only_encoded_bytes(spec):
-    results, reports = two_member_allreduce(spec, inputs_on("cuda"))
-    reference, _ = two_member_allreduce(spec, inputs_on("cpu"))
+def test_round_on_device_stages_only_encoded_bytes(device, spec):
+    results, reports = two_member_allreduce(spec, inputs_on(device))
+    reference, _ = two_member_allreduce(spec, inputs_on("cpu"), staging=lambda: HostStaging(lookahead=True))
     for result, expected in zip(results, reference):
-        assert result.is_cuda
+        assert result.device.type == device
         torch.testing.assert_close(result.cpu(), expected, rtol=1e-6, atol=1e-6)
     header = wire.HEADER.size
     for r in reports:
@@ -83,16 +85,21 @@ def test_round_on_cuda_stages_only_encoded_bytes(spec):
                 - (header + handshake.MAC_BYTES) * (r.reduce.chunks_sent + r.gather.chunks_sent))
         received = (r.reduce.bytes_received + r.gather.bytes_received
                     - header * (r.reduce.chunks_received + r.gather.chunks_received))
-        assert r.staged_bytes == sent + received > 0
+        assert sent + received > 0
+        if device == "cpu":
+            assert r.staged_bytes == 0  # pass-through: the sockets read and write the vector's own memory
+            continue
+        # A batch is staged in one copy of its rows: the payloads, plus the rows' padding (a short last chunk, an
+        # int4 reduce payload in a row sized for int8 gather payloads).
+        assert sent + received <= r.staged_bytes <= 2 * (sent + received)
         if spec.startswith("int"):
             assert r.staged_bytes < 0.3 * 4 * 2 * 9_999  # not the fp32 vector: its codes and scales
 
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4-int8", "int8:sr", "int4:64:sr"])
-def test_codec_kernels_on_the_data_path_match_the_reference(monkeypatch, spec):
+def test_codec_kernels_on_the_data_path_match_the_reference(monkeypatch, device, spec):
     compression = get_compression(spec)
     x = torch.randn(70_001, generator=torch.Generator().manual_seed(3)) * 3
     for codec in {compression.reduce_codec, compression.gather_codec}:
@@ -101,31 +108,47 @@ def test_codec_kernels_on_the_data_path_match_the_reference(monkeypatch, spec):
         decoded = torch.empty(x.numel())
         codec.decode_into(expected, decoded, 0.5)
         monkeypatch.delenv(ENV_BACKEND)
-        payload = codec.encode(x.cuda(), seed=11)  # the CUDA kernels, chosen by the tensor's device
-        assert payload.is_cuda and torch.equal(payload.cpu(), expected)
-        out = torch.full((x.numel(),), float("nan"), device="cuda")
+        payload = codec.encode(x.to(device), seed=11)  # the compiled kernels, chosen by the tensor's device
+        assert payload.device.type == device and torch.equal(payload.cpu(), expected)
+        out = torch.full((x.numel(),), float("nan"), device=device)
         codec.decode_into(payload, out, 0.5)
         assert torch.equal(out.cpu().view(torch.int32), decoded.view(torch.int32))
+        # The batched data path (a part's chunks in O(1) backend calls) gives the same payloads and values.
+        chunk = 4096
+        rows = -(-x.numel() // chunk)
+        seeds = [11 + r for r in range(rows)]
+        batch = codec.encode_chunks(x.to(device), chunk, seeds)
+        assert all(e is None for e in batch.errors)
+        out = torch.full((x.numel(),), float("nan"), device=device)
+        assert codec.decode_chunks(batch.buffer, batch.nbytes, out, chunk, ["into"] * rows, 0.5) == [None] * rows
+        monkeypatch.setenv(ENV_BACKEND, "torch")
+        for r in range(rows):
+            piece = x[r * chunk:(r + 1) * chunk]
+            expected = codec.encode(piece, seed=seeds[r])
+            assert torch.equal(batch.payload(r).cpu(), expected), f"chunk {r}"
+            decoded = torch.empty(piece.numel())
+            codec.decode_into(expected, decoded, 0.5)
+            assert torch.equal(out[r * chunk:(r + 1) * chunk].cpu().view(torch.int32), decoded.view(torch.int32))
+        monkeypatch.delenv(ENV_BACKEND)
 
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_arc_topk_sketches_and_selects_on_the_gpu():
-    assert torch.equal(projection(256, 4, 99, device=torch.device("cuda")).cpu(), projection(256, 4, 99))
+@pytest.mark.parametrize("device", DEVICES)
+def test_arc_topk_sketches_and_selects_on_the_device(device):
+    assert torch.equal(projection(256, 4, 99, device=torch.device(device)).cpu(), projection(256, 4, 99))
     flat = torch.randn(256 * 300 + 17, generator=torch.Generator().manual_seed(1))
     rows_cpu = to_rows(flat, 256)
-    on_gpu = sketch(rows_cpu.cuda(), 99, 4)
-    assert on_gpu.is_cuda
+    on_device = sketch(rows_cpu.to(device), 99, 4)
+    assert on_device.device.type == device
     # Selection from one averaged sketch is the same on every device (float64 norms, stable sort).
     averaged = sketch(rows_cpu, 99, 4)
-    assert torch.equal(select(averaged.cuda(), 30).cpu(), select(averaged, 30))
+    assert torch.equal(select(averaged.to(device), 30).cpu(), select(averaged, 30))
 
     async def alone(t: torch.Tensor) -> torch.Tensor:  # a group of one: the mean is the vector itself
-        assert t.is_cuda
+        assert t.device.type == device
         return t
 
     sparse = ArcTopK(0.1)
-    gpu = flat.cuda()
-    result = asyncio.run(sparse.allreduce_inplace(gpu, 99, alone))
-    assert result.rows.is_cuda and torch.equal(gpu.cpu(), flat)
+    moved = flat.to(device).clone()
+    result = asyncio.run(sparse.allreduce_inplace(moved, 99, alone))
+    assert result.rows.device.type == device and torch.equal(moved.cpu(), flat)

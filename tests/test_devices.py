@@ -88,13 +88,18 @@ def test_bf16_state_download_adopts_the_donors_state(dht_node):
         donor.shutdown()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_buffers_and_spread_on_cuda():
-    params = [torch.nn.Parameter(torch.randn(1000, device="cuda", dtype=torch.bfloat16))]
+# Every device test runs on the CPU too (its twin): this one never ran anywhere until it had one (issue 28).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffers_and_spread_on_device(device):
+    params = [torch.nn.Parameter(torch.randn(1000, device=device, dtype=torch.bfloat16))]
     flat, views = flat_buffer_views(params, copies=2)
-    assert flat.is_cuda and flat.dtype == torch.float32
-    views[1].copy_(params[0])
+    assert flat.device.type == device and flat.dtype == torch.float32
+    # The strategies fill the buffers with `p.detach()` (parameters.py, gradients.py); copying the Parameter
+    # itself, with grad mode on, into a view of torch.split's multi-output views is refused by autograd.
+    views[1].copy_(params[0].detach())
     assert param_spread(params, views[1:]) == 0.0
-    task = load_task("gpt", device=torch.device("cuda"), context=8, d_model=16, max_bytes=50_000, eval_windows=4)
-    assert task.device.type == "cuda" and torch.isfinite(task.loss(task.model, next(task.open_batches(2)))[0])
+    task = load_task("gpt", device=torch.device(device), context=8, d_model=16, max_bytes=50_000, eval_windows=4)
+    assert task.device.type == device and torch.isfinite(task.loss(task.model, next(task.open_batches(2)))[0])

@@ -16,7 +16,8 @@ from local_group import run_group
 
 pytestmark = pytest.mark.timeout(120)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
 CHUNK = 1024
 
 
