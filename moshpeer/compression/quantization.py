@@ -22,6 +22,7 @@ error bounds.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -78,6 +79,18 @@ class BlockQuantizer(Codec):
 
     batched = True  # encode_chunks / decode_chunks below (the group all-reduce checks for it)
 
+    _scratch = threading.local()  # per thread: reused working buffers (a fresh large CPU allocation page-faults)
+
+    @classmethod
+    def _scratch_tensor(cls, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A working tensor of this thread, reused across calls (contents irrelevant)."""
+        key = (name, dtype, str(device))
+        cache = cls._scratch.__dict__.setdefault("tensors", {})
+        held = cache.get(key)
+        if held is None or held.numel() < numel:
+            held = cache[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        return held[:numel]
+
     def row_stride(self, chunk_numel: int) -> int:
         """Bytes between two chunks' payloads in the buffer of `encode_chunks` (4-aligned: scales are viewed)."""
         return (self.max_encoded_nbytes(chunk_numel) + 3) & ~3
@@ -116,8 +129,8 @@ class BlockQuantizer(Codec):
         if full:
             nb, cb = n // self.block, self.code_nbytes(n)
             values = x[: full * n]
-            scales = torch.empty(full * nb, dtype=torch.float32, device=x.device)
-            codes = torch.empty(full * cb, dtype=torch.uint8, device=x.device)
+            scales = self._scratch_tensor("enc_scales", full * nb, torch.float32, x.device)
+            codes = self._scratch_tensor("enc_codes", full * cb, torch.uint8, x.device)
             backend = backend_for(x.device)
             finite = backend.quantize(values, scales, codes, self.bits, self.block, False, 0)
             buffer[:full, :HEADER_NBYTES].copy_(self._header_rows(n, full, x.device))
@@ -171,7 +184,8 @@ class BlockQuantizer(Codec):
             want = np.frombuffer(HEADER.pack(MAGIC, VERSION, self.bits, self.block,
                                              FLAG_STOCHASTIC if self.stochastic else 0, 0, n), dtype=np.uint8)
             head_ok = (heads == want).all(axis=1).tolist()
-            scales = payloads[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb].contiguous().view(torch.float32)
+            scales = self._scratch_tensor("dec_scales", full * nb, torch.float32, out.device).view(full, nb)
+            scales.view(torch.uint8).copy_(payloads[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb])
             bad = (~torch.isfinite(scales) | (scales < 0) | (scales > MAX_SCALE)).any(dim=1).tolist()
             for r in range(full):
                 if not ok[r]:
@@ -197,7 +211,12 @@ class BlockQuantizer(Codec):
                 while end < full and ok[end] and modes[end] == modes[r]:
                     end += 1
                 codes = payloads[r:end, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb]
-                codes = codes.reshape(-1) if end - r == 1 else codes.contiguous().view(-1)
+                if end - r > 1:  # the rows' codes side by side (one copy), as the backend reads them
+                    packed = self._scratch_tensor("dec_codes", (end - r) * cb, torch.uint8, out.device)
+                    packed.view(end - r, cb).copy_(codes)
+                    codes = packed
+                else:
+                    codes = codes.reshape(-1)
                 call = backend.dequantize if modes[r] == "into" else backend.dequantize_accumulate
                 call(scales[r:end].reshape(-1), codes, out[r * n:end * n], self.bits, self.block, weight)
                 r = end
