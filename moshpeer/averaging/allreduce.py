@@ -601,17 +601,27 @@ class GroupAllReduce:
             if why is not None:
                 self._reject(i, why)
             modes.append(None if why is not None else "into")
-        if not any(modes):
-            return
-        last = first_chunk + count - 1
-        with self.cond:
-            # Our own contribution to these chunks must have left before we overwrite them.
-            if not self._wait(lambda: self.sent_progress[i] > last, self.deadline):
-                return
-        start = self.partition.chunk_range(part, first_chunk)[0]
-        end = self.partition.chunk_range(part, last)[1]
-        # One batch straight into the vector; the codec validates every payload before writing it.
-        errors = codec.decode_chunks(rows, nbytes, self.flat[start:end], self.partition.chunk_numel, modes)
+        errors: list = [None] * count
+        r = 0
+        while r < count:  # each run of acceptable rows (all of them, normally) in one batch
+            if modes[r] is None:
+                r += 1
+                continue
+            end = r + 1
+            while end < count and modes[end] is not None:
+                end += 1
+            last = first_chunk + end - 1
+            with self.cond:
+                # Our own contribution to these chunks must have left before we overwrite them.
+                if not self._wait(lambda: self.sent_progress[i] > last, self.deadline):
+                    modes[r:] = [None] * (count - r)  # the round is over: these rows are not taken
+                    break
+            start = self.partition.chunk_range(part, first_chunk + r)[0]
+            stop = self.partition.chunk_range(part, last)[1]
+            # Straight into the vector; the codec validates every payload before writing it.
+            errors[r:end] = codec.decode_chunks(rows[r:end], nbytes[r:end], self.flat[start:stop],
+                                                self.partition.chunk_numel, modes[r:end])
+            r = end
         received = 0
         for r in range(count):
             if modes[r] is None:

@@ -64,3 +64,43 @@ def test_backend_calls_per_part_do_not_grow_with_its_chunks(monkeypatch, device,
     assert many == few, f"16 chunks: {few_by_name}; 64 chunks: {many_by_name}"
     assert many <= 32, many_by_name
     print(f"backend calls per part ({spec}, {device}): {few} at 16 chunks, {many} at 64: {many_by_name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_chunk_in_a_batch_is_refused_alone(device):
+    """PartReducer.add_contributions with one corrupted payload among eight: that chunk is refused (and would be
+    counted by the all-reduce), the other seven are taken in with the bits the chunk-by-chunk path gives."""
+    from moshpeer.averaging.part_reducer import ACCEPTED, PartReducer
+    from moshpeer.averaging.partition import Partition
+    from moshpeer.compression import get_compression
+
+    codec = get_compression("int8").reduce_codec
+    chunks, members = 8, 2
+    numel = members * chunks * CHUNK
+    partition = Partition(numel, members, CHUNK)
+    g = torch.Generator().manual_seed(1)
+    ours, theirs = torch.randn(numel, generator=g).to(device), torch.randn(numel, generator=g).to(device)
+    start, end = partition.part_range(0)
+    encoded = codec.encode_chunks(theirs[start:end], CHUNK, list(range(chunks)))
+    rows = encoded.buffer.clone()
+    rows[5, 0] = 0  # bad magic in chunk 5
+
+    def reducer():
+        return PartReducer(ours.clone(), partition, 0, [1.0, 1.0], gather_codec=codec, chunk_seed=lambda p, c: c)
+
+    batched = reducer()
+    verdicts = batched.add_contributions(1, 0, 0, rows, encoded.nbytes, codec)
+    assert [v is ACCEPTED for v in verdicts] == [c != 5 for c in range(chunks)]
+    assert "bad magic" in verdicts[5].rejected
+    single = reducer()
+    for c in range(chunks):
+        verdict = single.add_contribution(1, 0, c, rows[c, :encoded.nbytes[c]], codec)
+        assert (verdict is ACCEPTED) == (c != 5)
+    assert batched.arrived_from == single.arrived_from
+    accepted = torch.cat([batched.others_sum[c * CHUNK:(c + 1) * CHUNK] for c in range(chunks) if c != 5])
+    expected = torch.cat([single.others_sum[c * CHUNK:(c + 1) * CHUNK] for c in range(chunks) if c != 5])
+    assert torch.equal(accepted, expected)
+    batched.member_finished(1)
+    single.member_finished(1)
+    assert batched.finalize_ready() == single.finalize_ready() == list(range(chunks))
+    assert torch.equal(batched.flat, single.flat)
