@@ -87,6 +87,8 @@ class PartReducer:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._on_final = on_final
         buffer = buffer or (lambda numel: torch.empty(numel, dtype=torch.float32, device=flat.device))
+        self._buffer = buffer
+        self._gather_rows_buffer: Optional[torch.Tensor] = None  # the part's gather payloads, a row per chunk
         self.num_chunks = partition.num_chunks(my_index)
         start, end = partition.part_range(my_index)
         self.part_start, part_numel = start, end - start
@@ -337,8 +339,13 @@ class PartReducer:
             return
         start, end = self._range_of(run)
         values = self.flat[start:end]
+        stride = codec.row_stride(self.partition.chunk_numel)
+        with self._lock:  # one buffer for the whole part (from the scratch pool when there is one): runs fill rows
+            if self._gather_rows_buffer is None:
+                self._gather_rows_buffer = self._buffer(-(-self.num_chunks * stride // 4)).view(torch.uint8)
         encoded = codec.encode_chunks(values, self.partition.chunk_numel,
-                                      [self.chunk_seed(self.my_index, c) for c in run])
+                                      [self.chunk_seed(self.my_index, c) for c in run],
+                                      out=self._gather_rows_buffer[run[0] * stride:])
         modes = [None if error else "into" for error in encoded.errors]
         for c, error in zip(run, encoded.errors):
             if error:  # non-finite average: the sender's own encode reports it
