@@ -1,10 +1,10 @@
-"""A state donor process for tests/test_state_swarm.py: a DHT node and a throttled StateServer serving a
+"""A state donor process for tests/swarm/test_state_swarm.py: a DHT node and a throttled StateServer serving a
 deterministic state (seeded tensors), advertised for the run until the process is killed.
 
 It prints one JSON line when ready ({"event": "ready", "peer_id", "sha256"}). With --corrupt it flips one
 byte of every piece it sends (the manifest it signs stays the honest one), as a lying donor would.
 
-    python tests/state_donor.py --initial-peer MADDR --run RUN --seed 1 --floats N --rate BYTES_PER_S [--corrupt]
+    python tests/helpers/state_donor.py --initial-peer MADDR --run RUN --seed 1 --floats N --rate BYTES_PER_S [--corrupt]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from moshpeer.dht import start_dht  # noqa: E402
 from moshpeer.peer.state.framing import serialize_state  # noqa: E402
