@@ -173,9 +173,9 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
                 model_params=10_000_000, uplink=1.25e9, downlink=1.25e9, rtt_s=0.001, speed=16.0, rejoin_s=600.0)
 
     def line(name: str, r) -> None:
-        print(f"{name:<34} goodput {r.goodput:6.3f}  final loss {r.final_loss:10.5g} (floor {r.loss_floor:.4g}, "
+        print(f"{name:<38} goodput {r.goodput:6.3f}  final loss {r.final_loss:10.5g} (floor {r.loss_floor:.4g}, "
               f"spread {r.final_spread:.3g})  sim {r.sim_seconds / 3600:5.2f} h  failures {r.failures:>4}  "
-              f"stalls {r.stalls:>3}  GB/peer {r.bytes_per_peer / 1e9:6.2f}")
+              f"stalls {r.stalls:>3}  GB/peer {r.bytes_per_peer / 1e9:6.2f}", flush=True)
 
     started = time.perf_counter()
     failing = run_training(TrainingConfig(**base, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
@@ -199,6 +199,17 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
         diloco_1k_final_spread=round(clean.final_spread, 5), sync_1k_final_loss=round(sync.final_loss, 5),
         diloco_1k_bytes_per_peer=round(failing.bytes_per_peer), sync_1k_bytes_per_peer=round(sync.bytes_per_peer),
     )
+    # Not production: DiLoCo whose groups also average θ_outer every 4 rounds (outer_params_every; see
+    # docs/simulation.md): the disagreement between peers' θ_outer that production DiLoCo leaves behind.
+    outer4 = run_training(TrainingConfig(**base, outer_params_every=4,
+                                         failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
+    line("diloco + θ_outer every 4, failures", outer4)
+    outer4_clean = run_training(TrainingConfig(**base, outer_params_every=4), seed=0)
+    line("diloco + θ_outer every 4, no failures", outer4_clean)
+    figures.update(goodput_1k_diloco_outer4=round(outer4.goodput, 4),
+                   loss_ratio_failures_outer4=_ratio(outer4.final_loss, outer4_clean.final_loss),
+                   diloco_1k_outer4_final_loss=round(outer4_clean.final_loss, 5),
+                   diloco_1k_outer4_final_spread=round(outer4_clean.final_spread, 5))
     # The same swarm on internet links (100 Mbit/s, 50 ms, speeds and links +-10%): context, not a floor.
     internet = dict(base, uplink=12.5e6, downlink=12.5e6, rtt_s=0.05, link_spread=0.1, speed_spread=0.1)
     net = run_training(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
@@ -208,20 +219,24 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     line("sync, internet links", net_sync)
     figures.update(goodput_1k_diloco_internet=round(net.goodput, 4), goodput_1k_sync_internet=round(net_sync.goodput, 4))
 
-    # Hostile peers: -100x contributions, no failures (their effect alone).
+    # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
+    # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the
+    # loss on the same honest peers' data.
     hostile_base = dict(base, rounds=hostile_rounds)
-    honest = run_training(TrainingConfig(**hostile_base), seed=1)
-    line("honest (hostile baseline)", honest)
+
+    def hostile_ratio(fraction: float, aggregation: str) -> float:
+        honest = run_training(TrainingConfig(**hostile_base, hostile_fraction=fraction, hostile_scale=1.0,
+                                             aggregation=aggregation), seed=1)
+        r = run_training(TrainingConfig(**hostile_base, hostile_fraction=fraction, aggregation=aggregation), seed=1)
+        line(f"{int(fraction * 100)}% hostile, honest, {aggregation}", honest)
+        line(f"{int(fraction * 100)}% hostile -100x, {aggregation}", r)
+        return _ratio(r.final_loss, honest.final_loss)
+
     for aggregation in ("mean", "clipped", "trimmed"):
-        r = run_training(TrainingConfig(**hostile_base, hostile_fraction=0.1, aggregation=aggregation), seed=1)
-        line(f"10% hostile -100x, {aggregation}", r)
-        figures[f"byz10_{aggregation}_loss_ratio"] = _ratio(r.final_loss, honest.final_loss)
+        figures[f"byz10_{aggregation}_loss_ratio"] = hostile_ratio(0.1, aggregation)
     breaks = None
     for fraction in (0.2, 0.3, 0.4, 0.5):
-        r = run_training(TrainingConfig(**hostile_base, hostile_fraction=fraction, aggregation="clipped"), seed=1)
-        ratio = _ratio(r.final_loss, honest.final_loss)
-        figures[f"byz{int(fraction * 100)}_clipped_loss_ratio"] = ratio
-        line(f"{int(fraction * 100)}% hostile -100x, clipped", r)
+        ratio = figures[f"byz{int(fraction * 100)}_clipped_loss_ratio"] = hostile_ratio(fraction, "clipped")
         if ratio > 1.02:
             breaks = fraction
             break

@@ -111,6 +111,9 @@ class TrainingConfig:
         trains: a small stand-in; bytes and round times are those of a model of `model_params` values)
     :param bytes_per_value: wire bytes per value (4 = fp32, 2 = fp16, 1 = int8)
     :param inner_steps: H (diloco); gradients and parameters rounds are one step
+    :param outer_params_every: diloco, NOT production behaviour (a proposal the simulator can evaluate): every K
+        rounds the group also averages θ_outer and its members adopt the average before the outer step, as
+        `GradientsStrategy` does with parameters; 0 (default) = never, as `DiLoCoStrategy` does
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
     :param round_timeout_s: cap of the adaptive round deadline (`RoundDeadlines`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
@@ -124,6 +127,7 @@ class TrainingConfig:
     rounds: int = 200
     inner_steps: int = 50
     outer_optimizer: str = "nesterov:lr=0.7,momentum=0.9"
+    outer_params_every: int = 0
     group_size: int = 16
     min_group_size: int = 2
     key_bits: Optional[int] = None
@@ -158,6 +162,7 @@ class TrainingConfig:
         need(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
         need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
+        need(self.outer_params_every >= 0, f"outer_params_every must be >= 0, got {self.outer_params_every}")
         need(self.inner_steps >= 1, f"inner_steps must be >= 1, got {self.inner_steps}")
         try:
             parse_outer_optimizer(self.outer_optimizer)
@@ -503,6 +508,8 @@ class MoshpitTraining:
                 local.sub_(s.gradients(local, centers), alpha=lr)
             self.x[rows] = local
             contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
+            if c.outer_params_every and self.round % c.outer_params_every == 0:
+                contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
         elif c.mode == "gradients":
             contribution = s.gradients(x, centers)
             if self.round % DEFAULT_PARAMS_EVERY == 0:  # GradientsStrategy's parameter rounds
@@ -648,8 +655,11 @@ class MoshpitTraining:
         rows = torch.from_numpy(ok)
         got = averaged[torch.from_numpy(np.flatnonzero(done))]
         if c.mode == "diloco":
+            dim = c.workload.dim
             delta = torch.zeros_like(self.x)
-            delta[rows] = got
+            delta[rows] = got[:, :dim]
+            if got.shape[1] > dim:  # outer_params_every: adopt the group's θ_outer, then step from it
+                self.outer.anchor[0][rows] = got[:, dim:]
             self._outer_step(rows, delta)
         elif c.mode == "gradients":
             dim = c.workload.dim

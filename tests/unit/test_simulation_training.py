@@ -51,7 +51,7 @@ def test_round_time_with_unlimited_downlinks_is_the_production_upload_bound_plus
 
 
 def test_same_seed_same_run_and_seeds_differ():
-    config = _config(failure_rate_per_hour=20.0, rejoin_s=30.0)
+    config = _config(peers=16, rounds=15, failure_rate_per_hour=20.0, rejoin_s=30.0)
     a, b = run_training(config, seed=3), run_training(config, seed=3)
     assert a.summary() == b.summary()
     assert a.failures > 0  # the failure process is on
@@ -62,7 +62,7 @@ def test_sync_goodput_falls_with_failure_rate():
     goodputs = []
     for rate in (0.0, 0.5, 5.0):  # failures per peer per hour, 64 peers
         config = _config(peers=64, failure_rate_per_hour=rate, rejoin_s=300.0)
-        goodputs.append(run_sync(config, seed=1, seconds=4 * 3600).goodput)
+        goodputs.append(run_sync(config, seed=1, seconds=2 * 3600).goodput)
     assert goodputs[0] > 0.8
     assert goodputs[0] > goodputs[1] > goodputs[2]
     assert goodputs[2] < 0.3
@@ -90,11 +90,13 @@ def test_diloco_without_failures_matches_gradients_mode_loss():
 
 
 def test_clipped_bounds_a_minus_100x_attacker_where_mean_does_not():
-    honest = run_training(_config(peers=40, mode="gradients", rounds=150), seed=5).final_loss
     ratios = {}
     for aggregation in ("mean", "clipped"):
-        config = _config(peers=40, mode="gradients", rounds=150, hostile_fraction=0.1, hostile_scale=-100.0,
-                         aggregation=aggregation)
+        # The honest run: the same peers marked hostile, sending honestly (the loss is over the same honest peers).
+        honest = run_training(_config(peers=20, group_size=10, mode="gradients", rounds=80, hostile_fraction=0.1,
+                                      hostile_scale=1.0, aggregation=aggregation), seed=5).final_loss
+        config = _config(peers=20, group_size=10, mode="gradients", rounds=80, hostile_fraction=0.1,
+                         hostile_scale=-100.0, aggregation=aggregation)
         ratios[aggregation] = run_training(config, seed=5).final_loss / honest
     assert ratios["clipped"] < 1.05
     assert not ratios["mean"] < 2.0  # also true for inf / nan
