@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         sys.exit(2)
 
     parser.error = one_line_error  # type: ignore[method-assign]
-    parser.add_argument("--peers", type=_int_at_least(1, 10_000_000), default=None, metavar="N",
+    parser.add_argument("--peers", type=_int_at_least(1, 10_000_000), default=argparse.SUPPRESS, metavar="N",
                         help="number of virtual peers (default: 512; 1000 with --level training)")
     parser.add_argument("--group-size", type=_int_at_least(2, 1 << 20), default=16, metavar="G",
                         help="target group size g: at most G peers per group; also the side of the --grouping grid")
@@ -94,10 +94,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--initial-keys", choices=("random", "balanced"), default="random",
                         help="random: uniform group bits per peer (as a peer draws them); balanced: every key held by "
                         "the same number of peers (a full grid when N = G^M)")
-    parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=None, metavar="D",
+    parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=argparse.SUPPRESS, metavar="D",
                         help="values per peer (default: 1 = scalars, as in the Moshpit paper; with --level training: "
                         "the dimension of the convex problem, default 64)")
-    parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=None, metavar="R",
+    parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=argparse.SUPPRESS, metavar="R",
                         help="round cap; a run that never reaches an eps counts as R rounds (default: 50, as the "
                         "paper caps; with --level training: the rounds to train, default 200)")
     parser.add_argument("--failure-rate", type=_probability, default=0.0, metavar="P",
@@ -157,6 +157,8 @@ TRAINING_KNOBS = (
     ("--inner-steps", "inner_steps", _int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
     ("--outer-optimizer", "outer_optimizer", str, "nesterov:lr=0.7,momentum=0.9", "SPEC",
      "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.diloco)"),
+    ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 0, "K",
+     "diloco, NOT production behaviour: every K rounds the group also averages θ_outer (0 = never, as production)"),
     ("--aggregation", "aggregation", str, "mean", "A", "mean | clipped | trimmed (moshpeer.averaging.aggregation)"),
     ("--partition", "partition", str, "bandwidth", "P", "bandwidth: part sizes by uplink (production "
      "bandwidth_part_sizes); equal: equal parts"),
@@ -198,13 +200,15 @@ TRAINING_KNOBS = (
 def add_training_arguments(group: argparse._ArgumentGroup) -> None:
     for flag, dest, kind, default, metavar, text in TRAINING_KNOBS:
         shown = f"{text} (default: {default})" if default not in (None, False) else text
+        # SUPPRESS: "not given" leaves no attribute (read with getattr(args, dest, None)), and the help formatter
+        # does not append "(default: None)" to the per-level defaults written in the text.
         if kind is None:
-            group.add_argument(flag, dest=dest, action="store_true", default=None, help=text)
+            group.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=text)
         elif dest == "sweep_failures":
-            group.add_argument(flag, dest=dest, type=kind, action="append", default=None, metavar=metavar,
-                               help=text)
+            group.add_argument(flag, dest=dest, type=kind, action="append", default=argparse.SUPPRESS,
+                               metavar=metavar, help=text)
         else:
-            group.add_argument(flag, dest=dest, type=kind, default=None, metavar=metavar, help=shown)
+            group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=shown)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
 
     training = args.level == "training"
     # Per-level defaults (None = not given).
-    args.peers = args.peers if args.peers is not None else (1000 if training else 512)
-    args.dim = args.dim if args.dim is not None else (64 if training else 1)
-    args.rounds = args.rounds if args.rounds is not None else (200 if training else 50)
+    args.peers = getattr(args, "peers", None) or (1000 if training else 512)
+    args.dim = getattr(args, "dim", None) or (64 if training else 1)
+    args.rounds = getattr(args, "rounds", None) or (200 if training else 50)
     if training:
         return run_training_level(args)
-    given = [flag for flag, dest, *_ in TRAINING_KNOBS if getattr(args, dest) is not None and dest != "plot"]
+    given = [flag for flag, dest, *_ in TRAINING_KNOBS if getattr(args, dest, None) is not None and dest != "plot"]
     if given:
         raise UserError(f"{given[0]} is a training-level knob: add --level training")
     return run_averaging(args)
@@ -264,7 +268,7 @@ def run_averaging(args: argparse.Namespace) -> int:
         "final_spread": float(f"{sum(t.rounds[-1].spread for t in cell.trajectories) / len(cell.trajectories):.4g}"),
         "wall_s": round(wall, 3),
     }
-    if args.plot:
+    if getattr(args, "plot", None):
         from moshpeer.simulation.plots import plot_distance
         plot_distance(args.plot, cell)
     print(json.dumps(line), flush=True)
@@ -278,7 +282,7 @@ def run_training_level(args: argparse.Namespace) -> int:
     from moshpeer.errors import UserError
     from moshpeer.simulation.training import TrainingConfig, Workload, run_sync, run_training
 
-    knobs = {dest: (default if getattr(args, dest) is None else getattr(args, dest))
+    knobs = {dest: (default if getattr(args, dest, None) is None else getattr(args, dest))
              for _, dest, _, default, _, _ in TRAINING_KNOBS}
     if args.grouping != "keys" or args.baseline != "moshpit" or args.initial_keys != "random":
         raise UserError("--grouping, --baseline and --initial-keys are averaging-level knobs")
@@ -291,7 +295,8 @@ def run_training_level(args: argparse.Namespace) -> int:
                             batch=knobs["batch"], lr=knobs["lr"])
         config = TrainingConfig(
             peers=peers, mode=knobs["mode"], rounds=args.rounds,
-            inner_steps=knobs["inner_steps"], outer_optimizer=knobs["outer_optimizer"], group_size=args.group_size,
+            inner_steps=knobs["inner_steps"], outer_optimizer=knobs["outer_optimizer"],
+            outer_params_every=knobs["outer_params_every"], group_size=args.group_size,
             min_group_size=args.min_group_size, key_bits=args.grid_bits, aggregation=knobs["aggregation"],
             partition=knobs["partition"], model_params=knobs["model_params"], bytes_per_value=knobs["bytes_per_value"],
             uplink=knobs["uplink_mbps"] * 125_000, downlink=knobs["downlink_mbps"] * 125_000,
