@@ -39,7 +39,9 @@ each honest peer's own model and averaged (so disagreement between peers costs l
    production `robust_combine`; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
    averaged chunks keep the receiver's own value.
 5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
-   random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock.
+   random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
+   ready only after its group had formed catches up as production DiLoCo does (`catches_up_after_missed_round`):
+   it downloads a member's state after the round, and its round's compute is lost.
 
 **Hostile peers** (a fixed random subset): they train honestly but send `hostile_scale` x their contribution
 (-100 = the issue's scaled attack, -1 = sign flip) and declare `hostile_weight` x their true weight. As owners
@@ -256,7 +258,8 @@ def ring_allreduce_seconds(numel: int, peers: int, uplink: float, downlink: floa
 @dataclass
 class TrainingResult:
     """What a run measured. `curve` = (simulated seconds, loss) after each round (sync: each checkpoint
-    interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout."""
+    interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout;
+    `catch_ups` = peers that came after their group had formed and downloaded a member's state instead."""
 
     system: str
     config: dict
@@ -275,6 +278,7 @@ class TrainingResult:
     initial_loss: float
     bytes_per_peer: float
     final_spread: float = 0.0
+    catch_ups: int = 0
     mean_group_size: float = 0.0
     alone_fraction: float = 0.0
     curve: List[Tuple[float, float]] = field(default_factory=list)
@@ -386,7 +390,7 @@ class MoshpitTraining:
         self.keys = grid.initial_group_keys(n, self.key_bits, s.group_rng)
         self.deadlines: Dict[int, RoundDeadlines] = {}
         self.round = 0
-        self.stalls = self.failures = 0
+        self.stalls = self.failures = self.catch_ups = 0
         self.group_sizes: List[int] = []
         self.alone = 0
         self.participations = 0
@@ -434,7 +438,11 @@ class MoshpitTraining:
         self.wait[back] += resume - self.down_until[back]  # the download, then waiting for the next round
         self.clock[back] = resume
         self.down_until[back] = 0.0
-        b, d = torch.from_numpy(back), torch.from_numpy(donors)
+        self._adopt(back, donors)
+
+    def _adopt(self, peers: np.ndarray, donors: np.ndarray) -> None:
+        """`peers` take over their donors' state: the model and, for DiLoCo, θ_outer and the outer momentum."""
+        b, d = torch.from_numpy(peers), torch.from_numpy(donors)
         self.x[b] = self.x[d]
         if self.outer is not None:
             anchor = self.outer.anchor[0]
@@ -468,24 +476,41 @@ class MoshpitTraining:
 
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
-        grouping = self._window(grouping, ready_of)
+        grouping, late, late_group = self._window(grouping, ready_of)
         row_of = np.full(c.peers, -1, dtype=np.int64)
         row_of[survivors] = np.arange(survivors.size)
         averaged = honest.clone()  # alone, or a lost averaged chunk: the peer's own (honest) value
-        done = np.ones(survivors.size, dtype=bool)  # False: died during the round
+        done = np.ones(survivors.size, dtype=bool)  # False: died during the round, or came late
+        ends, donors = np.zeros(grouping.num_groups), np.full(grouping.num_groups, -1, dtype=np.int64)
         for j in range(grouping.num_groups):
             members = grouping.members[grouping.starts[j]:grouping.starts[j] + grouping.sizes[j]]
-            done_members = self._group_round(members, row_of[members], ready_of[members], contributions, weights,
-                                             averaged)
+            done_members, ends[j] = self._group_round(members, row_of[members], ready_of[members], contributions,
+                                                      weights, averaged)
             done[row_of[members]] = done_members
+            if done_members.any():
+                donors[j] = members[np.flatnonzero(done_members)[0]]
+        # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`)
+        # for every mode here: download the state of a member that finished the round; this round's compute is lost.
+        catch_up = late[donors[late_group] >= 0] if late.size else late
+        catch_donor = donors[late_group][donors[late_group] >= 0] if late.size else late
+        catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
+        alone = np.r_[grouping.alone, late[donors[late_group] < 0]].astype(np.int64) if late.size else grouping.alone
+        done[row_of[catch_up]] = False
         # Alone: waited the matchmaking window in vain, then steps on its own contribution.
-        alone = grouping.alone
         self.alone += int(alone.size)
         self.participations += int(survivors.size)
         self.wait[alone] += c.matchmaking_window_s
         self.clock[alone] = ready_of[alone] + c.matchmaking_window_s
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
+        if catch_up.size:
+            self.lost[catch_up] += compute[row_of[catch_up]]
+            self.catch_ups += int(catch_up.size)
+            self._adopt(catch_up, catch_donor)
+            state_values = c.model_params * (2 if c.mode == "diloco" else 1)
+            resume = catch_end + state_values * 4 / s.downlink[catch_up]
+            self.wait[catch_up] += resume - ready_of[catch_up]
+            self.clock[catch_up] = resume
         if grouping.num_groups:
             blob = s.group_rng.bytes(GROUP_ID_BYTES * grouping.num_groups)
             ids = [blob[k * GROUP_ID_BYTES:(k + 1) * GROUP_ID_BYTES] for k in range(grouping.num_groups)]
@@ -528,19 +553,22 @@ class MoshpitTraining:
             weights[hostile] *= c.hostile_weight
         return contribution, sent, weights
 
-    def _window(self, grouping: grid.Grouping, ready_of: np.ndarray) -> grid.Grouping:
+    def _window(self, grouping: grid.Grouping, ready_of: np.ndarray) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
         """The matchmaking window: a group forms from the largest set of its members whose ready times lie within
         `matchmaking_window_s` of each other (the latest such set on a tie); a member ready earlier waited the
-        window in vain, one ready later found the group gone; both go alone."""
+        window in vain and goes alone; one ready later found the group gone: it is returned as late, with the index
+        of the group it missed (-> grouping, late peers, their groups)."""
         c = self.config
+        none = np.zeros(0, dtype=np.int64)
         if grouping.num_groups == 0:
-            return grouping
+            return grouping, none, none
         ready = ready_of[grouping.members]
         first = np.minimum.reduceat(ready, grouping.starts)
         last = np.maximum.reduceat(ready, grouping.starts)
         if (last - first <= c.matchmaking_window_s).all():
-            return grouping
+            return grouping, none, none
         keep = np.ones(grouping.members.size, dtype=bool)
+        late = np.zeros(grouping.members.size, dtype=bool)
         for j in np.flatnonzero(last - first > c.matchmaking_window_s).tolist():
             lo = int(grouping.starts[j])
             times = ready[lo:lo + int(grouping.sizes[j])]
@@ -549,6 +577,7 @@ class MoshpitTraining:
             counts = np.arange(order.size) - np.searchsorted(order, order - c.matchmaking_window_s) + 1
             best = int(np.flatnonzero(counts == counts.max())[-1])
             keep[lo:lo + times.size] = (times <= order[best]) & (times >= order[best] - c.matchmaking_window_s)
+            late[lo:lo + times.size] = times > order[best]
         group_of = grouping.group_of_member()
         sizes = np.bincount(group_of[keep], minlength=grouping.num_groups)
         ok = sizes >= c.min_group_size
@@ -556,13 +585,16 @@ class MoshpitTraining:
         members = grouping.members[in_ok]
         kept = sizes[ok]
         starts = np.r_[0, np.cumsum(kept)[:-1]] if kept.size else np.zeros(0, dtype=np.int64)
-        alone = np.r_[grouping.alone, grouping.members[~in_ok]]
-        return grid.Grouping(members, starts.astype(np.int64), kept.astype(np.int64), alone.astype(np.int64))
+        new_index = np.cumsum(ok) - 1
+        is_late = late & ok[group_of]
+        alone = np.r_[grouping.alone, grouping.members[~in_ok & ~is_late]]
+        regrouped = grid.Grouping(members, starts.astype(np.int64), kept.astype(np.int64), alone.astype(np.int64))
+        return regrouped, grouping.members[is_late], new_index[group_of[is_late]]
 
     def _group_round(self, members: np.ndarray, rows: np.ndarray, ready: np.ndarray, contributions: torch.Tensor,
-                     weights: np.ndarray, averaged: torch.Tensor) -> np.ndarray:
+                     weights: np.ndarray, averaged: torch.Tensor) -> Tuple[np.ndarray, float]:
         """Time, traffic and aggregation of one group; writes the members' results into `averaged`; returns
-        which members finished the round (the others failed in it)."""
+        which members finished the round (the others failed in it) and when it ended."""
         s, c = self.swarm, self.config
         n = members.size
         self.group_sizes.append(n)
@@ -595,7 +627,7 @@ class MoshpitTraining:
             self.lost[died] += ready[dying] - self.clock[died]  # the epoch's compute, not only the round
             self._fail(died, self.fail_at[died])
         self._aggregate(rows, contributions, weights, dying, averaged)
-        return ~dying
+        return ~dying, end
 
     def _aggregate(self, rows: np.ndarray, contributions: torch.Tensor, weights: np.ndarray, dying: np.ndarray,
                    averaged: torch.Tensor) -> None:
@@ -713,7 +745,7 @@ class MoshpitTraining:
             initial_loss=self.initial_loss, bytes_per_peer=float(self.sent.mean()),
             final_spread=s.spread(models) if live_honest.size else float("nan"),
             mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
-            alone_fraction=self.alone / max(self.participations, 1), curve=self.curve)
+            alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups, curve=self.curve)
 
 
 # ---- the synchronous baseline -----------------------------------------------------------------------
