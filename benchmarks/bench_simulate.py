@@ -214,6 +214,7 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     internet = dict(base, uplink=12.5e6, downlink=12.5e6, rtt_s=0.05, link_spread=0.1, speed_spread=0.1)
     net = run_training(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
     line("diloco, internet links", net)
+    figures["diloco_1k_internet_catch_ups"] = net.catch_ups
     net_sync = run_sync(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0,
                         seconds=net.sim_seconds)
     line("sync, internet links", net_sync)
@@ -222,6 +223,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
     # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the
     # loss on the same honest peers' data.
+    if hostile_rounds <= 0:
+        return figures
     hostile_base = dict(base, rounds=hostile_rounds)
 
     def hostile_ratio(fraction: float, aggregation: str) -> float:
@@ -256,7 +259,7 @@ def main() -> int:
     parser.add_argument("--training-rounds", type=int, default=200, help="rounds of the goodput runs (default 200)")
     parser.add_argument("--training-peers", type=int, default=1000, help="peers of the training runs (default 1000)")
     parser.add_argument("--hostile-rounds", type=int, default=100,
-                        help="rounds of each hostile-peer run (default 100)")
+                        help="rounds of each hostile-peer run (default 100; 0 skips them)")
     args = parser.parse_args()
     started = time.perf_counter()
     figures = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}"}

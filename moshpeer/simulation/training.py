@@ -477,6 +477,11 @@ class MoshpitTraining:
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
         grouping, late, late_group = self._window(grouping, ready_of)
+        if c.mode != "diloco" and late.size:
+            # Only DiLoCoStrategy catches up after a missed round; the other strategies step alone (apply_alone).
+            grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
+                                     np.r_[grouping.alone, late].astype(np.int64))
+            late = late_group = np.zeros(0, dtype=np.int64)
         row_of = np.full(c.peers, -1, dtype=np.int64)
         row_of[survivors] = np.arange(survivors.size)
         averaged = honest.clone()  # alone, or a lost averaged chunk: the peer's own (honest) value
@@ -489,8 +494,8 @@ class MoshpitTraining:
             done[row_of[members]] = done_members
             if done_members.any():
                 donors[j] = members[np.flatnonzero(done_members)[0]]
-        # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`)
-        # for every mode here: download the state of a member that finished the round; this round's compute is lost.
+        # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`,
+        # CollaborativeOptimizer: the swarm moved past this epoch): download the state of a member that finished the round; this round's compute is lost.
         catch_up = late[donors[late_group] >= 0] if late.size else late
         catch_donor = donors[late_group][donors[late_group] >= 0] if late.size else late
         catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
