@@ -25,9 +25,14 @@ each honest peer's own model and averaged (so disagreement between peers costs l
 1. compute: each peer's clock advances by steps x batch / speed. A peer whose failure time falls inside fails
    there: the work since its last completed round is lost, it is down for Exp(rejoin_s) (or for good, with
    probability `never_return`), and it takes no part in the round.
-2. grouping: the production key rule (`grid.assemble_groups` on the peers' group keys); then the matchmaking
-   window: a member ready more than `matchmaking_window_s` after the first ready member of its group missed
-   it (it waited the window alone). A group smaller than `min_group_size` does not assemble.
+2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys),
+   then the matchmaking window (`_window`): a group keeps its largest set of members ready within
+   `matchmaking_window_s` of each other. An earlier member waited the window in vain and steps alone; a later one
+   found the group gone: in DiLoCo it catches up as production does (`catches_up_after_missed_round`: it
+   downloads a member's state after the round and loses the round's compute), in the other modes it steps
+   alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer
+   takes part in each round it is up for, so a fast peer waits for its group's slowest member (fixed H, as in
+   production without DropCompute).
 3. the group round starts when its last member is ready, after matchmaking ((2 + log2 N) round trips of the
    slowest member's RTT: DHT lookup, join request, leader's reply). Its data-plane time is the bandwidth model
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
