@@ -218,7 +218,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     net_sync = run_sync(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0,
                         seconds=net.sim_seconds)
     line("sync, internet links", net_sync)
-    figures.update(goodput_1k_diloco_internet=round(net.goodput, 4), goodput_1k_sync_internet=round(net_sync.goodput, 4))
+    figures.update(goodput_1k_diloco_internet=round(net.goodput, 4),
+                   goodput_1k_sync_internet=round(net_sync.goodput, 4))
 
     # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
     # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the

@@ -381,7 +381,8 @@ class MoshpitTraining:
         self.config = config
         n, dim = config.peers, config.workload.dim
         self.x = s.start.repeat(n, 1)  # each peer's model (diloco: θ_local between rounds = θ_outer)
-        self.outer = OuterState([self.x], parse_outer_optimizer(config.outer_optimizer)) if config.mode == "diloco" else None
+        self.outer = (OuterState([self.x], parse_outer_optimizer(config.outer_optimizer))
+                      if config.mode == "diloco" else None)
         self.clock = np.zeros(n)
         self.fail_at = s.next_failure(self.clock)
         self.down_until = np.zeros(n)  # > clock: away; inf: gone for good
@@ -500,7 +501,8 @@ class MoshpitTraining:
             if done_members.any():
                 donors[j] = members[np.flatnonzero(done_members)[0]]
         # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`,
-        # CollaborativeOptimizer: the swarm moved past this epoch): download the state of a member that finished the round; this round's compute is lost.
+        # CollaborativeOptimizer: the swarm moved past this epoch): download the state of a member that finished
+        # the round; this round's compute is lost.
         catch_up = late[donors[late_group] >= 0] if late.size else late
         catch_donor = donors[late_group][donors[late_group] >= 0] if late.size else late
         catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
@@ -765,8 +767,9 @@ class SyncTraining:
     """Synchronous data parallelism on the same swarm: every step everybody computes its minibatch, one
     all-reduce averages the gradients (`ring_allreduce_seconds`), one SGD step. A checkpoint every
     `checkpoint_every` steps (`checkpoint_s` each; None: Young's optimal interval sqrt(2 checkpoint_s MTBF) for the
-    swarm's mean time between failures, so the baseline is not handicapped by a bad setting). A failure anywhere stalls the step until `timeout_s`, then
-    the job restarts from the last checkpoint (`restart_s` plus the state download) without the failed peer,
+    swarm's mean time between failures, so the baseline is not handicapped by a bad setting). A failure anywhere
+    stalls the step until `timeout_s`, then the job restarts from the last checkpoint (`restart_s` plus the state
+    download) without the failed peer,
     losing the steps since the checkpoint; a returning peer is added at the next checkpoint (no stall: generous
     to the baseline). Runs until it has taken `steps` steps or its clock passes `max_seconds`.
 
