@@ -38,7 +38,8 @@ each honest peer's own model and averaged (so disagreement between peers costs l
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
    `model_params` values. A member whose failure time falls inside the round sends nothing: the owners treat
    it as departed, its own part is lost for everybody (each keeps its own value there), and the others wait
-   for the round's deadline (the production `RoundDeadlines` of the group's first member).
+   for the round's deadline (the latest of the survivors' production `RoundDeadlines`; each peer records every
+   round it finished, as a peer does).
 4. aggregation per owner part and chunk (production `Partition` on the workload's dimension): `mean` = the
    production estimator `estimate_over_sum` over what arrived (with chunk loss), `clipped`/`trimmed` = the
    production `robust_combine`; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
@@ -621,15 +622,18 @@ class MoshpitTraining:
         start = float(ready.max()) + self.mm_s * float(s.rtt[members].max())
         end = start + data_s
         dying = self.fail_at[members] < end
-        deadlines = self._deadline(int(members[0]))
         payload = numel * c.bytes_per_value
+        alive_members = members[~dying].tolist()
         if dying.any():
-            # Nobody hears from a member that died: the owners wait for its part until the deadline.
+            # Nobody hears from a member that died: each owner waits for its part until its own deadline, so the
+            # round ends at the latest of the survivors' deadlines. (A round with a dead member is not recorded.)
             self.stalls += 1
-            end = start + max(data_s, deadlines.round_deadline(n, payload))
-            deadlines.observe_round(n, payload, end - start, hit_deadline=True, member_died=True)
+            waits = [self._deadline(m).round_deadline(n, payload) for m in alive_members] or [c.round_timeout_s]
+            end = start + max(data_s, max(waits))
         else:
-            deadlines.observe_round(n, payload, data_s, hit_deadline=False, member_died=False)
+            # Every member records the round, as every peer's own RoundDeadlines does.
+            for m in alive_members:
+                self._deadline(m).observe_round(n, payload, data_s, hit_deadline=False, member_died=False)
         self.sent[members[~dying]] += np.asarray(sent)[~dying]
         self.wait[members] += start - ready
         self.comm[members[~dying]] += end - start
