@@ -249,6 +249,9 @@ def run_averaging(args: argparse.Namespace) -> int:
         # float64, and a round holds about three copies: 5e7 values is ~1.2 GB.
         raise UserError(f"--peers x --dim = {args.peers * args.dim} values is more than this command holds "
                         f"({MAX_VALUES:.0e})")
+    if getattr(args, "plot", None):
+        from moshpeer.simulation.plots import prepare_directory
+        prepare_directory(args.plot)
     started = time.perf_counter()
     cell = run_cell(config, restarts=args.restarts, seed=args.seed, eps=eps)
     wall = time.perf_counter() - started
@@ -288,6 +291,9 @@ def run_training_level(args: argparse.Namespace) -> int:
         raise UserError("--grouping, --baseline and --initial-keys are averaging-level knobs")
     if args.min_group_size > args.group_size:
         raise UserError(f"--min-group-size ({args.min_group_size}) must be <= --group-size ({args.group_size})")
+    if knobs["plot"]:
+        from moshpeer.simulation.plots import prepare_directory
+        prepare_directory(knobs["plot"])  # a bad --plot fails before minutes of simulation, not after
     torch.set_num_threads(1)  # a vectorized step is small: threads only add contention on a shared machine
     peers = args.peers
     try:

@@ -21,7 +21,8 @@ def _pyplot():
     return plt
 
 
-def _prepare(directory: str) -> None:
+def prepare_directory(directory: str) -> None:
+    """Create `directory` if needed; UserError if it cannot be created or written."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
@@ -39,7 +40,7 @@ def _save(fig, path: str) -> None:
 
 def plot_distance(directory: str, cell) -> List[str]:
     """distance-vs-round.png: the mean error per round of an averaging cell (log scale). -> paths written."""
-    _prepare(directory)
+    prepare_directory(directory)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     errors = [max(e, 1e-300) for e in cell.mean_error]
@@ -56,7 +57,7 @@ def plot_distance(directory: str, cell) -> List[str]:
 
 def plot_training(directory: str, results: Sequence, sweep: Sequence[dict]) -> List[str]:
     """loss-vs-time.png for the runs; goodput-vs-failure-rate.png when a sweep was run. -> paths written."""
-    _prepare(directory)
+    prepare_directory(directory)
     plt = _pyplot()
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
