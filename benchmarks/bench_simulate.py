@@ -239,8 +239,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     for aggregation in ("mean", "clipped", "trimmed"):
         figures[f"byz10_{aggregation}_loss_ratio"] = hostile_ratio(0.1, aggregation)
     breaks = None
-    for fraction in (0.2, 0.3, 0.4, 0.5):
-        ratio = figures[f"byz{int(fraction * 100)}_clipped_loss_ratio"] = hostile_ratio(fraction, "clipped")
+    for fraction in (0.15, 0.2, 0.3, 0.4, 0.5):
+        ratio = figures[f"byz{round(fraction * 100)}_clipped_loss_ratio"] = hostile_ratio(fraction, "clipped")
         if ratio > 1.02:
             breaks = fraction
             break
