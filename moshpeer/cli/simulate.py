@@ -16,7 +16,10 @@ import json
 import math
 import sys
 import time
-from typing import Callable, List
+from typing import TYPE_CHECKING, Callable, List, Sequence
+
+if TYPE_CHECKING:
+    from moshpeer.simulation.training import TrainingResult
 
 MAX_VALUES = 50_000_000
 
@@ -342,7 +345,7 @@ def run_training_level(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_training_table(results, sweep) -> None:
+def print_training_table(results: Sequence["TrainingResult"], sweep: Sequence[dict]) -> None:
     """Loss against simulated time per system (about 10 rows), then goodput, bytes and stalls."""
     for r in results:
         print(f"{r.system}: loss against simulated time (loss floor {r.loss_floor:.4g})")

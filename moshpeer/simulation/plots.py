@@ -7,7 +7,11 @@ Every function raises UserError when DIR cannot be created or written (one line 
 from __future__ import annotations
 
 import os
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
+
+if TYPE_CHECKING:
+    from moshpeer.simulation.averaging import CellResult
+    from moshpeer.simulation.training import TrainingResult
 
 from moshpeer.errors import UserError
 
@@ -38,7 +42,7 @@ def _save(fig, path: str) -> None:
         raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
-def plot_distance(directory: str, cell) -> List[str]:
+def plot_distance(directory: str, cell: "CellResult") -> List[str]:
     """distance-vs-round.png: the mean error per round of an averaging cell (log scale). -> paths written."""
     prepare_directory(directory)
     plt = _pyplot()
@@ -55,7 +59,7 @@ def plot_distance(directory: str, cell) -> List[str]:
     return [path]
 
 
-def plot_training(directory: str, results: Sequence, sweep: Sequence[dict]) -> List[str]:
+def plot_training(directory: str, results: Sequence["TrainingResult"], sweep: Sequence[dict]) -> List[str]:
     """loss-vs-time.png for the runs; goodput-vs-failure-rate.png when a sweep was run. -> paths written."""
     prepare_directory(directory)
     plt = _pyplot()
