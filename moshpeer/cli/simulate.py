@@ -159,7 +159,7 @@ TRAINING_KNOBS = (
     ("--mode", "mode", str, "diloco", "M", "gradients | parameters | diloco (the production strategies)"),
     ("--inner-steps", "inner_steps", _int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
     ("--outer-optimizer", "outer_optimizer", str, "nesterov:lr=0.7,momentum=0.9", "SPEC",
-     "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.diloco)"),
+     "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.strategies.diloco_outer)"),
     ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 0, "K",
      "diloco, NOT production behaviour: every K rounds the group also averages θ_outer (0 = never, as production)"),
     ("--aggregation", "aggregation", str, "mean", "A", "mean | clipped | trimmed (moshpeer.averaging.aggregation)"),
@@ -190,7 +190,7 @@ TRAINING_KNOBS = (
     ("--matchmaking-window", "matchmaking_window_s", _positive_float, 30.0, "S",
      "how long the first ready member of a group waits for the others, s"),
     ("--round-timeout", "round_timeout_s", _positive_float, 120.0, "S",
-     "cap of the adaptive round deadline (production RoundDeadlines), s"),
+     "cap of the adaptive round deadline (production DeadlineLearner), s"),
     ("--sync", "sync", None, False, None, "also run the synchronous data-parallel baseline for the same "
      "simulated time (checkpoint interval: Young's optimum; 60 s timeout, 60 s restart)"),
     ("--sweep-failures", "sweep_failures", _nonnegative_float, None, "F",

@@ -38,7 +38,7 @@ each honest peer's own model and averaged (so disagreement between peers costs l
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
    `model_params` values. A member whose failure time falls inside the round sends nothing: the owners treat
    it as departed, its own part is lost for everybody (each keeps its own value there), and the others wait
-   for the round's deadline (the latest of the survivors' production `RoundDeadlines`; each peer records every
+   for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
    round it finished, as a peer does).
 4. aggregation per owner part and chunk (production `Partition` on the workload's dimension): `mean` = the
    production estimator `estimate_over_sum` over what arrived (with chunk loss), `clipped`/`trimmed` = the
@@ -69,11 +69,11 @@ import numpy as np
 import torch
 
 from moshpeer.averaging import grid
-from moshpeer.averaging.adaptive_deadlines import RoundDeadlines
+from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.aggregation import AGGREGATIONS, cap_weights, robust_combine, weight_cap_factor
 from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
-from moshpeer.peer.diloco import OuterState, parse_outer_optimizer
+from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
 
 MODES = ("gradients", "parameters", "diloco")
@@ -123,7 +123,7 @@ class TrainingConfig:
         rounds the group also averages θ_outer and its members adopt the average before the outer step, as
         `GradientsStrategy` does with parameters; 0 (default) = never, as `DiLoCoStrategy` does
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
-    :param round_timeout_s: cap of the adaptive round deadline (`RoundDeadlines`, floor `min_round_timeout_s`)
+    :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
     :param never_return: probability that a failed peer never comes back
     :param chunk_loss: probability that one chunk on one link is lost (both phases)
@@ -395,7 +395,7 @@ class MoshpitTraining:
         self.sent = np.zeros(n)
         self.key_bits = config.resolved_key_bits()
         self.keys = grid.initial_group_keys(n, self.key_bits, s.group_rng)
-        self.deadlines: Dict[int, RoundDeadlines] = {}
+        self.deadlines: Dict[int, DeadlineLearner] = {}
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.group_sizes: List[int] = []
@@ -407,10 +407,10 @@ class MoshpitTraining:
 
     # -- helpers --
 
-    def _deadline(self, peer: int) -> RoundDeadlines:
+    def _deadline(self, peer: int) -> DeadlineLearner:
         if peer not in self.deadlines:
             c = self.config
-            self.deadlines[peer] = RoundDeadlines(matchmaking_floor=c.matchmaking_window_s,
+            self.deadlines[peer] = DeadlineLearner(matchmaking_floor=c.matchmaking_window_s,
                                                   matchmaking_cap=c.matchmaking_window_s,
                                                   round_floor=c.min_round_timeout_s, round_cap=c.round_timeout_s)
         return self.deadlines[peer]
@@ -631,7 +631,7 @@ class MoshpitTraining:
             waits = [self._deadline(m).round_deadline(n, payload) for m in alive_members] or [c.round_timeout_s]
             end = start + max(data_s, max(waits))
         else:
-            # Every member records the round, as every peer's own RoundDeadlines does.
+            # Every member records the round, as every peer's own DeadlineLearner does.
             for m in alive_members:
                 self._deadline(m).observe_round(n, payload, data_s, hit_deadline=False, member_died=False)
         self.sent[members[~dying]] += np.asarray(sent)[~dying]
