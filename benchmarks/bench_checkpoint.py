@@ -19,7 +19,7 @@ background checkpoints on and off, and SIGTERM-to-exit latency of a training pro
    `store.fence()` before each optimizer step, as `moshpeer join` does; a second set of pairs
    with the memcpy on the training thread (`throughput_ratio_sync_snapshot`) shows what that buys
    (`--skip-sync-snapshot` skips it).
-3. SIGTERM-to-exit. tests/preemption_trainer.py trains the ~100M model; SIGTERM arrives after a
+3. SIGTERM-to-exit. tests/helpers/preemption_trainer.py trains the ~100M model; SIGTERM arrives after a
    few steps; the time until the process has exited, having written its final checkpoint.
 
 Prints a table, then one line holding a JSON object with all figures.
@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from moshpeer.peer.checkpoint import CheckpointStore, Parts, capture_rng_state  # noqa: E402
 
-TRAINER = REPO / "tests" / "preemption_trainer.py"
+TRAINER = REPO / "tests" / "helpers" / "preemption_trainer.py"
 
 
 def filesystem_of(path: Path) -> str:

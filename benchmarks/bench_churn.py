@@ -6,7 +6,7 @@ Two runs of the same swarm for the same wall time, each on a fresh bootstrap:
 - churn: every --kill-every seconds the chaos loop ends one random peer that is averaging (cycling
   SIGKILL, SIGTERM and its preemption notice file) and restarts it --pause seconds later (never before
   the old process is gone), alternately from its checkpoint directory and fresh.
-The harness (tests/chaos.py, shared with tests/test_churn*.py) checks every exit and checkpoint.
+The harness (tests/helpers/chaos.py, shared with tests/swarm/test_churn*.py) checks every exit and checkpoint.
 
 Figures:
 - useful_time_fraction: swarm epochs per second with churn over the same without churn (both measured
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the swarm and chaos harness shared with the tests
+sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the swarm and chaos harness shared with the tests
 
 from chaos import ChaosPlan, ChurnReport, ChurnSwarm, describe_joins, loopback_bytes_per_second  # noqa: E402
 from swarm import Swarm  # noqa: E402

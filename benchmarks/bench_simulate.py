@@ -15,18 +15,26 @@ Parts:
    chunk loss (chunks of 64 values, production estimator).
 4. group size: rounds to 1e-4 for g in {4, 8, 16} at 100, 1,000, 10,000 peers (default key bits, p = 0 and
    p = 0.01, dim 1).
+5. training level (moshpeer.simulation.training), 1,000 peers, 200 rounds, DiLoCo (H = 50, production outer
+   step) on Moshpit groups of 16 against the synchronous baseline on the same swarm and links, at a failure rate
+   where the baseline's goodput is <= 30% (0.04 failures per peer per hour); the same without failures
+   (loss_ratio_failures); 10% hostile peers sending -100x with mean / clipped / trimmed aggregation
+   (byz10_*_loss_ratio); the hostile fraction at which clipped stops keeping the loss within 2%
+   (--training-rounds rounds each, fewer with --quick); a second swarm on internet links as context.
 
-    python benchmarks/bench_simulate.py [--many 100] [--timed 3] [--skip-groups]
+    python benchmarks/bench_simulate.py [--many 100] [--timed 3] [--skip-groups] [--skip-training]
 
 Ends with one JSON line (n512_rounds_to_1e9, n512_rounds_to_1e4, n512_p01_rounds, n512_p01_allreduce_rounds,
-n900_p005_rounds, n900_p005_allreduce_rounds, round_wall_s_10k, ...). Wall times are upper bounds when the
-machine is shared.
+n900_p005_rounds, n900_p005_allreduce_rounds, round_wall_s_10k, goodput_1k_diloco, goodput_1k_sync,
+loss_ratio_failures, byz10_clipped_loss_ratio, byz10_mean_loss_ratio, clipped_breaks_at, ...). Wall times are
+upper bounds when the machine is shared. A loss ratio of a run that diverged (inf or nan) is reported as 1e30.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -142,19 +150,127 @@ def group_sizes() -> dict:
     return figures
 
 
+TRAINING_FAILURES_PER_HOUR = 0.04  # a failure every 90 s somewhere in 1,000 peers: sync's goodput is ~22% there
+DIVERGED = 1e30
+
+
+def _ratio(a: float, b: float) -> float:
+    value = a / b if b > 0 else math.nan
+    return round(value, 5) if math.isfinite(value) else DIVERGED
+
+
+def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
+    """Part 5 (see the module docstring)."""
+    import torch
+
+    from moshpeer.simulation.training import TrainingConfig, Workload, run_sync, run_training
+
+    torch.set_num_threads(1)  # small vectorized steps: threads only add contention on a shared machine
+    figures = {}
+    workload = Workload(dim=64)
+    # Links fast enough that sync loses little to communication without failures: its collapse is the failures'.
+    base = dict(peers=peers, mode="diloco", rounds=rounds, inner_steps=50, group_size=16, workload=workload,
+                model_params=10_000_000, uplink=1.25e9, downlink=1.25e9, rtt_s=0.001, speed=16.0, rejoin_s=600.0)
+
+    def line(name: str, r) -> None:
+        print(f"{name:<38} goodput {r.goodput:6.3f}  final loss {r.final_loss:10.5g} (floor {r.loss_floor:.4g}, "
+              f"spread {r.final_spread:.3g})  sim {r.sim_seconds / 3600:5.2f} h  failures {r.failures:>4}  "
+              f"stalls {r.stalls:>3}  GB/peer {r.bytes_per_peer / 1e9:6.2f}", flush=True)
+
+    started = time.perf_counter()
+    failing = run_training(TrainingConfig(**base, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
+    figures["training_1k_200_rounds_wall_s"] = round(time.perf_counter() - started, 1)
+    line(f"diloco, {TRAINING_FAILURES_PER_HOUR}/peer/h", failing)
+    sync = run_sync(TrainingConfig(**base, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0,
+                    seconds=failing.sim_seconds)
+    line(f"sync, {TRAINING_FAILURES_PER_HOUR}/peer/h", sync)
+    clean = run_training(TrainingConfig(**base), seed=0)
+    line("diloco, no failures", clean)
+    sync_clean = run_sync(TrainingConfig(**base), seed=0, seconds=clean.sim_seconds)
+    line("sync, no failures", sync_clean)
+    figures.update(
+        training_failures_per_peer_hour=TRAINING_FAILURES_PER_HOUR,
+        goodput_1k_diloco=round(failing.goodput, 4), goodput_1k_sync=round(sync.goodput, 4),
+        goodput_1k_diloco_no_failures=round(clean.goodput, 4), goodput_1k_sync_no_failures=round(sync_clean.goodput, 4),
+        training_1k_failures=failing.failures, training_1k_stalls=failing.stalls, sync_1k_failures=sync.failures,
+        loss_ratio_failures=_ratio(failing.final_loss, clean.final_loss),
+        excess_loss_ratio_failures=_ratio(failing.excess_loss, clean.excess_loss),
+        diloco_1k_final_loss=round(clean.final_loss, 5), diloco_1k_loss_floor=round(clean.loss_floor, 5),
+        diloco_1k_final_spread=round(clean.final_spread, 5), sync_1k_final_loss=round(sync.final_loss, 5),
+        diloco_1k_bytes_per_peer=round(failing.bytes_per_peer), sync_1k_bytes_per_peer=round(sync.bytes_per_peer),
+    )
+    # Not production: DiLoCo whose groups also average θ_outer every 4 rounds (outer_params_every; see
+    # docs/simulation.md): the disagreement between peers' θ_outer that production DiLoCo leaves behind.
+    outer4 = run_training(TrainingConfig(**base, outer_params_every=4,
+                                         failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
+    line("diloco + θ_outer every 4, failures", outer4)
+    outer4_clean = run_training(TrainingConfig(**base, outer_params_every=4), seed=0)
+    line("diloco + θ_outer every 4, no failures", outer4_clean)
+    figures.update(goodput_1k_diloco_outer4=round(outer4.goodput, 4),
+                   loss_ratio_failures_outer4=_ratio(outer4.final_loss, outer4_clean.final_loss),
+                   diloco_1k_outer4_final_loss=round(outer4_clean.final_loss, 5),
+                   diloco_1k_outer4_final_spread=round(outer4_clean.final_spread, 5))
+    # The same swarm on internet links (100 Mbit/s, 50 ms, speeds and links +-10%): context, not a floor.
+    internet = dict(base, uplink=12.5e6, downlink=12.5e6, rtt_s=0.05, link_spread=0.1, speed_spread=0.1)
+    net = run_training(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
+    line("diloco, internet links", net)
+    figures["diloco_1k_internet_catch_ups"] = net.catch_ups
+    net_sync = run_sync(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0,
+                        seconds=net.sim_seconds)
+    line("sync, internet links", net_sync)
+    figures.update(goodput_1k_diloco_internet=round(net.goodput, 4),
+                   goodput_1k_sync_internet=round(net_sync.goodput, 4))
+
+    # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
+    # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the
+    # loss on the same honest peers' data.
+    if hostile_rounds <= 0:
+        return figures
+    hostile_base = dict(base, rounds=hostile_rounds)
+
+    def hostile_ratio(fraction: float, aggregation: str) -> float:
+        honest = run_training(TrainingConfig(**hostile_base, hostile_fraction=fraction, hostile_scale=1.0,
+                                             aggregation=aggregation), seed=1)
+        r = run_training(TrainingConfig(**hostile_base, hostile_fraction=fraction, aggregation=aggregation), seed=1)
+        line(f"{int(fraction * 100)}% hostile, honest, {aggregation}", honest)
+        line(f"{int(fraction * 100)}% hostile -100x, {aggregation}", r)
+        return _ratio(r.final_loss, honest.final_loss)
+
+    for aggregation in ("mean", "clipped", "trimmed"):
+        figures[f"byz10_{aggregation}_loss_ratio"] = hostile_ratio(0.1, aggregation)
+    breaks = None
+    for fraction in (0.15, 0.2, 0.3, 0.4, 0.5):
+        ratio = figures[f"byz{round(fraction * 100)}_clipped_loss_ratio"] = hostile_ratio(fraction, "clipped")
+        if ratio > 1.02:
+            breaks = fraction
+            break
+    figures["clipped_breaks_at"] = breaks  # None: held up to 50%
+    figures["hostile_rounds"] = hostile_rounds
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grids", type=int, default=100, help="grid draws for the paper's protocol (default 100)")
     parser.add_argument("--many", type=int, default=100, help="restarts for the expected values (default 100)")
     parser.add_argument("--timed", type=int, default=3, help="timed rounds per 10,000-peer case (default 3)")
     parser.add_argument("--skip-groups", action="store_true", help="skip the group-size table")
+    parser.add_argument("--skip-averaging", action="store_true", help="skip parts 1 to 4 (training level only)")
+    parser.add_argument("--skip-training", action="store_true", help="skip the training level (part 5)")
+    parser.add_argument("--training-rounds", type=int, default=200, help="rounds of the goodput runs (default 200)")
+    parser.add_argument("--training-peers", type=int, default=1000, help="peers of the training runs (default 1000)")
+    parser.add_argument("--hostile-rounds", type=int, default=100,
+                        help="rounds of each hostile-peer run (default 100; 0 skips them)")
     args = parser.parse_args()
     started = time.perf_counter()
     figures = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}"}
-    figures.update(paper_cells(args.grids, args.many))
-    figures.update(round_timing(args.timed))
-    if not args.skip_groups:
-        figures.update(group_sizes())
+    if not args.skip_averaging:
+        figures.update(paper_cells(args.grids, args.many))
+        figures.update(round_timing(args.timed))
+        if not args.skip_groups:
+            figures.update(group_sizes())
+    if not args.skip_training:
+        figures.update(training_scenarios(args.training_rounds, args.training_peers, args.hostile_rounds))
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(figures))
     return 0

@@ -15,7 +15,8 @@ started inside the namespaces, so every system moves its bytes over the same lin
 - `rtt100`: 100 Mbit/s with 100 ms round trips (`--size` MB); `rtt0`, `rtt50`, `rtt200`: matchmaking and
   handshake overhead at that round-trip time (4 MB, moshpeer only);
 - `nat`: 2 peers behind each of two NATs + 1 public peer (moshpeer only: gloo and hivemind's averager need
-  every peer reachable), `--nat-rounds` rounds, then the libp2p fallback's throughput.
+  every peer reachable), `--nat-rounds` rounds, then the libp2p fallback's throughput;
+- `join`: a newcomer 100 ms from 3 donors at 50 Mbit/s each downloads a `--join-size` MB state.
 
 Lower bounds (S bytes, n peers, uploads B_i; reduce-scatter + all-gather, downloads unconstrained):
 uniform: 2(n-1)/n * S/B. Heterogeneous: member i uploads S - s_i + (n-1) s_i for part sizes s_i, so the
@@ -56,7 +57,7 @@ SLOW_MBIT, FAST_MBIT = 10.0, 100.0
 # the same lab with every chunk over the libp2p fallback (nat_relay_mbps).
 RTT_MS = {"rtt0": 0.0, "rtt50": 50.0, "rtt100": 100.0, "rtt200": 200.0}
 NAT_SITES = [None, "cone-a", "cone-a", "symmetric-b", "symmetric-b"]
-SCENARIOS = ("100mbit", "1gbit", "hetero", *RTT_MS, "nat")
+SCENARIOS = ("100mbit", "1gbit", "hetero", *RTT_MS, "nat", "join")
 MATCHMAKING_MB = 4.0
 
 
@@ -126,6 +127,57 @@ def nat_scenario(args) -> Dict[str, float]:
             "nat_relay_round_s": forced["seconds"]}
 
 
+# A newcomer in its own namespace: its DHT node bootstraps the donors; after "go" on stdin it waits for every
+# offer, then downloads the state and prints the time.
+NEWCOMER = """
+import json, sys, time
+from moshpeer.dht import start_dht
+from moshpeer.peer.state.sync import download_state, list_state_offers
+host, run, donors = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dht = start_dht(host_maddrs=[f"/ip4/{host}/tcp/0"], run_ids=[run])
+print(json.dumps({"event": "ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
+sys.stdin.readline()
+deadline = time.monotonic() + 120
+while len(list_state_offers(dht, run)) < donors and time.monotonic() < deadline:
+    time.sleep(0.2)
+started = time.monotonic()
+state = download_state(dht, run, min_epoch=1, timeout=300, show_progress=False)
+print(json.dumps({"event": "done", "seconds": time.monotonic() - started, "bytes": state.nbytes,
+                  "donors": len(state.donors)}), flush=True)
+dht.stop()
+"""
+JOIN_DONORS, JOIN_DONOR_MBIT, JOIN_RTT_MS = 3, 50.0, 100.0
+
+
+def join_scenario(args) -> Dict[str, float]:
+    """A newcomer 100 ms from 3 donors at 50 Mbit/s each downloads a `--join-size` MB state: the time, against
+    the raw transfer bound (the state's bytes over the donors' summed uploads)."""
+    import subprocess
+
+    donor_script = os.path.join(REPO, "tests", "helpers", "state_donor.py")
+    floats = int(args.join_size * 1e6 / 4)
+    uploads = [None] + [JOIN_DONOR_MBIT] * JOIN_DONORS
+    run = "bench-join"
+    with netlab.Netlab(uploads, rtt=JOIN_RTT_MS) as lab:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+        newcomer = lab.popen(0, [sys.executable, "-c", NEWCOMER, lab.nodes[0].address, run, str(JOIN_DONORS)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        maddr = json.loads(newcomer.stdout.readline())["maddrs"][0]
+        donors = [lab.popen(k, [sys.executable, donor_script, "--initial-peer", maddr, "--run", run, "--seed", "1",
+                                "--floats", str(floats), "--host", lab.nodes[k].address],
+                            stdout=subprocess.PIPE, text=True, env=env) for k in range(1, JOIN_DONORS + 1)]
+        for donor in donors:
+            json.loads(donor.stdout.readline())  # ready: advertised
+        newcomer.stdin.write("go\n")
+        newcomer.stdin.flush()
+        done = json.loads(newcomer.stdout.readline())
+    bound = done["bytes"] / (JOIN_DONORS * JOIN_DONOR_MBIT * 1e6 / 8)
+    print(f"  join: {done['bytes'] / 1e6:.0f} MB from {done['donors']} donors at {JOIN_RTT_MS:g} ms RTT in "
+          f"{done['seconds']:.2f} s (raw transfer bound {bound:.2f} s)", flush=True)
+    return {"join_s_rtt100": done["seconds"], "join_bound_s": bound, "join_bytes": done["bytes"],
+            "join_donors_used": done["donors"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
@@ -135,6 +187,7 @@ def main() -> int:
     parser.add_argument("--scenarios", default="100mbit,1gbit,hetero",
                         help=f"comma-separated: {', '.join(SCENARIOS)} or any rate (e.g. 20mbit)")
     parser.add_argument("--nat-rounds", type=int, default=20, help="rounds of the nat scenario")
+    parser.add_argument("--join-size", type=float, default=64.0, help="MB of state, join scenario")
     parser.add_argument("--nat-size", type=float, default=16.0, help="MB of fp32 per peer, nat scenario")
     parser.add_argument("--codecs", default="none,int8,int4-int8,arc-topk:0.01")
     parser.add_argument("--systems", default="moshpeer,hivemind,gloo")
@@ -144,7 +197,7 @@ def main() -> int:
                         help="moshpeer peers declare the lab's upload rates (default: they measure them)")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
-    reason = netlab.unavailable(delays=any(s in RTT_MS for s in scenarios), sites="nat" in scenarios)
+    reason = netlab.unavailable(delays=any(s in RTT_MS or s == "join" for s in scenarios), sites="nat" in scenarios)
     if reason is not None:
         print(reason, file=sys.stderr)
         return 2
@@ -164,6 +217,9 @@ def main() -> int:
     for scenario in scenarios:
         if scenario == "nat":
             figures.update(nat_scenario(args))
+            continue
+        if scenario == "join":
+            figures.update(join_scenario(args))
             continue
         uploads = uploads_of(scenario, args.peers)
         size_mb = {"hetero": args.hetero_size, "rtt0": MATCHMAKING_MB, "rtt50": MATCHMAKING_MB,

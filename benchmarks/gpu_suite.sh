@@ -53,8 +53,8 @@ cat "$OUT/environment.log" >>"$OUT/summary.txt"
 
 if [ "$DEVICE" = cpu ]; then
     # Dry run: the cuda tests' CPU twins (the same test functions, device=cpu), the batching count, tiny bench.
-    step cuda_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_dataplane_devices.py \
-        tests/unit/test_part_batching.py -k "cpu" -m "not slow and not swarm"
+    step cuda_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/swarm/test_devices.py tests/unit/test_dataplane_devices.py \
+        tests/unit/test_part_batching.py -k "cpu"
     MBYTES=${GPU_SUITE_MBYTES:-4}
     step bench_gpu 240 "$PYTHON" benchmarks/bench_gpu.py --device cpu --mbytes "$MBYTES" --rounds 2 \
         --codecs none,int8 --gpt-epochs 2 --gpt-arg context=16 --gpt-arg d_model=16 --gpt-arg layers=1 \

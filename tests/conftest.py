@@ -1,20 +1,31 @@
 """Shared fixtures: real multi-process swarms (`swarm`) and in-process DHT nodes (`dht_node`).
 
 Both clean up whatever happens in the test: no moshpeer process and no p2pd survives a test. And
-every test fails if a process it spawned (through tests/swarm.py, tests/averaging_swarm.py or
-tests/trainer_process.py) printed a traceback or "Task was destroyed but it is pending!" on stderr:
+every test fails if a process it spawned (through tests/helpers/swarm.py, tests/helpers/averaging_swarm.py
+or tests/helpers/trainer_process.py) printed a traceback or "Task was destroyed but it is pending!" on stderr:
 a peer leaving is one log line, never a traceback. A test that provokes a real bug on purpose says
 so with `@pytest.mark.allow_stderr_tracebacks`.
+
+Layout: tests/unit/ (in-process), tests/swarm/ (tests that spawn processes), tests/helpers/ (the modules they
+share: harnesses, worker scripts, fakes). Tests import helpers by bare name (`from swarm import Swarm`), and a
+few import each other (`from test_training import ...`), so all three folders go on sys.path here.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Callable, List
 
 import pytest
 
-from swarm import LOOPBACK, Swarm, forbidden_stderr, process_group  # tests/ is on sys.path (rootdir conftest)
+TESTS = Path(__file__).resolve().parent
+for _folder in ("swarm", "unit", "helpers"):  # helpers end up first: `import swarm` is tests/helpers/swarm.py
+    if str(TESTS / _folder) not in sys.path:
+        sys.path.insert(0, str(TESTS / _folder))
+
+from swarm import LOOPBACK, Swarm, forbidden_stderr, process_group  # noqa: E402  (tests/helpers/swarm.py)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 # The README's test command under load: one busy process per core beside it, as on a shared CI machine or
 # a laptop doing other work. Flaky tests show up here first. Extra arguments go to pytest, e.g.
 #   tests/stress.sh -x                      # the default suite under load, stop at the first failure
-#   tests/stress.sh tests/test_training.py  # one file under load
+#   tests/stress.sh tests/swarm/test_training.py  # one file under load
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hogs=()

@@ -21,7 +21,8 @@ keeps the durations it measured recently and sets the next deadline to
 
 Round durations depend on the group size and the payload, so `DeadlineLearner` keeps one history per
 (group size, payload size class) and falls back to all group sizes of that payload class while a
-group size has too few measurements. Assembly times are kept per target group size.
+group size has too few measurements. Assembly times are kept per target group size; the peer side reads
+the fastest recent one (`fastest_assembly_s`) instead of keeping a history of its own.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ DEFAULT_MIN_ROUND_S = 1.0
 # A data plane that took this much of its budget ran into its deadline (its owners stopped waiting for
 # contributions at deadline.REDUCE_SCATTER_SHARE of it).
 DEADLINE_HIT_FRACTION = 0.9
+# `fastest_assembly_s` looks at this many of the latest full-group assemblies (older ones describe a swarm
+# that may have changed).
+FASTEST_ASSEMBLY_RECENT = 8
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,12 @@ class DeadlineLearner:
         pooled = [s for (size, cls), d in list(self._rounds.items()) if cls == payload_class(payload_bytes)
                   for s in d.samples]
         return own._bounded(robust_deadline(pooled, self.policy), own.streak)
+
+    def fastest_assembly_s(self, group_size: int, recent: int = FASTEST_ASSEMBLY_RECENT) -> Optional[float]:
+        """The shortest time a full group of `group_size` took to assemble among the `recent` latest ones
+        (seconds; no member was late), or None before any full group of that size formed."""
+        samples = self._assembly_for(group_size).samples[-recent:]
+        return min(samples) if samples else None
 
     # -- what rounds measured --
 

@@ -285,6 +285,11 @@ class MoshpitAverager(ServicerBase):
     def _announced_address(self) -> Tuple[str, int]:
         return ("", 0) if self.transport == "libp2p" else self._plane.address
 
+    def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:
+        """The fastest recent assembly of a full group of `target_group_size` (default: the averager's), learned
+        from this peer's rounds (adaptive_deadlines.py); None before any such group formed."""
+        return self.deadlines.fastest_assembly_s(target_group_size or self.target_group_size)
+
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[List[torch.Tensor]]:
         """Hold the averaged tensors (no round writes to them while the context is open)."""

@@ -9,10 +9,9 @@ added up into one `DataPlaneStats`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Coroutine, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -29,6 +28,7 @@ from moshpeer.compression.ef21m import EF21M
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROUND_DEVICE_TYPES = ("cpu", "cuda")  # where a round's vector may live (averaging/staging.py); else on the CPU
 
@@ -90,16 +90,29 @@ class GroupDataPlane:
         if sparsifier is None:
             self.allreduce(flat)
         else:
-            # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group.
+            # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group. Its code takes an
+            # async callback; ours blocks (the round thread is this all-reduce's thread), so the coroutines
+            # never suspend and run to completion here, without an event loop.
             async def dense_allreduce(t: torch.Tensor) -> torch.Tensor:
                 return self.allreduce(t.detach().to(torch.float32).contiguous().clone())
 
             seed = int.from_bytes(self.group_id[:8], "big") & 0x7FFFFFFF
             if error_feedback is not None:
-                flat.copy_(asyncio.run(error_feedback.step(flat, seed, dense_allreduce)))
+                flat.copy_(run_to_completion(error_feedback.step(flat, seed, dense_allreduce)))
             else:
-                asyncio.run(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
+                run_to_completion(sparsifier.allreduce_inplace(flat, seed, dense_allreduce))
         return sum(self.results, DataPlaneStats())
+
+
+def run_to_completion(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The value of a coroutine that never suspends (it awaits only callbacks that return at once); RuntimeError
+    (the coroutine closed) if it does suspend, i.e. it needs an event loop after all."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a data-plane coroutine suspended: it needs an event loop, the round thread has none")
 
 
 def round_tensors(tensors: Optional[Sequence[torch.Tensor]], default: List[torch.Tensor],

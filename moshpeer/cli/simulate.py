@@ -1,8 +1,10 @@
-"""`moshpeer simulate`: Moshpit averaging of N virtual peers, on the group-key decisions the real peers take.
+"""`moshpeer simulate`: Moshpit averaging or training of N virtual peers, on the decisions the real peers take.
 
-Runs `moshpeer.simulation.run_cell` (restarts of one configuration), prints a table of the mean error per
-round and the rounds needed to reach each --eps, and ends with one JSON line. See docs/simulation.md for what
-is simulated and what is production code.
+--level averaging (default) runs `moshpeer.simulation.run_cell` (restarts of one configuration), prints a table
+of the mean error per round and the rounds needed to reach each --eps, and ends with one JSON line.
+--level training runs `moshpeer.simulation.training` (a swarm training a convex problem on a simulated clock,
+optionally with the synchronous baseline and a failure-rate sweep), prints loss against simulated time and
+ends with one JSON line. See docs/simulation.md for what is simulated and what is production code.
 
 Every bad knob value is one line on stderr ("moshpeer simulate: error: ...") and exit code 2.
 """
@@ -14,7 +16,10 @@ import json
 import math
 import sys
 import time
-from typing import Callable, List
+from typing import TYPE_CHECKING, Callable, List, Sequence
+
+if TYPE_CHECKING:
+    from moshpeer.simulation.training import TrainingResult
 
 MAX_VALUES = 50_000_000
 
@@ -73,8 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         sys.exit(2)
 
     parser.error = one_line_error  # type: ignore[method-assign]
-    parser.add_argument("--peers", type=_int_at_least(1, 10_000_000), default=512, metavar="N",
-                        help="number of virtual peers")
+    parser.add_argument("--peers", type=_int_at_least(1, 10_000_000), default=argparse.SUPPRESS, metavar="N",
+                        help="number of virtual peers (default: 512; 1000 with --level training)")
     parser.add_argument("--group-size", type=_int_at_least(2, 1 << 20), default=16, metavar="G",
                         help="target group size g: at most G peers per group; also the side of the --grouping grid")
     parser.add_argument("--min-group-size", type=_int_at_least(1, 1 << 20), default=2, metavar="K",
@@ -92,10 +97,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--initial-keys", choices=("random", "balanced"), default="random",
                         help="random: uniform group bits per peer (as a peer draws them); balanced: every key held by "
                         "the same number of peers (a full grid when N = G^M)")
-    parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=1, metavar="D",
-                        help="values per peer (1 = scalars, as in the Moshpit paper)")
-    parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=50, metavar="R",
-                        help="round cap; a run that never reaches an eps counts as R rounds (the paper caps at 50)")
+    parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=argparse.SUPPRESS, metavar="D",
+                        help="values per peer (default: 1 = scalars, as in the Moshpit paper; with --level training: "
+                        "the dimension of the convex problem, default 64)")
+    parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=argparse.SUPPRESS, metavar="R",
+                        help="round cap; a run that never reaches an eps counts as R rounds (default: 50, as the "
+                        "paper caps; with --level training: the rounds to train, default 200)")
     parser.add_argument("--failure-rate", type=_probability, default=0.0, metavar="P",
                         help="probability that a peer fails in a round, independently per peer and round")
     parser.add_argument("--chunk-loss", type=_probability, default=0.0, metavar="Q",
@@ -117,10 +124,113 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "Moshpit notebook draws them (np.random.seed(seed), normal then uniform per round), which "
                         "replays its all-reduce runs exactly")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line (no table)")
+    parser.add_argument("--level", choices=("averaging", "training"), default="averaging",
+                        help="averaging: vectors and rounds to eps (the knobs above); training: a swarm training a "
+                        "convex problem on a simulated clock (the knobs below; --peers, --group-size, "
+                        "--min-group-size, --grid-bits, --dim, --rounds, --chunk-loss, --chunk-numel and --seed apply "
+                        "too; --rounds defaults to 200 there, --dim to 64, --peers to 1000)")
+    add_training_arguments(parser.add_argument_group("training level (--level training)"))
     parser.set_defaults(run=run)
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
+    return value
+
+
+# Training-level knobs: (flag, dest, type, default, metavar, help). Defaults are those of the issue's 1,000-peer
+# scenario (docs/simulation.md); None here means "not given", so that the averaging level can refuse them.
+TRAINING_KNOBS = (
+    ("--mode", "mode", str, "diloco", "M", "gradients | parameters | diloco (the production strategies)"),
+    ("--inner-steps", "inner_steps", _int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
+    ("--outer-optimizer", "outer_optimizer", str, "nesterov:lr=0.7,momentum=0.9", "SPEC",
+     "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.strategies.diloco_outer)"),
+    ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 0, "K",
+     "diloco, NOT production behaviour: every K rounds the group also averages θ_outer (0 = never, as production)"),
+    ("--aggregation", "aggregation", str, "mean", "A", "mean | clipped | trimmed (moshpeer.averaging.aggregation)"),
+    ("--partition", "partition", str, "bandwidth", "P", "bandwidth: part sizes by uplink (production "
+     "bandwidth_part_sizes); equal: equal parts"),
+    ("--model-params", "model_params", _int_at_least(1, 1 << 40), 10_000_000, "V",
+     "values of the model the time model moves (the math trains a --dim stand-in)"),
+    ("--bytes-per-value", "bytes_per_value", _int_at_least(1, 8), 4, "B", "wire bytes per value (4 fp32, 1 int8)"),
+    ("--uplink-mbps", "uplink_mbps", _positive_float, 10_000.0, "U", "uplink per peer, Mbit/s"),
+    ("--downlink-mbps", "downlink_mbps", _positive_float, 10_000.0, "D", "downlink per peer, Mbit/s"),
+    ("--rtt-ms", "rtt_ms", _nonnegative_float, 1.0, "R", "round-trip time per peer, ms"),
+    ("--link-spread", "link_spread", _nonnegative_float, 0.0, "S",
+     "sd of a lognormal factor on each peer's links and RTT (0 = all equal)"),
+    ("--speed", "speed", _positive_float, 16.0, "X", "compute speed per peer, samples/s"),
+    ("--speed-spread", "speed_spread", _nonnegative_float, 0.0, "S", "sd of a lognormal factor on each peer's speed"),
+    ("--batch", "batch", _int_at_least(1, 1 << 20), 32, "B", "samples per step (per peer)"),
+    ("--lr", "lr", _positive_float, 0.003, "LR", "(inner) SGD learning rate, at most 1"),
+    ("--heterogeneity", "heterogeneity", _nonnegative_float, 0.3, "H",
+     "sd of each peer's optimum around the common one (non-IID shards)"),
+    ("--failures-per-hour", "failures_per_hour", _nonnegative_float, 0.0, "F",
+     "failure rate per peer per hour of simulated time (exponential)"),
+    ("--rejoin-s", "rejoin_s", _positive_float, 600.0, "T", "mean time a failed peer stays away, s"),
+    ("--never-return", "never_return", _probability, 0.0, "P", "probability that a failed peer never returns"),
+    ("--hostile-fraction", "hostile_fraction", _probability, 0.0, "P", "fraction of hostile peers"),
+    ("--hostile-scale", "hostile_scale", _finite_float, -100.0, "K",
+     "a hostile peer sends K x its contribution (-100 scaled, -1 sign flip)"),
+    ("--hostile-weight", "hostile_weight", _positive_float, 1.0, "W", "a hostile peer declares W x its weight"),
+    ("--matchmaking-window", "matchmaking_window_s", _positive_float, 30.0, "S",
+     "how long the first ready member of a group waits for the others, s"),
+    ("--round-timeout", "round_timeout_s", _positive_float, 120.0, "S",
+     "cap of the adaptive round deadline (production DeadlineLearner), s"),
+    ("--sync", "sync", None, False, None, "also run the synchronous data-parallel baseline for the same "
+     "simulated time (checkpoint interval: Young's optimum; 60 s timeout, 60 s restart)"),
+    ("--sweep-failures", "sweep_failures", _nonnegative_float, None, "F",
+     "repeatable: also run both systems at these failure rates (per peer per hour) for the goodput plot"),
+    ("--plot", "plot", str, None, "DIR", "write loss-vs-time.png (and goodput-vs-failure-rate.png with "
+     "--sweep-failures) into DIR (averaging level: distance-vs-round.png)"),
+)
+
+
+def add_training_arguments(group: argparse._ArgumentGroup) -> None:
+    for flag, dest, kind, default, metavar, text in TRAINING_KNOBS:
+        shown = f"{text} (default: {default})" if default not in (None, False) else text
+        # SUPPRESS: "not given" leaves no attribute (read with getattr(args, dest, None)), and the help formatter
+        # does not append "(default: None)" to the per-level defaults written in the text.
+        if kind is None:
+            group.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=text)
+        elif dest == "sweep_failures":
+            group.add_argument(flag, dest=dest, type=kind, action="append", default=argparse.SUPPRESS,
+                               metavar=metavar, help=text)
+        else:
+            group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=shown)
+
+
 def run(args: argparse.Namespace) -> int:
+    from moshpeer.errors import UserError
+
+    training = args.level == "training"
+    # Per-level defaults (None = not given).
+    args.peers = getattr(args, "peers", None) or (1000 if training else 512)
+    args.dim = getattr(args, "dim", None) or (64 if training else 1)
+    args.rounds = getattr(args, "rounds", None) or (200 if training else 50)
+    if training:
+        return run_training_level(args)
+    given = [flag for flag, dest, *_ in TRAINING_KNOBS if getattr(args, dest, None) is not None and dest != "plot"]
+    if given:
+        raise UserError(f"{given[0]} is a training-level knob: add --level training")
+    return run_averaging(args)
+
+
+def run_averaging(args: argparse.Namespace) -> int:
     from moshpeer.errors import UserError
     from moshpeer.simulation import AveragingConfig, run_cell
 
@@ -142,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
         # float64, and a round holds about three copies: 5e7 values is ~1.2 GB.
         raise UserError(f"--peers x --dim = {args.peers * args.dim} values is more than this command holds "
                         f"({MAX_VALUES:.0e})")
+    if getattr(args, "plot", None):
+        from moshpeer.simulation.plots import prepare_directory
+        prepare_directory(args.plot)
     started = time.perf_counter()
     cell = run_cell(config, restarts=args.restarts, seed=args.seed, eps=eps)
     wall = time.perf_counter() - started
@@ -161,8 +274,92 @@ def run(args: argparse.Namespace) -> int:
         "final_spread": float(f"{sum(t.rounds[-1].spread for t in cell.trajectories) / len(cell.trajectories):.4g}"),
         "wall_s": round(wall, 3),
     }
+    if getattr(args, "plot", None):
+        from moshpeer.simulation.plots import plot_distance
+        plot_distance(args.plot, cell)
     print(json.dumps(line), flush=True)
     return 0
+
+
+def run_training_level(args: argparse.Namespace) -> int:
+    """--level training: one Moshpit run, optionally the sync baseline and a failure sweep."""
+    import torch
+
+    from moshpeer.errors import UserError
+    from moshpeer.simulation.training import TrainingConfig, Workload, run_sync, run_training
+
+    knobs = {dest: (default if getattr(args, dest, None) is None else getattr(args, dest))
+             for _, dest, _, default, _, _ in TRAINING_KNOBS}
+    if args.grouping != "keys" or args.baseline != "moshpit" or args.initial_keys != "random":
+        raise UserError("--grouping, --baseline and --initial-keys are averaging-level knobs")
+    if args.min_group_size > args.group_size:
+        raise UserError(f"--min-group-size ({args.min_group_size}) must be <= --group-size ({args.group_size})")
+    if knobs["plot"]:
+        from moshpeer.simulation.plots import prepare_directory
+        prepare_directory(knobs["plot"])  # a bad --plot fails before minutes of simulation, not after
+    torch.set_num_threads(1)  # a vectorized step is small: threads only add contention on a shared machine
+    peers = args.peers
+    try:
+        workload = Workload(dim=args.dim, heterogeneity=knobs["heterogeneity"],
+                            batch=knobs["batch"], lr=knobs["lr"])
+        config = TrainingConfig(
+            peers=peers, mode=knobs["mode"], rounds=args.rounds,
+            inner_steps=knobs["inner_steps"], outer_optimizer=knobs["outer_optimizer"],
+            outer_params_every=knobs["outer_params_every"], group_size=args.group_size,
+            min_group_size=args.min_group_size, key_bits=args.grid_bits, aggregation=knobs["aggregation"],
+            partition=knobs["partition"], model_params=knobs["model_params"], bytes_per_value=knobs["bytes_per_value"],
+            uplink=knobs["uplink_mbps"] * 125_000, downlink=knobs["downlink_mbps"] * 125_000,
+            rtt_s=knobs["rtt_ms"] / 1000, link_spread=knobs["link_spread"], speed=knobs["speed"],
+            speed_spread=knobs["speed_spread"], failure_rate_per_hour=knobs["failures_per_hour"],
+            rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"], chunk_loss=args.chunk_loss,
+            chunk_numel=args.chunk_numel, hostile_fraction=knobs["hostile_fraction"],
+            hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],
+            matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
+            min_round_timeout_s=min(5.0, knobs["round_timeout_s"]), workload=workload,
+        ).check()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if config.peers * workload.dim > MAX_VALUES:
+        raise UserError(f"--peers x --dim = {config.peers * workload.dim} values is more than this command holds")
+    started = time.perf_counter()
+    result = run_training(config, seed=args.seed)
+    results = [result]
+    if knobs["sync"]:
+        results.append(run_sync(config, seed=args.seed, seconds=result.sim_seconds))
+    sweep = []
+    for rate in knobs["sweep_failures"] or []:
+        swept = TrainingConfig(**{**config.__dict__, "failure_rate_per_hour": rate})
+        sweep.append({"failures_per_hour": rate, "moshpit": run_training(swept, seed=args.seed).goodput,
+                      "sync": run_sync(swept, seed=args.seed, seconds=result.sim_seconds).goodput})
+    wall = time.perf_counter() - started
+    if not args.json:
+        print_training_table(results, sweep)
+    if knobs["plot"]:
+        from moshpeer.simulation.plots import plot_training
+        plot_training(knobs["plot"], results, sweep)
+    line = {"event": "simulate", "level": "training", "peers": config.peers, "mode": config.mode,
+            "aggregation": config.aggregation, "failures_per_hour": config.failure_rate_per_hour,
+            "hostile_fraction": config.hostile_fraction, "seed": args.seed,
+            "results": [r.summary() for r in results], "sweep": sweep, "wall_s": round(wall, 3)}
+    print(json.dumps(line), flush=True)
+    return 0
+
+
+def print_training_table(results: Sequence["TrainingResult"], sweep: Sequence[dict]) -> None:
+    """Loss against simulated time per system (about 10 rows), then goodput, bytes and stalls."""
+    for r in results:
+        print(f"{r.system}: loss against simulated time (loss floor {r.loss_floor:.4g})")
+        step = max(1, len(r.curve) // 10)
+        for t, loss in r.curve[::step] + ([r.curve[-1]] if (len(r.curve) - 1) % step else []):
+            print(f"  {t / 3600:>8.2f} h  {loss:.5g}")
+    print(f"{'system':>16} {'goodput':>8} {'final loss':>11} {'spread':>9} {'rounds':>7} {'sim h':>7} "
+          f"{'GB/peer':>8} {'stalls':>7} {'failures':>8}")
+    for r in results:
+        print(f"{r.system:>16} {r.goodput:>8.3f} {r.final_loss:>11.5g} {r.final_spread:>9.3g} {r.rounds:>7} "
+              f"{r.sim_seconds / 3600:>7.2f} {r.bytes_per_peer / 1e9:>8.2f} {r.stalls:>7} {r.failures:>8}")
+    for row in sweep:
+        print(f"failures/peer/h {row['failures_per_hour']:g}: goodput moshpit {row['moshpit']:.3f}, "
+              f"sync {row['sync']:.3f}")
 
 
 def print_table(cell, eps: List[float]) -> None:

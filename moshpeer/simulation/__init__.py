@@ -1,7 +1,9 @@
 """`moshpeer simulate`: many virtual peers on the decisions the real peers take (see docs/simulation.md).
 
-The averaging level (`averaging`) is here: N peers holding vectors, Moshpit groups by group key, failures,
-chunk loss on the production estimator, and the all-reduce baseline.
+The averaging level (`averaging`): N peers holding vectors, Moshpit groups by group key, failures, chunk loss on
+the production estimator, and the all-reduce baseline. The training level (`training`): N peers training a
+convex problem on a simulated clock (links, compute speeds, failures, hostile peers; gradients, parameters and
+DiLoCo modes) and the synchronous data-parallel baseline.
 """
 
 from moshpeer.simulation.averaging import (
@@ -15,8 +17,19 @@ from moshpeer.simulation.averaging import (
     Trajectory,
     run_cell,
 )
+from moshpeer.simulation.training import (
+    MODES,
+    MoshpitTraining,
+    SyncTraining,
+    TrainingConfig,
+    TrainingResult,
+    Workload,
+    run_sync,
+    run_training,
+)
 
 __all__ = [
     "INITIAL_KEYS", "RNG_STREAMS", "TOPOLOGIES", "AveragingConfig", "AveragingSimulation", "CellResult", "RoundStats",
-    "Trajectory", "run_cell",
+    "Trajectory", "run_cell", "MODES", "MoshpitTraining", "SyncTraining", "TrainingConfig", "TrainingResult",
+    "Workload", "run_sync", "run_training",
 ]

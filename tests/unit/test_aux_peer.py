@@ -44,7 +44,7 @@ class FakeAuxHost:
         self.started.append((weight, target, window))
         return FakeFuture(self.outcome)
 
-    def await_result(self, future, target: int):
+    def await_result(self, future):
         return future.result() if not future.pending else None
 
     def aux_window(self) -> float:

@@ -130,3 +130,30 @@ def test_peer_folders_import_only_downward():
                     and dep_parts[2] in PEER_FOLDERS_ABOVE[parts[2]]:
                 wrong.append(f"{name} -> {dep}")
     assert wrong == []
+
+
+# The layers of docs/architecture.md, bottom up: a module imports from its own layer or from lower ones only. The
+# package's root modules (errors, version, logs, ratelimited_log) are below every layer; `testing` (netlab,
+# orphans) is a tool for tests and benchmarks that imports no layer; simulation runs the averaging and peer
+# decisions for virtual peers; cli may import everything.
+LAYER_RANK = {"dht": 1, "compression": 1, "testing": 1, "averaging": 2, "peer": 3, "simulation": 4, "cli": 5,
+              "__main__": 6}
+
+
+def test_layers_import_only_downward():
+    modules = module_names()
+    known = set(modules)
+    wrong = []
+    for name, path in modules.items():
+        layer = name.split(".")[1] if name.count(".") else None
+        if layer not in LAYER_RANK:
+            continue  # a root module: it may import only other root modules (checked below)
+        for dep in imports_of(name, path, known):
+            dep_layer = dep.split(".")[1] if dep.count(".") else None
+            if dep_layer in LAYER_RANK and dep_layer != layer and LAYER_RANK[dep_layer] >= LAYER_RANK[layer]:
+                wrong.append(f"{name} -> {dep}")
+    for name, path in modules.items():  # root modules: below every layer
+        if name.count(".") == 1 and name.split(".")[1] not in LAYER_RANK:
+            wrong += [f"{name} -> {dep}" for dep in imports_of(name, path, known)
+                      if dep.count(".") and dep.split(".")[1] in LAYER_RANK]
+    assert wrong == []

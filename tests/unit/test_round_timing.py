@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_HISTORY, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
-                                        MISSED_ROUND_GRACE_S, RoundTiming)
+from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
+                                                  MISSED_ROUND_GRACE_S, RoundTiming)
 from peer_fakes import FakeClock, FakeFuture
 
 
@@ -29,8 +29,8 @@ def test_the_window_ends_at_the_budget_deadline_but_never_below_the_floor():
     assert timing.matchmaking_window() == pytest.approx(0.3)
     clock.advance(0.5)  # past the deadline
     assert timing.matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
-    timing.assembly_s = [0.15]  # complete groups took 0.15 s lately (a loaded machine)
-    assert timing.min_matchmaking_window() == pytest.approx(0.45)
+    timing.fastest_assembly = lambda size: 0.15  # the averager saw complete groups take 0.15 s (a loaded machine)
+    assert timing.assembly_floor() == pytest.approx(0.45)
     assert timing.matchmaking_window() == pytest.approx(0.45)
 
 
@@ -52,31 +52,44 @@ def test_a_peer_is_too_late_once_every_window_of_its_epoch_closed():
     assert timing.too_late_for_round()
 
 
-def test_only_complete_groups_teach_the_assembly_time():
-    timing, _ = budgeted()
-    timing.observe_assembly(RoundResult(ok=True, group_size=2, matchmaking_s=0.3), target=4)  # not complete
-    timing.observe_assembly(RoundResult(ok=False, group_size=4, matchmaking_s=0.3), target=4)  # failed
-    timing.observe_assembly(None, target=4)
-    assert timing.assembly_s == []
-    for i in range(ASSEMBLY_HISTORY + 2):
-        timing.observe_assembly(RoundResult(ok=True, group_size=4, matchmaking_s=float(i)), target=4)
-    assert timing.assembly_s == [float(i) for i in range(2, ASSEMBLY_HISTORY + 2)]
+def test_the_assembly_floor_asks_the_averager_for_the_rounds_group_size():
+    asked = []
+    timing = RoundTiming(1.0, 0.4, 4, clock=FakeClock(),
+                         fastest_assembly=lambda size: asked.append(size) or {2: 0.1, 4: 0.2}.get(size))
+    assert timing.assembly_floor() == pytest.approx(ASSEMBLY_MARGIN * 0.2) and asked == [4]  # default: group_size
+    assert timing.assembly_floor(2) == pytest.approx(max(MIN_BUDGET_WINDOW_S, ASSEMBLY_MARGIN * 0.1))
+    assert timing.assembly_floor(3) == MIN_BUDGET_WINDOW_S  # nothing learned for groups of 3 yet
+    timing.fastest_assembly = lambda size: 5.0  # never more than the matchmaking time
+    assert timing.assembly_floor() == 1.0
+
+
+def test_the_floor_follows_what_a_real_averagers_learner_measured():
+    from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
+    learner = DeadlineLearner(matchmaking_floor=0.2, matchmaking_cap=5.0, round_floor=0.1, round_cap=30.0)
+    timing = RoundTiming(1.0, 0.4, 4, clock=FakeClock(), fastest_assembly=learner.fastest_assembly_s)
+    assert timing.assembly_floor() == MIN_BUDGET_WINDOW_S  # nothing measured yet
+    learner.observe_result(RoundResult(ok=True, group_id="ab", group_size=2, matchmaking_s=0.01), target=4,
+                           payload_bytes=400)  # not a complete group: says nothing
+    assert timing.assembly_floor() == MIN_BUDGET_WINDOW_S
+    learner.observe_result(RoundResult(ok=True, group_id="ab", group_size=4, matchmaking_s=0.15), target=4,
+                           payload_bytes=400)
+    assert timing.assembly_floor() == pytest.approx(0.45)
 
 
 def test_await_result_returns_abandons_or_swallows_a_failure():
     timing, _ = budgeted()
     done = RoundResult(ok=True, group_size=4, matchmaking_s=0.05)
-    assert timing.await_result(FakeFuture(done), 4, lambda: False) is done and timing.assembly_s == [0.05]
+    assert timing.await_result(FakeFuture(done), lambda: False) is done
     pending = FakeFuture()  # its deadline has passed
-    assert timing.await_result(pending, 4, lambda: False) is None and pending.cancelled
-    assert timing.await_result(FakeFuture(error=RuntimeError("boom")), 4, lambda: False) is None
+    assert timing.await_result(pending, lambda: False) is None and pending.cancelled
+    assert timing.await_result(FakeFuture(error=RuntimeError("boom")), lambda: False) is None
 
 
 def test_await_result_abandons_a_round_when_asked_to_stop():
     timing, _ = budgeted()
     pending = FakeFuture()
     pending.deadline._remaining = 10.0  # still inside its deadline: only the stop request ends the wait
-    assert timing.await_result(pending, 4, lambda: True) is None and pending.cancelled
+    assert timing.await_result(pending, lambda: True) is None and pending.cancelled
 
 
 def test_missed_round_grace_is_bounded_by_the_round_timeout():

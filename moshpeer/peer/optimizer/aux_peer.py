@@ -42,7 +42,7 @@ class AuxHost(Protocol):
 
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any: ...
 
-    def await_result(self, future: Any, target: int) -> Optional[RoundResult]: ...
+    def await_result(self, future: Any) -> Optional[RoundResult]: ...
 
     def aux_window(self) -> float: ...
 
@@ -84,7 +84,7 @@ class AuxPeer:
             if snapshot.num_trainers > 0:
                 target, plan = host.group_target(snapshot), host.plan_round(snapshot)
                 future = host.start_round(plan, 0.0, target, host.aux_window())
-                result = host.await_result(future, target)
+                result = host.await_result(future)
                 if result is None or not result.ok:
                     return None
                 return host.finish_round(plan, result, None, epoch=host.counters.epoch, samples=0,

@@ -97,7 +97,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # fp32 whatever the parameters' dtype: summed in bf16, 256 + 1 is 256.
         self.counters = EpochCounters([torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                                        for p in self.params])
-        self.timing = RoundTiming(matchmaking_time, compute_budget, group_size, round_timeout=round_timeout)
+        self.timing = RoundTiming(matchmaking_time, compute_budget, group_size, round_timeout=round_timeout,
+                                  fastest_assembly=lambda size: self.averager.fastest_assembly_s(size))
         admission = Admission(swarm_key, allow_peers) if swarm_key is not None or allow_peers is not None else None
         self.swarm = link_to_swarm(run_id, role, int(target_batch_size), daemon=daemon, dht=dht,
                                    initial_peers=initial_peers, host=host, progress_refresh=progress_refresh,

@@ -209,7 +209,7 @@ class EpochLoop:
         facts.update(epoch=epoch, samples=self.counters.samples, group_target=target)
         if alone:  # a lone peer does not wait for a group that cannot form: it steps on its own data
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
-        future = self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window())
+        future = self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window(target))
         if host.strategy.overlaps:  # resolved at the next epoch end (settle), while the peer computes
             self._in_flight = (future, plan, facts)
             with host.lock:
@@ -217,7 +217,7 @@ class EpochLoop:
             return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",
                                                   settings=host.strategy.settings())
         started = time.monotonic()
-        result = host.timing.await_result(future, target, host.should_stop)
+        result = host.timing.await_result(future, host.should_stop)
         if not (result is not None and result.ok) and host.strategy.catches_up_after_missed_round \
                 and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop):
             missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
@@ -233,7 +233,7 @@ class EpochLoop:
             return None
         (future, plan, facts), self._in_flight = self._in_flight, None
         waited = time.monotonic()
-        result = self.host.timing.await_result(future, facts["group_target"], self.host.should_stop)
+        result = self.host.timing.await_result(future, self.host.should_stop)
         with self.host.lock:
             record = self._resolve(plan, result, None, wait_s=time.monotonic() - waited, **facts)
         self._remember(record)
@@ -329,9 +329,9 @@ class EpochLoop:
         """Wait up to `timeout` seconds for the next read of the swarm's progress."""
         self.host.swarm.progress.wait_for_refresh(timeout=timeout)
 
-    def await_result(self, future: Any, target: int) -> Optional[RoundResult]:
+    def await_result(self, future: Any) -> Optional[RoundResult]:
         """A started round's result within its deadline; None if it failed or was abandoned (round_timing.py)."""
-        return self.host.timing.await_result(future, target, self.host.should_stop)
+        return self.host.timing.await_result(future, self.host.should_stop)
 
     def aux_window(self) -> float:
         """How long an aux peer waits in matchmaking (round_timing.py)."""

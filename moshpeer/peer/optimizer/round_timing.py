@@ -7,12 +7,14 @@ peer whose round failed watches for the others having finished it (`missed_round
 started round within the round's own deadline (`await_result`).
 
 With a budget, the swarm waits for nobody past the budget deadline of the epoch (a straggler still inside a
-micro-batch is left out), but at least the time a complete group needs to assemble, learned from this peer's
-recent rounds (`min_matchmaking_window`). Without a budget a round waits `matchmaking_time`.
+micro-batch is left out), but at least the time a complete group needs to assemble (`assembly_floor`).
+Without a budget a round waits `matchmaking_time`.
 
-What the averager times itself (the round's absolute deadlines, `averaging/deadline.py`; adaptive
-matchmaking windows and data-plane deadlines learned per group size, `averaging/adaptive_deadlines.py`)
-is not repeated here: the window computed here is the cap the averager's own deadlines work within.
+What the averager times and learns itself is not repeated here: the round's absolute deadlines
+(`averaging/deadline.py`), the matchmaking windows and data-plane deadlines learned per group size, and the
+fastest recent assembly of a full group (`averaging/adaptive_deadlines.py`, read through
+`MoshpitAverager.fastest_assembly_s`, which `assembly_floor` asks). The window computed here is the cap the
+averager's own deadlines work within.
 """
 
 from __future__ import annotations
@@ -20,17 +22,17 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
 # takes a few round trips), even when the budget deadline is closer than this. Under load the round
-# trips take longer: the floor is then ASSEMBLY_MARGIN x the fastest recent assembly of a full group.
+# trips take longer: the floor is then ASSEMBLY_MARGIN x the fastest recent assembly of a full group (which
+# the averager learns: `MoshpitAverager.fastest_assembly_s`).
 MIN_BUDGET_WINDOW_S = 0.2
 ASSEMBLY_MARGIN = 3.0
-ASSEMBLY_HISTORY = 8
 STOP_POLL_S = 0.1  # how often a round in flight checks `should_stop`
 # A round looks for a group for this many matchmaking windows (the averager's `timeout`; its assembly and data
 # plane have their own deadlines after that).
@@ -52,16 +54,20 @@ class RoundTiming:
     :param budget: DropCompute threshold per epoch: None, seconds, or "auto" ("auto" simulates a synchronous
         group of `group_size` workers from this peer's own times)
     :param round_timeout: the averager's cap on one round (seconds), bounding `missed_round_grace`
+    :param fastest_assembly: group size -> the fastest recent assembly of a full group of that size (seconds),
+        or None before one formed: the averager's `fastest_assembly_s` (default: nothing learned)
     :param clock: monotonic seconds for the compute budget (tests pass a fake one)
     """
 
     def __init__(self, matchmaking_time: float, budget: BudgetSetting, group_size: int, *,
-                 round_timeout: float = 10.0, clock: Callable[[], float] = time.perf_counter):
-        self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
+                 round_timeout: float = 10.0,
+                 fastest_assembly: Callable[[int], Optional[float]] = lambda group_size: None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.matchmaking_time, self.round_timeout, self.group_size = matchmaking_time, round_timeout, group_size
+        self.fastest_assembly = fastest_assembly
         self.compute_budget = ComputeBudget(budget, num_workers=group_size, clock=clock) \
             if budget is not None else None
         self.epoch_budget: Optional[BudgetedStep] = None  # the current epoch's compute, with a budget
-        self.assembly_s: List[float] = []  # matchmaking times of recent rounds whose group was complete
         self.begin_epoch()
 
     # ---- the epoch's compute ------------------------------------------------------------------
@@ -85,17 +91,19 @@ class RoundTiming:
 
     # ---- the round's waiting times ----------------------------------------------------------------
 
-    def matchmaking_window(self) -> float:
-        """How long this epoch's round waits for its group to fill (see the module docstring)."""
+    def matchmaking_window(self, target: Optional[int] = None) -> float:
+        """How long this epoch's round (for a group of `target`, default `group_size`) waits for its group to fill
+        (see the module docstring)."""
         epoch = self.epoch_budget
         if epoch is None or epoch.tau_s is None:
             return self.matchmaking_time
-        return min(self.matchmaking_time, max(epoch.tau_s - epoch.elapsed_s, self.min_matchmaking_window()))
+        return min(self.matchmaking_time, max(epoch.tau_s - epoch.elapsed_s, self.assembly_floor(target)))
 
-    def min_matchmaking_window(self) -> float:
-        """The shortest matchmaking window worth trying: how long a complete group took to assemble recently
-        (its fastest case, i.e. no member was late), with a margin; at least MIN_BUDGET_WINDOW_S."""
-        fastest = min(self.assembly_s, default=0.0)
+    def assembly_floor(self, target: Optional[int] = None) -> float:
+        """The shortest matchmaking window worth trying: the fastest recent assembly of a full group of `target`
+        (default `group_size`; no member was late), as the averager learned it, with a margin; at least
+        MIN_BUDGET_WINDOW_S."""
+        fastest = self.fastest_assembly(target or self.group_size) or 0.0
         return min(self.matchmaking_time, max(MIN_BUDGET_WINDOW_S, ASSEMBLY_MARGIN * fastest))
 
     def aux_window(self) -> float:
@@ -115,23 +123,19 @@ class RoundTiming:
         """With a budget: has every window of this epoch closed (the peer is too late for its round)?"""
         epoch = self.epoch_budget
         return epoch is not None and epoch.tau_s is not None and \
-            epoch.elapsed_s >= epoch.tau_s + self.min_matchmaking_window()
+            epoch.elapsed_s >= epoch.tau_s + self.assembly_floor()
 
     # ---- a round in flight ------------------------------------------------------------------------
 
-    def observe_assembly(self, result: Optional[RoundResult], target: int) -> None:
-        """Learn from a finished round: a complete group's matchmaking time bounds later windows from below."""
-        if result is not None and result.ok and result.group_size >= target:
-            self.assembly_s = (self.assembly_s + [result.matchmaking_s])[-ASSEMBLY_HISTORY:]
-
-    def await_result(self, future: Any, target: int, should_stop: Callable[[], bool]) -> Optional[RoundResult]:
+    @staticmethod
+    def await_result(future: Any, should_stop: Callable[[], bool]) -> Optional[RoundResult]:
         """A started round's `RoundResult` (from its `RoundFuture`); None if it failed (logged), or if it is
-        abandoned (cancelled) because `should_stop()` or its own deadline passed."""
+        abandoned (cancelled) because `should_stop()` or its own deadline passed. (The averager learns the
+        round's timings itself, in its round thread, before the future resolves.) The wait wakes every
+        STOP_POLL_S to ask `should_stop`, but returns as soon as the result is set."""
         while True:
             try:
-                result = future.result(timeout=STOP_POLL_S)
-                self.observe_assembly(result, target)
-                return result
+                return future.result(timeout=STOP_POLL_S)
             except concurrent.futures.TimeoutError:
                 if should_stop() or future.deadline.remaining() == 0.0:
                     future.cancel()

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ROUNDS = 20
 STATE_MEGABYTES = 16  # big enough that most kills land mid-write (the delay scales with the measured write time)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def expected_state(step: int) -> dict:

@@ -33,7 +33,8 @@ def test_two_peers_gradient_averaging_matches_single_process(swarm):
     for peer_epochs in epochs:
         assert [e["epoch"] for e in peer_epochs] == list(range(1, EPOCHS + 1))
         # Each peer computed its share of the global batch every epoch.
-        assert all(e["samples"] == TARGET_BATCH // 2 for e in peer_epochs)
+        assert all(e["samples"] == TARGET_BATCH // 2 for e in peer_epochs), \
+            [(e["epoch"], e["num_trainers"], e["samples"], e["error"]) for e in peer_epochs]
     # Rounds in a full group give both peers the same averaged gradient: identical parameters.
     both_ok = [a["ok"] and b["ok"] for a, b in zip(*epochs)]
     assert sum(both_ok) >= EPOCHS - 2, both_ok

@@ -21,12 +21,12 @@ from moshpeer.testing.orphans import Reaper, kill_tagged, tagged_processes
 
 pytestmark = pytest.mark.timeout(120)
 
-TESTS = Path(__file__).resolve().parent
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 # A harness as a test uses it: a Swarm that started `moshpeer dht` (and so its p2pd), then hangs.
 HARNESS = textwrap.dedent(f"""
     import json, sys, time
-    sys.path.insert(0, {str(TESTS)!r})
+    sys.path.insert(0, {str(HELPERS)!r})
     from swarm import Swarm
     swarm = Swarm()
     boot = swarm.bootstrap("orphans")

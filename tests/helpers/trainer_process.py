@@ -1,4 +1,4 @@
-"""Helpers for tests that run tests/preemption_trainer.py as a real process and read its events."""
+"""Helpers for tests that run tests/helpers/preemption_trainer.py as a real process and read its events."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from swarm import SWARM_TAG, watch_stderr
 from moshpeer.testing.orphans import Reaper
 
 TRAINER = Path(__file__).resolve().parent / "preemption_trainer.py"
-REPO = TRAINER.parents[1]
+REPO = TRAINER.parents[2]
 
 
 class TrainerProcess:

@@ -17,7 +17,7 @@ from moshpeer.cli.main import COMMANDS
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 # Every subcommand with a flag it does not know: exit code, and whether torch / hivemind got imported.

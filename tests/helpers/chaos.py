@@ -1,4 +1,4 @@
-"""A swarm of training peers under churn: the harness of tests/test_churn*.py and benchmarks/bench_churn.py.
+"""A swarm of training peers under churn: the harness of tests/swarm/test_churn*.py and benchmarks/bench_churn.py.
 
     with Swarm() as swarm:
         churn = ChurnSwarm(swarm, "my-run", tmp_path, peers=3)

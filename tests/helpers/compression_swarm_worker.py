@@ -1,6 +1,6 @@
 """A peer process for the end-to-end codec tests: one DHT node, one MoshpitAverager per codec, driven over stdin.
 
-    python tests/compression_swarm_worker.py --index K [--initial-peers MADDR ...] [--numel N] ...
+    python tests/helpers/compression_swarm_worker.py --index K [--initial-peers MADDR ...] [--numel N] ...
 
 Prints {"event": "ready", "maddrs": [...]} once its DHT runs, then answers one JSON command per stdin line:
 
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Multi-donor state download (issue 16) with real donor processes (tests/state_donor.py): pieces come from
+"""Multi-donor state download (issue 16) with real donor processes (tests/helpers/state_donor.py): pieces come from
 several donors in parallel, a donor killed mid-download leaves its pieces to the others, and a donor that
 serves a corrupt piece is dropped and named while the newcomer still ends with the exact state."""
 
@@ -21,7 +21,7 @@ import torch
 from moshpeer.peer.state import sync as state_sync
 from moshpeer.peer.state.sync import download_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from state_donor import donor_state  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.swarm]
@@ -29,11 +29,11 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.swarm]
 RUN = "state-swarm"
 FLOATS = 1 << 18  # a 1 MiB state
 RATE = 256 << 10  # bytes per second and connection: about 4 s from one donor, 1.4 s from three
-DONOR_SCRIPT = Path(__file__).resolve().parent / "state_donor.py"
+DONOR_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "state_donor.py"
 
 
 class Donor:
-    """One tests/state_donor.py process (its own process group: the DHT and p2pd die with it)."""
+    """One tests/helpers/state_donor.py process (its own process group: the DHT and p2pd die with it)."""
 
     def __init__(self, maddr: str, tmp_path: Path, index: int, corrupt: bool = False):
         self.stderr_path = tmp_path / f"donor{index}.err"

@@ -1,6 +1,6 @@
 """bf16 and fp16 parameters through the real CLI (`moshpeer join --task gpt --device cpu`): two peers average
 in fp32 buffers on the parameters' device and end every full round with identical half-precision parameters;
-a bf16 peer's final checkpoint resumes bit for bit (bf16 state download: tests/test_devices.py). Micro-batch
+a bf16 peer's final checkpoint resumes bit for bit (bf16 state download: tests/swarm/test_devices.py). Micro-batch
 gradients of half-precision parameters are accumulated in fp32 and cast back once. With CUDA (`cuda`
 marker), the same GPT trains on the GPU through `moshpeer join --device cuda`."""
 

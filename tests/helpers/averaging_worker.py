@@ -1,6 +1,6 @@
 """A peer process for the averaging tests and benchmark: a DHT node plus a MoshpitAverager, driven over stdin.
 
-    python tests/averaging_worker.py --index K [--initial-peers MADDR ...] [averager options]
+    python tests/helpers/averaging_worker.py --index K [--initial-peers MADDR ...] [averager options]
 
 Prints {"event": "ready", "maddrs": [...], ...} once it can average, then executes one JSON command
 per stdin line and answers each with one JSON line on stdout:
@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

@@ -1,10 +1,11 @@
-"""A state donor process for tests/test_state_swarm.py: a DHT node and a throttled StateServer serving a
+"""A state donor process for tests/swarm/test_state_swarm.py: a DHT node and a throttled StateServer serving a
 deterministic state (seeded tensors), advertised for the run until the process is killed.
 
 It prints one JSON line when ready ({"event": "ready", "peer_id", "sha256"}). With --corrupt it flips one
 byte of every piece it sends (the manifest it signs stays the honest one), as a lying donor would.
 
-    python tests/state_donor.py --initial-peer MADDR --run RUN --seed 1 --floats N --rate BYTES_PER_S [--corrupt]
+    python tests/helpers/state_donor.py --initial-peer MADDR --run RUN --seed 1 --floats N --rate BYTES_PER_S [--corrupt]
+        [--host ADDRESS]  (benchmarks/bench_wan.py's join scenario runs donors in netlab namespaces)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from moshpeer.dht import start_dht  # noqa: E402
 from moshpeer.peer.state.framing import serialize_state  # noqa: E402
@@ -50,11 +51,13 @@ def main() -> None:
     parser.add_argument("--floats", type=int, default=1 << 18)
     parser.add_argument("--rate", type=float, default=None)
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1", help="address of its DHT node and state server")
     args = parser.parse_args()
-    dht = start_dht(initial_peers=[args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=[args.run])
+    dht = start_dht(initial_peers=[args.initial_peer], host_maddrs=[f"/ip4/{args.host}/tcp/0"], run_ids=[args.run])
     data = serialize_state(donor_state(args.seed, args.floats))
     server = (CorruptServer if args.corrupt else StateServer)(lambda: (EPOCH, data), run_id=args.run,
-                                                             identity=dht.identity, bytes_per_second=args.rate)
+                                                             identity=dht.identity, bytes_per_second=args.rate,
+                                                             host=args.host)
     deadline = time.monotonic() + 30
     while not server.advertise(dht, EPOCH, expiration=300):
         if time.monotonic() > deadline:

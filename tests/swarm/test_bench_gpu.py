@@ -15,7 +15,7 @@ import torch
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.swarm]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_gpu.py"
 TINY_GPT = ["context=16", "d_model=16", "layers=1", "max_bytes=100000", "eval_windows=16", "batch_size=16",
             "target_batch_size=32"]

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from moshpeer.testing.orphans import ProcInfo, Reaper, all_processes, tagged_processes  # noqa: F401 (re-exported)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
 PROC_TAG = "MOSHPEER_TEST_PROC"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

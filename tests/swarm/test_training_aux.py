@@ -30,7 +30,8 @@ def test_aux_peer_joins_groups_without_contributing_samples(swarm):
     trainer_epochs = [events(peer, "epoch") for peer in trainers]
     for peer_epochs in trainer_epochs:
         # The aux is never counted as a trainer: shares and swarm samples come from the two trainers only.
-        assert all(e["num_trainers"] == 2 and e["samples"] == TARGET_BATCH // 2 for e in peer_epochs)
+        assert all(e["num_trainers"] == 2 and e["samples"] == TARGET_BATCH // 2 for e in peer_epochs), \
+            [(e["epoch"], e["num_trainers"], e["samples"], e["error"]) for e in peer_epochs]
         # The group target follows the live peers (2 trainers + 1 aux), not the configured 4.
         assert all(e["group_target"] == 3 for e in peer_epochs if e["ok"]), [(e["epoch"], e["group_target"], e["group_size"]) for e in peer_epochs]
         with_aux = [e for e in peer_epochs if e["ok"] and e["group_size"] == 3]

@@ -1,6 +1,6 @@
 """A small training process that uses the checkpoint and preemption API directly.
 
-Used by tests/test_preemption_training.py and benchmarks/bench_checkpoint.py; the swarm-level
+Used by tests/swarm/test_preemption_training.py and benchmarks/bench_checkpoint.py; the swarm-level
 version of this loop lives in the real peer. It trains an MLP on a fixed synthetic dataset with
 every source of randomness in play (dropout: torch; input noise: numpy; a scale jitter: Python's
 random; batch order: its own torch.Generator per data epoch), so an exact resume needs all of the
@@ -9,7 +9,7 @@ checkpoint: parameters, Adam state, RNG states and the data position.
 It prints one JSON object per line on stdout (events: resumed, ready, step, preempted,
 saving_final, checkpoint, done) and exits 0 after a graceful stop.
 
-    python tests/preemption_trainer.py --dir CKPT [--notice-file F] [--total-steps N] ...
+    python tests/helpers/preemption_trainer.py --dir CKPT [--notice-file F] [--total-steps N] ...
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from moshpeer.peer.checkpoint import CheckpointStore, Parts, capture_rng_state, restore_rng_state  # noqa: E402
 from moshpeer.peer.runtime.preemption import PreemptionWatcher  # noqa: E402

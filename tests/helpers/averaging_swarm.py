@@ -101,7 +101,7 @@ class AveragingSwarm:
     def __init__(self, n: int, *args: str, per_worker_args=None, script: Path = WORKER,
                  wrap: Optional[Callable[[int, List[str]], List[str]]] = None):
         self.tag = uuid.uuid4().hex
-        repo = str(Path(__file__).resolve().parents[1])
+        repo = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_TAG: self.tag,
                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         self.workers: List[Worker] = []

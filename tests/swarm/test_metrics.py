@@ -109,7 +109,7 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist():
 
     from moshpeer.peer.runtime.metrics import PeerMetrics
 
-    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "moshpeer.json").read_text())
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana" / "moshpeer.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"\b(?:moshpeer|process)_[a-z_]+", target["expr"])}
     exposed = {family.name for family in PeerMetrics().registry.collect()}

@@ -2,7 +2,7 @@
 exit 0 inside the grace period; a restart resumes at the same step with bit-identical state.
 
 The peers train the built-in digits task alone (no --initial-peers: a swarm of one), which is
-enough for the checkpoint and signal path; tests/test_preemption_swarm.py covers the swarm.
+enough for the checkpoint and signal path; tests/swarm/test_preemption_swarm.py covers the swarm.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from moshpeer.peer.tasks import (
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 GOOD_TASK_SOURCE = """
 import torch

@@ -301,7 +301,7 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
         assert MIN_BUDGET_WINDOW_S < window <= 0.4
         timing.epoch_budget._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed
         assert timing.matchmaking_window() == pytest.approx(MIN_BUDGET_WINDOW_S)
-        timing.assembly_s = [0.15]  # complete groups took 0.15 s to assemble lately (a loaded machine)
+        timing.fastest_assembly = lambda size: 0.15  # the averager saw complete groups take 0.15 s (a loaded machine)
         assert timing.matchmaking_window() == pytest.approx(0.45)
         timing.compute_budget = None
         timing.begin_epoch()

@@ -25,7 +25,7 @@ from moshpeer.compression.arc_topk import select, sketch, to_rows
 
 pytestmark = pytest.mark.timeout(240)
 
-WORKER = Path(__file__).with_name("compression_swarm_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "compression_swarm_worker.py"
 
 PEERS = 4
 NUMEL = (1 << 18) + 5  # odd: partial chunks, blocks and ARC rows

@@ -13,6 +13,7 @@ from moshpeer.averaging.adaptive_deadlines import (
     AdaptiveDeadline,
     MarginPolicy,
     DeadlineLearner,
+    FASTEST_ASSEMBLY_RECENT,
     payload_class,
     robust_deadline,
 )
@@ -129,6 +130,18 @@ def test_matchmaking_window_learns_from_full_groups_only():
     assert deadlines.matchmaking_window(4) == pytest.approx(0.6)
     assert deadlines.matchmaking_window(2) == 5.0  # per target size
     assert deadlines.describe()["assembly"] == {4: 3, 2: 0}
+
+
+def test_fastest_assembly_is_the_quickest_recent_full_group():
+    deadlines = _deadlines()
+    assert deadlines.fastest_assembly_s(4) is None  # no full group yet
+    deadlines.observe_assembly(4, 0.05, full=False)  # a partial group says nothing
+    assert deadlines.fastest_assembly_s(4) is None
+    for seconds in [0.1] + [0.3] * FASTEST_ASSEMBLY_RECENT:  # 0.1 is older than the latest RECENT
+        deadlines.observe_assembly(4, seconds, full=True)
+    assert deadlines.fastest_assembly_s(4) == pytest.approx(0.3)
+    deadlines.observe_assembly(4, 0.2, full=True)
+    assert deadlines.fastest_assembly_s(4) == pytest.approx(0.2) and deadlines.fastest_assembly_s(2) is None
 
 
 def test_averagers_tighten_their_deadlines_and_a_silent_member_costs_one_deadline_once(dht_node):

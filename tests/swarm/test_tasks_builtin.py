@@ -11,7 +11,7 @@ from moshpeer.peer.tasks import load_task, train_locally
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_digits_reaches_90_percent_with_a_large_global_batch():

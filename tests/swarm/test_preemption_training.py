@@ -1,6 +1,6 @@
 """A training process under SIGTERM / a notice file: it checkpoints, exits 0 in time, resumes exactly.
 
-The process is tests/preemption_trainer.py, which uses PreemptionWatcher and CheckpointStore
+The process is tests/helpers/preemption_trainer.py, which uses PreemptionWatcher and CheckpointStore
 directly (the swarm-level versions of these tests come with `moshpeer join`).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from moshpeer.peer.checkpoint import CheckpointStore, Parts
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from preemption_trainer import digest, make_model  # noqa: E402
 from trainer_process import TrainerProcess  # noqa: E402
 
@@ -26,7 +26,7 @@ GRACE = 20.0
 TOTAL_STEPS = 400
 
 
-@pytest.mark.slow  # the same path through `moshpeer join`: tests/test_preemption_join.py
+@pytest.mark.slow  # the same path through `moshpeer join`: tests/swarm/test_preemption_join.py
 def test_sigterm_checkpoints_exits_in_time_and_resumes_exactly(tmp_path):
     common = ["--total-steps", str(TOTAL_STEPS), "--grace", str(GRACE)]
     # The same run without interruption, for the final comparison (runs alongside).
@@ -59,7 +59,7 @@ def test_sigterm_checkpoints_exits_in_time_and_resumes_exactly(tmp_path):
             process.kill()
 
 
-@pytest.mark.slow  # the same path through `moshpeer join`: tests/test_preemption_join.py
+@pytest.mark.slow  # the same path through `moshpeer join`: tests/swarm/test_preemption_join.py
 def test_notice_file_takes_the_same_path_as_sigterm(tmp_path):
     notice_file = tmp_path / "preempted"
     directory = tmp_path / "ckpt"
