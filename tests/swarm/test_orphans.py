@@ -22,6 +22,7 @@ from moshpeer.testing.orphans import Reaper, kill_tagged, tagged_processes
 pytestmark = pytest.mark.timeout(120)
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+REPO = Path(__file__).resolve().parents[2]
 
 # A harness as a test uses it: a Swarm that started `moshpeer dht` (and so its p2pd), then hangs.
 HARNESS = textwrap.dedent(f"""
@@ -54,7 +55,7 @@ def _wait_gone(tag: str, timeout: float) -> list:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_the_harness_kills_its_moshpeer_processes(sig):
-    repo = str(TESTS.parent)
+    repo = str(REPO)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     harness = subprocess.Popen([sys.executable, "-c", HARNESS], stdout=subprocess.PIPE, text=True, env=env)
     tag = None

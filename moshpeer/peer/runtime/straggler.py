@@ -73,19 +73,4 @@ def parse_straggler(text: str) -> StragglerDelay:
     return StragglerDelay(distribution or "lognormal", **kwargs)  # type: ignore[arg-type]
 
 
-__all__ = [
-    "BudgetSetting",
-    "BudgetedStep",
-    "ComputeBudget",
-    "StepReport",
-    "StragglerDelay",
-    "ThresholdChoice",
-    "ThresholdEstimate",
-    "choose_threshold",
-    "computed_under_threshold",
-    "default_candidates",
-    "parse_compute_budget",
-    "parse_straggler",
-    "resample_workers",
-    "simulate_threshold",
-]
+__all__ = ["StragglerDelay", "parse_straggler"]
