@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command under load: one busy process per core beside it, as on a shared CI machine or
 # a laptop doing other work. Flaky tests show up here first. Extra arguments go to pytest, e.g.
-#   tests/stress.sh -x                      # the default suite under load, stop at the first failure
+#   tests/stress.sh -x                      # the fast lane under load, stop at the first failure
 #   tests/stress.sh tests/swarm/test_training.py  # one file under load
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,4 @@ for _ in $(seq "$(nproc)"); do
     (trap - EXIT INT TERM; while :; do :; done) &
     hogs+=($!)
 done
-python -m pytest -m "not slow" -q "$@"
+python -m pytest -m "not slow and not swarm" -n auto -q "$@"  # the README's command
