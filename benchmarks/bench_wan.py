@@ -45,7 +45,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_allreduce import run_system, summarize  # noqa: E402
+from bench_allreduce import READY_TIMEOUT_S, _read_json, run_system, summarize  # noqa: E402
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds  # noqa: E402
 from moshpeer.testing import netlab  # noqa: E402
 
@@ -162,15 +162,15 @@ def join_scenario(args) -> Dict[str, float]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         newcomer = lab.popen(0, [sys.executable, "-c", NEWCOMER, lab.nodes[0].address, run, str(JOIN_DONORS)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        maddr = json.loads(newcomer.stdout.readline())["maddrs"][0]
+        maddr = _read_json(newcomer, "ready", READY_TIMEOUT_S)["maddrs"][0]
         donors = [lab.popen(k, [sys.executable, donor_script, "--initial-peer", maddr, "--run", run, "--seed", "1",
                                 "--floats", str(floats), "--host", lab.nodes[k].address],
                             stdout=subprocess.PIPE, text=True, env=env) for k in range(1, JOIN_DONORS + 1)]
         for donor in donors:
-            json.loads(donor.stdout.readline())  # ready: advertised
+            _read_json(donor, "ready", READY_TIMEOUT_S)  # its offer is advertised
         newcomer.stdin.write("go\n")
         newcomer.stdin.flush()
-        done = json.loads(newcomer.stdout.readline())
+        done = _read_json(newcomer, "done", 600)
     bound = done["bytes"] / (JOIN_DONORS * JOIN_DONOR_MBIT * 1e6 / 8)
     print(f"  join: {done['bytes'] / 1e6:.0f} MB from {done['donors']} donors at {JOIN_RTT_MS:g} ms RTT in "
           f"{done['seconds']:.2f} s (raw transfer bound {bound:.2f} s)", flush=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import select
 import subprocess
-import time
 from pathlib import Path
 from typing import List
 
@@ -58,9 +58,10 @@ def route_through_delay(netns: str, destinations: List[str], delay_ms: float, ji
     proc = subprocess.Popen(in_netns(netns, [str(binary()), f"{TUN}:{int(delay_ms * 1000)}:"
                                               f"{int(jitter_ms * 1000)}:{seed}"]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    line = proc.stdout.readline()  # "ready" once attached; EOF if it failed
-    if line.strip() != "ready" or time.monotonic() > deadline:
+    # "ready" once attached; EOF if it failed; nothing within READY_TIMEOUT_S: stuck.
+    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if line.strip() != "ready":
         proc.kill()
         raise NetlabError(f"netlab: the delay line in {netns} did not start: {proc.stderr.read().strip()[-300:]}")
     run(["ip", "-n", netns, "link", "set", TUN, "up"])
