@@ -26,9 +26,11 @@ def bandwidth_part_sizes(numel: int, bandwidths: Sequence[float]) -> List[int]:
     if any(not b > 0 for b in bandwidths):
         raise ValueError(f"bandwidths must be positive, got {list(bandwidths)}")
     cap = max_share(n)
-    if n <= 2:
+    if n <= 2:  # any split costs a pair the same time: proportional to bandwidth, the larger part capped
         total = float(sum(bandwidths))
-        shares = capped_shares([b / total for b in bandwidths], cap)
+        shares = [b / total for b in bandwidths]
+        if n == 2 and max(shares) > cap:
+            shares = [cap if share > cap else 1.0 - cap for share in shares]
     else:
         active, capped = list(range(n)), []
         while True:
@@ -62,25 +64,6 @@ def max_share(group_size: int) -> float:
     not own the vector: a declared 1e12 B/s once made one member own 100% of it and set every honest member's
     values. Twice the equal share still lets a fast uplink take on a fair part of the work."""
     return 1.0 if group_size <= 1 else max(1.0 / group_size, min(2.0 / group_size, 0.75))
-
-
-def capped_shares(shares: Sequence[float], cap: float) -> List[float]:
-    """`shares` (fractions summing to 1) with none above `cap`: what a capped member gives up is spread over the
-    others in proportion to their shares (members at zero stay at zero while others have room)."""
-    shares = list(shares)
-    for _ in range(len(shares)):
-        over = [i for i, share in enumerate(shares) if share > cap + 1e-12]
-        if not over:
-            break
-        excess = sum(shares[i] - cap for i in over)
-        for i in over:
-            shares[i] = cap
-        room = [i for i, share in enumerate(shares) if share < cap - 1e-12 and share > 0] or \
-            [i for i, share in enumerate(shares) if share < cap - 1e-12]
-        weight = sum(shares[i] for i in room)
-        for i in room:
-            shares[i] += excess * (shares[i] / weight if weight > 0 else 1.0 / len(room))
-    return shares
 
 
 def reduce_allgather_seconds(numel_bytes: float, bandwidths: Sequence[float], sizes: Sequence[int]) -> float:
