@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from swarm import LOOPBACK, READY_TIMEOUT, Proc, Swarm
+
+from moshpeer.testing.netlab import cpu, cpu_budget
 from training_swarm import timed_events, wait_event
 
 ENDINGS = ("sigkill", "sigterm", "notice")
@@ -207,13 +209,9 @@ class ChurnSwarm:
         self._loopback_bps: Optional[float] = None
         self.budgets = []
         if cpu_share is not None:
-            from moshpeer.testing.netlab import cpu_budget
-
             self.budgets = [cpu_budget(i, cpu_share) for i in range(peers)]
 
     def remove_budgets(self) -> None:
-        from moshpeer.testing.netlab import cpu
-
         for group in self.budgets:
             cpu.remove(group)
         self.budgets = []
@@ -239,11 +237,7 @@ class ChurnSwarm:
                 "--checkpoint-dir", str(slot.checkpoint_dir), "--checkpoint-every-seconds",
                 str(self.checkpoint_every_s), "--grace-period", str(self.grace_period),
                 "--preemption-notice", str(slot.notice_file), *self.peer_args]
-        preexec = None
-        if self.budgets:
-            from moshpeer.testing.netlab import cpu
-
-            preexec = cpu.joiner(self.budgets[slot.index])
+        preexec = cpu.joiner(self.budgets[slot.index]) if self.budgets else None
         life = Life(self.swarm.spawn(*args, name=f"peer{slot.index}.{len(slot.lives)}", preexec=preexec), start,
                     time.monotonic())
         slot.lives.append(life)
