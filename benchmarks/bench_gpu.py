@@ -19,12 +19,14 @@ same harness on the CPU (the default test suite does, with tiny sizes).
    Also: the old chunk-by-chunk `codec.encode` loop (`*_chunkwise_encode_gbps`), backend calls per part (a
    counter) and, on CUDA, syncs_per_part (host syncs `torch.cuda.set_sync_debug_mode("warn")` reports while one
    part is encoded; None on the CPU, where nothing syncs).
-3. GPT: two `moshpeer join --device D --task gpt` peers (gradient averaging, group of 2) for `--gpt-epochs`
-   epochs, and one process (`train_locally`) on the same number of samples with the same global batch:
-   tokens/s per peer, averaging_share (seconds in averaging rounds / training seconds) and
-   gpt_loss_over_single (the peers' final validation loss / the single process's).
+3. GPT: one process alone (`train_locally`, the anchor) on `--gpt-epochs` global batches, then for each of
+   `--gpt-averaging` (gradients, diloco) two `moshpeer join --device D --task gpt` peers in a group of 2 for
+   `--gpt-epochs` epochs: gpt_MODE_tokens_per_s_vs_single (tokens/s per peer / the single process's on the same
+   device), gpt_MODE_averaging_share (seconds in averaging rounds / training seconds) and
+   gpt_MODE_loss_over_single (the peers' final validation loss / the single process's).
 
-Ends with one JSON line: none_round_vs_gloo, int8_round_vs_gloo, int8_round_vs_none, encode_vs_copy, syncs_per_part, averaging_share, gpt_loss_over_single, ...
+Ends with one JSON line: none_round_vs_gloo, int8_round_vs_gloo, int8_round_vs_none, encode_vs_copy, syncs_per_part,
+gpt_{gradients,diloco}_{tokens_per_s_vs_single,loss_over_single,averaging_share}, ...
 """
 
 from __future__ import annotations
@@ -319,13 +321,9 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
 # ---- part 3: GPT through `moshpeer join --device` ---------------------------------------------------
 
 
-def run_gpt(args) -> dict:
-    from moshpeer.peer.tasks import load_task, parse_task_kwargs, train_locally
-    from moshpeer.peer.device import resolve_device
-
-    task_args = list(DEFAULT_GPT) + list(args.gpt_arg)
-    kwargs = parse_task_kwargs(task_args)
-    run_id = f"bench-gpu-{os.getpid()}"
+def run_gpt_peers(args, task_args: List[str], averaging: str) -> List[dict]:
+    """Two `moshpeer join --task gpt` peers in one group for `--gpt-epochs` epochs: per-peer figures."""
+    run_id = f"bench-gpu-{averaging}-{os.getpid()}"
     e = env()
     boot = Child([sys.executable, "-m", "moshpeer", "dht", "--run-id", run_id, "--host-maddrs", LOOPBACK,
                   "--heartbeat", "1"], e)
@@ -338,7 +336,10 @@ def run_gpt(args) -> dict:
             argv = [sys.executable, "-m", "moshpeer", "join", "--initial-peers", *ready["maddrs"], "--run-id", run_id,
                     "--host-maddrs", LOOPBACK, "--heartbeat", "1", "--device", args.device, "--task", "gpt",
                     "--group-size", "2", "--min-peers", "2", "--max-epochs", str(args.gpt_epochs),
-                    "--eval-every", str(args.gpt_epochs), "--seed", str(rank), "--compression", args.gpt_compression]
+                    "--eval-every", str(args.gpt_epochs), "--seed", str(rank), "--compression", args.gpt_compression,
+                    "--averaging", averaging]
+            if averaging == "diloco":
+                argv += ["--inner-steps", str(args.gpt_inner_steps)]
             for item in task_args:
                 argv += ["--task-arg", item]
             children.append(Child(argv, e))
@@ -348,25 +349,44 @@ def run_gpt(args) -> dict:
         for child in children:
             child.stop()
     if not all(done):
-        raise RuntimeError("a GPT peer did not finish; rerun with fewer --gpt-epochs or a longer --timeout")
-    task = load_task("gpt", device=resolve_device(args.device), **kwargs)
-    context = task.model.context
-    target = task.target_batch_size
-    single = train_locally(task, num_samples=args.gpt_epochs * target, global_batch_size=target)
+        raise RuntimeError(f"a GPT peer ({averaging}) did not finish; rerun with fewer --gpt-epochs or a longer "
+                           "--timeout")
     per_peer = []
     for peer, summary in zip(peers, done):
         epochs = [e for e in peer.events if e.get("event") == "epoch"]
         train_s = max(e["train_time"] for e in epochs)
         samples = sum(e["samples"] for e in epochs)
-        per_peer.append({"tokens_per_s": samples * context / train_s,
+        per_peer.append({"samples": samples, "train_s": train_s,
                          "averaging_s": sum(e["averaging_s"] + e["matchmaking_s"] for e in epochs),
-                         "train_s": train_s, "eval_loss": summary["metrics"]["loss"],
+                         "eval_loss": summary["metrics"]["loss"],
                          "rounds_ok": summary["rounds_ok"], "rounds": summary["rounds"]})
-    peer_loss = statistics.mean(p["eval_loss"] for p in per_peer)
-    return {"peers": per_peer, "single_eval_loss": single.metrics["loss"], "peer_eval_loss": peer_loss,
-            "tokens_per_s_per_peer": statistics.mean(p["tokens_per_s"] for p in per_peer),
+    return per_peer
+
+
+def run_gpt(args) -> dict:
+    """Part 3: the GPT peers in each `--gpt-averaging` mode, and one process alone on the same GPU."""
+    from moshpeer.peer.tasks import load_task, parse_task_kwargs, train_locally
+    from moshpeer.peer.device import resolve_device
+
+    task_args = list(DEFAULT_GPT) + list(args.gpt_arg)
+    task = load_task("gpt", device=resolve_device(args.device), **parse_task_kwargs(task_args))
+    context = task.model.context
+    target = task.target_batch_size
+    single = train_locally(task, num_samples=args.gpt_epochs * target, global_batch_size=target)
+    single_tokens_per_s = single.samples * context / single.seconds
+    modes = {}
+    for averaging in [m for m in args.gpt_averaging.split(",") if m]:
+        per_peer = run_gpt_peers(args, task_args, averaging)
+        for peer in per_peer:
+            peer["tokens_per_s"] = peer["samples"] * context / peer["train_s"]
+        peer_loss = statistics.mean(p["eval_loss"] for p in per_peer)
+        tokens_per_s = statistics.mean(p["tokens_per_s"] for p in per_peer)
+        modes[averaging] = {
+            "peers": per_peer, "peer_eval_loss": peer_loss, "tokens_per_s_per_peer": tokens_per_s,
+            "tokens_per_s_vs_single": tokens_per_s / single_tokens_per_s,
             "averaging_share": sum(p["averaging_s"] for p in per_peer) / sum(p["train_s"] for p in per_peer),
-            "gpt_loss_over_single": peer_loss / single.metrics["loss"],
+            "loss_over_single": peer_loss / single.metrics["loss"]}
+    return {"modes": modes, "single_eval_loss": single.metrics["loss"], "single_tokens_per_s": single_tokens_per_s,
             "parameters": sum(p.numel() for p in task.model.parameters()), "task_args": task_args}
 
 
@@ -383,6 +403,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--gpt-arg", action="append", default=[], metavar="KEY=VALUE",
                         help=f"gpt task argument (repeatable; defaults: {' '.join(DEFAULT_GPT)})")
     parser.add_argument("--gpt-compression", default="none", help="codec of the GPT peers' rounds")
+    parser.add_argument("--gpt-averaging", default="gradients,diloco",
+                        help="the GPT peers' --averaging modes, each a run of its own (default: gradients,diloco)")
+    parser.add_argument("--gpt-inner-steps", type=int, default=4, help="diloco: inner steps per outer step")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds the GPT peers may take")
     parser.add_argument("--role", choices=["avg-worker", "gloo-worker"], help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -424,12 +447,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  {key:<30}{value}")
     if gpt is not None:
         print(f"\nGPT ({gpt['parameters'] / 1e6:.1f}M parameters, {' '.join(gpt['task_args'])}), 2 peers, "
-              f"{args.gpt_epochs} epochs")
-        for i, peer in enumerate(gpt["peers"]):
-            print(f"  peer {i}: {peer['tokens_per_s']:.0f} tokens/s, averaging {peer['averaging_s']:.1f} s of "
-                  f"{peer['train_s']:.1f} s, rounds ok {peer['rounds_ok']}/{peer['rounds']}, "
-                  f"eval loss {peer['eval_loss']:.4f}")
-        print(f"  single process: eval loss {gpt['single_eval_loss']:.4f}")
+              f"{args.gpt_epochs} epochs; one process alone: {gpt['single_tokens_per_s']:.0f} tokens/s, "
+              f"eval loss {gpt['single_eval_loss']:.4f}")
+        for mode_name, mode in gpt["modes"].items():
+            for i, peer in enumerate(mode["peers"]):
+                print(f"  {mode_name} peer {i}: {peer['tokens_per_s']:.0f} tokens/s, averaging "
+                      f"{peer['averaging_s']:.1f} s of {peer['train_s']:.1f} s, rounds ok "
+                      f"{peer['rounds_ok']}/{peer['rounds']}, eval loss {peer['eval_loss']:.4f}")
 
     def ratio(a: Optional[dict], b: Optional[dict]) -> Optional[float]:
         return a["round_s"] / b["round_s"] if a and b and b["round_s"] > 0 else None
@@ -445,10 +469,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "int4_round_vs_none": ratio(averaging.get("int4"), averaging.get("none")),
         "encode_vs_copy": (encoding["int8_encode_gbps"] / encoding["copy_gbps"]
                            if "int8_encode_gbps" in encoding else None),
-        "averaging_share": gpt["averaging_share"] if gpt else None,
-        "gpt_loss_over_single": gpt["gpt_loss_over_single"] if gpt else None,
-        "gpt_tokens_per_s_per_peer": gpt["tokens_per_s_per_peer"] if gpt else None,
-        "averaging": averaging, "encoding": encoding,
+        **{f"gpt_{mode}_{key}": figures_of_mode[key] for mode, figures_of_mode in (gpt or {"modes": {}})["modes"].items()
+           for key in ("tokens_per_s_vs_single", "loss_over_single", "averaging_share")},
+        "gpt": gpt, "averaging": averaging, "encoding": encoding,
     }
     print(json.dumps(figures))
     return 0

@@ -20,7 +20,9 @@ from moshpeer.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(300)
 
-COMPILED = ["cpp"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA backend is a parameter of its own, marked `cuda`, so `pytest -m cuda` (benchmarks/gpu_suite.sh) runs it.
+COMPILED = ["cpp", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 SIZES = [0, 1, 2, 15, 63, 64, 65, 127, 128, 129, 1000, 4097, 70001]
 CODECS = [(8, 128), (4, 128), (8, 64), (4, 1024), (4, 80)]
 
