@@ -22,7 +22,7 @@ same harness on the CPU (the default test suite does, with tiny sizes).
 3. GPT: one process alone (`train_locally`, the anchor) on `--gpt-epochs` global batches, then for each of
    `--gpt-averaging` (gradients, diloco) two `moshpeer join --device D --task gpt` peers in a group of 2 for
    `--gpt-epochs` epochs: gpt_MODE_tokens_per_s_vs_single (tokens/s per peer / the single process's on the same
-   device), gpt_MODE_averaging_share (seconds in averaging rounds / training seconds) and
+   device; both peers share it, so gpt_MODE_total_tokens_per_s_vs_single, their sum, is the swarm's efficiency), gpt_MODE_averaging_share (seconds in averaging rounds / training seconds) and
    gpt_MODE_loss_over_single (the peers' final validation loss / the single process's).
 
 Ends with one JSON line: none_round_vs_gloo, int8_round_vs_gloo, int8_round_vs_none, encode_vs_copy, syncs_per_part,
@@ -266,10 +266,13 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
     num_chunks = -(-numel // chunk)
     slices = _slices(num_chunks)
 
-    def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (allreduce.py)
+    def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (allreduce.py) ...
+        encoded = []
         for chunks in slices:
             start, end = chunks[0] * chunk, min(numel, (chunks[-1] + 1) * chunk)
-            codec.encode_chunks(source[start:end], chunk, list(chunks))
+            encoded.append(codec.encode_chunks(source[start:end], chunk, list(chunks)))
+        for batch in encoded:  # ... and reads each slice's verdicts (one read-back each, as it sends them)
+            assert not any(batch.errors)
 
     for spec in codecs:
         codec = get_compression(spec).reduce_codec
@@ -384,6 +387,8 @@ def run_gpt(args) -> dict:
         modes[averaging] = {
             "peers": per_peer, "peer_eval_loss": peer_loss, "tokens_per_s_per_peer": tokens_per_s,
             "tokens_per_s_vs_single": tokens_per_s / single_tokens_per_s,
+            # both peers share the one GPU: their sum against the process alone is the swarm's efficiency
+            "total_tokens_per_s_vs_single": 2 * tokens_per_s / single_tokens_per_s,
             "averaging_share": sum(p["averaging_s"] for p in per_peer) / sum(p["train_s"] for p in per_peer),
             "loss_over_single": peer_loss / single.metrics["loss"]}
     return {"modes": modes, "single_eval_loss": single.metrics["loss"], "single_tokens_per_s": single_tokens_per_s,
@@ -470,7 +475,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "encode_vs_copy": (encoding["int8_encode_gbps"] / encoding["copy_gbps"]
                            if "int8_encode_gbps" in encoding else None),
         **{f"gpt_{mode}_{key}": figures_of_mode[key] for mode, figures_of_mode in (gpt or {"modes": {}})["modes"].items()
-           for key in ("tokens_per_s_vs_single", "loss_over_single", "averaging_share")},
+           for key in ("tokens_per_s_vs_single", "total_tokens_per_s_vs_single", "loss_over_single",
+                       "averaging_share")},
         "gpt": gpt, "averaging": averaging, "encoding": encoding,
     }
     print(json.dumps(figures))

@@ -52,7 +52,7 @@ from moshpeer.averaging.report import DataPlaneStats, PhaseStats
 from moshpeer.averaging.scratch import ScratchLease, ScratchPool
 from moshpeer.averaging.staging import HostStaging, Outbox, staging_for
 from moshpeer.averaging.uplink import UplinkMeter
-from moshpeer.compression.codec import Compression, NoCompression
+from moshpeer.compression.codec import Compression
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ PEER_CHECK_SECONDS = 0.05
 # With a loss budget, how often a waiting phase re-checks whether its arrivals stalled (budget_stall.py).
 BUDGET_POLL_S = 0.01
 _DONE = float("inf")
+# A receiver decodes the payloads it holds once its connection has been quiet this long (a pause, not a gap
+# between two frames of a burst).
+IDLE_FLUSH_S = 0.002
 # A part's chunks go through the codec in at most this many batches ("pipeline slices") per direction: encoding
 # slice k+1 overlaps sending slice k, and host syncs per part are bounded independently of its chunk count.
 PART_SLICES = 4
@@ -76,7 +79,13 @@ def _slices(num_chunks: int, slices: int = PART_SLICES):
 
 
 def _batched(codec) -> bool:
+    """Does `codec` take a pipeline slice of chunks at a time (`decode_chunks`, and `encode_chunks` unless raw)?"""
     return bool(getattr(codec, "batched", False))
+
+
+def _raw(codec) -> bool:
+    """Is a payload of `codec` the chunk's own bytes (so a run of chunks is sent straight from the vector)?"""
+    return bool(getattr(codec, "raw", False))
 
 AllReduceResult = DataPlaneStats  # what `GroupAllReduce.run()` returns (report.py); the older name, kept
 
@@ -356,38 +365,43 @@ class GroupAllReduce:
         stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.tag))
 
     def _send_reduce_batched(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
-        """Part j's chunks, encoded a slice at a time (`codec.encode_chunks`: O(1) backend calls per slice) into one
-        buffer each, staged to host memory with one copy per slice; the next slice is encoded and staged before
-        this one is sent when the staging overlaps copies with sends (a device)."""
+        """Part j's chunks a slice at a time: encoded (`codec.encode_chunks`: O(1) backend calls per slice) into one
+        buffer each, or for a raw codec taken as they lie in the vector, and staged to host memory with one copy
+        per slice; the next slice is encoded and staged before this one is sent when the staging overlaps copies
+        with sends (a device)."""
         chunk_numel = self.partition.chunk_numel
         slices = _slices(num_chunks)
-        outbox = self.staging.outbox(codec.row_stride(chunk_numel) * len(slices[0]) if slices else 1)
         stride = codec.row_stride(chunk_numel)
+        outbox = self.staging.outbox(stride * len(slices[0]) if slices else 1)
         buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
 
-        def encode(k: int):
+        def encode(k: int):  # -> (the encoding or None if raw, (offset, nbytes) of each chunk, the staged bytes)
             chunks = slices[k]
+            if _raw(codec):
+                data, spans = self._vector_run(j, chunks[0], chunks[-1] + 1)
+                return None, spans, outbox.prepare(data)
             start = self.partition.chunk_range(j, chunks[0])[0]
             end = self.partition.chunk_range(j, chunks[-1])[1]
             encoded = codec.encode_chunks(self.flat[start:end], chunk_numel,
                                           [self._chunk_seed(j, c) for c in chunks], out=buffers[k % 2])
             buffers[k % 2] = encoded.buffer.view(-1)
-            return encoded, outbox.prepare(encoded.buffer.view(-1))
+            spans = [(r * stride, nbytes) for r, nbytes in enumerate(encoded.nbytes)]
+            return encoded, spans, outbox.prepare(encoded.buffer.view(-1))
 
         ahead = None
         for k, chunks in enumerate(slices):
             if time.monotonic() > self.reduce_deadline:
                 break
-            encoded, staged = ahead if ahead is not None else encode(k)
+            encoded, spans, staged = ahead if ahead is not None else encode(k)
             ahead = encode(k + 1) if outbox.lookahead and k + 1 < len(slices) else None
             data = outbox.host_bytes(staged)
             for r, c in enumerate(chunks):
                 if time.monotonic() > self.reduce_deadline:
                     return
-                if encoded.errors[r] is not None:
+                if encoded is not None and encoded.errors[r] is not None:
                     raise ValueError(encoded.errors[r])
-                stream.send(wire.pack_header(wire.PHASE_REDUCE, j, c, encoded.nbytes[r], self.tag),
-                            data[r * stride: r * stride + encoded.nbytes[r]])
+                offset, nbytes = spans[r]
+                stream.send(wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.tag), data[offset: offset + nbytes])
                 with self.cond:
                     self.sent_progress[j] = c + 1
                     self.cond.notify_all()
@@ -407,7 +421,7 @@ class GroupAllReduce:
         stream = self._stream(link, j, "gather")
         codec = self.compression.gather_codec
         finalized = self.reducer.finalized
-        if _batched(codec) or isinstance(codec, NoCompression):
+        if _batched(codec):
             self._send_gather_runs(link, stream, j, codec)
         else:
             outbox = self.staging.outbox(codec.max_encoded_nbytes(self.partition.chunk_numel))
@@ -424,7 +438,7 @@ class GroupAllReduce:
         batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
         reducer, n = self.reducer, self.num_my_chunks
         cap = len(_slices(n)[0]) if n else 1
-        stride = codec.row_stride(self.partition.chunk_numel) if _batched(codec) else 0
+        stride = 0 if _raw(codec) else codec.row_stride(self.partition.chunk_numel)
         outbox = self.staging.outbox(max(1, cap * (stride or 4 * self.partition.chunk_numel)))
         c = 0
         while c < n:
@@ -446,18 +460,22 @@ class GroupAllReduce:
             else:
                 while end < n and end - c < cap and reducer.finalized[end]:
                     end += 1
-                lo = self.partition.chunk_range(self.my_index, c)[0]
-                hi = self.partition.chunk_range(self.my_index, end - 1)[1]
-                data = self.flat[lo:hi].view(torch.uint8)
-                offsets = []
-                for chunk in range(c, end):
-                    s0, s1 = self.partition.chunk_range(self.my_index, chunk)
-                    offsets.append(((s0 - lo) * 4, (s1 - s0) * 4))
+                data, offsets = self._vector_run(self.my_index, c, end)
             host = outbox.host_bytes(outbox.prepare(data))
             for r, (offset, nbytes) in enumerate(offsets):
                 stream.send(wire.pack_header(wire.PHASE_GATHER, self.my_index, c + r, nbytes, self.tag),
                             host[offset: offset + nbytes])
             c = end
+
+    def _vector_run(self, part: int, first: int, end: int):
+        """Chunks first..end-1 of `part` as they lie in the vector: (their bytes, (offset, nbytes) of each)."""
+        lo = self.partition.chunk_range(part, first)[0]
+        hi = self.partition.chunk_range(part, end - 1)[1]
+        spans = []
+        for chunk in range(first, end):
+            s0, s1 = self.partition.chunk_range(part, chunk)
+            spans.append(((s0 - lo) * 4, (s1 - s0) * 4))
+        return self.flat[lo:hi].view(torch.uint8), spans
 
     # ---- receiving ----------------------------------------------------------------------------
 
@@ -507,6 +525,11 @@ class GroupAllReduce:
         wire.block_until(sock, self.deadline)
         try:
             while time.monotonic() < self.deadline:
+                if pending and not wire.readable_within(sock, IDLE_FLUSH_S):
+                    # The sender paused (a lost chunk, a slice being encoded): take in what has arrived rather
+                    # than wait for a later chunk to fill the batch, so that it counts (for the loss budget, and
+                    # for finalizing) when it arrives.
+                    self._flush(i, inbox, pending)
                 frame = frames.read()
                 if frame.phase == wire.PHASE_END_REDUCE:
                     self._flush(i, inbox, pending)

@@ -218,7 +218,11 @@ class ChunkFaults:
 
 class HostileCodec:
     """A reduce codec that encodes `config.hostile(values)` instead of this peer's contribution (a byzantine
-    sender); everything else is the wrapped codec's."""
+    sender); everything else is the wrapped codec's, except batching: its chunks go one `encode` at a time (the
+    wrapped codec's `encode_chunks`, or a raw codec's view of the vector, would send the true values)."""
+
+    batched = False
+    raw = False
 
     def __init__(self, codec, config: FaultConfig):
         self.codec, self.config = codec, config

@@ -19,6 +19,7 @@ and the END_* markers (payload_len 0) that say "I sent everything I will send in
 from __future__ import annotations
 
 import hashlib
+import select
 import socket
 import struct
 import time
@@ -112,6 +113,11 @@ def recv_exactly_by(sock: socket.socket, size: int, deadline: float) -> bytes:
     data = bytearray(size)
     recv_exactly(sock, memoryview(data), deadline)
     return bytes(data)
+
+
+def readable_within(sock: socket.socket, seconds: float) -> bool:
+    """Do bytes wait on `sock` (or its end come) within `seconds`?"""
+    return bool(select.select([sock], [], [], seconds)[0])
 
 
 def send_parts(sock: socket.socket, parts: Sequence) -> None:

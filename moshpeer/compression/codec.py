@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -68,10 +68,78 @@ class Codec(abc.ABC):
         return out
 
 
+def _row_flags(values: torch.Tensor) -> List[bool]:
+    """Per row of a 2-D float32 tensor: are all its values finite? One read-back (two if a row's sum overflows)."""
+    flags = torch.isfinite(values.sum(dim=1, dtype=torch.float32)).tolist()
+    if all(flags):
+        return flags
+    return torch.isfinite(values).all(dim=1).tolist()
+
+
 class NoCompression(Codec):
-    """Raw float32: zero-copy encode (the payload is a byte view of the chunk)."""
+    """Raw float32: zero-copy encode (the payload is a byte view of the chunk).
+
+    Batched like the quantizers (`decode_chunks`), so that a receiver takes a pipeline slice of chunks in with
+    one read-back and O(1) tensor operations instead of a few per chunk. Senders need no `encode_chunks`: a run
+    of chunks is a stretch of the vector itself (`raw = True`).
+    """
 
     name = "none"
+    batched = True
+    raw = True
+
+    def row_stride(self, chunk_numel: int) -> int:
+        return 4 * chunk_numel
+
+    def decode_chunks(self, payloads: torch.Tensor, nbytes: Sequence[int], out: torch.Tensor, chunk_numel: int,
+                      modes: Sequence[Optional[str]], weight: float = 1.0) -> List[Optional[str]]:
+        """Row r of `payloads` (2-D uint8 on out's device, `nbytes[r]` of it meaningful, 4-byte aligned rows) holds
+        values [r * n, min((r + 1) * n, out.numel())) of `out` (n = chunk_numel); `modes[r]`: "into" (out = weight
+        * values), "add" (out += weight * values) or None (skip the row). A row of the wrong size or with a
+        non-finite value is rejected alone, before anything is written: -> per row, why, or None."""
+        rows = payloads.shape[0]
+        numel, n = out.numel(), chunk_numel
+        errors: List[Optional[str]] = [None] * rows
+        if rows == 0:
+            return errors
+        if (rows - 1) * n >= numel or rows * n < numel:
+            raise ValueError(f"{rows} chunks of {n} values do not cover {numel} values")
+        ok = [modes[r] is not None for r in range(rows)]
+        for r in range(rows):
+            expected = 4 * (min(numel, (r + 1) * n) - r * n)
+            if ok[r] and nbytes[r] != expected:
+                errors[r], ok[r] = f"float32 payload of {nbytes[r]} bytes for {expected // 4} values", False
+        full = min(rows, numel // n)  # rows holding n values each; a short last row is checked on its own
+        values = payloads[:, :4 * n].view(torch.float32) if full else None
+        if full and any(ok[:full]):
+            for r, finite in enumerate(_row_flags(values[:full])):
+                if ok[r] and not finite:
+                    errors[r], ok[r] = "non-finite values in payload", False
+        r = 0
+        while r < full:  # each run of consecutive accepted rows with one mode: one tensor operation
+            if not ok[r]:
+                r += 1
+                continue
+            end = r + 1
+            while end < full and ok[end] and modes[end] == modes[r]:
+                end += 1
+            target, source = out[r * n:end * n].view(end - r, n), values[r:end]
+            if modes[r] == "add":
+                target.add_(source, alpha=weight)
+            elif weight == 1.0:
+                target.copy_(source)
+            else:
+                torch.mul(source, weight, out=target)
+            r = end
+        for r in range(full, rows):
+            if ok[r]:
+                target = out[r * n:]
+                try:
+                    (self.decode_into if modes[r] == "into" else self.decode_accumulate)(
+                        payloads[r, :nbytes[r]], target, weight)
+                except ProtocolError as e:
+                    errors[r] = str(e)
+        return errors
 
     def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         return chunk.contiguous().view(torch.uint8)

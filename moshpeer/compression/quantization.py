@@ -95,23 +95,16 @@ class BlockQuantizer(Codec):
         """Bytes between two chunks' payloads in the buffer of `encode_chunks` (4-aligned: scales are viewed)."""
         return (self.max_encoded_nbytes(chunk_numel) + 3) & ~3
 
-    def _header_rows(self, numel: int, rows: int, device) -> torch.Tensor:
-        """`rows` copies of the payload header of a `numel`-value chunk, built on the host from the sizes alone."""
-        flags = FLAG_STOCHASTIC if self.stochastic else 0
-        header = np.frombuffer(HEADER.pack(MAGIC, VERSION, self.bits, self.block, flags, 0, numel), dtype=np.uint8)
-        host = torch.from_numpy(np.tile(header, (rows, 1)))
-        if torch.device(device).type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host
-
     def encode_chunks(self, x: torch.Tensor, chunk_numel: int, seeds: Sequence[int],
                       out: Optional[torch.Tensor] = None) -> "EncodedChunks":
         """Encode consecutive chunks of `chunk_numel` values of `x` (1-D contiguous float32; the last chunk may be
         short) into one buffer, row r holding chunk r's payload (the bytes `encode(chunk r, seed=seeds[r])` makes).
 
-        Backend calls: one `quantize` for every full chunk together, one per short chunk (at most one), and,
-        with stochastic rounding (one RNG stream per chunk), one per chunk. Validation (finite values, scale bound)
-        is read back once: `errors[r]` says why chunk r cannot be encoded (its row is then garbage), else None.
+        Backend calls: one `quantize_rows` for every full chunk together (header, scales and codes written in
+        place, validation on the device: nothing waits for the device here), one per short chunk (at most one),
+        and, with stochastic rounding (one RNG stream per chunk), one per chunk. `errors[r]` says why chunk r
+        cannot be encoded (a non-finite value, or one above the scale bound: its row is then garbage), else
+        None; the full chunks' verdicts are read back once, on first access (after the bytes are staged).
         """
         numel, n = x.numel(), chunk_numel
         rows = (numel + n - 1) // n
@@ -126,30 +119,23 @@ class BlockQuantizer(Codec):
         errors: List[Optional[str]] = [None] * rows
         nbytes = [self.max_encoded_nbytes(min(n, numel - r * n)) for r in range(rows)]
         full = numel // n if (n % self.block == 0 and not self.stochastic and rows) else 0
+        status = None
         if full:
-            nb, cb = n // self.block, self.code_nbytes(n)
-            values = x[: full * n]
-            scales = self._scratch_tensor("enc_scales", full * nb, torch.float32, x.device)
-            codes = self._scratch_tensor("enc_codes", full * cb, torch.uint8, x.device)
-            backend = backend_for(x.device)
-            finite = backend.quantize(values, scales, codes, self.bits, self.block, False, 0)
-            buffer[:full, :HEADER_NBYTES].copy_(self._header_rows(n, full, x.device))
-            buffer[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb].copy_(scales.view(torch.uint8).view(full, 4 * nb))
-            buffer[:full, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb].copy_(codes.view(full, cb))
-            # One read-back for the whole batch: which chunks hold a non-finite value or a scale above the bound.
-            huge = scales.view(full, nb).amax(dim=1) > MAX_SCALE
-            if not finite:
-                huge = huge | ~torch.isfinite(values.view(full, n)).all(dim=1)
-            for r, bad in enumerate(huge.tolist()):
-                if bad:
-                    errors[r] = f"{self.name}: cannot encode non-finite values or values above " \
-                                f"{MAX_SCALE * reference.QMAX[self.bits]:.3g}"
+            status = torch.empty(full, dtype=torch.int32, device=x.device)  # fresh: read back later
+            header = HEADER.pack(MAGIC, VERSION, self.bits, self.block, 0, 0, n)
+            backend_for(x.device).quantize_rows(x[: full * n], buffer[:full], header, status, self.bits, self.block,
+                                                MAX_SCALE)
         for r in range(full, rows):  # a short last chunk, or stochastic rounding: chunk by chunk
             try:
                 self.encode(x[r * n: min(numel, (r + 1) * n)], seed=seeds[r], out=buffer[r])
             except ValueError as e:
                 errors[r] = str(e)
-        return EncodedChunks(buffer, nbytes, errors)
+        return EncodedChunks(buffer, nbytes, errors, status, self._row_error)
+
+    def _row_error(self, status: int) -> str:
+        if status & reference.ROW_NONFINITE:
+            return f"{self.name}: cannot encode non-finite values (NaN or inf)"
+        return f"{self.name}: cannot encode values above {MAX_SCALE * reference.QMAX[self.bits]:.3g}"
 
     def decode_chunks(self, payloads: torch.Tensor, nbytes: Sequence[int], out: torch.Tensor, chunk_numel: int,
                       modes: Sequence[Optional[str]], weight: float = 1.0) -> List[Optional[str]]:
@@ -328,12 +314,27 @@ class BlockQuantizer(Codec):
 
 class EncodedChunks:
     """What `encode_chunks` made: `buffer` (rows x stride uint8), `nbytes[r]` of row r are chunk r's payload;
-    `errors[r]` is why chunk r could not be encoded (None: it was)."""
+    `errors[r]` is why chunk r could not be encoded (None: it was).
 
-    __slots__ = ("buffer", "nbytes", "errors")
+    The first rows' verdicts may still be on the device (`status`, one int32 per row, 0 = encoded): they are read
+    back with one copy the first time `errors` is read, by then normally long computed (the sender reads them
+    after the rows' bytes reached host memory)."""
 
-    def __init__(self, buffer: torch.Tensor, nbytes: List[int], errors: List[Optional[str]]):
-        self.buffer, self.nbytes, self.errors = buffer, nbytes, errors
+    __slots__ = ("buffer", "nbytes", "_errors", "_status", "_explain")
+
+    def __init__(self, buffer: torch.Tensor, nbytes: List[int], errors: List[Optional[str]],
+                 status: Optional[torch.Tensor] = None, explain=None):
+        self.buffer, self.nbytes, self._errors = buffer, nbytes, errors
+        self._status, self._explain = status, explain
+
+    @property
+    def errors(self) -> List[Optional[str]]:
+        if self._status is not None:
+            for r, flags in enumerate(self._status.tolist()):
+                if flags:
+                    self._errors[r] = self._explain(flags)
+            self._status = None
+        return self._errors
 
     def payload(self, r: int) -> torch.Tensor:
         if self.errors[r] is not None:

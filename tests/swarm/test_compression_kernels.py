@@ -70,6 +70,28 @@ def test_backend_equals_reference_bit_for_bit(monkeypatch, backend, bits, block,
 
 
 @pytest.mark.parametrize("backend", ["torch"] + COMPILED)
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 128), (8, 64), (4, 1024)])
+@pytest.mark.parametrize("offset", [0, 1])  # x 16-byte aligned (the CUDA kernel's float4 loads) or not
+def test_encode_chunks_rows_are_the_payloads_of_encode(monkeypatch, backend, bits, block, offset):
+    """`encode_chunks` (one `quantize_rows` call for the full chunks) writes in each row the bytes `encode` makes
+    for that chunk alone; a chunk with a NaN, or with a value above the scale bound, is reported alone."""
+    monkeypatch.setenv(ENV_BACKEND, backend)
+    codec, n = BlockQuantizer(bits, block), 4 * 1024
+    base = heavy_tailed(offset + 6 * n + 100, seed=bits + block)
+    base[offset + 2 * n + 17] = float("nan")
+    base[offset + 4 * n + 5] = 3e38  # finite, but its scale exceeds MAX_SCALE (2^120)
+    x = base[offset:].to(device_of(backend))
+    encoded = codec.encode_chunks(x, n, list(range(7)))
+    errors = encoded.errors
+    assert [e is not None for e in errors] == [False, False, True, False, True, False, False], errors
+    assert "non-finite" in errors[2] and "above" in errors[4]
+    for r in (0, 1, 3, 5, 6):
+        expected = codec.encode(x[r * n:(r + 1) * n].cpu(), seed=r)
+        assert encoded.nbytes[r] == expected.numel()
+        assert torch.equal(encoded.buffer[r, :encoded.nbytes[r]].cpu(), expected), (backend, r)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED)
 @pytest.mark.parametrize("bits,block", CODECS)
 def test_decode_into_equals_accumulating_onto_zeros(monkeypatch, backend, bits, block):
     """decode_into overwrites in one pass: the bits of decode_accumulate onto zeros, whatever `out` held."""

@@ -48,6 +48,35 @@ void dequantize_accumulate(const at::Tensor& scales, const at::Tensor& codes, at
   TORCH_CHECK(status == cudaSuccess, "dequantize kernel launch failed: ", cudaGetErrorString(status));
 }
 
+void quantize_rows(const at::Tensor& x, at::Tensor rows, at::IntArrayRef header, at::Tensor status, int64_t bits,
+                   int64_t block, double max_scale) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "x must be a contiguous 1-D float32 CUDA tensor");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
+              "rows must be a contiguous 2-D uint8 CUDA tensor");
+  TORCH_CHECK(header.size() == 16, "the payload header is 16 bytes");
+  const int64_t count = rows.size(0), stride = rows.size(1);
+  TORCH_CHECK(status.is_cuda() && status.scalar_type() == at::kInt && status.is_contiguous() && status.numel() == count,
+              "status must be a contiguous int32 CUDA tensor with one entry per row");
+  if (count == 0) return;
+  TORCH_CHECK(x.numel() % count == 0, "x must hold a whole number of values per row");
+  const int64_t n = x.numel() / count;
+  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
+  const int64_t code_bytes = bits == 8 ? n : n / 2;
+  TORCH_CHECK(16 + 4 * (n / block) + code_bytes <= stride && stride % 4 == 0,
+              "rows too narrow for header, scales and codes (or not 4-byte aligned)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0, "rows must be 4-byte aligned");
+  uint8_t bytes[16];
+  for (int i = 0; i < 16; ++i) bytes[i] = (uint8_t)header[i];
+  c10::cuda::CUDAGuard guard(x.device());
+  cudaError_t result = moshpeer::quantize_rows_cuda(
+      x.data_ptr<float>(), count, n, (int)bits, block, rows.data_ptr<uint8_t>(), stride, bytes, (float)max_scale,
+      status.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(result == cudaSuccess, "quantize_rows kernel launch failed: ", cudaGetErrorString(result));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moshpeer_cuda, m) {
@@ -55,4 +84,6 @@ TORCH_LIBRARY(moshpeer_cuda, m) {
         &quantize);
   m.def("dequantize_accumulate(Tensor scales, Tensor codes, Tensor(a!) out, int bits, int block, float weight) -> ()",
         &dequantize_accumulate);
+  m.def("quantize_rows(Tensor x, Tensor(a!) rows, int[] header, Tensor(b!) status, int bits, int block, "
+        "float max_scale) -> ()", &quantize_rows);
 }

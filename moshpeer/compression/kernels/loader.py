@@ -58,6 +58,11 @@ class Backend(Protocol):
                    weight: float) -> None:
         """out = decoded values * weight (the bits of dequantize_accumulate onto zeros)."""
 
+    def quantize_rows(self, x: torch.Tensor, rows: torch.Tensor, header: bytes, status: torch.Tensor, bits: int,
+                      block: int, max_scale: float) -> None:
+        """Encode rows.shape[0] chunks of `x` straight into payload rows; per-row status, no host sync
+        (reference.quantize_rows has the contract)."""
+
 
 class TorchBackend:
     """The reference implementation (kernels/reference.py)."""
@@ -72,6 +77,9 @@ class TorchBackend:
 
     def dequantize(self, scales, codes, out, bits, block, weight) -> None:
         reference.dequantize(scales, codes, out, bits, block, weight)
+
+    def quantize_rows(self, x, rows, header, status, bits, block, max_scale) -> None:
+        reference.quantize_rows(x, rows, header, status, bits, block, max_scale)
 
 
 class OpsBackend:
@@ -93,6 +101,9 @@ class OpsBackend:
         else:
             out.zero_()
             self._ops.dequantize_accumulate(scales, codes, out, bits, block, float(weight))
+
+    def quantize_rows(self, x, rows, header, status, bits, block, max_scale) -> None:
+        self._ops.quantize_rows(x, rows, list(header), status, bits, block, float(max_scale))
 
 
 def cpu_isa_flags() -> List[str]:

@@ -82,6 +82,79 @@ __global__ void dequantize_int4_kernel(const float* __restrict__ scales, const u
   }
 }
 
+// quantize_rows: chunk r of x (whole blocks) encoded straight into row r of `rows` as a payload (header, scales,
+// codes). One warp per block, as quantize_kernel; with kVector, each lane loads 4 values at once (float4) and
+// stores their 4 (int8) or 2 (int4) code bytes at once. Row status: 1 non-finite value, 2 scale above max_scale.
+struct RowHeader {
+  uint32_t words[4];
+};
+
+template <int kBits>
+__device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, float inv) {
+  const int32_t q0 = mp_quantize_nearest(a, inv), q1 = mp_quantize_nearest(b, inv);
+  const int32_t q2 = mp_quantize_nearest(c, inv), q3 = mp_quantize_nearest(d, inv);
+  if (kBits == 8)
+    return (uint32_t)(q0 & 255) | ((uint32_t)(q1 & 255) << 8) | ((uint32_t)(q2 & 255) << 16) |
+           ((uint32_t)(q3 & 255) << 24);
+  return (uint32_t)(q0 & 15) | ((uint32_t)(q1 & 15) << 4) | ((uint32_t)(q2 & 15) << 8) | ((uint32_t)(q3 & 15) << 12);
+}
+
+template <int kBits, bool kVector>
+__global__ void quantize_rows_kernel(const float* __restrict__ x, int64_t blocks, int64_t block, int64_t per_row,
+                                     uint8_t* __restrict__ rows, int64_t stride, RowHeader header, float max_scale,
+                                     int* __restrict__ status) {
+  const float qmax = kBits == 8 ? 127.0f : 7.0f;
+  const int lane = threadIdx.x & 31;
+  const int64_t b = (int64_t)blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  if (b >= blocks) return;  // uniform per warp
+  const int64_t r = b / per_row, j = b - r * per_row;
+  uint8_t* row = rows + r * stride;
+  if (j == 0 && lane < 4) reinterpret_cast<uint32_t*>(row)[lane] = header.words[lane];
+  float* scales = reinterpret_cast<float*>(row + 16);
+  uint8_t* codes = row + 16 + 4 * per_row + (kBits == 8 ? j * block : j * block / 2);
+  const float* v = x + b * block;
+
+  uint32_t max_bits = 0;
+  if (kVector) {
+    for (int64_t i = 4 * lane; i < block; i += 128) {
+      const float4 q = *reinterpret_cast<const float4*>(v + i);
+      const uint32_t m01 = max(__float_as_uint(q.x) & 0x7FFFFFFFu, __float_as_uint(q.y) & 0x7FFFFFFFu);
+      const uint32_t m23 = max(__float_as_uint(q.z) & 0x7FFFFFFFu, __float_as_uint(q.w) & 0x7FFFFFFFu);
+      max_bits = max(max_bits, max(m01, m23));
+    }
+  } else {
+    for (int64_t i = lane; i < block; i += 32) max_bits = max(max_bits, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) max_bits = max(max_bits, __shfl_xor_sync(0xFFFFFFFFu, max_bits, offset));
+  if (max_bits >= 0x7F800000u) {
+    if (lane == 0) atomicOr(status + r, 1);
+    return;
+  }
+  float scale, inv;
+  mp_block_scale(__uint_as_float(max_bits), qmax, &scale, &inv);
+  if (lane == 0) {
+    scales[j] = scale;
+    if (scale > max_scale) atomicOr(status + r, 2);
+  }
+  if (kVector) {
+    for (int64_t i = 4 * lane; i < block; i += 128) {
+      const float4 q = *reinterpret_cast<const float4*>(v + i);
+      const uint32_t packed = pack4<kBits>(q.x, q.y, q.z, q.w, inv);
+      if (kBits == 8)
+        *reinterpret_cast<uint32_t*>(codes + i) = packed;
+      else
+        *reinterpret_cast<uint16_t*>(codes + i / 2) = (uint16_t)packed;
+    }
+  } else if (kBits == 8) {
+    for (int64_t i = lane; i < block; i += 32) codes[i] = (uint8_t)(int8_t)mp_quantize_nearest(v[i], inv);
+  } else {
+    for (int64_t p = lane; p < block / 2; p += 32) {
+      const int32_t lo = mp_quantize_nearest(v[2 * p], inv), hi = mp_quantize_nearest(v[2 * p + 1], inv);
+      codes[p] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+    }
+  }
+}
+
 int64_t grid_for(int64_t work) {
   int64_t grid = (work + kThreads - 1) / kThreads;
   return grid < kMaxGrid ? grid : kMaxGrid;
@@ -100,6 +173,31 @@ cudaError_t quantize_cuda(const float* x, int64_t numel, int bits, int64_t block
   else
     quantize_kernel<4><<<(unsigned)grid, kThreads, 0, stream>>>(x, numel, block, stochastic, key, blocks, scales,
                                                                 codes, nonfinite_flag);
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_rows_cuda(const float* x, int64_t count, int64_t row_numel, int bits, int64_t block,
+                               uint8_t* rows, int64_t stride, const uint8_t header[16], float max_scale, int* status,
+                               cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  cudaError_t cleared = cudaMemsetAsync(status, 0, count * sizeof(int), stream);
+  if (cleared != cudaSuccess) return cleared;
+  RowHeader h;
+  for (int w = 0; w < 4; ++w)
+    h.words[w] = (uint32_t)header[4 * w] | ((uint32_t)header[4 * w + 1] << 8) | ((uint32_t)header[4 * w + 2] << 16) |
+                 ((uint32_t)header[4 * w + 3] << 24);
+  const int64_t per_row = row_numel / block, blocks = count * per_row;
+  const unsigned grid = (unsigned)((blocks + kWarpsPerCta - 1) / kWarpsPerCta);
+  // float4 loads need x 16-byte aligned (blocks are multiples of 16 values, so every block then is).
+  const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (bits == 8 && vector)
+    quantize_rows_kernel<8, true><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
+  else if (bits == 8)
+    quantize_rows_kernel<8, false><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
+  else if (vector)
+    quantize_rows_kernel<4, true><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
+  else
+    quantize_rows_kernel<4, false><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
   return cudaGetLastError();
 }
 

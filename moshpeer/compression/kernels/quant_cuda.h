@@ -12,6 +12,13 @@ namespace moshpeer {
 cudaError_t quantize_cuda(const float* x, int64_t numel, int bits, int64_t block, bool stochastic, uint32_t key,
                           float* scales, uint8_t* codes, int* nonfinite_flag, cudaStream_t stream);
 
+// Encode `count` chunks of row_numel values of x (whole blocks each) into the rows of `rows` (count x stride bytes,
+// 4-byte aligned): a 16-byte header, the chunk's scales, its codes (round to nearest). status[r] (device memory,
+// cleared here) gets 1 if chunk r holds a non-finite value, 2 if a scale exceeds max_scale. Nothing syncs.
+cudaError_t quantize_rows_cuda(const float* x, int64_t count, int64_t row_numel, int bits, int64_t block,
+                               uint8_t* rows, int64_t stride, const uint8_t header[16], float max_scale, int* status,
+                               cudaStream_t stream);
+
 // out[i] += code_i * float32(scale_b * weight). Returns the launch status.
 cudaError_t dequantize_accumulate_cuda(const float* scales, const uint8_t* codes, float* out, int64_t numel, int bits,
                                        int64_t block, float weight, cudaStream_t stream);

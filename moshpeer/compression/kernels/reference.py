@@ -134,3 +134,34 @@ def dequantize(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, bit
     """out = q * float32(scale * weight): dequantize_accumulate onto zeros (0.0 + v, the same bits)."""
     out.zero_()
     dequantize_accumulate(scales, codes, out, bits, block, weight)
+
+
+# quantize_rows status bits, per row (the compiled kernels set the same ones)
+ROW_NONFINITE = 1
+ROW_SCALE_TOO_LARGE = 2
+
+
+def quantize_rows(x: torch.Tensor, rows: torch.Tensor, header: bytes, status: torch.Tensor, bits: int, block: int,
+                  max_scale: float) -> None:
+    """Encode R = rows.shape[0] chunks of n = x.numel() / R values (n a multiple of `block`) into the rows of
+    `rows` (uint8, R x stride), each laid out as a payload: `header`, then the chunk's scales, then its codes (the
+    bytes `quantize` gives for that chunk alone). `status[r]` (int32) is set to ROW_NONFINITE if chunk r holds
+    a non-finite value (its row is then unspecified), or ROW_SCALE_TOO_LARGE if a scale exceeds `max_scale`."""
+    count = rows.shape[0]
+    if count == 0:
+        return
+    n = x.numel() // count
+    nb, cb = n // block, (n if bits == 8 else n // 2)
+    h = len(header)
+    values = x.view(count, n)
+    finite = torch.isfinite(values).all(dim=1)
+    scales = torch.empty(count, nb, dtype=torch.float32, device=x.device)
+    codes = torch.empty(count, cb, dtype=torch.uint8, device=x.device)
+    # Chunks are whole blocks, so quantizing them together gives each one's bytes; a non-finite row is zeroed.
+    quantize(torch.where(finite[:, None], values, 0.0).view(-1), scales.view(-1), codes.view(-1), bits, block,
+             False, 0)
+    rows[:, :h].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(rows.device))
+    rows[:, h:h + 4 * nb].copy_(scales.view(torch.uint8))
+    rows[:, h + 4 * nb:h + 4 * nb + cb].copy_(codes)
+    too_large = (scales > max_scale).any(dim=1)
+    status.copy_(torch.where(finite, torch.where(too_large, ROW_SCALE_TOO_LARGE, 0), ROW_NONFINITE).to(torch.int32))
