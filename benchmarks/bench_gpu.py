@@ -277,6 +277,9 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
     for spec in codecs:
         codec = get_compression(spec).reduce_codec
         figures[f"{spec}_encode_gbps"] = best_of(lambda: encode_part(codec))
+        # the same part in one call (no pipeline slices): what the kernel gives with the least host work
+        figures[f"{spec}_one_call_encode_gbps"] = best_of(
+            lambda: codec.encode_chunks(source, chunk, list(range(num_chunks))).errors)
         figures[f"{spec}_chunkwise_encode_gbps"] = best_of(
             lambda: [codec.encode(source[start:start + chunk], seed=start) for start in range(0, numel, chunk)])
         # Backend calls per part (a counter around the backend quantization.py calls) ...

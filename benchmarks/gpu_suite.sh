@@ -64,9 +64,9 @@ else
     step cuda_tests 150 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider -m cuda tests/
     MBYTES=${GPU_SUITE_MBYTES:-256}
     # 2 peers x 256 MB: 3 rounds of none, int8, int4 (+ gloo anchor); GPT: 25.4M parameters, one process alone,
-    # then 2 peers with gradient averaging and 2 with DiLoCo, 5 epochs each. Caps: 150 s + 250 s.
+    # then 2 peers with gradient averaging and 2 with DiLoCo, 8 epochs each. Caps: 150 s + 250 s.
     step bench_gpu 250 "$PYTHON" benchmarks/bench_gpu.py --device "$DEVICE" --mbytes "$MBYTES" --rounds 3 \
-        --codecs none,int8,int4 --gpt-epochs 5 --gpt-arg d_model=512 --gpt-arg layers=8 --gpt-arg context=128 \
+        --codecs none,int8,int4 --gpt-epochs 8 --gpt-arg d_model=512 --gpt-arg layers=8 --gpt-arg context=128 \
         --timeout 90
 fi
 tail -n 1 "$OUT/bench_gpu.log" >"$OUT/bench_gpu.json" 2>/dev/null || true

@@ -117,7 +117,9 @@ class BlockQuantizer(Codec):
             buffer = out[: rows * stride]
         buffer = buffer.view(rows, stride)
         errors: List[Optional[str]] = [None] * rows
-        nbytes = [self.max_encoded_nbytes(min(n, numel - r * n)) for r in range(rows)]
+        nbytes = [self.max_encoded_nbytes(n)] * (numel // n)  # one size for every full chunk (no per-chunk work)
+        if numel % n:
+            nbytes.append(self.max_encoded_nbytes(numel % n))
         full = numel // n if (n % self.block == 0 and not self.stochastic and rows) else 0
         status = None
         if full:

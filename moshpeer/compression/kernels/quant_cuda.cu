@@ -85,6 +85,8 @@ __global__ void dequantize_int4_kernel(const float* __restrict__ scales, const u
 // quantize_rows: chunk r of x (whole blocks) encoded straight into row r of `rows` as a payload (header, scales,
 // codes). One warp per block, as quantize_kernel; with kVector, each lane loads 4 values at once (float4) and
 // stores their 4 (int8) or 2 (int4) code bytes at once. Row status: 1 non-finite value, 2 scale above max_scale.
+const int kMaxVectorLoads = 1024 / 128;  // the largest block (quantization.MAX_BLOCK) in float4 loads per lane
+
 struct RowHeader {
   uint32_t words[4];
 };
@@ -115,12 +117,18 @@ __global__ void quantize_rows_kernel(const float* __restrict__ x, int64_t blocks
   const float* v = x + b * block;
 
   uint32_t max_bits = 0;
+  float4 held[kMaxVectorLoads];  // kVector: the lane's values, loaded once (block <= 1024: at most 8 float4)
   if (kVector) {
-    for (int64_t i = 4 * lane; i < block; i += 128) {
-      const float4 q = *reinterpret_cast<const float4*>(v + i);
-      const uint32_t m01 = max(__float_as_uint(q.x) & 0x7FFFFFFFu, __float_as_uint(q.y) & 0x7FFFFFFFu);
-      const uint32_t m23 = max(__float_as_uint(q.z) & 0x7FFFFFFFu, __float_as_uint(q.w) & 0x7FFFFFFFu);
-      max_bits = max(max_bits, max(m01, m23));
+#pragma unroll
+    for (int k = 0; k < kMaxVectorLoads; ++k) {
+      const int64_t i = 4 * lane + 128 * k;
+      if (i < block) {
+        const float4 q = __ldcs(reinterpret_cast<const float4*>(v + i));  // read once: do not keep it in cache
+        held[k] = q;
+        const uint32_t m01 = max(__float_as_uint(q.x) & 0x7FFFFFFFu, __float_as_uint(q.y) & 0x7FFFFFFFu);
+        const uint32_t m23 = max(__float_as_uint(q.z) & 0x7FFFFFFFu, __float_as_uint(q.w) & 0x7FFFFFFFu);
+        max_bits = max(max_bits, max(m01, m23));
+      }
     }
   } else {
     for (int64_t i = lane; i < block; i += 32) max_bits = max(max_bits, __float_as_uint(v[i]) & 0x7FFFFFFFu);
@@ -137,13 +145,17 @@ __global__ void quantize_rows_kernel(const float* __restrict__ x, int64_t blocks
     if (scale > max_scale) atomicOr(status + r, 2);
   }
   if (kVector) {
-    for (int64_t i = 4 * lane; i < block; i += 128) {
-      const float4 q = *reinterpret_cast<const float4*>(v + i);
-      const uint32_t packed = pack4<kBits>(q.x, q.y, q.z, q.w, inv);
-      if (kBits == 8)
-        *reinterpret_cast<uint32_t*>(codes + i) = packed;
-      else
-        *reinterpret_cast<uint16_t*>(codes + i / 2) = (uint16_t)packed;
+#pragma unroll
+    for (int k = 0; k < kMaxVectorLoads; ++k) {
+      const int64_t i = 4 * lane + 128 * k;
+      if (i < block) {
+        const float4 q = held[k];
+        const uint32_t packed = pack4<kBits>(q.x, q.y, q.z, q.w, inv);
+        if (kBits == 8)
+          *reinterpret_cast<uint32_t*>(codes + i) = packed;
+        else
+          *reinterpret_cast<uint16_t*>(codes + i / 2) = (uint16_t)packed;
+      }
     }
   } else if (kBits == 8) {
     for (int64_t i = lane; i < block; i += 32) codes[i] = (uint8_t)(int8_t)mp_quantize_nearest(v[i], inv);
