@@ -14,7 +14,7 @@ same harness on the CPU (the default test suite does, with tiny sizes).
    same tensors on the same device (NCCL cannot put two ranks on one GPU); none_round_vs_gloo and
    int8_round_vs_gloo = moshpeer's round / gloo's.
 2. Encoding on the data path: a part encoded the way the averager encodes it (`encode_chunks`, a pipeline
-   slice of the part's chunks at a time: allreduce.PART_SLICES), against a device-to-device copy of the same
+   slice of the part's chunks at a time: part_sender.PART_SLICES), against a device-to-device copy of the same
    vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth for int8 (input bytes per second).
    Also: the old chunk-by-chunk `codec.encode` loop (`*_chunkwise_encode_gbps`), backend calls per part (a
    counter) and, on CUDA, syncs_per_part (host syncs `torch.cuda.set_sync_debug_mode("warn")` reports while one
@@ -260,7 +260,7 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
         return numel * 4 / min(times) / 1e9
 
     figures = {"copy_gbps": best_of(lambda: target.copy_(source))}
-    from moshpeer.averaging.allreduce import _slices
+    from moshpeer.averaging.part_sender import _slices
     import moshpeer.compression.quantization as quantization
 
     num_chunks = -(-numel // chunk)

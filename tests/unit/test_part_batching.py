@@ -61,7 +61,7 @@ def test_backend_calls_per_part_do_not_grow_with_its_chunks(monkeypatch, device,
     many, many_by_name = backend_calls_per_part(monkeypatch, device, 64, spec)
     # Per part: its contribution encoded (by each other member), received and decoded, its average encoded and
     # decoded, and the averaged part decoded by each other member, each a few batches ("pipeline slices"). A
-    # receiver also decodes what it holds when its sender pauses (allreduce.IDLE_FLUSH_S): on a loaded machine a
+    # receiver also decodes what it holds when its sender pauses (part_receiver.IDLE_FLUSH_S): on a loaded machine a
     # descheduled sender adds a batch or two. Chunk by chunk, 64 chunks would take over 128 calls.
     assert many <= 1.5 * few, f"16 chunks: {few_by_name}; 64 chunks: {many_by_name}"
     assert many <= 32, many_by_name

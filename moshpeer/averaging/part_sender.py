@@ -1,0 +1,251 @@
+"""The sending side of a group all-reduce: one `PartSender.run(j)` thread per other member j.
+
+On its own outgoing connection to j it sends, first, this peer's contribution to part j (reduce-scatter), a
+pipeline slice of chunks at a time (`PART_SLICES`), then an END_REDUCE marker; then the chunks of this peer's own
+part as each one is finalized (all-gather), then END_GATHER. A batched codec encodes a slice in O(1) backend calls
+(`encode_chunks`); a raw one (`none`) sends a slice straight from the vector. On a device the next slice is
+encoded and staged while this one is on the wire (staging.py). Shared state: round_context.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from moshpeer.averaging import wire
+from moshpeer.averaging.budget_stall import allowance_share
+from moshpeer.averaging.dataplane import _close
+from moshpeer.averaging.links import ChunkStream, StreamSpec, WireStream
+from moshpeer.averaging.member_connector import MemberConnector, OutboundLink, peer_closed
+from moshpeer.averaging.round_context import DONE, RoundContext
+from moshpeer.averaging.staging import Outbox
+
+logger = logging.getLogger(__name__)
+
+# While a sender waits for chunks to be finalized, how often it checks that its peer is still there.
+PEER_CHECK_SECONDS = 0.05
+# A part's chunks go through the codec in at most this many batches ("pipeline slices") per direction: encoding
+# slice k+1 overlaps sending slice k, and host syncs per part are bounded independently of its chunk count.
+PART_SLICES = 4
+
+
+def _slices(num_chunks: int, slices: int = PART_SLICES):
+    """range(num_chunks) cut into at most `slices` consecutive ranges of equal length (the last may be shorter)."""
+    size = max(1, -(-num_chunks // slices))
+    return [range(first, min(num_chunks, first + size)) for first in range(0, num_chunks, size)]
+
+
+def _batched(codec) -> bool:
+    """Does `codec` take a pipeline slice of chunks at a time (`decode_chunks`, and `encode_chunks` unless raw)?"""
+    return bool(getattr(codec, "batched", False))
+
+
+def _raw(codec) -> bool:
+    """Is a payload of `codec` the chunk's own bytes (so a run of chunks is sent straight from the vector)?"""
+    return bool(getattr(codec, "raw", False))
+
+
+class PartSender:
+    """Sends this peer's chunks to the other members of one all-reduce (see the module docstring)."""
+
+    def __init__(self, ctx: RoundContext, connector: MemberConnector):
+        self.ctx, self.connector = ctx, connector
+
+    def run(self, j: int) -> None:
+        """The thread that sends to member j: our contribution to part j, then our averaged part as it becomes
+        final. Never raises: a broken connection means j left (nothing more is expected from it)."""
+        try:
+            link = self.connector.reach(j)
+            if link is None:
+                if not self.ctx.closing:
+                    logger.warning(f"group member {j} is absent from this round; averaging without it")
+                    with self.ctx.cond:
+                        self.ctx.stats.absent.append(j)
+                self.ctx.give_up_on(j)
+                return
+            with self.ctx.cond:
+                if link.relayed:
+                    self.ctx.stats.relayed.append(j)
+                if self.ctx.closing:
+                    _close(link.sock)
+                    return
+                self.ctx.sockets.append(link.sock)
+            self.ctx.uplink.add(link.sock)
+            self._send_reduce(link, j)
+            self._send_gather(link, j)
+        except (OSError, ConnectionError) as e:
+            logger.debug(f"sending to member {j} stopped: {e}")
+            if not self.ctx.closing:
+                self.ctx.give_up_on(j)  # our connection to j broke: j died or left the round, expect nothing more
+        finally:
+            with self.ctx.cond:
+                self.ctx.sent_progress[j] = DONE
+                self.ctx.senders_done += 1
+                self.ctx.cond.notify_all()
+
+    def _wait_finalized_watching(self, link: OutboundLink, j: int, c: int) -> bool:
+        """Wait for chunk c of our part to be finalized; meanwhile notice if member j's end of our connection
+        closed (it never sends on it, so readable means EOF or reset: j is gone). False = stop sending."""
+        finalized = self.ctx.reducer.finalized
+        while True:
+            with self.ctx.cond:
+                if self.ctx.wait(lambda: finalized[c], min(self.ctx.deadline, time.monotonic() + PEER_CHECK_SECONDS)):
+                    return True
+                if time.monotonic() >= self.ctx.deadline or self.ctx.closing:
+                    return False
+            if peer_closed(link.sock):
+                logger.debug(f"member {j} closed its connection: it left the round")
+                self.ctx.give_up_on(j)
+                return False
+
+    def _stream(self, link: OutboundLink, j: int, phase: str) -> ChunkStream:
+        """Our stream of `phase` to member j, through `self.ctx.links` (the real one unless a wrapper was injected)."""
+        stats, deadline = (self.ctx.reduce, self.ctx.reduce_deadline) if phase == "reduce" else (self.ctx.gather, self.ctx.deadline)
+        spec = StreamSpec(round_seed=int.from_bytes(self.ctx.tag[:4], "big"), sender=self.ctx.my_index, receiver=j,
+                          phase=phase, deadline=deadline, selective=self.ctx.loss_budget > 0,
+                          droppable=allowance_share(self.ctx.loss_budget, self.ctx.partition, phase, self.ctx.my_index, j))
+        return self.ctx.links.stream(WireStream(link, stats, lambda: self.ctx.closing), spec)
+
+    def _send_chunk(self, stream: ChunkStream, phase: int, part: int, chunk: int, codec, outbox: Outbox,
+                    lookahead: Optional[int] = None) -> None:
+        """Encode and send one chunk; with a device outbox, chunk `lookahead` is encoded and staged first, so its
+        copy to host memory overlaps with this send (staging.py)."""
+        data = outbox.next_bytes(chunk, lambda c: self._encode_chunk(phase, part, c, codec), lookahead)
+        stream.send(wire.pack_header(phase, part, chunk, len(data), self.ctx.tag), data)
+
+    def _encode_chunk(self, phase: int, part: int, chunk: int, codec):
+        mine = phase == wire.PHASE_GATHER and part == self.ctx.my_index
+        payload = self.ctx.reducer.gather_payloads[chunk] if mine else None
+        if payload is None:
+            start, end = self.ctx.partition.chunk_range(part, chunk)
+            payload = codec.encode(self.ctx.flat[start:end], seed=self.ctx.chunk_seed(part, chunk))
+        return payload
+
+    def _send_reduce(self, link: OutboundLink, j: int) -> None:
+        stream = self._stream(link, j, "reduce")
+        codec = self.ctx.links.contribution_codec(self.ctx.compression.reduce_codec)
+        num_chunks = self.ctx.partition.num_chunks(j)
+        if _batched(codec):
+            self._send_reduce_batched(stream, j, codec, num_chunks)
+        else:
+            self._send_reduce_chunks(stream, j, codec, num_chunks)
+        with self.ctx.cond:
+            self.ctx.sent_progress[j] = DONE  # a stream that holds chunks back (to resend them) keeps their bytes
+            self.ctx.cond.notify_all()
+        stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.ctx.tag))
+
+    def _send_reduce_batched(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
+        """Part j's chunks a slice at a time: encoded (`codec.encode_chunks`: O(1) backend calls per slice) into one
+        buffer each, or for a raw codec taken as they lie in the vector, and staged to host memory with one copy
+        per slice; the next slice is encoded and staged before this one is sent when the staging overlaps copies
+        with sends (a device)."""
+        chunk_numel = self.ctx.partition.chunk_numel
+        slices = _slices(num_chunks)
+        stride = codec.row_stride(chunk_numel)
+        outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
+        buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
+
+        def encode(k: int):  # -> (the encoding or None if raw, (offset, nbytes) of each chunk, the staged bytes)
+            chunks = slices[k]
+            if _raw(codec):
+                data, spans = self._vector_run(j, chunks[0], chunks[-1] + 1)
+                return None, spans, outbox.prepare(data)
+            start = self.ctx.partition.chunk_range(j, chunks[0])[0]
+            end = self.ctx.partition.chunk_range(j, chunks[-1])[1]
+            encoded = codec.encode_chunks(self.ctx.flat[start:end], chunk_numel,
+                                          [self.ctx.chunk_seed(j, c) for c in chunks], out=buffers[k % 2])
+            buffers[k % 2] = encoded.buffer.view(-1)
+            spans = [(r * stride, nbytes) for r, nbytes in enumerate(encoded.nbytes)]
+            return encoded, spans, outbox.prepare(encoded.buffer.view(-1))
+
+        ahead = None
+        for k, chunks in enumerate(slices):
+            if time.monotonic() > self.ctx.reduce_deadline:
+                break
+            encoded, spans, staged = ahead if ahead is not None else encode(k)
+            ahead = encode(k + 1) if outbox.lookahead and k + 1 < len(slices) else None
+            data = outbox.host_bytes(staged)
+            for r, c in enumerate(chunks):
+                if time.monotonic() > self.ctx.reduce_deadline:
+                    return
+                if encoded is not None and encoded.errors[r] is not None:
+                    raise ValueError(encoded.errors[r])
+                offset, nbytes = spans[r]
+                stream.send(wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.ctx.tag), data[offset: offset + nbytes])
+                with self.ctx.cond:
+                    self.ctx.sent_progress[j] = c + 1
+                    self.ctx.cond.notify_all()
+
+    def _send_reduce_chunks(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
+        outbox = self.ctx.staging.outbox(codec.max_encoded_nbytes(self.ctx.partition.chunk_numel))
+        for c in range(num_chunks):
+            if time.monotonic() > self.ctx.reduce_deadline:
+                break
+            self._send_chunk(stream, wire.PHASE_REDUCE, j, c, codec, outbox,
+                             lookahead=c + 1 if c + 1 < num_chunks else None)
+            with self.ctx.cond:
+                self.ctx.sent_progress[j] = c + 1
+                self.ctx.cond.notify_all()
+
+    def _send_gather(self, link: OutboundLink, j: int) -> None:
+        stream = self._stream(link, j, "gather")
+        codec = self.ctx.compression.gather_codec
+        finalized = self.ctx.reducer.finalized
+        if _batched(codec):
+            self._send_gather_runs(link, stream, j, codec)
+        else:
+            outbox = self.ctx.staging.outbox(codec.max_encoded_nbytes(self.ctx.partition.chunk_numel))
+            for c in range(self.ctx.num_my_chunks):
+                if not self._wait_finalized_watching(link, j, c):
+                    return
+                # Stage the next chunk early only if it is already averaged (finalized chunks never change).
+                ahead = c + 1 if c + 1 < self.ctx.num_my_chunks and finalized[c + 1] else None
+                self._send_chunk(stream, wire.PHASE_GATHER, self.ctx.my_index, c, codec, outbox, lookahead=ahead)
+        stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.ctx.tag))
+
+    def _send_gather_runs(self, link: OutboundLink, stream: ChunkStream, j: int, codec) -> None:
+        """Our averaged chunks, a run of final chunks at a time: each run is one stretch of memory (rows of one
+        batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
+        reducer, n = self.ctx.reducer, self.ctx.num_my_chunks
+        cap = len(_slices(n)[0]) if n else 1
+        stride = 0 if _raw(codec) else codec.row_stride(self.ctx.partition.chunk_numel)
+        outbox = self.ctx.staging.outbox(max(1, cap * (stride or 4 * self.ctx.partition.chunk_numel)))
+        c = 0
+        while c < n:
+            if not self._wait_finalized_watching(link, j, c):
+                return
+            end = c + 1
+            if stride:
+                rows = reducer.gather_rows
+                if rows[c] is None:  # could not be encoded (non-finite average): the sender's encode reports it
+                    self._send_chunk(stream, wire.PHASE_GATHER, self.ctx.my_index, c, codec, Outbox())
+                    c += 1
+                    continue
+                batch, first_row = rows[c]
+                while (end < n and end - c < cap and reducer.finalized[end] and rows[end] is not None
+                       and rows[end][0] is batch):
+                    end += 1
+                data = batch.buffer[first_row:first_row + end - c].reshape(-1)
+                offsets = [(r * stride, batch.nbytes[first_row + r]) for r in range(end - c)]
+            else:
+                while end < n and end - c < cap and reducer.finalized[end]:
+                    end += 1
+                data, offsets = self._vector_run(self.ctx.my_index, c, end)
+            host = outbox.host_bytes(outbox.prepare(data))
+            for r, (offset, nbytes) in enumerate(offsets):
+                stream.send(wire.pack_header(wire.PHASE_GATHER, self.ctx.my_index, c + r, nbytes, self.ctx.tag),
+                            host[offset: offset + nbytes])
+            c = end
+
+    def _vector_run(self, part: int, first: int, end: int):
+        """Chunks first..end-1 of `part` as they lie in the vector: (their bytes, (offset, nbytes) of each)."""
+        lo = self.ctx.partition.chunk_range(part, first)[0]
+        hi = self.ctx.partition.chunk_range(part, end - 1)[1]
+        spans = []
+        for chunk in range(first, end):
+            s0, s1 = self.ctx.partition.chunk_range(part, chunk)
+            spans.append(((s0 - lo) * 4, (s1 - s0) * 4))
+        return self.ctx.flat[lo:hi].view(torch.uint8), spans
