@@ -163,7 +163,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     """Part 5 (see the module docstring)."""
     import torch
 
-    from moshpeer.simulation.training import TrainingConfig, Workload, run_sync, run_training
+    from moshpeer.simulation.training import run_sync, run_training
+    from moshpeer.simulation.training_config import TrainingConfig, Workload
 
     torch.set_num_threads(1)  # small vectorized steps: threads only add contention on a shared machine
     figures = {}

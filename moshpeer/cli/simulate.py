@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Callable, List, Sequence
 
 if TYPE_CHECKING:
-    from moshpeer.simulation.training import TrainingResult
+    from moshpeer.simulation.training_result import TrainingResult
 
 MAX_VALUES = 50_000_000
 
@@ -286,7 +286,8 @@ def run_training_level(args: argparse.Namespace) -> int:
     import torch
 
     from moshpeer.errors import UserError
-    from moshpeer.simulation.training import TrainingConfig, Workload, run_sync, run_training
+    from moshpeer.simulation.training import run_sync, run_training
+    from moshpeer.simulation.training_config import TrainingConfig, Workload
 
     knobs = {dest: (default if getattr(args, dest, None) is None else getattr(args, dest))
              for _, dest, _, default, _, _ in TRAINING_KNOBS}

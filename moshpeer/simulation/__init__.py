@@ -17,16 +17,11 @@ from moshpeer.simulation.averaging import (
     Trajectory,
     run_cell,
 )
-from moshpeer.simulation.training import (
-    MODES,
-    MoshpitTraining,
-    SyncTraining,
-    TrainingConfig,
-    TrainingResult,
-    Workload,
-    run_sync,
-    run_training,
-)
+from moshpeer.simulation.moshpit_training import MoshpitTraining
+from moshpeer.simulation.sync_training import SyncTraining
+from moshpeer.simulation.training import run_sync, run_training
+from moshpeer.simulation.training_config import MODES, TrainingConfig, Workload
+from moshpeer.simulation.training_result import TrainingResult
 
 __all__ = [
     "INITIAL_KEYS", "RNG_STREAMS", "TOPOLOGIES", "AveragingConfig", "AveragingSimulation", "CellResult", "RoundStats",

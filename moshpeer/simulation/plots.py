@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, List, Sequence
 
 if TYPE_CHECKING:
     from moshpeer.simulation.averaging import CellResult
-    from moshpeer.simulation.training import TrainingResult
+    from moshpeer.simulation.training_result import TrainingResult
 
 from moshpeer.errors import UserError
 

@@ -1,0 +1,458 @@
+"""The swarm training with Moshpit groups (`MoshpitTraining`): the training level's system under test.
+
+**Modes** (the production strategies, `moshpeer/peer/strategies/`):
+
+- `gradients`: each round = one step: the peer's minibatch gradient is averaged in its group and applied with
+  SGD; every `DEFAULT_PARAMS_EVERY` rounds the parameters are averaged too (as `GradientsStrategy` does).
+- `parameters`: one local SGD step, then the parameters are averaged in the group.
+- `diloco`: H inner SGD steps, then the pseudo-gradient Δ = θ_outer - θ_local is averaged in the group and the
+  production `OuterState` (SGD, Nesterov, lr 0.7, momentum 0.9: `OuterOptimizer()`) takes the outer step, on
+  all peers' rows at once. A peer with no group steps on its own Δ (`DiLoCoStrategy.apply_alone`).
+
+**One round** (`MoshpitTraining.step`), for the peers up at its start:
+
+1. compute: each peer's clock advances by steps x batch / speed. A peer whose failure time falls inside fails
+   there: the work since its last completed round is lost, it is down for Exp(rejoin_s) (or for good, with
+   probability `never_return`), and it takes no part in the round.
+2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys),
+   then the matchmaking window (`_window`): a group keeps its largest set of members ready within
+   `matchmaking_window_s` of each other. An earlier member waited the window in vain and steps alone; a later one
+   found the group gone: in DiLoCo it catches up as production does (`catches_up_after_missed_round`: it
+   downloads a member's state after the round and loses the round's compute), in the other modes it steps
+   alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer
+   takes part in each round it is up for, so a fast peer waits for its group's slowest member (fixed H, as in
+   production without DropCompute).
+3. the group round starts when its last member is ready, after matchmaking ((2 + log2 N) round trips of the
+   slowest member's RTT: DHT lookup, join request, leader's reply). Its data-plane time is the bandwidth model
+   of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
+   `model_params` values. A member whose failure time falls inside the round sends nothing: the owners treat
+   it as departed, its own part is lost for everybody (each keeps its own value there), and the others wait
+   for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
+   round it finished, as a peer does).
+4. aggregation per owner part and chunk (production `Partition` on the workload's dimension): `mean` = the
+   production estimator `estimate_over_sum` over what arrived (with chunk loss), `clipped`/`trimmed` = the
+   production `robust_combine`; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
+   averaged chunks keep the receiver's own value.
+5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
+   random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
+   ready only after its group had formed catches up as production DiLoCo does (`catches_up_after_missed_round`):
+   it downloads a member's state after the round, and its round's compute is lost.
+
+**Hostile peers** (a fixed random subset): they train honestly but send `hostile_scale` x their contribution
+(-100 = the issue's scaled attack, -1 = sign flip) and declare `hostile_weight` x their true weight. As owners
+they aggregate honestly (a hostile owner is out of robust aggregation's reach; see aggregation.py).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from moshpeer.averaging import grid
+from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
+from moshpeer.averaging.aggregation import cap_weights, robust_combine, weight_cap_factor
+from moshpeer.averaging.estimator import estimate_over_sum
+from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
+from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
+from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
+from moshpeer.simulation.swarm import Swarm
+from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
+from moshpeer.simulation.training_config import TrainingConfig, config_dict
+from moshpeer.simulation.training_result import TrainingResult
+
+GROUP_ID_BYTES = 20
+
+
+class MoshpitTraining:
+    """The swarm training with Moshpit groups (mode gradients, parameters or diloco); `run()` or `step()`.
+
+    Deterministic for a (config, seed). Bad config: ValueError (see `TrainingConfig.check`).
+    """
+
+    def __init__(self, config: TrainingConfig, seed: int = 0):
+        self.swarm = s = Swarm(config, seed)
+        self.config = config
+        n = config.peers
+        self.x = s.start.repeat(n, 1)  # each peer's model (diloco: θ_local between rounds = θ_outer)
+        self.outer = (OuterState([self.x], parse_outer_optimizer(config.outer_optimizer))
+                      if config.mode == "diloco" else None)
+        self.clock = np.zeros(n)
+        self.fail_at = s.next_failure(self.clock)
+        self.down_until = np.zeros(n)  # > clock: away; inf: gone for good
+        self.down_s = np.zeros(n)
+        self.useful = np.zeros(n)
+        self.lost = np.zeros(n)
+        self.wait = np.zeros(n)
+        self.comm = np.zeros(n)
+        self.sent = np.zeros(n)
+        self.key_bits = config.resolved_key_bits()
+        self.keys = grid.initial_group_keys(n, self.key_bits, s.group_rng)
+        self.deadlines: Dict[int, DeadlineLearner] = {}
+        self.round = 0
+        self.stalls = self.failures = self.catch_ups = 0
+        self.group_sizes: List[int] = []
+        self.alone = 0
+        self.participations = 0
+        self.initial_loss = s.loss(self.x[torch.from_numpy(s.honest)])
+        self.curve: List[Tuple[float, float]] = [(0.0, self.initial_loss)]
+        self.mm_s = matchmaking_seconds(n, 1.0)  # x the slowest member's RTT
+
+    # -- helpers --
+
+    def _deadline(self, peer: int) -> DeadlineLearner:
+        if peer not in self.deadlines:
+            c = self.config
+            self.deadlines[peer] = DeadlineLearner(matchmaking_floor=c.matchmaking_window_s,
+                                                  matchmaking_cap=c.matchmaking_window_s,
+                                                  round_floor=c.min_round_timeout_s, round_cap=c.round_timeout_s)
+        return self.deadlines[peer]
+
+    def _fail(self, peers: np.ndarray, at: np.ndarray) -> None:
+        """Peers fail at times `at`: away for Exp(rejoin_s), or for good with probability never_return."""
+        if peers.size == 0:
+            return
+        s, c = self.swarm, self.config
+        self.failures += int(peers.size)
+        away = s.fail_rng.exponential(c.rejoin_s, peers.size)
+        gone = s.fail_rng.random(peers.size) < c.never_return
+        back = np.where(gone, np.inf, at + away)
+        self.down_until[peers] = back
+        self.clock[peers] = at
+        self.fail_at[peers] = np.where(gone, np.inf, s.next_failure(np.where(gone, 0.0, back)))
+
+    def _rejoin(self, now: float) -> None:
+        """Peers whose time away is over by the swarm's median clock download a live honest peer's state."""
+        s, c = self.swarm, self.config
+        back = np.flatnonzero((self.down_until > self.clock) & (self.down_until <= now))
+        if back.size == 0:
+            return
+        live = np.flatnonzero((self.down_until <= self.clock) & s.honest)
+        if live.size == 0:
+            return
+        donors = live[s.group_rng.integers(0, live.size, back.size)]
+        self.down_s[back] += self.down_until[back] - self.clock[back]
+        state_values = c.model_params * (2 if c.mode == "diloco" else 1)  # diloco: θ_outer and its momentum
+        download = state_values * 4 / s.downlink[back]
+        resume = np.maximum(self.down_until[back] + download, now)
+        self.wait[back] += resume - self.down_until[back]  # the download, then waiting for the next round
+        self.clock[back] = resume
+        self.down_until[back] = 0.0
+        self._adopt(back, donors)
+
+    def _adopt(self, peers: np.ndarray, donors: np.ndarray) -> None:
+        """`peers` take over their donors' state: the model and, for DiLoCo, θ_outer and the outer momentum."""
+        b, d = torch.from_numpy(peers), torch.from_numpy(donors)
+        self.x[b] = self.x[d]
+        if self.outer is not None:
+            anchor = self.outer.anchor[0]
+            anchor[b] = anchor[d]
+            momentum = self.outer.optimizer.state.get(anchor, {}).get("momentum_buffer")
+            if momentum is not None:
+                momentum[b] = momentum[d]
+
+    # -- one round --
+
+    def step(self) -> None:
+        """One round for every peer that is up (see the module docstring)."""
+        s, c = self.swarm, self.config
+        self.round += 1
+        up = self.down_until <= self.clock
+        now = float(np.median(self.clock[up])) if up.any() else float(self.clock.max())
+        self._rejoin(now)
+        active = np.flatnonzero(self.down_until <= self.clock)
+        if active.size == 0:
+            return
+        steps = c.steps_per_round()
+        compute = steps * c.workload.batch / s.speed[active]
+        ready = self.clock[active] + compute
+        failing = self.fail_at[active] < ready
+        self.lost[active[failing]] += self.fail_at[active[failing]] - self.clock[active[failing]]
+        self._fail(active[failing], self.fail_at[active[failing]])
+        survivors, ready, compute = active[~failing], ready[~failing], compute[~failing]
+        honest, contributions, weights = self._compute(survivors)
+        ready_of = np.full(c.peers, np.nan)
+        ready_of[survivors] = ready
+
+        grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
+                                        s.group_rng)
+        grouping, late, late_group = self._window(grouping, ready_of)
+        if c.mode != "diloco" and late.size:
+            # Only DiLoCoStrategy catches up after a missed round; the other strategies step alone (apply_alone).
+            grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
+                                     np.r_[grouping.alone, late].astype(np.int64))
+            late = late_group = np.zeros(0, dtype=np.int64)
+        row_of = np.full(c.peers, -1, dtype=np.int64)
+        row_of[survivors] = np.arange(survivors.size)
+        averaged = honest.clone()  # alone, or a lost averaged chunk: the peer's own (honest) value
+        done = np.ones(survivors.size, dtype=bool)  # False: died during the round, or came late
+        ends, donors = np.zeros(grouping.num_groups), np.full(grouping.num_groups, -1, dtype=np.int64)
+        for j in range(grouping.num_groups):
+            members = grouping.members[grouping.starts[j]:grouping.starts[j] + grouping.sizes[j]]
+            done_members, ends[j] = self._group_round(members, row_of[members], ready_of[members], contributions,
+                                                      weights, averaged)
+            done[row_of[members]] = done_members
+            if done_members.any():
+                donors[j] = members[np.flatnonzero(done_members)[0]]
+        # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`,
+        # CollaborativeOptimizer: the swarm moved past this epoch): download the state of a member that finished
+        # the round; this round's compute is lost.
+        catch_up = late[donors[late_group] >= 0] if late.size else late
+        catch_donor = donors[late_group][donors[late_group] >= 0] if late.size else late
+        catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
+        alone = np.r_[grouping.alone, late[donors[late_group] < 0]].astype(np.int64) if late.size else grouping.alone
+        done[row_of[catch_up]] = False
+        # Alone: waited the matchmaking window in vain, then steps on its own contribution.
+        self.alone += int(alone.size)
+        self.participations += int(survivors.size)
+        self.wait[alone] += c.matchmaking_window_s
+        self.clock[alone] = ready_of[alone] + c.matchmaking_window_s
+        self.useful[survivors[done]] += compute[done]
+        self._apply(survivors, done, averaged)
+        if catch_up.size:
+            self.lost[catch_up] += compute[row_of[catch_up]]
+            self.catch_ups += int(catch_up.size)
+            self._adopt(catch_up, catch_donor)
+            state_values = c.model_params * (2 if c.mode == "diloco" else 1)
+            resume = catch_end + state_values * 4 / s.downlink[catch_up]
+            self.wait[catch_up] += resume - ready_of[catch_up]
+            self.clock[catch_up] = resume
+        if grouping.num_groups:
+            blob = s.group_rng.bytes(GROUP_ID_BYTES * grouping.num_groups)
+            ids = [blob[k * GROUP_ID_BYTES:(k + 1) * GROUP_ID_BYTES] for k in range(grouping.num_groups)]
+            self.keys = grid.rotate_grouped_keys(self.keys, self.key_bits, grouping, c.group_size, ids)
+        live_honest = np.flatnonzero((self.down_until <= self.clock) & s.honest)
+        if live_honest.size:
+            t = float(np.median(self.clock[self.down_until <= self.clock]))
+            self.curve.append((t, s.loss(self.x[torch.from_numpy(live_honest)])))
+
+    def _compute(self, peers: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """The round's local work of `peers` -> (its honest contribution, what it sends, its declared weight)."""
+        s, c = self.swarm, self.config
+        rows = torch.from_numpy(peers)
+        x = self.x[rows]
+        centers = s.centers[rows]
+        lr = c.workload.lr
+        if c.mode == "diloco":
+            local = x.clone()
+            for _ in range(c.inner_steps):
+                local.sub_(s.gradients(local, centers), alpha=lr)
+            self.x[rows] = local
+            contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
+            if c.outer_params_every and self.round % c.outer_params_every == 0:
+                contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
+        elif c.mode == "gradients":
+            contribution = s.gradients(x, centers)
+            if self.round % DEFAULT_PARAMS_EVERY == 0:  # GradientsStrategy's parameter rounds
+                contribution = torch.cat([contribution, x], dim=1)
+        else:
+            x = x - lr * s.gradients(x, centers)
+            self.x[rows] = x
+            contribution = x.clone()
+        weights = np.full(peers.size, float(c.workload.batch * c.steps_per_round()))
+        hostile = s.hostile[peers]
+        sent = contribution
+        if hostile.any():
+            sent = contribution.clone()
+            h = torch.from_numpy(hostile)
+            sent[h] *= c.hostile_scale
+            weights[hostile] *= c.hostile_weight
+        return contribution, sent, weights
+
+    def _window(self, grouping: grid.Grouping, ready_of: np.ndarray) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
+        """The matchmaking window: a group forms from the largest set of its members whose ready times lie within
+        `matchmaking_window_s` of each other (the latest such set on a tie); a member ready earlier waited the
+        window in vain and goes alone; one ready later found the group gone: it is returned as late, with the index
+        of the group it missed (-> grouping, late peers, their groups)."""
+        c = self.config
+        none = np.zeros(0, dtype=np.int64)
+        if grouping.num_groups == 0:
+            return grouping, none, none
+        ready = ready_of[grouping.members]
+        first = np.minimum.reduceat(ready, grouping.starts)
+        last = np.maximum.reduceat(ready, grouping.starts)
+        if (last - first <= c.matchmaking_window_s).all():
+            return grouping, none, none
+        keep = np.ones(grouping.members.size, dtype=bool)
+        late = np.zeros(grouping.members.size, dtype=bool)
+        for j in np.flatnonzero(last - first > c.matchmaking_window_s).tolist():
+            lo = int(grouping.starts[j])
+            times = ready[lo:lo + int(grouping.sizes[j])]
+            order = np.sort(times)
+            # For each member as the latest of the set: how many are ready within the window before it.
+            counts = np.arange(order.size) - np.searchsorted(order, order - c.matchmaking_window_s) + 1
+            best = int(np.flatnonzero(counts == counts.max())[-1])
+            keep[lo:lo + times.size] = (times <= order[best]) & (times >= order[best] - c.matchmaking_window_s)
+            late[lo:lo + times.size] = times > order[best]
+        group_of = grouping.group_of_member()
+        sizes = np.bincount(group_of[keep], minlength=grouping.num_groups)
+        ok = sizes >= c.min_group_size
+        in_ok = keep & ok[group_of]
+        members = grouping.members[in_ok]
+        kept = sizes[ok]
+        starts = np.r_[0, np.cumsum(kept)[:-1]] if kept.size else np.zeros(0, dtype=np.int64)
+        new_index = np.cumsum(ok) - 1
+        is_late = late & ok[group_of]
+        alone = np.r_[grouping.alone, grouping.members[~in_ok & ~is_late]]
+        regrouped = grid.Grouping(members, starts.astype(np.int64), kept.astype(np.int64), alone.astype(np.int64))
+        return regrouped, grouping.members[is_late], new_index[group_of[is_late]]
+
+    def _group_round(self, members: np.ndarray, rows: np.ndarray, ready: np.ndarray, contributions: torch.Tensor,
+                     weights: np.ndarray, averaged: torch.Tensor) -> Tuple[np.ndarray, float]:
+        """Time, traffic and aggregation of one group; writes the members' results into `averaged`; returns
+        which members finished the round (the others failed in it) and when it ended."""
+        s, c = self.swarm, self.config
+        n = members.size
+        self.group_sizes.append(n)
+        ups, downs = s.uplink[members], s.downlink[members]
+        numel = c.model_params * (2 if contributions.shape[1] > c.workload.dim else 1)
+        if c.partition == "bandwidth":
+            sizes = bandwidth_part_sizes(numel, ups.tolist())
+        else:
+            sizes = Partition(numel, n, c.chunk_numel).part_starts
+            sizes = [b - a for a, b in zip(sizes, sizes[1:])]
+        data_s, sent = group_round_seconds(numel, sizes, ups, downs, float(s.rtt[members].max()), c.bytes_per_value)
+        start = float(ready.max()) + self.mm_s * float(s.rtt[members].max())
+        end = start + data_s
+        dying = self.fail_at[members] < end
+        payload = numel * c.bytes_per_value
+        alive_members = members[~dying].tolist()
+        if dying.any():
+            # Nobody hears from a member that died: each owner waits for its part until its own deadline, so the
+            # round ends at the latest of the survivors' deadlines. (A round with a dead member is not recorded.)
+            self.stalls += 1
+            waits = [self._deadline(m).round_deadline(n, payload) for m in alive_members] or [c.round_timeout_s]
+            end = start + max(data_s, max(waits))
+        else:
+            # Every member records the round, as every peer's own DeadlineLearner does.
+            for m in alive_members:
+                self._deadline(m).observe_round(n, payload, data_s, hit_deadline=False, member_died=False)
+        self.sent[members[~dying]] += np.asarray(sent)[~dying]
+        self.wait[members] += start - ready
+        self.comm[members[~dying]] += end - start
+        self.clock[members[~dying]] = end
+        if dying.any():
+            died = members[dying]
+            self.lost[died] += ready[dying] - self.clock[died]  # the epoch's compute, not only the round
+            self._fail(died, self.fail_at[died])
+        self._aggregate(rows, contributions, weights, dying, averaged)
+        return ~dying, end
+
+    def _aggregate(self, rows: np.ndarray, contributions: torch.Tensor, weights: np.ndarray, dying: np.ndarray,
+                   averaged: torch.Tensor) -> None:
+        """Each member owns one part of the workload vector; aggregate it from what arrived, send it back."""
+        c = self.config
+        n = rows.size
+        v = contributions[torch.from_numpy(rows)]
+        dim = v.shape[1]
+        w = cap_weights(weights[np.arange(n)].tolist(), weight_cap_factor(c.aggregation))
+        present = ~dying
+        # A receiver keeps its own (honest) value where nothing comes back; a hostile owner aggregates honestly,
+        # from its own honest value (robust aggregation cannot defend against a lying owner anyway).
+        own_values = averaged[torch.from_numpy(rows)]
+        if c.aggregation == "mean" and c.chunk_loss == 0 and not dying.any():
+            # One weighted mean for the whole vector: the same as per part, except that a hostile owner's own
+            # share of its own part (1/n of 1/n of the vector) is counted as sent, not as honest.
+            wt = torch.tensor(w, dtype=v.dtype)
+            averaged[torch.from_numpy(rows)] = (wt @ v / wt.sum()).expand(n, dim)
+            return
+        partition = Partition(dim, n, c.chunk_numel)
+        rng = self.swarm.loss_rng
+        result = own_values.clone()
+        v = v.clone()
+        wt = torch.tensor(w, dtype=v.dtype)
+        for owner in range(n):
+            if dying[owner]:
+                continue  # its part never comes back: everybody keeps its own value there
+            lo_part, hi_part = partition.part_range(owner)
+            v[owner, lo_part:hi_part] = own_values[owner, lo_part:hi_part]
+            for chunk in range(partition.num_chunks(owner)):
+                lo, hi = partition.chunk_range(owner, chunk)
+                arrived = present & (rng.random(n) >= c.chunk_loss)
+                arrived[owner] = True
+                if c.aggregation == "mean":
+                    others = present.copy()
+                    others[owner] = False
+                    got = arrived & others
+                    mask = torch.from_numpy(got).to(v.dtype)
+                    total = (wt * mask) @ v[:, lo:hi]
+                    value = estimate_over_sum(v[owner, lo:hi].clone(), w[owner], total, float((wt * mask).sum()),
+                                              float(wt[torch.from_numpy(others)].sum()))
+                else:
+                    idx = np.flatnonzero(arrived)
+                    value, _ = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
+                                              [w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
+                back = present & (rng.random(n) >= c.chunk_loss)
+                back[owner] = True
+                result[torch.from_numpy(back), lo:hi] = value
+        averaged[torch.from_numpy(rows)] = result
+
+    def _apply(self, peers: np.ndarray, done: np.ndarray, averaged: torch.Tensor) -> None:
+        """Each peer that finished the round (in a group or alone) applies what it got, as its strategy does."""
+        c = self.config
+        ok = peers[done]
+        if ok.size == 0:
+            return
+        rows = torch.from_numpy(ok)
+        got = averaged[torch.from_numpy(np.flatnonzero(done))]
+        if c.mode == "diloco":
+            dim = c.workload.dim
+            delta = torch.zeros_like(self.x)
+            delta[rows] = got[:, :dim]
+            if got.shape[1] > dim:  # outer_params_every: adopt the group's θ_outer, then step from it
+                self.outer.anchor[0][rows] = got[:, dim:]
+            self._outer_step(rows, delta)
+        elif c.mode == "gradients":
+            dim = c.workload.dim
+            self.x[rows] = self.x[rows] - c.workload.lr * got[:, :dim]
+            if got.shape[1] > dim:
+                self.x[rows] = got[:, dim:] - c.workload.lr * got[:, :dim]
+        else:
+            self.x[rows] = got
+
+    def _outer_step(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
+        """The production outer step (`OuterState.apply`) on all rows at once; rows of peers that took no outer
+        step this round (away, or failed) are put back: their θ_outer and momentum do not move."""
+        anchor = self.outer.anchor[0]
+        skip = torch.ones(anchor.shape[0], dtype=torch.bool)
+        skip[rows] = False
+        saved_anchor, saved_x = anchor[skip].clone(), self.x[skip].clone()
+        momentum = self.outer.optimizer.state.get(anchor, {}).get("momentum_buffer")
+        saved_momentum = momentum[skip].clone() if momentum is not None else None
+        self.outer.apply([delta], [self.x])
+        anchor[skip] = saved_anchor
+        self.x[skip] = saved_x
+        momentum = self.outer.optimizer.state[anchor]["momentum_buffer"]
+        if saved_momentum is not None:
+            momentum[skip] = saved_momentum
+        else:
+            momentum[skip] = 0.0
+
+    # -- a run --
+
+    def run(self) -> TrainingResult:
+        """`config.rounds` rounds; the figures of the whole run."""
+        for _ in range(self.config.rounds):
+            self.step()
+        return self.result()
+
+    def result(self) -> TrainingResult:
+        s, c = self.swarm, self.config
+        # Per peer: up from 0 to its own clock (an away peer's clock stopped when it failed), less its time away.
+        # Clocks of peers in different groups differ by up to a round at the end; each peer counts its own.
+        end = float(np.median(self.clock))
+        still_away = self.down_until > self.clock
+        up_s = float((self.clock - self.down_s).sum())
+        live_honest = np.flatnonzero(~still_away & s.honest)
+        models = self.x[torch.from_numpy(live_honest)]
+        final = s.loss(models) if live_honest.size else float("nan")
+        return TrainingResult(
+            system=f"moshpit-{c.mode}", config=config_dict(c), rounds=self.round, sim_seconds=end,
+            goodput=float(self.useful.sum() / up_s) if up_s > 0 else 0.0, useful_s=float(self.useful.sum()),
+            up_s=up_s, lost_s=float(self.lost.sum()), wait_s=float(self.wait.sum()), comm_s=float(self.comm.sum()),
+            stalls=self.stalls, failures=self.failures, final_loss=final, loss_floor=s.loss_floor(),
+            initial_loss=self.initial_loss, bytes_per_peer=float(self.sent.mean()),
+            final_spread=s.spread(models) if live_honest.size else float("nan"),
+            mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
+            alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups, curve=self.curve)

@@ -1,0 +1,56 @@
+"""The training level's time model of the network: a group round's data plane (`group_round_seconds`),
+matchmaking (`matchmaking_seconds`) and the synchronous baseline's all-reduce (`ring_allreduce_seconds`).
+Pure functions of sizes, link speeds and round trips; compute time (samples / speed) and failures are modelled
+where they happen (`moshpit_training.py`, `sync_training.py`, `swarm.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence, Tuple
+
+
+def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence[float], downlinks: Sequence[float],
+                        rtt_s: float, bytes_per_value: float) -> Tuple[float, List[float]]:
+    """Data-plane time of one group round and the bytes each member uploads.
+
+    Member i uploads its contribution to every other part (numel - s_i values, reduce-scatter) and its averaged
+    part to the n - 1 others ((n - 1) s_i, all-gather), and downloads as much. Chunks are pipelined (an owner
+    sends a chunk back as soon as it is final), so the round lasts as long as the busiest link:
+    max_i max(U_i / up_i, D_i / down_i), plus one round trip per phase. With unlimited downlinks this is the
+    production model `partition.reduce_allgather_seconds` (the one `bandwidth_part_sizes` optimizes) plus two
+    round trips.
+
+    :raises ValueError: part sizes that do not fit the members, or a non-positive link speed
+    """
+    n = len(part_sizes)
+    if n != len(uplinks) or n != len(downlinks) or sum(part_sizes) != numel:
+        raise ValueError("part sizes, uplinks and downlinks must have one entry per member and sum to numel")
+    if any(not b > 0 for b in list(uplinks) + list(downlinks)):
+        raise ValueError("link speeds must be positive")
+    if n == 1:
+        return 0.0, [0.0]
+    busiest = 0.0
+    sent = []
+    for s, up, down in zip(part_sizes, uplinks, downlinks):
+        volume = (numel - s + (n - 1) * s) * bytes_per_value
+        busiest = max(busiest, volume / up, volume / down)
+        sent.append(volume)
+    return busiest + 2 * rtt_s, sent
+
+
+def matchmaking_seconds(peers: int, rtt_s: float) -> float:
+    """Matchmaking of one round: a DHT lookup of the group key (about log2 N hops) plus the join request and
+    the leader's reply. A model, not production timing (hivemind's matchmaking is asynchronous)."""
+    return (2 + math.ceil(math.log2(max(peers, 2)))) * rtt_s
+
+
+def ring_allreduce_seconds(numel: int, peers: int, uplink: float, downlink: float, rtt_s: float,
+                           bytes_per_value: float) -> float:
+    """The synchronous baseline's all-reduce of `numel` values among `peers`: a ring's bandwidth term
+    (2 (n - 1) / n of the vector through the slowest link) with a tree's latency term (2 log2 n round trips).
+    Generous to the baseline: no real all-reduce has both."""
+    if peers <= 1:
+        return 0.0
+    volume = 2 * (peers - 1) / peers * numel * bytes_per_value
+    return volume / min(uplink, downlink) + 2 * math.ceil(math.log2(peers)) * rtt_s

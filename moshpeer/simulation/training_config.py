@@ -1,0 +1,156 @@
+"""The training level's inputs: the run's configuration (`TrainingConfig`) and its convex problem (`Workload`).
+
+**Workload.** A convex problem: least squares in its population form. Peer i's loss is
+f_i(x) = 1/2 (x - c_i)^T D (x - c_i), D diagonal with eigenvalues log-spaced in [1/condition, 1], c_i = c* + a
+per-peer offset (non-IID shards, `heterogeneity`); a minibatch of B samples gives the gradient D (x - c_i) plus
+N(0, noise^2 / B) per coordinate. The swarm's loss is the mean of the f_i over the honest peers, evaluated at
+each honest peer's own model and averaged (so disagreement between peers costs loss); its minimum is
+`Swarm.loss_floor()` (swarm.py: the spread of the c_i), reported with every figure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from moshpeer.averaging import grid
+from moshpeer.averaging.aggregation import AGGREGATIONS
+from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
+
+MODES = ("gradients", "parameters", "diloco")
+PARTITIONS = ("bandwidth", "equal")
+
+
+@dataclass
+class Workload:
+    """The convex problem (see the module docstring). `check()` raises ValueError naming the first bad field."""
+
+    dim: int = 256
+    condition: float = 10.0
+    heterogeneity: float = 0.3
+    noise: float = 1.0
+    batch: int = 32
+    lr: float = 0.003
+
+    def check(self) -> "Workload":
+        if self.dim < 1:
+            raise ValueError(f"dim must be >= 1, got {self.dim}")
+        if not self.condition >= 1:
+            raise ValueError(f"condition must be >= 1, got {self.condition}")
+        for name in ("heterogeneity", "noise"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if not 0 < self.lr <= 1:
+            raise ValueError(f"lr must be in (0, 1] (the largest eigenvalue is 1), got {self.lr}")
+        return self
+
+
+@dataclass
+class TrainingConfig:
+    """One simulated training run. `check()` raises ValueError naming the first bad field.
+
+    Links are per peer: the value given, times a lognormal factor of sd `link_spread` (0 = all equal); compute
+    speeds likewise with `speed_spread`. Times in seconds, bandwidths in bytes/s, failure rate per peer per hour.
+
+    :param model_params: values of the model the time model moves (the workload's `dim` is what the math
+        trains: a small stand-in; bytes and round times are those of a model of `model_params` values)
+    :param bytes_per_value: wire bytes per value (4 = fp32, 2 = fp16, 1 = int8)
+    :param inner_steps: H (diloco); gradients and parameters rounds are one step
+    :param outer_params_every: diloco, NOT production behaviour (a proposal the simulator can evaluate): every K
+        rounds the group also averages θ_outer and its members adopt the average before the outer step, as
+        `GradientsStrategy` does with parameters; 0 (default) = never, as `DiLoCoStrategy` does
+    :param matchmaking_window_s: how long the first ready member of a group waits for the others
+    :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
+    :param rejoin_s: mean time a failed peer stays away (exponential)
+    :param never_return: probability that a failed peer never comes back
+    :param chunk_loss: probability that one chunk on one link is lost (both phases)
+    :param chunk_numel: values per chunk of the workload vector
+    """
+
+    peers: int = 1000
+    mode: str = "diloco"
+    rounds: int = 200
+    inner_steps: int = 50
+    outer_optimizer: str = "nesterov:lr=0.7,momentum=0.9"
+    outer_params_every: int = 0
+    group_size: int = 16
+    min_group_size: int = 2
+    key_bits: Optional[int] = None
+    aggregation: str = "mean"
+    partition: str = "bandwidth"
+    model_params: int = 10_000_000
+    bytes_per_value: int = 4
+    uplink: float = 125e6
+    downlink: float = 125e6
+    rtt_s: float = 0.05
+    link_spread: float = 0.0
+    speed: float = 16.0
+    speed_spread: float = 0.0
+    failure_rate_per_hour: float = 0.0
+    rejoin_s: float = 600.0
+    never_return: float = 0.0
+    chunk_loss: float = 0.0
+    chunk_numel: int = 1024
+    hostile_fraction: float = 0.0
+    hostile_scale: float = -100.0
+    hostile_weight: float = 1.0
+    matchmaking_window_s: float = 30.0
+    round_timeout_s: float = 120.0
+    min_round_timeout_s: float = 5.0
+    workload: Workload = field(default_factory=Workload)
+
+    def check(self) -> "TrainingConfig":
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
+        need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
+        need(self.outer_params_every >= 0, f"outer_params_every must be >= 0, got {self.outer_params_every}")
+        need(self.inner_steps >= 1, f"inner_steps must be >= 1, got {self.inner_steps}")
+        try:
+            parse_outer_optimizer(self.outer_optimizer)
+        except Exception as e:  # UserError: one line naming what is wrong
+            raise ValueError(str(e)) from None
+        need(self.group_size >= 2, f"group_size must be >= 2, got {self.group_size}")
+        need(1 <= self.min_group_size <= self.group_size, f"min_group_size must be in [1, group_size], "
+             f"got {self.min_group_size}")
+        need(self.key_bits is None or 0 <= self.key_bits <= 62, f"key_bits must be in [0, 62], got {self.key_bits}")
+        need(self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        need(self.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        need(self.model_params >= 1, f"model_params must be >= 1, got {self.model_params}")
+        need(self.bytes_per_value >= 1, f"bytes_per_value must be >= 1, got {self.bytes_per_value}")
+        for name in ("uplink", "downlink", "speed", "rejoin_s", "matchmaking_window_s", "round_timeout_s",
+                     "min_round_timeout_s"):
+            value = getattr(self, name)
+            need(0 < value < math.inf, f"{name} must be a positive number, got {value}")
+        need(self.min_round_timeout_s <= self.round_timeout_s, "min_round_timeout_s must be <= round_timeout_s")
+        for name in ("rtt_s", "link_spread", "speed_spread", "failure_rate_per_hour"):
+            value = getattr(self, name)
+            need(0 <= value < math.inf, f"{name} must be finite and >= 0, got {value}")
+        for name in ("never_return", "chunk_loss"):
+            value = getattr(self, name)
+            need(0 <= value < 1, f"{name} must be in [0, 1), got {value}")
+        need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")
+        need(math.isfinite(self.hostile_scale), f"hostile_scale must be finite, got {self.hostile_scale}")
+        need(0 < self.hostile_weight < math.inf, f"hostile_weight must be positive, got {self.hostile_weight}")
+        need(self.chunk_numel >= 1, f"chunk_numel must be >= 1, got {self.chunk_numel}")
+        self.workload.check()
+        return self
+
+    def resolved_key_bits(self) -> int:
+        return grid.default_key_bits(self.peers, self.group_size) if self.key_bits is None else self.key_bits
+
+    def steps_per_round(self) -> int:
+        return self.inner_steps if self.mode == "diloco" else 1
+
+
+def config_dict(config: TrainingConfig) -> dict:
+    """The config as a JSON-ready dict (a result's `config`)."""
+    out = asdict(config)
+    out["workload"] = asdict(config.workload)
+    return out
