@@ -155,7 +155,6 @@ def main() -> None:
                                   "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
                                   "copy_gbps": gbps(args.numel, best_time(lambda: dst.copy_(x), args.repeat, sync)),
                                   "clone_gbps": gbps(args.numel, best_time(lambda: x.clone(), args.repeat, sync))}
-    del dst
     rows = [("copy (dst.copy_(src))", "torch", figures["copy_gbps"], None, 1.0, 0.0),
             ("clone (fresh destination)", "torch", figures["clone_gbps"], None, 1.0, 0.0)]
     for spec in args.codecs.split(","):

@@ -3,7 +3,6 @@ follows the bytes that arrive, the donor's identity, full validation, and a cros
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import threading
 import time

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from moshpeer.averaging import handshake, wire
+from moshpeer.averaging import wire
 
 
 def test_bytes_that_trickle_in_are_read_whole():

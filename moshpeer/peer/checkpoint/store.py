@@ -40,7 +40,7 @@ from moshpeer.peer.checkpoint.filewriter import (
     unlink_quietly,
     write_checkpoint_file,
 )
-from moshpeer.peer.checkpoint.format import CorruptCheckpoint, UnsupportedCheckpointVersion, encode_meta
+from moshpeer.peer.checkpoint.format import CorruptCheckpoint, encode_meta
 from moshpeer.peer.checkpoint.snapshot import PendingCopies, SnapshotBuffers, wait_until_ready
 from moshpeer.version import __version__
 
