@@ -148,7 +148,9 @@ class BlockQuantizer(Codec):
         Every row is validated as `decode_into` does (header, length, scales, padding) before anything is
         written; -> per row, why it was rejected (its values untouched) or None. Headers are compared on the
         host, scales on the payloads' device with one read-back for the batch; then one backend call per run of
-        consecutive accepted rows with the same mode (one in all, normally), and one per short chunk.
+        consecutive accepted rows with the same mode (one in all, normally), and one per short chunk. A backend
+        with `dequantize_rows` (the C++ one, and the reference) reads each run where it lies in the rows; the
+        others get its codes gathered side by side first (one copy).
         """
         rows = payloads.shape[0]
         if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
@@ -198,6 +200,11 @@ class BlockQuantizer(Codec):
                 end = r + 1
                 while end < full and ok[end] and modes[end] == modes[r]:
                     end += 1
+                rows_of_run = payloads[r:end]
+                if rows_of_run.is_contiguous() and backend.dequantize_rows(
+                        rows_of_run, out[r * n:end * n], self.bits, self.block, weight, modes[r] == "into"):
+                    r = end  # decoded where the scales and codes lie in the rows: no copy
+                    continue
                 codes = payloads[r:end, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb]
                 if end - r > 1:  # the rows' codes side by side (one copy), as the backend reads them
                     packed = self._scratch_tensor("dec_codes", (end - r) * cb, torch.uint8, out.device)

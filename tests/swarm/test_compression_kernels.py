@@ -92,6 +92,28 @@ def test_encode_chunks_rows_are_the_payloads_of_encode(monkeypatch, backend, bit
 
 
 @pytest.mark.parametrize("backend", ["torch"] + COMPILED)
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 128), (4, 1024)])
+def test_decode_chunks_gives_the_bits_of_decoding_chunk_by_chunk(monkeypatch, backend, bits, block):
+    """`decode_chunks` (rows decoded where they lie, `dequantize_rows`, where the backend has it) writes the bits
+    that `decode_into` / `decode_accumulate` give chunk by chunk, for both modes and a weight."""
+    monkeypatch.setenv(ENV_BACKEND, backend)
+    device = device_of(backend)
+    codec, n, count = BlockQuantizer(bits, block), 2048, 5
+    encoded = codec.encode_chunks(heavy_tailed(count * n, seed=bits).to(device), n, list(range(count)))
+    start = heavy_tailed(count * n, seed=99).to(device)
+    for modes in (["into"] * count, ["add"] * count, ["add", "into", None, "into", "add"]):
+        batched = start.clone()
+        errors = codec.decode_chunks(encoded.buffer, encoded.nbytes, batched, n, modes, weight=0.37)
+        assert errors == [None] * count
+        expected = start.clone()
+        for r, mode in enumerate(modes):
+            if mode is not None:
+                target = expected[r * n:(r + 1) * n]
+                (codec.decode_into if mode == "into" else codec.decode_accumulate)(encoded.payload(r), target, 0.37)
+        assert torch.equal(batched.cpu().view(torch.int32), expected.cpu().view(torch.int32)), (backend, modes)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED)
 @pytest.mark.parametrize("bits,block", CODECS)
 def test_decode_into_equals_accumulating_onto_zeros(monkeypatch, backend, bits, block):
     """decode_into overwrites in one pass: the bits of decode_accumulate onto zeros, whatever `out` held."""

@@ -116,6 +116,38 @@ void quantize_rows(const at::Tensor& x, at::Tensor rows, at::IntArrayRef header,
   });
 }
 
+// The inverse of quantize_rows, straight from payload rows: out[r * n : (r + 1) * n] (+)= weight * chunk r's values,
+// reading its scales and codes where they lie in row r (after the 16-byte header). Rows already validated.
+void dequantize_rows(const at::Tensor& rows, at::Tensor out, int64_t bits, int64_t block, double weight,
+                     bool overwrite) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
+              "rows must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "out must be a contiguous 1-D float32 CPU tensor");
+  const int64_t count = rows.size(0), stride = rows.size(1);
+  if (count == 0) return;
+  TORCH_CHECK(out.numel() % count == 0, "out must hold a whole number of values per row");
+  const int64_t n = out.numel() / count;
+  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
+  const int64_t nb = n / block, code_bytes = bits == 8 ? n : n / 2;
+  TORCH_CHECK(16 + 4 * nb + code_bytes <= stride && stride % 4 == 0, "rows too narrow for header, scales and codes");
+  const uint8_t* rp = rows.data_ptr<uint8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rp) % 4 == 0, "rows must be 4-byte aligned");
+  float* op = out.data_ptr<float>();
+  const float w = (float)weight;
+  at::parallel_for(0, count * nb, std::max<int64_t>(1, kGrainValues / block), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end;) {  // one segment of blocks of one row at a time
+      const int64_t r = b / nb, first = b - r * nb, last = std::min(end - r * nb, nb);
+      const uint8_t* row = rp + r * stride;
+      moshpeer::dequantize_accumulate_blocks_cpu(reinterpret_cast<const float*>(row + 16), row + 16 + 4 * nb,
+                                                 op + r * n, n, (int)bits, block, w, first, last, overwrite);
+      b = r * nb + last;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moshpeer_cpu, m) {
@@ -127,4 +159,6 @@ TORCH_LIBRARY(moshpeer_cpu, m) {
         &dequantize);
   m.def("quantize_rows(Tensor x, Tensor(a!) rows, int[] header, Tensor(b!) status, int bits, int block, "
         "float max_scale) -> ()", &quantize_rows);
+  m.def("dequantize_rows(Tensor rows, Tensor(a!) out, int bits, int block, float weight, bool overwrite) -> ()",
+        &dequantize_rows);
 }

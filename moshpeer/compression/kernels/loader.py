@@ -63,6 +63,11 @@ class Backend(Protocol):
         """Encode rows.shape[0] chunks of `x` straight into payload rows; per-row status, no host sync
         (reference.quantize_rows has the contract)."""
 
+    def dequantize_rows(self, rows: torch.Tensor, out: torch.Tensor, bits: int, block: int, weight: float,
+                        overwrite: bool) -> bool:
+        """Decode validated payload rows straight into `out` (reference.dequantize_rows has the contract); False if
+        this backend has no such kernel (the caller then gathers scales and codes and calls `dequantize`)."""
+
 
 class TorchBackend:
     """The reference implementation (kernels/reference.py)."""
@@ -80,6 +85,10 @@ class TorchBackend:
 
     def quantize_rows(self, x, rows, header, status, bits, block, max_scale) -> None:
         reference.quantize_rows(x, rows, header, status, bits, block, max_scale)
+
+    def dequantize_rows(self, rows, out, bits, block, weight, overwrite) -> bool:
+        reference.dequantize_rows(rows, out, bits, block, weight, overwrite)
+        return True
 
 
 class OpsBackend:
@@ -104,6 +113,12 @@ class OpsBackend:
 
     def quantize_rows(self, x, rows, header, status, bits, block, max_scale) -> None:
         self._ops.quantize_rows(x, rows, list(header), status, bits, block, float(max_scale))
+
+    def dequantize_rows(self, rows, out, bits, block, weight, overwrite) -> bool:
+        if not hasattr(self._ops, "dequantize_rows"):  # the CPU extension has it; the CUDA one not yet
+            return False
+        self._ops.dequantize_rows(rows, out, bits, block, float(weight), bool(overwrite))
+        return True
 
 
 def cpu_isa_flags() -> List[str]:

@@ -165,3 +165,18 @@ def quantize_rows(x: torch.Tensor, rows: torch.Tensor, header: bytes, status: to
     rows[:, h + 4 * nb:h + 4 * nb + cb].copy_(codes)
     too_large = (scales > max_scale).any(dim=1)
     status.copy_(torch.where(finite, torch.where(too_large, ROW_SCALE_TOO_LARGE, 0), ROW_NONFINITE).to(torch.int32))
+
+
+def dequantize_rows(rows: torch.Tensor, out: torch.Tensor, bits: int, block: int, weight: float,
+                    overwrite: bool) -> None:
+    """The inverse of `quantize_rows`: with R = rows.shape[0] and n = out.numel() / R, out[r*n:(r+1)*n] = (or, without
+    `overwrite`, +=) weight * the values of the payload in row r, read where its scales and codes lie in the row.
+    Rows must be validated already (scales finite, non-negative, bounded)."""
+    count = rows.shape[0]
+    if count == 0:
+        return
+    n = out.numel() // count
+    nb, cb = n // block, (n if bits == 8 else n // 2)
+    scales = rows[:, 16:16 + 4 * nb].reshape(-1).view(torch.float32)
+    codes = rows[:, 16 + 4 * nb:16 + 4 * nb + cb].reshape(-1)
+    (dequantize if overwrite else dequantize_accumulate)(scales, codes, out, bits, block, weight)
