@@ -2,7 +2,9 @@
 
     from moshpeer.peer.optimizer import CollaborativeOptimizer
 
-- collaborative.py: `CollaborativeOptimizer`, the torch optimizer that wires the parts together
+- collaborative.py: `CollaborativeOptimizer`, the torch-facing wrapper and host of the parts below
+- wiring.py: builds those parts (`prepare`, `assemble`) from the constructor's `Settings`; `Parts` (what spans
+  several of them: catch-up, loading a checkpoint, shutdown); `delegate` (a part's method as the optimizer's)
 - epoch_loop.py: `EpochLoop`, a trainer's epochs (progress, rounds, catch-up, the end of an epoch)
 - aux_peer.py: `AuxPeer`, what an aux peer does instead of training
 - state_exchange.py: `StateExchange`, state dicts, checkpoints, donating and downloading state

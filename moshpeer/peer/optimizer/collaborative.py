@@ -7,37 +7,26 @@
         opt.step(); opt.zero_grad()          # local accumulation; a swarm step when the epoch is over
 
 It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the wrapped optimizer's (the same objects,
-also after `load_state_dict`), so LR schedulers and `transformers.Trainer(optimizers=(opt, sched))` work. It
-wires its parts together: `EpochLoop` (epochs, rounds, catch-up) or, on an aux peer, `AuxPeer`; the averaging
-`AveragingStrategy` (an instance carries its options); `StateExchange` (state dicts, checkpoints, donating and
-downloading state); `RoundTiming`; `SwarmLink` (the DHT record and the swarm's progress); `MoshpitAverager`.
+also after `load_state_dict`), so LR schedulers and `transformers.Trainer(optimizers=(opt, sched))` work. This is
+the torch-facing wrapper: the parts it hosts (`EpochLoop` or `AuxPeer`, the strategy, `StateExchange`,
+`RoundTiming`, `SwarmLink`, `MoshpitAverager`) are built in wiring.py, and most of its methods are theirs.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
 
 import torch
 
-from moshpeer.averaging.averager import MoshpitAverager
-from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, parse_loss_budget
-from moshpeer.dht import Admission, SwarmDHT, validate_run_id
+from moshpeer.dht import SwarmDHT
 from moshpeer.errors import UserError
-from moshpeer.peer.optimizer.aux_peer import AuxPeer
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochLoop
-from moshpeer.peer.optimizer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.epoch_loop import EpochLoop
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
-from moshpeer.peer.optimizer.settings import averager_options, checked_params
 from moshpeer.peer.optimizer.state_exchange import StateExchange
-from moshpeer.peer.optimizer.swarm_link import link_to_swarm
-from moshpeer.peer.state.sync import DownloadedState
-from moshpeer.peer.strategies import make_strategy
+from moshpeer.peer.optimizer.wiring import Parts, Settings, assemble, delegate, prepare
 from moshpeer.peer.strategies.base import AveragingStrategy
-
-logger = logging.getLogger(__name__)
 
 
 class CollaborativeOptimizer(torch.optim.Optimizer):
@@ -75,15 +64,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                  averager_kwargs: Optional[Dict[str, Any]] = None, loss_budget: Any = None,
                  phase_threshold: float = 0.5, phase_window: Optional[int] = None,
                  swarm_key: Optional[bytes] = None, allow_peers: Optional[Sequence[str]] = None):
-        self.params = checked_params(optimizer, role=role, target_batch_size=target_batch_size,
-                                     batch_size_per_step=batch_size_per_step, group_size=group_size)
-        self.strategy, self.role, self.model = make_strategy(averaging), role, model
-        self.run_id, self.averaging = validate_run_id(run_id), self.strategy.name
-        budget_setting = parse_loss_budget(loss_budget, eta=phase_threshold, window=phase_window or DEFAULT_WINDOW)
-        options = averager_options(optimizer, averaging=self.averaging, role=role, compression=compression,
-                                   error_feedback=error_feedback, loss_budget=budget_setting,
-                                   averager_kwargs=averager_kwargs)
-        self.error_feedback = options.get("error_feedback")
+        settings = Settings.of(locals())  # first thing: the arguments above, by name
+        own = prepare(optimizer, settings)  # UserError for settings that cannot work; nothing started yet
+        self.params, self.strategy, self.counters = own.params, own.strategy, own.counters
+        self.error_feedback, self.run_id, self.averaging = own.error_feedback, own.run_id, own.strategy.name
         # torch's own setup (hooks, step patching) over the wrapped optimizer's groups; then its very objects,
         # re-shared whenever the wrapped optimizer loads a state dict (which replaces them).
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -91,39 +75,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._share_inner_state(optimizer)
         optimizer.register_load_state_dict_post_hook(self._share_inner_state)
         self.batch_size_per_step, self.compression, self.group_size = batch_size_per_step, compression, group_size
-        self.max_epoch_lag = max_epoch_lag
+        self.role, self.model, self.max_epoch_lag = role, model, max_epoch_lag
         self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
         self.lock = threading.RLock()  # held while the training state changes (the state server reads under it)
-        # fp32 whatever the parameters' dtype: summed in bf16, 256 + 1 is 256.
-        self.counters = EpochCounters([torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                                       for p in self.params])
-        self.timing = RoundTiming(matchmaking_time, compute_budget, group_size, round_timeout=round_timeout,
-                                  fastest_assembly=lambda size: self.averager.fastest_assembly_s(size))
-        admission = Admission(swarm_key, allow_peers) if swarm_key is not None or allow_peers is not None else None
-        self.swarm = link_to_swarm(run_id, role, int(target_batch_size), daemon=daemon, dht=dht,
-                                   initial_peers=initial_peers, host=host, progress_refresh=progress_refresh,
-                                   admission=admission)
+        self.parts = parts = assemble(self, own, settings)  # each part is also an attribute of its own:
+        self.timing, self.swarm, self.averager = parts.timing, parts.swarm, parts.averager
+        self.exchange, self.epochs, self.aux = parts.exchange, parts.epochs, parts.aux
         self.dht, self.progress, self.peer_id = self.swarm.dht, self.swarm.progress, self.swarm.dht.identity.peer_id
-        self.strategy.bind(self)
-        self.averager = MoshpitAverager(
-            [self.strategy.buffer], dht=self.dht, run_id=f"{run_id}.{self.averaging}", target_group_size=group_size,
-            min_group_size=min_group_size, compression=compression, matchmaking_time=matchmaking_time,
-            round_timeout=round_timeout, host=host, **options)
-        if self.averager.aggregation == "clipped":  # samples whose gradients are weighed at zero do not count
-            self.progress.count_samples_except(lambda: self.averager.suspects.suspects)
-        self.exchange = StateExchange(self, dht=self.dht, run_id=run_id, role=role, serve=serve_state, address=host,
-                                      download_timeout=state_download_timeout, show_progress=show_progress,
-                                      bytes_per_second=state_bytes_per_second)
-        self.epochs = EpochLoop(self, target_batch_size=int(target_batch_size), group_size=group_size,
-                                max_epoch_lag=max_epoch_lag, loss_budget=budget_setting,
-                                batch_size_per_step=batch_size_per_step)
-        self.aux = AuxPeer(self.epochs, round_timeout=round_timeout, should_stop=self.should_stop) \
-            if role == "aux" else None
         self._stepper = self.aux or self.epochs  # what step() does: a trainer's epochs, or an aux's rounds
         self.ended_round: Optional[CollaborativeRound] = None  # what the last step() ended (None: no epoch)
-        self.exchange.advertise(force=True)
-        self.epochs.report_progress(force=True)
-        self.timing.begin_epoch()  # the first epoch's budget starts now, not before the setup above
+        parts.begin()
 
     def __repr__(self) -> str:
         return f"CollaborativeOptimizer({self.inner!r}, run_id={self.run_id!r}, averaging={self.averaging!r})"
@@ -160,59 +121,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.inner.step()
         self.counters.steps += 1
 
-    def settle(self) -> Optional[CollaborativeRound]:
-        """Resolve an overlapping strategy's round still in flight (epoch_loop.py); None if none runs."""
-        return self.epochs.settle()
+    # A part's method (Parts' when it spans several) as ours: name, signature, docstring (what it raises) too.
+    state_dict = delegate("exchange", StateExchange.state_dict)
+    load_state_dict = delegate("exchange", StateExchange.load_state_dict)
+    collaborative_state = delegate("exchange", StateExchange.collaborative_state)
+    load_collaborative_state = delegate("exchange", StateExchange.load_collaborative_state)
+    checkpoint_state = delegate("exchange", StateExchange.checkpoint_state)
+    load_checkpoint_state = delegate("parts", Parts.load_checkpoint_state)
+    catch_up = delegate("parts", Parts.catch_up)
+    settle = delegate("epochs", EpochLoop.settle)
+    wait_for_peers = delegate("epochs", EpochLoop.wait_for_peers)
+    shutdown = delegate("parts", Parts.shutdown)
+    restart_epoch = delegate("epochs", EpochLoop.restart_epoch)  # for StateHost (the parts' contracts)
+    advertise = delegate("exchange", StateExchange.advertise)  # for EpochHost
 
-    def wait_for_peers(self, min_trainers: int, timeout: float) -> int:
-        """Wait (bounded by `timeout`) until `min_trainers` trainers are visible; returns how many are."""
-        return self.epochs.wait_for_peers(min_trainers, timeout)
-
-    def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
-        """Settle any round in flight, then download the most advanced donor's state (no further than the swarm
-        epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered."""
-        self.epochs.settle()
-        swarm_epoch = self.progress.refresh_now(timeout=2.0).global_epoch
-        downloaded = self.exchange.download(min_epoch, max_epoch=swarm_epoch + 1)
-        if downloaded is not None:
-            self.epochs.report_progress(force=True)
-        return downloaded
-
-    # State: state_exchange.py does the work (and documents what each raises when a state does not fit).
-    def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict plus epoch, steps, error-feedback and strategy state."""
-        return self.exchange.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Inverse of `state_dict` (a plain torch optimizer state dict loads too); raises what torch raises."""
-        self.exchange.load_state_dict(state_dict)
-
-    def collaborative_state(self) -> Dict[str, Any]:
-        """Everything a newcomer downloads (parameters, optimizer, epoch, strategy state), as copies."""
-        return self.exchange.collaborative_state()
-
-    def load_collaborative_state(self, state: Dict[str, Any]) -> None:
-        """Adopt a `collaborative_state()`; ValueError, with nothing changed, when it does not fit."""
-        self.exchange.load_collaborative_state(state)
-
-    def checkpoint_state(self) -> Dict[str, Any]:
-        """This peer's own training state for a local checkpoint (live tensors: snapshot them)."""
-        return self.exchange.checkpoint_state()
-
-    def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
-        """Continue from a `checkpoint_state()`; ValueError when it does not fit this model."""
-        self.exchange.load_checkpoint_state(state)
-        self.epochs.report_progress(force=True)
-        self.exchange.advertise(force=True)
-
-    # What the parts ask of their host (StrategyHost, EpochHost, StateHost).
-    def restart_epoch(self) -> None:
-        self.epochs.restart_epoch()
-
-    def advertise(self, force: bool = False) -> None:
-        self.exchange.advertise(force)
-
-    def averaging_paused(self) -> ContextManager:
+    def averaging_paused(self) -> ContextManager:  # StateHost: hold off rounds while error feedback changes
         return self.averager.get_tensors()
 
     grad_sums = property(lambda self: self.counters.grad_sums)
@@ -225,16 +148,3 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     downloads = property(lambda self: self.exchange.downloads, doc="the states this peer downloaded")
     samples_per_second = property(lambda self: self.epochs.speed.rate(), doc="this peer's recent throughput")
     loss_budget = property(lambda self: self.averager.loss_budget, doc="the averager's `LossBudget`")
-
-    def shutdown(self, close_averager: bool = True) -> None:
-        """Stop the state server, the averager, the progress thread and (if it is ours) the DHT. Idempotent; a
-        failing stop is logged (debug) and the others still run. `close_averager=False` leaves the averager's
-        loop to die with the process (stopping it while hivemind's P2P replica has pending tasks prints
-        asyncio tracebacks, which a process about to exit can do without)."""
-        self.exchange.shutdown()
-        if close_averager:
-            try:
-                self.averager.shutdown()
-            except Exception:
-                logger.debug("shutting down the averager failed", exc_info=True)
-        self.swarm.close()
