@@ -38,9 +38,10 @@ What is measured and what is derived (said again in the table):
 - hidden communication (overlap arm): 1 - (time the training loop waited for rounds) / (time the rounds
   took, matchmaking included).
 
-    flock -x /work/notes/cpu.lock python benchmarks/bench_diloco.py [--loopback] [--steps 400]
+    python benchmarks/bench_diloco.py [--loopback] [--steps 400]
 
 Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco, time_to_target_speedup,
+sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + EF21M),
 hidden_comm_fraction, single_loss, and per-arm figures.
 """
 
@@ -81,6 +82,9 @@ def arms(args) -> List[dict]:
          "compression": "int4", "round_timeout": 30},
         {"name": "diloco-h50-int4-overlap", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "int4", "overlap": True, "round_timeout": 30},
+        # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
+        {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
+         "compression": "topk-int2:0.0156", "error_feedback": True, "round_timeout": 30},
     ]
 
 
@@ -126,6 +130,8 @@ def run_arm(args, arm: dict, lab) -> dict:
                 argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
             if arm.get("overlap"):
                 argv += ["--diloco-overlap"]
+            if arm.get("error_feedback"):
+                argv += ["--error-feedback"]
             peers.append(Child(wrap(i, argv), e))
         children += peers
         for peer in peers:
@@ -291,6 +297,10 @@ def main() -> int:
         figures["gradients_bytes_over_diloco"] = grad["bytes_per_peer"] / max(head["bytes_per_peer"], 1)
         if head.get("time_to_target_s"):
             figures["time_to_target_speedup"] = grad["time_to_target_s"] / head["time_to_target_s"]
+    sparse = results.get("diloco-sparse")
+    if grad is not None and sparse is not None:
+        figures["sparse_loss_over_gradients"] = sparse["final_loss"] / grad["final_loss"]
+        figures["sparse_bytes_over_gradients"] = grad["bytes_per_peer"] / max(sparse["bytes_per_peer"], 1)
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:
         figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]

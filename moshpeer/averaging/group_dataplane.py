@@ -67,13 +67,14 @@ class GroupDataPlane:
             return bandwidth_part_sizes(numel, self.bandwidths)
         return None
 
-    def allreduce(self, flat: torch.Tensor) -> torch.Tensor:
-        """Average one contiguous fp32 vector in place with this group (the round's next all-reduce); -> flat.
-        Raises ValueError for a vector the data plane cannot average (see `GroupAllReduce`)."""
+    def allreduce(self, flat: torch.Tensor, compression: Optional[Compression] = None) -> torch.Tensor:
+        """Average one contiguous fp32 vector in place with this group (the round's next all-reduce), sent with
+        `compression` (default: the round's); -> flat. Raises ValueError for a vector the data plane cannot
+        average (see `GroupAllReduce`)."""
         allreduce = GroupAllReduce(
             self.plane, flat, members=self.members, my_index=self.my_index,
             tag=wire.allreduce_tag(self.group_id, len(self.results)), secret=self.secret,
-            credentials=self.credentials, compression=self.compression, chunk_numel=self.chunk_numel,
+            credentials=self.credentials, compression=compression or self.compression, chunk_numel=self.chunk_numel,
             deadline=self.deadline, links=self.links, loss_budget=self.loss_budget, relay=self.relay,
             force_relay=self.force_relay, part_sizes=self.part_sizes(flat.numel()), aggregation=self.aggregation,
             distrusted=self.distrusted, scratch=self.scratch)
@@ -93,8 +94,8 @@ class GroupDataPlane:
             # ARC-Top-K runs two dense all-reduces (sketch, selected rows) within this group. Its code takes an
             # async callback; ours blocks (the round thread is this all-reduce's thread), so the coroutines
             # never suspend and run to completion here, without an event loop.
-            async def dense_allreduce(t: torch.Tensor) -> torch.Tensor:
-                return self.allreduce(t.detach().to(torch.float32).contiguous().clone())
+            async def dense_allreduce(t: torch.Tensor, compression: Optional[Compression] = None) -> torch.Tensor:
+                return self.allreduce(t.detach().to(torch.float32).contiguous().clone(), compression)
 
             seed = int.from_bytes(self.group_id[:8], "big") & 0x7FFFFFFF
             if error_feedback is not None:

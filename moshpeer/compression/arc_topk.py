@@ -12,6 +12,12 @@ The flat vector is cut into rows of `row_len` values (the last row zero-padded).
 Traffic per member: rows * rank + k * row_len values instead of rows * row_len, i.e. a fraction
 rank / row_len + density of the dense vector (2.6% for the defaults row_len=256, rank=4, density 0.01).
 
+`topk-int2:DENSITY[:ROW[:RANK]]` (and `topk-int4`, `topk-int8`) is the same selection with low-bit values, the
+SparseLoCo recipe of top-k plus 2-bit values under error feedback: the sketch travels as int8, the selected rows
+as int2 (ternary codes, one float32 scale per 128 values), and no index at all (every member selects the same
+rows from the averaged sketch). Under EF21M a member's contribution is counted as the rows after the codec's
+round trip, so the rounding error stays in its error-feedback residual and is sent in later rounds.
+
 The averager calls `ArcTopK.allreduce` with a `dense_allreduce` callback that averages a flat float32 tensor
 over the group and returns the same result on every member (a member whose result differs, e.g. after a lost
 chunk, may select different rows; that member's selection is then mixed with its neighbours').
@@ -33,7 +39,9 @@ DEFAULT_ROW_LEN = 256
 DEFAULT_RANK = 4
 _PROJECTION_SALT = 0x5BD1E995  # keeps projection bits apart from stochastic-rounding bits drawn from the same seed
 
-DenseAllReduce = Callable[[torch.Tensor], Awaitable[torch.Tensor]]
+# Averages a flat float32 tensor over the group; called with a second argument, the `Compression` to send it with,
+# for the selected rows of a sparsifier with `rows_compression` (else the round's own codecs).
+DenseAllReduce = Callable[..., Awaitable[torch.Tensor]]
 
 
 def projection(row_len: int, rank: int, seed: int, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -114,7 +122,8 @@ class ArcTopKResult:
 class ArcTopK:
     """The `Compression.sparsifier` of `arc-topk:DENSITY[:ROW[:RANK]]`; see the module docstring."""
 
-    def __init__(self, density: float, row_len: int = DEFAULT_ROW_LEN, rank: int = DEFAULT_RANK):
+    def __init__(self, density: float, row_len: int = DEFAULT_ROW_LEN, rank: int = DEFAULT_RANK,
+                 rows_compression: Optional[Compression] = None):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if row_len < 1 or rank < 1:
@@ -122,9 +131,11 @@ class ArcTopK:
         self.density = float(density)
         self.row_len = int(row_len)
         self.rank = int(rank)
+        self.rows_compression = rows_compression  # the selected rows' codecs (None: the round's, float32)
 
     def __repr__(self) -> str:
-        return f"ArcTopK(density={self.density}, row_len={self.row_len}, rank={self.rank})"
+        rows = f", rows={self.rows_compression.name}" if self.rows_compression is not None else ""
+        return f"ArcTopK(density={self.density}, row_len={self.row_len}, rank={self.rank}{rows})"
 
     def num_rows(self, numel: int) -> int:
         return -(-numel // self.row_len)
@@ -141,6 +152,20 @@ class ArcTopK:
         """C_S(flat): `flat` in the selected rows, zeros elsewhere (a member's own compressed vector)."""
         table = to_rows(flat, self.row_len)
         return scatter(gather(table, rows), rows, table.shape[0], flat.numel())
+
+    def contribution(self, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """What the group receives of `flat` in the selected rows: C_S(flat) after the rows codec's round trip
+        (its quantization blocks counted from the first selected value; the data plane's start at each chunk,
+        which changes the rounding of a block that straddles a chunk edge, not what error feedback keeps)."""
+        table = to_rows(flat, self.row_len)
+        values = gather(table, rows)
+        codec = self.rows_compression.reduce_codec if self.rows_compression is not None else None
+        if codec is not None and not isinstance(codec, NoCompression) and values.numel():
+            flat_values = values.reshape(-1).to(torch.float32).contiguous()
+            decoded = torch.empty_like(flat_values)
+            codec.decode_into(codec.encode(flat_values), decoded)
+            values = decoded.view_as(values)
+        return scatter(values, rows, table.shape[0], flat.numel())
 
     async def allreduce(self, flat: torch.Tensor, seed: int, dense_allreduce: DenseAllReduce) -> torch.Tensor:
         """The group's compressed average of `flat` (zeros outside the selected rows).
@@ -163,7 +188,9 @@ class ArcTopK:
         if avg_sketch.numel() != num_rows * self.rank:
             raise ValueError(f"dense_allreduce returned {avg_sketch.numel()} values for a {num_rows}x{self.rank} sketch")
         idx = select(avg_sketch.reshape(num_rows, self.rank).to(table.device), self.num_selected(numel))
-        avg_rows = await dense_allreduce(gather(table, idx).reshape(-1))
+        selected = gather(table, idx).reshape(-1)
+        avg_rows = await (dense_allreduce(selected, self.rows_compression) if self.rows_compression is not None
+                          else dense_allreduce(selected))
         if avg_rows.numel() != idx.numel() * self.row_len:
             raise ValueError(f"dense_allreduce returned {avg_rows.numel()} values for {idx.numel()} rows")
         average = scatter(avg_rows.reshape(-1, self.row_len).to(table.device, torch.float32), idx, num_rows, numel)
@@ -208,3 +235,32 @@ def _factory(arg: Optional[str]) -> Compression:
 
 
 register("arc-topk", _factory)
+
+
+def _lowbit_factory(bits: int):
+    """`topk-intB:DENSITY[:ROW_LEN[:RANK]]`: ARC-Top-K rows as B-bit codes, the sketch as int8 (module docstring)."""
+    name = f"topk-int{bits}"
+
+    def factory(arg: Optional[str]) -> Compression:
+        from moshpeer.compression.quantization import BlockQuantizer
+
+        if not arg:
+            raise UserError(f"{name} needs a density, e.g. {name}:0.0156")
+        parts = arg.split(":")
+        if len(parts) > 3:
+            raise UserError(f"{name}:{arg}: expected {name}:DENSITY[:ROW_LEN[:RANK]]")
+        try:
+            values = BlockQuantizer(bits)
+            rows = Compression(values.name, values, values)
+            sparsifier = ArcTopK(float(parts[0]), int(parts[1]) if len(parts) > 1 else DEFAULT_ROW_LEN,
+                                 int(parts[2]) if len(parts) > 2 else DEFAULT_RANK, rows_compression=rows)
+        except ValueError as e:
+            raise UserError(f"{name}:{arg}: {e}") from None
+        sketch = BlockQuantizer(8)
+        return Compression(f"{name}:{arg}", sketch, sketch, sparsifier)
+
+    return factory
+
+
+for _bits in (2, 4, 8):
+    register(f"topk-int{_bits}", _lowbit_factory(_bits))

@@ -11,6 +11,11 @@ Per peer i, with gradient g_i, momentum eta and compressor C (docs/compression.m
 With ARC-Top-K, C selects the same rows S on every member, so mean_i c_i is exactly the all-reduce of the
 selected rows and C is contractive on the averaged difference. The state (h_i, e_i, e_bar) is part of the peer's
 training state: `state_dict` / `load_state_dict` put it in checkpoints.
+
+With low-bit rows (`topk-int2`), c_i is the difference after the codec's round trip (what the group receives), so
+its rounding error stays in h_i - e_i and is sent in a later round. A chunk lost on the way is not fed back: the
+data plane's estimator reconstructs the average without it (unbiased over the members that arrived), e_i still
+counts c_i as sent, and e_bar takes the reconstructed average, the same on every member that received it.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class EF21M:
             own, average = delta, await dense_allreduce(delta)
         else:
             result = await self.sparsifier.allreduce_selected(delta, seed, dense_allreduce)
-            own, average = self.sparsifier.mask(delta, result.rows), result.average
+            own, average = self.sparsifier.contribution(delta, result.rows), result.average
         self.e.add_(own)
         self.e_bar.add_(average.reshape(-1).to(self.e_bar.device))
         self.steps += 1

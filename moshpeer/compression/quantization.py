@@ -1,19 +1,20 @@
 """Blockwise low-bit quantization codecs: `int8`, `int4` and the two-step `int4-int8` (Flash Communication).
 
-Spec: `int8`, `int4` or `int4-int8`, optionally followed by `:BLOCK` (a multiple of 16 from 64 to 1024,
+Spec: `int8`, `int4`, `int4-int8` or `int2` (ternary codes -1, 0, 1), optionally followed by `:BLOCK` (a multiple of 16 from 64 to 1024,
 default 128) and/or `:sr` (stochastic rounding, unbiased), e.g. `int8:256`, `int4:64:sr`, `int4-int8:sr`.
 
 Payload (little-endian), validated in full before anything is accumulated:
 
     offset 0   2 bytes  magic b"MQ"
     offset 2   1 byte   format version (1)
-    offset 3   1 byte   bits (8 or 4)
+    offset 3   1 byte   bits (8, 4 or 2)
     offset 4   2 bytes  block size
     offset 6   1 byte   flags (bit 0: stochastic rounding; other bits 0)
     offset 7   1 byte   reserved (0)
     offset 8   8 bytes  numel
     offset 16  4 * ceil(numel / block) bytes: float32 scale per block (absmax / qmax)
-    then       numel bytes (int8) or ceil(numel / 2) bytes (int4, two's complement nibbles, low nibble first)
+    then       numel bytes (int8), ceil(numel / 2) bytes (int4, two's complement nibbles, low nibble first) or
+               ceil(numel / 4) bytes (int2, two's complement pairs of bits, lowest first)
 
 The math (identical bits on every backend) is specified in kernels/reference.py; docs/compression.md has the
 error bounds.
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from moshpeer.compression.codec import Codec, Compression, register
-from moshpeer.compression.kernels import backend_for, reference
+from moshpeer.compression.kernels import backend_for, load_backend, reference
 from moshpeer.errors import ProtocolError, UserError
 
 MAGIC = b"MQ"
@@ -60,7 +61,7 @@ class BlockQuantizer(Codec):
 
     def __init__(self, bits: int, block: int = DEFAULT_BLOCK, stochastic: bool = False):
         if bits not in reference.QMAX:
-            raise ValueError(f"bits must be 8 or 4, got {bits}")
+            raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
         self.bits = bits
         self.block = check_block(block)
         self.stochastic = stochastic
@@ -70,7 +71,7 @@ class BlockQuantizer(Codec):
         return f"BlockQuantizer({self.name})"
 
     def code_nbytes(self, numel: int) -> int:
-        return numel if self.bits == 8 else (numel + 1) // 2
+        return reference.code_nbytes(numel, self.bits)
 
     def max_encoded_nbytes(self, numel: int) -> int:
         return HEADER_NBYTES + 4 * reference.num_blocks(numel, self.block) + self.code_nbytes(numel)
@@ -90,6 +91,10 @@ class BlockQuantizer(Codec):
         if held is None or held.numel() < numel:
             held = cache[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
         return held[:numel]
+
+    def _backend(self, device):
+        """The kernels for `device`; int2 has no compiled kernel and runs the reference everywhere (same bits)."""
+        return backend_for(device) if self.bits in reference.COMPILED_BITS else load_backend("torch")
 
     def row_stride(self, chunk_numel: int) -> int:
         """Bytes between two chunks' payloads in the buffer of `encode_chunks` (4-aligned: scales are viewed)."""
@@ -125,7 +130,7 @@ class BlockQuantizer(Codec):
         if full:
             status = torch.empty(full, dtype=torch.int32, device=x.device)  # fresh: read back later
             header = HEADER.pack(MAGIC, VERSION, self.bits, self.block, 0, 0, n)
-            backend_for(x.device).quantize_rows(x[: full * n], buffer[:full], header, status, self.bits, self.block,
+            self._backend(x.device).quantize_rows(x[: full * n], buffer[:full], header, status, self.bits, self.block,
                                                 MAX_SCALE)
         for r in range(full, rows):  # a short last chunk, or stochastic rounding: chunk by chunk
             try:
@@ -191,7 +196,7 @@ class BlockQuantizer(Codec):
                 elif bad[r]:
                     errors[r] = f"{self.name} payload has an invalid (non-finite, negative or huge) scale"
                 ok[r] = errors[r] is None
-            backend = backend_for(out.device)
+            backend = self._backend(out.device)
             r = 0
             while r < full:
                 if not ok[r]:
@@ -255,7 +260,7 @@ class BlockQuantizer(Codec):
         header = HEADER.pack(MAGIC, VERSION, self.bits, self.block, flags, 0, numel)
         payload[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         scales, codes = self._split(payload, numel)
-        backend = backend_for(x.device)
+        backend = self._backend(x.device)
         if not backend.quantize(x, scales, codes, self.bits, self.block, self.stochastic, reference.rng_key(seed)):
             raise ValueError(f"{self.name}: cannot encode non-finite values (NaN or inf)")
         if scales.numel() and float(scales.max()) > MAX_SCALE:
@@ -265,13 +270,13 @@ class BlockQuantizer(Codec):
     def decode_accumulate(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
         """`out += weight * decode(payload)`, after checking header, length and scales (ProtocolError if bad)."""
         scales, codes, weight = self._validated(payload, out, weight)
-        backend_for(out.device).dequantize_accumulate(scales, codes, out, self.bits, self.block, weight)
+        self._backend(out.device).dequantize_accumulate(scales, codes, out, self.bits, self.block, weight)
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
         """`out = weight * decode(payload)` in one pass (the same bits as accumulating onto zeros); `out` is
         untouched if the payload is rejected."""
         scales, codes, weight = self._validated(payload, out, weight)
-        backend_for(out.device).dequantize(scales, codes, out, self.bits, self.block, weight)
+        self._backend(out.device).dequantize(scales, codes, out, self.bits, self.block, weight)
 
     def _validated(self, payload: torch.Tensor, out: torch.Tensor, weight: float):
         """(scales, codes, weight) of a payload checked against `out`; raises ProtocolError before any write."""
@@ -289,6 +294,8 @@ class BlockQuantizer(Codec):
                 raise ProtocolError(f"{self.name} payload has an invalid (non-finite, negative or huge) scale")
         if self.bits == 4 and numel % 2 and int(codes[-1]) >> 4:
             raise ProtocolError(f"{self.name} payload has a non-zero padding nibble")
+        if self.bits == 2 and numel % 4 and int(codes[-1]) >> (2 * (numel % 4)):
+            raise ProtocolError(f"{self.name} payload has non-zero padding bits")
         return scales, codes, weight
 
     def _checked_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -386,3 +393,4 @@ def _factory(name: str, reduce_bits: int, gather_bits: int):
 register("int8", _factory("int8", 8, 8))
 register("int4", _factory("int4", 4, 4))
 register("int4-int8", _factory("int4-int8", 4, 8))
+register("int2", _factory("int2", 2, 2))  # ternary codes: biased unless `:sr`; made for error feedback (topk-int2)

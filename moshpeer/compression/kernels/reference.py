@@ -3,7 +3,7 @@
 The function, for a float32 vector `x` cut into blocks of `block` values (the last block may be short):
 
     absmax_b = max_i |x_i|                       over the block (NaN/inf -> the encoder refuses the input)
-    scale_b  = absmax_b / qmax                   (float32 division; qmax = 127 for int8, 7 for int4)
+    scale_b  = absmax_b / qmax                   (float32 division; qmax = 127 for int8, 7 for int4, 1 for int2)
     inv_b    = qmax / absmax_b                   (float32 division)
     if inv_b is not finite (absmax_b == 0 or below qmax / FLT_MAX): scale_b = inv_b = 0 (all codes 0)
     y_i      = x_i * inv_b                       (one float32 multiplication)
@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 MASK32 = 0xFFFFFFFF
-QMAX = {8: 127, 4: 7}
+QMAX = {8: 127, 4: 7, 2: 1}  # int2 is ternary: codes -1, 0, 1 (-2 is never written)
+COMPILED_BITS = (8, 4)  # the C++ and CUDA kernels' widths; int2 runs this reference on every device
 
 
 def _mul32(x, c: int):
@@ -65,7 +66,8 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, bits: i
     """Quantize float32 contiguous 1-D `x` into `scales` (float32, one per block) and `codes` (uint8).
 
     int8: one code byte per value. int4: value 2j in the low nibble of byte j, value 2j+1 in the high one
-    (a final odd value leaves the high nibble 0). Returns False (outputs unspecified) on non-finite input.
+    (a final odd value leaves the high nibble 0). int2: value 4j + i in bits 2i..2i+1 of byte j (unused trailing
+    pairs 0). Returns False (outputs unspecified) on non-finite input.
     """
     numel = x.numel()
     if numel == 0:
@@ -96,18 +98,31 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, bits: i
     scales.copy_(scale)
     if bits == 8:
         codes.copy_(q.to(torch.int8).view(torch.uint8))
-    else:
+    elif bits == 4:
         nib = (q & 0xF).to(torch.uint8)
         if numel % 2:
             nib = torch.cat([nib, nib.new_zeros(1)])
         codes.copy_(nib[0::2] | (nib[1::2] << 4))
+    else:
+        pairs = (q & 0x3).to(torch.uint8)
+        pairs = torch.cat([pairs, pairs.new_zeros(-numel % 4)]).view(-1, 4)
+        codes.copy_(pairs[:, 0] | (pairs[:, 1] << 2) | (pairs[:, 2] << 4) | (pairs[:, 3] << 6))
     return True
+
+
+def code_nbytes(numel: int, bits: int) -> int:
+    """Bytes of the codes of `numel` values."""
+    return (numel * bits + 7) // 8
 
 
 def unpack_codes(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The signed integer codes (int16) of `numel` values."""
     if bits == 8:
         return codes.view(torch.int8).to(torch.int16)
+    if bits == 2:
+        pairs = torch.stack([(codes >> shift) & 0x3 for shift in (0, 2, 4, 6)], dim=1).reshape(-1)[:numel]
+        pairs = pairs.to(torch.int16)
+        return pairs - ((pairs & 0x2) << 1)  # sign-extend 2 bits
     lo = (codes & 0xF).to(torch.int16)
     hi = (codes >> 4).to(torch.int16)
     nib = torch.stack([lo, hi], dim=1).reshape(-1)[:numel]
@@ -151,7 +166,7 @@ def quantize_rows(x: torch.Tensor, rows: torch.Tensor, header: bytes, status: to
     if count == 0:
         return
     n = x.numel() // count
-    nb, cb = n // block, (n if bits == 8 else n // 2)
+    nb, cb = n // block, code_nbytes(n, bits)
     h = len(header)
     values = x.view(count, n)
     finite = torch.isfinite(values).all(dim=1)
@@ -176,7 +191,7 @@ def dequantize_rows(rows: torch.Tensor, out: torch.Tensor, bits: int, block: int
     if count == 0:
         return
     n = out.numel() // count
-    nb, cb = n // block, (n if bits == 8 else n // 2)
+    nb, cb = n // block, code_nbytes(n, bits)
     scales = rows[:, 16:16 + 4 * nb].reshape(-1).view(torch.float32)
     codes = rows[:, 16 + 4 * nb:16 + 4 * nb + cb].reshape(-1)
     (dequantize if overwrite else dequantize_accumulate)(scales, codes, out, bits, block, weight)
