@@ -136,6 +136,12 @@ def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return result, trimmed.float().mean(dim=1) >= TRIMMED_MEMBER_FRACTION
 
 
+# A robust mode needs a majority to tell the honest values from a hostile one: with two contributions (ours and
+# one other) neither can be told apart, so a part of ours that fewer than this many members reached keeps our own
+# value in "clipped" and "trimmed" (a hostile peer that forms groups of two moves nobody; issue 26).
+MIN_ROBUST_CONTRIBUTIONS = 3
+
+
 def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float],
                    own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Aggregate the contributions `rows` (n x d; row `own` the owner's) with `mode` ("clipped" or "trimmed") ->

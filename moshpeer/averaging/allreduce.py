@@ -199,7 +199,7 @@ class GroupAllReduce:
         stats.relayed.sort()
         stats.rejected_connections = self.plane.rejected_connections - rejected_before
         stats.staged_bytes, stats.upload_bps = ctx.staging.bytes_copied, upload_bps
-        stats.nonfinite_averages = reducer.nonfinite_averages
+        stats.nonfinite_averages, stats.robust_too_few = reducer.nonfinite_averages, reducer.robust_too_few
         stats.flagged_by_index, stats.contributed_by_index = list(reducer.flagged), reducer.contributed()
         return stats
 

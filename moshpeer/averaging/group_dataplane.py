@@ -159,6 +159,9 @@ def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str)
             f"round {tag}: members {result.absent} were not in this round (they refused or failed "
             f"our authenticated connection, or were unreachable: group assembly disagreed); averaged without them"
         )
+    if result.robust_too_few:
+        logger.warning(f"round {tag}: {aggregation} aggregation kept this peer's own value in {result.robust_too_few} "
+                       f"chunks of its part: fewer than 3 contributions arrived, too few to outvote a hostile one")
     if flagged:
         logger.warning(f"round {tag}: {aggregation} aggregation flagged contributions of "
                        + ", ".join(f"{peer[-8:]} in {n} chunks" for peer, n in flagged.items()))

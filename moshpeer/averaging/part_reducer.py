@@ -24,8 +24,8 @@ from typing import Callable, ContextManager, Iterable, List, Optional, Sequence
 
 import torch
 
-from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, cap_weights, check_aggregation, robust_combine,
-                                            weight_cap_factor)
+from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, MIN_ROBUST_CONTRIBUTIONS, cap_weights,
+                                            check_aggregation, robust_combine, weight_cap_factor)
 from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
@@ -119,6 +119,7 @@ class PartReducer:
         self.departed: List[int] = []
         self.flagged = [0] * self.group_size
         self.nonfinite_averages = 0
+        self.robust_too_few = 0  # chunks a robust mode kept our value for: others arrived, fewer than a quorum
 
     # ---- arrivals -----------------------------------------------------------------------------
 
@@ -358,10 +359,14 @@ class PartReducer:
 
     def _combine_robust(self, c: int, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """With chunk lock c held: CenteredClip or trimmed mean of our value (`values`) and every contribution that
-        arrived -> the aggregate (`values` itself when nothing arrived)."""
+        arrived -> the aggregate; `values` itself when fewer than MIN_ROBUST_CONTRIBUTIONS (ours included) are there
+        (counted in `robust_too_few` when some other arrived)."""
         me = self.my_index
         rows = [me] + [i for i in self.others if self.arrived_from[c][i]]
-        if len(rows) == 1:
+        if len(rows) < MIN_ROBUST_CONTRIBUTIONS:  # too few to outvote a hostile one: keep our own value
+            if len(rows) > 1:
+                with self._lock:
+                    self.robust_too_few += 1
             return values
         self.contributions[me, lo:hi].copy_(values)  # our row: what it contributes is our own value
         if len(rows) == self.group_size:  # everyone's chunk arrived: the rows as they lie in the buffer

@@ -61,6 +61,9 @@ class DataPlaneStats:
     total_s: float = 0.0  # data plane only (matchmaking excluded)
     upload_bps: Optional[float] = None  # this peer's upload rate measured on its direct connections (uplink.py)
     nonfinite_averages: int = 0  # chunks of our part whose average was not finite (our own value was sent)
+    # chunks of our part a robust mode ("clipped", "trimmed") kept our own value for: fewer than
+    # aggregation.MIN_ROBUST_CONTRIBUTIONS contributions, ours included, to outvote a hostile one
+    robust_too_few: int = 0
     # Per member index: chunks of our part in which robust aggregation clipped or trimmed its contribution,
     # and chunks of our part its contribution reached us in (what the first is out of; suspects.py).
     flagged_by_index: List[int] = field(default_factory=list)
@@ -85,6 +88,7 @@ class DataPlaneStats:
             total_s=self.total_s + other.total_s,
             upload_bps=max(uploads) if uploads else None,
             nonfinite_averages=self.nonfinite_averages + other.nonfinite_averages,
+            robust_too_few=self.robust_too_few + other.robust_too_few,
             flagged_by_index=_sum_by_index(self.flagged_by_index, other.flagged_by_index),
             contributed_by_index=_sum_by_index(self.contributed_by_index, other.contributed_by_index),
         )
@@ -98,7 +102,7 @@ class DataPlaneStats:
 # order its keys always had. The per-index counters are left out: a round's readers get `flagged` by peer id.
 _DATA_FIELDS = ("reduce", "gather", "departed", "absent", "relayed", "missing_chunks", "rejected_connections",
                 "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s", "upload_bps")
-_LAST_DATA_FIELDS = ("nonfinite_averages",)
+_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few")
 
 
 def _data_fact(name: str) -> property:
@@ -156,6 +160,7 @@ class RoundResult:
     total_s = _data_fact("total_s")
     upload_bps = _data_fact("upload_bps")
     nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `distrusted`)
+    robust_too_few = _data_fact("robust_too_few")  # (likewise)
 
     @property
     def chunks_lost(self) -> int:

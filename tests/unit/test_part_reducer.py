@@ -154,6 +154,39 @@ def test_robust_aggregation_flags_an_outlier_and_stays_near_the_honest_mean(mode
     assert float((owner_chunk(r, 0) - honest).abs().max()) < 1.0
 
 
+@pytest.mark.parametrize("mode", ["clipped", "trimmed"])
+def test_robust_modes_keep_the_owners_value_below_three_contributions(mode):
+    """A hostile peer that gets an honest one alone (a group of two, or a group whose others are missing) moves
+    nothing in a robust mode: two contributions cannot be told apart, so the owner keeps its own value and counts
+    the chunk. With a third contribution the robust aggregate is taken again. The mean mode still averages."""
+    r, values, _ = reducer(aggregation=mode)
+    values[3] = values[3] + 1000.0
+    own = owner_chunk(r, 0).clone()
+    deliver(r, values, 3, 0)  # only the hostile member's chunk arrived
+    r.member_finished(1)
+    r.member_finished(2)
+    r.finalize_ready((0,))
+    assert torch.equal(owner_chunk(r, 0), own) and r.robust_too_few == 1
+    r, values, _ = reducer(aggregation=mode)
+    values[3] = values[3] + 1000.0
+    deliver(r, values, 3, 0)
+    deliver(r, values, 2, 0)  # a third contribution: aggregated, the outlier flagged
+    r.member_finished(1)
+    r.finalize_ready((0,))
+    assert r.robust_too_few == 0 and r.flagged[3] == 1
+    start, end = r.partition.chunk_range(0, 0)  # within the honest values (a trimmed mean of 3 is the median)
+    assert bool((owner_chunk(r, 0) >= values[0][start:end] - 1e-6).all())
+    assert bool((owner_chunk(r, 0) <= values[2][start:end] + 1e-6).all())
+
+    mean, values, _ = reducer()
+    deliver(mean, values, 3, 0)
+    mean.member_finished(1)
+    mean.member_finished(2)
+    mean.finalize_ready((0,))
+    assert torch.allclose(owner_chunk(mean, 0), weighted_mean(values, (0, 3), [1.0] * N, mean, 0))
+    assert mean.robust_too_few == 0
+
+
 def test_clipped_weighs_a_distrusted_member_at_zero_but_still_takes_its_chunks():
     results = {}
     for distrusted in ((), (3,)):
