@@ -8,12 +8,14 @@ import json
 
 from moshpeer.averaging.report import DataPlaneStats, PhaseStats, RoundResult
 
-# The keys of `RoundResult.to_dict()` before the data plane's stats were embedded, in their order.
+# The keys of `RoundResult.to_dict()` before the data plane's stats were embedded, in their order (plus
+# `robust_too_few`, added after `nonfinite_averages` in session 10).
 KEYS = ["ok", "averaged", "group_id", "group_size", "my_index", "group_bits", "coordinates", "weight", "matchmaking_s",
         "compression", "error", "loss_budget", "loss_phase", "matchmaking_window_s", "round_deadline_s",
         "data_deadline_s", "reduce", "gather", "departed", "absent", "relayed", "missing_chunks",
         "rejected_connections", "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s",
-        "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "nonfinite_averages", "chunks_lost",
+        "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "nonfinite_averages", "robust_too_few",
+        "chunks_lost",
         "lost_fraction", "bytes_sent", "bytes_received"]
 
 
@@ -23,7 +25,7 @@ def stats(k: int) -> DataPlaneStats:
         gather=PhaseStats(chunks_expected=2, chunks_lost=k, bytes_received=5 * k, seconds=0.5),
         departed=[k], absent=[2], relayed=[k, 3], missing_chunks=[(k, 0)], rejected_connections=k,
         rejected_messages=1, staged_bytes=100, reduce_scatter_s=1.0, all_gather_s=0.5, total_s=1.5,
-        upload_bps=None if k == 1 else 1e6 * k, nonfinite_averages=k, flagged_by_index=[0, k, 0],
+        upload_bps=None if k == 1 else 1e6 * k, nonfinite_averages=k, robust_too_few=k, flagged_by_index=[0, k, 0],
         contributed_by_index=[0, 2, 2])
 
 
@@ -36,7 +38,7 @@ def test_two_allreduces_add_up():
     assert total.missing_chunks == [(1, 0), (2, 0)]
     assert (total.rejected_connections, total.rejected_messages, total.staged_bytes) == (3, 2, 200)
     assert (total.reduce_scatter_s, total.all_gather_s, total.total_s) == (2.0, 1.0, 3.0)
-    assert total.upload_bps == 2e6 and total.nonfinite_averages == 3
+    assert total.upload_bps == 2e6 and total.nonfinite_averages == 3 and total.robust_too_few == 3
     assert total.flagged_by_index == [0, 3, 0] and total.contributed_by_index == [0, 4, 4]
     assert sum([stats(1)], DataPlaneStats()) == stats(1)  # adding to nothing changes nothing
 
