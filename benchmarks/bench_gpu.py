@@ -260,11 +260,11 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
         return numel * 4 / min(times) / 1e9
 
     figures = {"copy_gbps": best_of(lambda: target.copy_(source))}
-    from moshpeer.averaging.part_sender import _slices
+    from moshpeer.averaging.part_sender import pipeline_slices
     import moshpeer.compression.quantization as quantization
 
     num_chunks = -(-numel // chunk)
-    slices = _slices(num_chunks)
+    slices = pipeline_slices(num_chunks)
 
     def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (allreduce.py) ...
         encoded = []

@@ -16,7 +16,7 @@ import torch
 
 from moshpeer.averaging import handshake, wire
 from moshpeer.averaging.handshake import FrameAuth
-from moshpeer.averaging.part_sender import _batched, _slices
+from moshpeer.averaging.part_sender import is_batched, pipeline_slices
 from moshpeer.averaging.round_context import RoundContext
 from moshpeer.errors import ProtocolError
 
@@ -38,11 +38,11 @@ class PartReceiver:
         reduce_codec, gather_codec = self.ctx.compression.reduce_codec, self.ctx.compression.gather_codec
         chunk_numel = self.ctx.partition.chunk_numel
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
-        batched = _batched(reduce_codec) or _batched(gather_codec)
+        batched = is_batched(reduce_codec) or is_batched(gather_codec)
         if batched:
             # A pipeline slice of payloads lands in consecutive rows and is validated and decoded at once.
             most = max(self.ctx.num_my_chunks, self.ctx.partition.num_chunks(i), 1)
-            inbox = self.ctx.staging.batch_inbox((max_payload + 3) & ~3, len(_slices(most)[0]))
+            inbox = self.ctx.staging.batch_inbox((max_payload + 3) & ~3, len(pipeline_slices(most)[0]))
         else:
             inbox = self.ctx.staging.inbox(max_payload)  # payloads are received into it, then (on a device) copied
         frames = handshake.FrameReader(sock, auth, tag=self.ctx.tag, max_payload=max_payload, inbox=inbox)
@@ -72,7 +72,7 @@ class PartReceiver:
                     phase_stats = self.ctx.reduce if reduce else self.ctx.gather
                     phase_stats.bytes_received += wire.HEADER.size + frame.payload_len
                     codec = reduce_codec if reduce else gather_codec
-                    if batched and _batched(codec):
+                    if batched and is_batched(codec):
                         if pending and pending[-1][0] != frame.phase:
                             # the row just received starts the next batch: decode the others, keep it
                             self._decode_pending(i, inbox, pending)

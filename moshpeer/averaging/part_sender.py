@@ -32,18 +32,18 @@ PEER_CHECK_SECONDS = 0.05
 PART_SLICES = 4
 
 
-def _slices(num_chunks: int, slices: int = PART_SLICES):
+def pipeline_slices(num_chunks: int, slices: int = PART_SLICES):
     """range(num_chunks) cut into at most `slices` consecutive ranges of equal length (the last may be shorter)."""
     size = max(1, -(-num_chunks // slices))
     return [range(first, min(num_chunks, first + size)) for first in range(0, num_chunks, size)]
 
 
-def _batched(codec) -> bool:
+def is_batched(codec) -> bool:
     """Does `codec` take a pipeline slice of chunks at a time (`decode_chunks`, and `encode_chunks` unless raw)?"""
     return bool(getattr(codec, "batched", False))
 
 
-def _raw(codec) -> bool:
+def is_raw(codec) -> bool:
     """Is a payload of `codec` the chunk's own bytes (so a run of chunks is sent straight from the vector)?"""
     return bool(getattr(codec, "raw", False))
 
@@ -128,7 +128,7 @@ class PartSender:
         stream = self._stream(link, j, "reduce")
         codec = self.ctx.links.contribution_codec(self.ctx.compression.reduce_codec)
         num_chunks = self.ctx.partition.num_chunks(j)
-        if _batched(codec):
+        if is_batched(codec):
             self._send_reduce_batched(stream, j, codec, num_chunks)
         else:
             self._send_reduce_chunks(stream, j, codec, num_chunks)
@@ -143,14 +143,14 @@ class PartSender:
         per slice; the next slice is encoded and staged before this one is sent when the staging overlaps copies
         with sends (a device)."""
         chunk_numel = self.ctx.partition.chunk_numel
-        slices = _slices(num_chunks)
+        slices = pipeline_slices(num_chunks)
         stride = codec.row_stride(chunk_numel)
         outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
         buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
 
         def encode(k: int):  # -> (the encoding or None if raw, (offset, nbytes) of each chunk, the staged bytes)
             chunks = slices[k]
-            if _raw(codec):
+            if is_raw(codec):
                 data, spans = self._vector_run(j, chunks[0], chunks[-1] + 1)
                 return None, spans, outbox.prepare(data)
             start = self.ctx.partition.chunk_range(j, chunks[0])[0]
@@ -194,7 +194,7 @@ class PartSender:
         stream = self._stream(link, j, "gather")
         codec = self.ctx.compression.gather_codec
         finalized = self.ctx.reducer.finalized
-        if _batched(codec):
+        if is_batched(codec):
             self._send_gather_runs(link, stream, j, codec)
         else:
             outbox = self.ctx.staging.outbox(codec.max_encoded_nbytes(self.ctx.partition.chunk_numel))
@@ -210,8 +210,8 @@ class PartSender:
         """Our averaged chunks, a run of final chunks at a time: each run is one stretch of memory (rows of one
         batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
         reducer, n = self.ctx.reducer, self.ctx.num_my_chunks
-        cap = len(_slices(n)[0]) if n else 1
-        stride = 0 if _raw(codec) else codec.row_stride(self.ctx.partition.chunk_numel)
+        cap = len(pipeline_slices(n)[0]) if n else 1
+        stride = 0 if is_raw(codec) else codec.row_stride(self.ctx.partition.chunk_numel)
         outbox = self.ctx.staging.outbox(max(1, cap * (stride or 4 * self.ctx.partition.chunk_numel)))
         c = 0
         while c < n:
