@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import hivemind
 
 from moshpeer.dht.admission import Admission
+from moshpeer.dht.fork_locks import repair_fork_locks
 from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import peers_key, validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
@@ -107,14 +108,18 @@ class SwarmDHT(hivemind.DHT):
                 self._identity_lock = None
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Graceful shutdown (p2pd terminated by hivemind), then kill whatever is left of the group."""
+        """Graceful shutdown (p2pd terminated by hivemind), then kill whatever is left of the group; a lock the
+        killed process held is replaced (fork_locks.py)."""
         if self.is_alive():
             self.shutdown_timeout = timeout
             try:
                 self.shutdown()
             except (OSError, ValueError):  # pipe already closed by an earlier shutdown
                 pass
+        killed = self.is_alive()
         self.kill()
+        if killed:  # it may have died holding one of hivemind's fork-shared locks
+            repair_fork_locks()
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -243,6 +248,7 @@ def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, init
     try:
         while True:
             remaining = deadline - time.monotonic()
+            repair_fork_locks()  # a lock left held by a killed DHT process would hang this one's start
             dht = SwarmDHT(
                 initial_peers=initial_peers or None,
                 identity=identity,
