@@ -63,6 +63,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_STATE_BYTES = 8 << 30
 RECEIVE_SCRATCH_BYTES = 1 << 20
+# Requests a donor serves at once. A downloader opens one connection per donor, so this is newcomers at once; a
+# donor's upload is shared among them anyway. More are refused (closed at once) rather than given a thread each.
+MAX_CONCURRENT_REQUESTS = 16
+# A downloader sends its request the moment it connects: a connection silent for longer frees its slot.
+REQUEST_DEADLINE_S = 5.0
 
 StateSource = Callable[[], Tuple[int, bytes]]  # -> (epoch, serialized state)
 
@@ -77,6 +82,8 @@ class StateServer:
     :param identity: this peer's identity: signs each transfer's header (see the module docstring)
     :param admission: a private run's policy: serve only admitted clients (None: everyone)
     :param bytes_per_second: throttle each transfer (tests use it to kill a donor mid-download)
+    :param max_concurrent: requests served at once; a connection beyond them is closed at once (`refused_busy`)
+    :param request_deadline: seconds a connection may take to send its request
     """
 
     def __init__(
@@ -91,6 +98,8 @@ class StateServer:
         bytes_per_second: Optional[float] = None,
         on_served: Optional[Callable[[Dict[str, Any]], None]] = None,
         admission: Optional[Admission] = None,
+        max_concurrent: int = MAX_CONCURRENT_REQUESTS,
+        request_deadline: float = REQUEST_DEADLINE_S,
     ):
         self.source, self.run_id, self.identity, self.admission = source, run_id, identity, admission
         # A throttled transfer sends small chunks (about 20 per second), so the rate holds within a second.
@@ -98,6 +107,9 @@ class StateServer:
         self.bytes_per_second = bytes_per_second
         self.on_served = on_served
         self.served = 0
+        self.refused_busy = 0  # connections closed because `max_concurrent` requests were being served
+        self.in_flight = 0  # requests being served now
+        self.request_deadline = request_deadline
         self.manifest_cache: Dict[str, list] = {}  # pieces.py: digest -> [bytes, manifest, last asked]
         self.manifest_lock = threading.Lock()
         server_self = self
@@ -106,9 +118,35 @@ class StateServer:
             def handle(self) -> None:
                 server_self._serve(self.request)
 
+        slots, counting = threading.BoundedSemaphore(max_concurrent), threading.Lock()
+
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request, client_address) -> None:
+                if not slots.acquire(blocking=False):  # busy: no thread for a stranger's flood of connections
+                    server_self.refused_busy += 1
+                    self.shutdown_request(request)
+                    return
+                with counting:
+                    server_self.in_flight += 1
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    self.release_slot()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    self.release_slot()
+
+            def release_slot(self) -> None:
+                with counting:
+                    server_self.in_flight -= 1
+                slots.release()
 
         self._server = Server((host, port), Handler)
         self.host, self.port = self._server.server_address[:2]
@@ -118,7 +156,7 @@ class StateServer:
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(30.0)
         try:
-            request = recv_msgpack(sock, time.monotonic() + 30.0)
+            request = recv_msgpack(sock, time.monotonic() + self.request_deadline)
             if request.get("op") not in OPS or request.get("protocol") != STATE_PROTOCOL:
                 raise ProtocolError(f"unsupported request {request!r:.200}")
             if request.get("run_id") != self.run_id:
