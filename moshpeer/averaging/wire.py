@@ -116,8 +116,11 @@ def recv_exactly_by(sock: socket.socket, size: int, deadline: float) -> bytes:
 
 
 def readable_within(sock: socket.socket, seconds: float) -> bool:
-    """Do bytes wait on `sock` (or its end come) within `seconds`?"""
-    return bool(select.select([sock], [], [], seconds)[0])
+    """Do bytes wait on `sock` (or its end come) within `seconds`? (`poll`, not `select`: a peer with many files
+    open has descriptors past select's limit of 1024.)"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(max(0, int(seconds * 1000))))
 
 
 def send_parts(sock: socket.socket, parts: Sequence) -> None:

@@ -50,3 +50,27 @@ def test_without_a_deadline_the_socket_timeouts_bound_it():
         buffer = bytearray(4)
         wire.recv_exactly(a, memoryview(buffer))
         assert buffer == b"wxyz"
+
+
+def test_readable_within_works_on_a_descriptor_past_select_limit():
+    """A receiver asks whether its sender paused (wire.readable_within) on every frame: it must work on
+    descriptors >= 1024, where select() raises."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1100:
+        pytest.skip("cannot open descriptors >= 1024 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    a, b = socket.socketpair()
+    sock = socket.socket(fileno=os.dup2(a.fileno(), 1051))
+    try:
+        assert not wire.readable_within(sock, 0.01)
+        b.sendall(b"x")
+        assert wire.readable_within(sock, 1.0)
+        assert sock.recv(1) == b"x"
+        b.close()
+        assert wire.readable_within(sock, 1.0)  # the end counts as readable
+    finally:
+        sock.close()
+        a.close()
