@@ -124,7 +124,8 @@ class PartReceiver:
             first = end
 
     def _on_reduce_chunks(self, i: int, part: int, first_chunk: int, rows: torch.Tensor, nbytes) -> None:
-        verdicts = self.ctx.reducer.add_contributions(i, part, first_chunk, rows, nbytes, self.ctx.compression.reduce_codec)
+        codec = self.ctx.compression.reduce_codec
+        verdicts = self.ctx.reducer.add_contributions(i, part, first_chunk, rows, nbytes, codec)
         accepted = []
         for r, verdict in enumerate(verdicts):
             if verdict.rejected:
@@ -135,7 +136,7 @@ class PartReceiver:
             return
         with self.ctx.cond:
             self.ctx.reduce.chunks_received += len(accepted)
-            self.ctx.arrivals["reduce"].note(time.monotonic(), self.ctx.reduce.chunks_received, self.ctx.reduce.chunks_expected)
+            self.ctx.note_arrivals("reduce")
             if self.ctx.loss_budget > 0:
                 self.ctx.cond.notify_all()  # the main thread checks the budget
         self.ctx.reducer.finalize_ready(accepted)
@@ -182,8 +183,7 @@ class PartReceiver:
         if received:
             with self.ctx.cond:
                 self.ctx.gather.chunks_received += received
-                self.ctx.arrivals["gather"].note(time.monotonic(), self.ctx.gather.chunks_received,
-                                              self.ctx.gather.chunks_expected)
+                self.ctx.note_arrivals("gather")
                 self.ctx.cond.notify_all()
 
     def _on_reduce_chunk(self, i: int, part: int, chunk: int, payload: torch.Tensor, codec) -> None:
@@ -194,7 +194,7 @@ class PartReceiver:
             return
         with self.ctx.cond:
             self.ctx.reduce.chunks_received += 1
-            self.ctx.arrivals["reduce"].note(time.monotonic(), self.ctx.reduce.chunks_received, self.ctx.reduce.chunks_expected)
+            self.ctx.note_arrivals("reduce")
             if self.ctx.loss_budget > 0:
                 self.ctx.cond.notify_all()  # the main thread checks the budget
         self.ctx.reducer.finalize_ready((chunk,))
@@ -216,5 +216,5 @@ class PartReceiver:
         with self.ctx.cond:
             self.ctx.receipts.note(i, chunk)
             self.ctx.gather.chunks_received += 1
-            self.ctx.arrivals["gather"].note(time.monotonic(), self.ctx.gather.chunks_received, self.ctx.gather.chunks_expected)
+            self.ctx.note_arrivals("gather")
             self.ctx.cond.notify_all()

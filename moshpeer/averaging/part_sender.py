@@ -103,11 +103,12 @@ class PartSender:
 
     def _stream(self, link: OutboundLink, j: int, phase: str) -> ChunkStream:
         """Our stream of `phase` to member j, through `self.ctx.links` (the real one unless a wrapper was injected)."""
-        stats, deadline = (self.ctx.reduce, self.ctx.reduce_deadline) if phase == "reduce" else (self.ctx.gather, self.ctx.deadline)
-        spec = StreamSpec(round_seed=int.from_bytes(self.ctx.tag[:4], "big"), sender=self.ctx.my_index, receiver=j,
-                          phase=phase, deadline=deadline, selective=self.ctx.loss_budget > 0,
-                          droppable=allowance_share(self.ctx.loss_budget, self.ctx.partition, phase, self.ctx.my_index, j))
-        return self.ctx.links.stream(WireStream(link, stats, lambda: self.ctx.closing), spec)
+        ctx = self.ctx
+        stats, deadline = (ctx.reduce, ctx.reduce_deadline) if phase == "reduce" else (ctx.gather, ctx.deadline)
+        spec = StreamSpec(round_seed=int.from_bytes(ctx.tag[:4], "big"), sender=ctx.my_index, receiver=j,
+                          phase=phase, deadline=deadline, selective=ctx.loss_budget > 0,
+                          droppable=allowance_share(ctx.loss_budget, ctx.partition, phase, ctx.my_index, j))
+        return ctx.links.stream(WireStream(link, stats, lambda: ctx.closing), spec)
 
     def _send_chunk(self, stream: ChunkStream, phase: int, part: int, chunk: int, codec, outbox: Outbox,
                     lookahead: Optional[int] = None) -> None:
@@ -174,7 +175,8 @@ class PartSender:
                 if encoded is not None and encoded.errors[r] is not None:
                     raise ValueError(encoded.errors[r])
                 offset, nbytes = spans[r]
-                stream.send(wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.ctx.tag), data[offset: offset + nbytes])
+                header = wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.ctx.tag)
+                stream.send(header, data[offset: offset + nbytes])
                 with self.ctx.cond:
                     self.ctx.sent_progress[j] = c + 1
                     self.ctx.cond.notify_all()

@@ -81,6 +81,11 @@ class RoundContext:
         """With cond held: may `phase` stop waiting at the loss budget at `now` (budget_stall.py)?"""
         return self.arrivals[phase].may_stop(now, stats.chunks_received, stats.chunks_expected)
 
+    def note_arrivals(self, phase: str) -> None:
+        """With cond held: record `phase`'s arrivals so far (budget_stall.py decides from them when it stalled)."""
+        stats = self.stats.reduce if phase == "reduce" else self.stats.gather
+        self.arrivals[phase].note(time.monotonic(), stats.chunks_received, stats.chunks_expected)
+
     def give_up_on(self, j: int) -> None:
         """Member j is not in this round (unreachable, refused our hello) or its connection ended: expect nothing
         more from it."""

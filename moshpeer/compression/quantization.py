@@ -1,7 +1,8 @@
 """Blockwise low-bit quantization codecs: `int8`, `int4` and the two-step `int4-int8` (Flash Communication).
 
-Spec: `int8`, `int4`, `int4-int8` or `int2` (ternary codes -1, 0, 1), optionally followed by `:BLOCK` (a multiple of 16 from 64 to 1024,
-default 128) and/or `:sr` (stochastic rounding, unbiased), e.g. `int8:256`, `int4:64:sr`, `int4-int8:sr`.
+Spec: `int8`, `int4`, `int4-int8` or `int2` (ternary codes -1, 0, 1), optionally followed by `:BLOCK` (a multiple
+of 16 from 64 to 1024, default 128) and/or `:sr` (stochastic rounding, unbiased), e.g. `int8:256`, `int4:64:sr`,
+`int4-int8:sr`.
 
 Payload (little-endian), validated in full before anything is accumulated:
 
