@@ -160,11 +160,7 @@ def run_gloo(args) -> dict:
     try:
         results = [json.loads(_next_json(w, "gloo", 300)) for w in workers]
     finally:
-        for w in workers:
-            try:
-                w.wait(30)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        _reap(workers)
     return {"round_s": max(r["round_s"] for r in results)}
 
 
@@ -198,11 +194,16 @@ def run_averaging(args) -> Dict[str, dict]:
             w.stdin.flush()
         return figures
     finally:
-        for w in workers:
-            try:
-                w.wait(30)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        _reap(workers)
+
+
+def _reap(workers: List[subprocess.Popen]) -> None:
+    """Wait up to 30 s for each worker to exit (they stop after their last line), then kill what is left."""
+    for w in workers:
+        try:
+            w.wait(30)
+        except subprocess.TimeoutExpired:
+            w.kill()
 
 
 def summarize_rounds(rounds: List[List[dict]]) -> dict:

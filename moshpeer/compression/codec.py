@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +68,23 @@ class Codec(abc.ABC):
         return out
 
 
+def accepted_runs(ok: Sequence[bool], modes: Sequence[Optional[str]], count: int) -> List[Tuple[int, int]]:
+    """[start, end) of each run of consecutive rows below `count` that are `ok` and share one mode: what a batched
+    `decode_chunks` handles with one operation."""
+    runs: List[Tuple[int, int]] = []
+    r = 0
+    while r < count:
+        if not ok[r]:
+            r += 1
+            continue
+        end = r + 1
+        while end < count and ok[end] and modes[end] == modes[r]:
+            end += 1
+        runs.append((r, end))
+        r = end
+    return runs
+
+
 def _row_flags(values: torch.Tensor) -> List[bool]:
     """Per row of a 2-D float32 tensor: are all its values finite? One read-back (two if a row's sum overflows)."""
     flags = torch.isfinite(values.sum(dim=1, dtype=torch.float32)).tolist()
@@ -115,14 +132,7 @@ class NoCompression(Codec):
             for r, finite in enumerate(_row_flags(values[:full])):
                 if ok[r] and not finite:
                     errors[r], ok[r] = "non-finite values in payload", False
-        r = 0
-        while r < full:  # each run of consecutive accepted rows with one mode: one tensor operation
-            if not ok[r]:
-                r += 1
-                continue
-            end = r + 1
-            while end < full and ok[end] and modes[end] == modes[r]:
-                end += 1
+        for r, end in accepted_runs(ok, modes, full):  # each run of accepted rows with one mode: one operation
             target, source = out[r * n:end * n].view(end - r, n), values[r:end]
             if modes[r] == "add":
                 target.add_(source, alpha=weight)
@@ -130,7 +140,6 @@ class NoCompression(Codec):
                 target.copy_(source)
             else:
                 torch.mul(source, weight, out=target)
-            r = end
         for r in range(full, rows):
             if ok[r]:
                 target = out[r * n:]

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from moshpeer.compression.codec import Codec, Compression, register
+from moshpeer.compression.codec import Codec, Compression, accepted_runs, register
 from moshpeer.compression.kernels import backend_for, load_backend, reference
 from moshpeer.errors import ProtocolError, UserError
 
@@ -198,19 +198,11 @@ class BlockQuantizer(Codec):
                     errors[r] = f"{self.name} payload has an invalid (non-finite, negative or huge) scale"
                 ok[r] = errors[r] is None
             backend = self._backend(out.device)
-            r = 0
-            while r < full:
-                if not ok[r]:
-                    r += 1
-                    continue
-                end = r + 1
-                while end < full and ok[end] and modes[end] == modes[r]:
-                    end += 1
+            for r, end in accepted_runs(ok, modes, full):
                 rows_of_run = payloads[r:end]
                 if rows_of_run.is_contiguous() and backend.dequantize_rows(
                         rows_of_run, out[r * n:end * n], self.bits, self.block, weight, modes[r] == "into"):
-                    r = end  # decoded where the scales and codes lie in the rows: no copy
-                    continue
+                    continue  # decoded where the scales and codes lie in the rows: no copy
                 codes = payloads[r:end, HEADER_NBYTES + 4 * nb:HEADER_NBYTES + 4 * nb + cb]
                 if end - r > 1:  # the rows' codes side by side (one copy), as the backend reads them
                     packed = self._scratch_tensor("dec_codes", (end - r) * cb, torch.uint8, out.device)
@@ -220,7 +212,6 @@ class BlockQuantizer(Codec):
                     codes = codes.reshape(-1)
                 call = backend.dequantize if modes[r] == "into" else backend.dequantize_accumulate
                 call(scales[r:end].reshape(-1), codes, out[r * n:end * n], self.bits, self.block, weight)
-                r = end
         for r in range(full, rows):  # rows that do not batch (a short last chunk): chunk by chunk
             if not ok[r]:
                 continue
