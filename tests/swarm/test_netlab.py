@@ -52,9 +52,9 @@ STREAM = textwrap.dedent("""
 """)
 
 
-# UDP echo and a ping-like client: the median round trip in ms of 20 probes (a real one, over the lab's links).
+# UDP echo and a ping-like client: round trips in ms of 40 probes, one per line (real ones, over the lab's links).
 PROBE = textwrap.dedent("""
-    import socket, statistics, sys, time
+    import socket, sys, time
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     if sys.argv[1] == "echo":
         sock.bind((sys.argv[2], 7777))
@@ -64,13 +64,11 @@ PROBE = textwrap.dedent("""
             data, sender = sock.recvfrom(2048)
             sock.sendto(data, sender)
     sock.settimeout(5)
-    rtts = []
-    for _ in range(20):
+    for _ in range(40):
         started = time.monotonic()
         sock.sendto(b"x" * 64, (sys.argv[2], 7777))
         sock.recvfrom(2048)
-        rtts.append((time.monotonic() - started) * 1000)
-    print(statistics.median(rtts), flush=True)
+        print((time.monotonic() - started) * 1000)
 """)
 # Connect to port 5555 within 3 s; prints the local address or the error.
 CONNECT = ("import socket, sys\ntry:\n    s = socket.create_connection((sys.argv[1], 5555), timeout=3)\n"
@@ -88,23 +86,28 @@ def lab_names(lab_id: str) -> list:
     return [word for word in listed.split() if lab_id in word]
 
 
-def median_rtt_ms(lab: Netlab, a: int, b: int) -> float:
+def fastest_rtt_ms(lab: Netlab, a: int, b: int) -> float:
+    """The fastest of 40 probes' round trips. A loaded machine only ever adds to a round trip (the CI lane
+    beside this test once lifted the median by 14 ms for seconds at a time), while the delay line's jitter is
+    bounded; so the fastest probe is the one that shows the configured delay."""
     echo = lab.popen(b, [sys.executable, "-c", PROBE, "echo", lab.nodes[b].address], stdout=subprocess.PIPE,
                      text=True)
     assert echo.stdout.readline().strip() == "ready"
     probe = lab.run(a, [sys.executable, "-c", PROBE, "ping", lab.nodes[b].address], capture_output=True, text=True)
     echo.kill()
     echo.wait()
-    return float(probe.stdout)
+    return min(float(line) for line in probe.stdout.split())
 
 
 @needs_delays
 def test_delay_line_gives_the_configured_round_trip():
+    # Jitter 4 ms is +-2 ms on each peer's line: a round trip between two delayed peers is within +-4 ms of
+    # its configured value and never below it (the line never releases a packet early).
     with Netlab([100, 100, 100], rtt=["100ms", "100ms", "40ms"], jitter="4ms") as lab:
-        assert 90 <= median_rtt_ms(lab, 0, 1) <= 110  # both peers add 50 ms each way
-        assert 63 <= median_rtt_ms(lab, 0, 2) <= 77  # 50 + 20
+        assert 96 <= fastest_rtt_ms(lab, 0, 1) <= 102  # both peers add 50 ms each way
+        assert 66 <= fastest_rtt_ms(lab, 0, 2) <= 72  # 50 + 20
     with Netlab([100, 100]) as lab:
-        assert median_rtt_ms(lab, 0, 1) < 5  # no delay line unless asked for
+        assert fastest_rtt_ms(lab, 0, 1) < 5  # no delay line unless asked for
     assert not lab_names(lab.lab_id)
 
 

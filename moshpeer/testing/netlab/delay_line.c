@@ -11,6 +11,9 @@
  * (reordering would read as loss to TCP, which a path of one hop does not do). A line holds at most
  * MAX_QUEUE_BYTES; beyond that it drops, like a full router buffer, and counts the drops.
  *
+ * It runs at nice -10 where it may (root): a wire's delay must not grow with the load of the peers on the
+ * machine, and a line that waits for a busy core adds that wait to every packet's round trip.
+ *
  * Prints "ready" once every device is attached; exits 0 on SIGTERM / SIGINT, printing its counters.
  */
 #define _GNU_SOURCE
@@ -25,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -123,6 +127,7 @@ int main(int argc, char **argv) {
         lines[i].fd = attach(name);
         fds[i] = (struct pollfd){.fd = lines[i].fd, .events = POLLIN};
     }
+    (void)setpriority(PRIO_PROCESS, 0, -10); /* best effort: without root the line keeps its niceness */
     struct sigaction action;
     memset(&action, 0, sizeof action);
     action.sa_handler = on_signal;
