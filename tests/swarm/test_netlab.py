@@ -16,6 +16,7 @@ import torch
 from averaging_swarm import AveragingSwarm
 from averaging_worker import peer_values
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
+from moshpeer.simulation.time_model import group_round_seconds
 from moshpeer.testing import netlab
 from moshpeer.testing.netlab import Netlab
 
@@ -34,6 +35,8 @@ MATCHMAKING_ATTEMPTS = 3
 # How far a round may be from the link's lower bound here: an idle machine measures 1.13-1.24x (connection setup,
 # TCP slow start and coding 8 MB on 2 shared cores); bench_wan holds the figure (utilization 0.93 at 100 Mbit/s).
 ROUND_OVER_BOUND = 1.45
+# Real over simulated round time at 8 and 16 peers: measured 1.30-1.60 (see the validation test's docstring).
+SIMULATED_ROUND_GAP = 1.8
 
 # A TCP stream between two namespaces; prints the receiver's MB/s.
 STREAM = textwrap.dedent("""
@@ -227,8 +230,8 @@ def test_three_peers_at_20_mbit_average_8_mb_exactly_near_the_lower_bound(tmp_pa
     numel, rate = 2_000_000, 20.0  # 8 MB of fp32
     with Netlab([rate] * 3) as lab:
         reports, err = average_once(lab, numel, tmp_path)
-    n, size, upload = 3, numel * 4, rate * 1e6 / 8
-    lower_bound = 2 * (n - 1) / n * size / upload
+    n, upload = 3, rate * 1e6 / 8
+    lower_bound = simulated_round_s(numel, [upload] * n)  # the simulator's model of the round: 2 (n-1)/n of 8 MB
     round_s = group_round_s(reports)
     print(f"round {round_s:.2f} s, lower bound {lower_bound:.2f} s, rel err {err:.1e}, measured uploads "
           f"{[round(r['upload_bps'] / 1e6, 2) for r in reports]} MB/s")
@@ -237,6 +240,34 @@ def test_three_peers_at_20_mbit_average_8_mb_exactly_near_the_lower_bound(tmp_pa
     # Each peer measured its own uplink on the round's traffic (what it announces for partitioning): the
     # payload rate is ~96% of the link's; acknowledgements queued behind the receivers' data blur it a little.
     assert all(0.8 * upload <= r["upload_bps"] <= 1.2 * upload for r in reports), [r["upload_bps"] for r in reports]
+
+
+def simulated_round_s(numel: int, uploads) -> float:
+    """What `moshpeer.simulation` predicts for an fp32 round with equal parts over these uploads (bytes/s; the
+    lab's downlinks and latency are not limited): its time model, the one the training level runs on."""
+    n = len(uploads)
+    parts = [numel // n + (k < numel % n) for k in range(n)]
+    return group_round_seconds(numel, parts, uploads, [float("inf")] * n, 0.0, 4)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peers", [8, 16])
+def test_simulated_round_time_matches_real_peers_on_shaped_links(tmp_path, peers):
+    """Issue 23's real-vs-simulated validation of bandwidth-bound round time: `peers` processes on 20 Mbit/s
+    uplinks average 8 MB in one group, against the simulator's time model (perfect pipelining, fair links).
+
+    Measured on the 2-core VM (docs/simulation.md): 3 peers 1.15-1.20x, 8 peers 1.45-1.60x, 16 peers 1.30x. The
+    issue's 25% holds at 3 peers, not at 8: with one chunk per part, an owner's averaged part starts its all-gather
+    while other members' contributions to late parts still sit in their senders' socket buffers, and on the shared
+    uplink those contributions get 1/(n-1) of it, so the last parts finalize seconds late (a raw TCP mesh of the
+    same bytes on the same links finishes within 1.1x). The bound below guards that gap from growing."""
+    numel, upload = 2_000_000, 20e6 / 8
+    with Netlab([upload * 8 / 1e6] * peers) as lab:
+        reports, err = average_once(lab, numel, tmp_path)
+    real_s, simulated_s = group_round_s(reports), simulated_round_s(numel, [upload] * peers)
+    print(f"{peers} peers: real round {real_s:.2f} s, simulated {simulated_s:.2f} s, ratio {real_s / simulated_s:.3f}")
+    assert err <= 1e-6
+    assert 0.9 * simulated_s <= real_s <= SIMULATED_ROUND_GAP * simulated_s, (real_s, simulated_s)
 
 
 @pytest.mark.slow

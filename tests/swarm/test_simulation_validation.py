@@ -8,7 +8,7 @@ of 2 in the swarm lane; 8 peers in groups of 2 and 16 in groups of 4 are slow-ma
 
 What the real run adds that the simulator leaves out: hivemind's matchmaking (a peer can miss a round, groups
 can come out smaller), chunking and float32 arithmetic. Round times are not compared here: on loopback nothing is
-bandwidth-bound (the bandwidth-bound comparison needs netlab and is not done yet)."""
+bandwidth-bound (that comparison runs on netlab links: test_netlab.py's simulated_round_time test)."""
 
 from __future__ import annotations
 
