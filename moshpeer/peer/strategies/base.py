@@ -68,10 +68,13 @@ class StrategyHost(Protocol):
 @dataclass(frozen=True)
 class RoundPlan:
     """What one round averages: `tensors` (views of the strategy's buffer, filled) and what they hold,
-    e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`."""
+    e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`. `fragment`: which
+    part of the model the round covers, for strategies that average one part per round (DiLoCo's fragments;
+    the apply methods read it, since an overlapped round is applied after the next plan); 0 for the others."""
 
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
+    fragment: int = 0
 
 
 class AveragingStrategy(abc.ABC):
