@@ -156,13 +156,18 @@ def test_one_fragment_is_plain_diloco():
 
 # ---- checkpoints and newcomers ------------------------------------------------------------------
 
-def test_a_fragmented_checkpoint_resumes_bit_identically():
-    settings = dict(inner_steps=6, fragments=3)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fragmented_checkpoint_resumes_bit_identically(overlap):
+    # With overlap the checkpoint holds a pending Δ (fragment 0, sent at the end of epoch 3) whose round the
+    # restarted peer never runs: it takes that outer step on its own Δ, which identity averaging makes the
+    # group's, at the end of epoch 4, when the uninterrupted peer resolves the round.
+    settings = dict(inner_steps=6, fragments=3, overlap=overlap)
     uninterrupted = host_of(DiLoCoStrategy(**settings))
     micro_batches(uninterrupted, 23)
     interrupted = host_of(DiLoCoStrategy(**settings))
     micro_batches(interrupted, 9)  # epoch 4 (fragment 1), one inner step into it
     assert (interrupted.counters.epoch, interrupted.strategy.steps_this_epoch) == (4, 1)
+    assert interrupted.strategy.parts[0].outer.pending == overlap
     restarted = resumed(interrupted, DiLoCoStrategy(**settings))
     micro_batches(restarted, 14)
     assert all(torch.equal(p, q) for p, q in zip(restarted.params, uninterrupted.params))

@@ -102,6 +102,11 @@ class DiLoCoStrategy(AveragingStrategy):
         self.planned = epoch % self.fragments  # the swarm's epoch: every member averages the same fragment
         part = self.parts[self.planned]
         if self.overlap:
+            # The epoch loop resolves a round before it plans the next, so a Δ still pending here was sent by no
+            # round of this process (a checkpoint's or a donor's state): no average will come, and its outer
+            # step is taken on this peer's own Δ, as after a failed round.
+            for orphan in self.parts:
+                self._step_alone(orphan)
             part.outer.send(part.params, part.delta)
         else:
             part.outer.pseudo_gradient(part.params, part.delta)
@@ -116,10 +121,13 @@ class DiLoCoStrategy(AveragingStrategy):
             part.outer.apply(part.delta, part.params)
         return None  # every member restarts from its θ_outer: there is no parameter spread to report
 
-    @torch.no_grad()
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
         """The outer step of the plan's fragment (plan None: the last planned one) on this peer's own Δ."""
-        part = self.parts[plan.fragment if plan is not None else self.planned]
+        self._step_alone(self.parts[plan.fragment if plan is not None else self.planned])
+
+    @torch.no_grad()
+    def _step_alone(self, part: Fragment) -> None:
+        """`part`'s outer step on this peer's own Δ (with overlap: its pending Δ, if any)."""
         # Recomputed rather than read from the buffer: an abandoned round may still be writing to it.
         if self.overlap:
             if part.outer.pending:
