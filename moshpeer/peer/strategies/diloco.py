@@ -53,10 +53,10 @@ class DiLoCoStrategy(AveragingStrategy):
     :param inner_steps: H, inner optimizer steps per outer step of each fragment
     :param outer_optimizer: factory `(list of tensors) -> torch.optim.Optimizer` over θ_outer; default
         `OuterOptimizer()` (SGD, Nesterov, lr 0.7, momentum 0.9)
-    :param overlap: average Δ_t while computing the next H inner steps (one-outer-step delay)
+    :param overlap: average Δ_t while computing the next epoch's inner steps (one-outer-step delay)
     :param fragments: F, Streaming DiLoCo's fragments: an epoch of H/F inner steps averages one of them
         (1: plain DiLoCo). UserError unless a positive divisor of H; `bind` raises UserError when the model
-        has fewer than F parameters or error feedback is on (it averages every value every round)
+        has fewer than F parameter tensors or error feedback is on (it averages every value every round)
     """
 
     name = "diloco"
