@@ -10,6 +10,9 @@ computes one in ~0.1 s). Every arm trains on the same number of samples: STEPS m
   50 local steps (the period of DiLoCo H=50);
 - diloco-h50 / diloco-h200: `--averaging diloco --inner-steps H`, Δ uncompressed;
 - diloco-h50-int4: Δ as int4; diloco-h50-int4-overlap: the same with the one-outer-step delay;
+- diloco-streaming: Streaming DiLoCo, `--diloco-fragments 4`, Δ as int4, H=40 (F must divide H, and H/F
+  the steps): an epoch of 10 inner steps averages a quarter of the parameters, so each fragment syncs
+  every 40 steps and a round carries a quarter of the bytes; peers evaluate every 4 epochs (every H);
 - single: one process (`train_locally`), global batch peers x micro-batch, the same samples.
 
 Learning rates: --lr (AdamW, default 1.5e-3, the best of a sweep of the single process at this size) is
@@ -82,6 +85,8 @@ def arms(args) -> List[dict]:
          "compression": "int4", "round_timeout": 30},
         {"name": "diloco-h50-int4-overlap", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "int4", "overlap": True, "round_timeout": 30},
+        {"name": "diloco-streaming", "averaging": "diloco", "epochs": steps // 10, "inner_steps": 40, "fragments": 4,
+         "compression": "int4", "round_timeout": 30, "eval_every": 4},
         # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
         {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "topk-int2:0.0156", "error_feedback": True, "round_timeout": 30},
@@ -123,13 +128,16 @@ def run_arm(args, arm: dict, lab) -> dict:
                                  "--max-epochs", str(arm["epochs"]), "--batch-size", str(args.batch),
                                  "--target-batch-size", str(arm.get("target_batch", args.peers * args.batch)),
                                  "--averaging", arm["averaging"], "--compression", arm["compression"],
-                                 "--eval-every", str(arm["epochs"] if arm["averaging"] == "gradients" else 1),
+                                 "--eval-every",
+                                 str(arm.get("eval_every", arm["epochs"] if arm["averaging"] == "gradients" else 1)),
                                  "--matchmaking-time", str(args.matchmaking_time),
                                  "--round-timeout", str(arm["round_timeout"]), "--seed", str(i))
             if "inner_steps" in arm:
                 argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
             if arm.get("overlap"):
                 argv += ["--diloco-overlap"]
+            if arm.get("fragments"):
+                argv += ["--diloco-fragments", str(arm["fragments"])]
             if arm.get("error_feedback"):
                 argv += ["--error-feedback"]
             peers.append(Child(wrap(i, argv), e))

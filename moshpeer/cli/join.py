@@ -103,6 +103,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diloco-overlap", action="store_true",
                        help="diloco: average the pseudo-gradient while computing the next inner steps "
                        "(one-outer-step delay)")
+    group.add_argument("--diloco-fragments", type=_positive_int, metavar="F",
+                       help="diloco: Streaming DiLoCo, F fragments of the parameters; an epoch of H/F inner steps "
+                       "averages one of them, so a round sends 1/F of the bytes (F divides H; default: 1)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
@@ -255,6 +258,7 @@ def strategy_from_args(args: argparse.Namespace):
         from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
         return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
+                             fragments=args.diloco_fragments,
                              outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
     return make_strategy(args.averaging)
 
@@ -268,7 +272,8 @@ def trainer_config_from_args(args: argparse.Namespace):
     if args.role == "aux" and args.compute_budget not in ("none", None):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
     diloco_flags = [flag for flag, value in (("--inner-steps", args.inner_steps), ("--outer-optimizer", args.outer_optimizer),
-                                              ("--diloco-overlap", args.diloco_overlap)) if value]
+                                              ("--diloco-overlap", args.diloco_overlap),
+                                              ("--diloco-fragments", args.diloco_fragments)) if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     settings = loss_budget_settings_from_args(args)

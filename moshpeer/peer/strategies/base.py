@@ -68,10 +68,13 @@ class StrategyHost(Protocol):
 @dataclass(frozen=True)
 class RoundPlan:
     """What one round averages: `tensors` (views of the strategy's buffer, filled) and what they hold,
-    e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`."""
+    e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`. `fragment`: which
+    part of the model the round covers, for strategies that average one part per round (DiLoCo's fragments;
+    the apply methods read it, since an overlapped round is applied after the next plan); 0 for the others."""
 
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
+    fragment: int = 0
 
 
 class AveragingStrategy(abc.ABC):
@@ -83,7 +86,8 @@ class AveragingStrategy(abc.ABC):
     # Every step() is an inner optimizer step (local SGD); else the inner optimizer steps at the epoch end.
     steps_locally: ClassVar[bool] = False
     # The optimizer runs this strategy's round in the background and resolves it (apply_averaged or
-    # apply_alone) at the next epoch end, while the peer computes (DiLoCo's one-outer-step delay).
+    # apply_alone) at the next epoch end, before the next plan_round, while the peer computes (DiLoCo's
+    # one-outer-step delay).
     overlaps: bool = False
     # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
     # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).

@@ -18,8 +18,15 @@ the next H inner steps; the outer step on Δ̄_t is taken at the next epoch end,
 progress made meanwhile (OuterState.apply_delayed). The optimizer runs such a strategy's rounds with
 `MoshpitAverager.step(wait=False)` and resolves them one epoch later.
 
-Buffer: [Δ...] (one value per parameter). State (checkpoints, downloads): θ_outer, the outer optimizer's
-state (momentum), the outer step count, the inner steps taken in the current epoch and the pending θ_sent.
+fragments=F (Streaming DiLoCo, Douillard et al. 2025): the parameters are cut into F contiguous runs
+(diloco_fragments.py), each with its own θ_outer, outer momentum and θ_sent. A collaborative epoch is H/F
+inner steps and the round of epoch e averages fragment e mod F only (the epoch is the swarm's, so every
+member of a round averages the same fragment, and a newcomer's downloaded epoch says which comes next):
+each fragment still syncs every H inner steps, and a round carries 1/F of the bytes. F=1 is plain DiLoCo.
+
+Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice). State (checkpoints,
+downloads): per fragment θ_outer, the outer optimizer's state (momentum), the outer step count and the
+pending θ_sent; the inner steps taken in the current epoch and the fragment count.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ import torch
 
 from moshpeer.errors import UserError
 from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views
-from moshpeer.peer.strategies.diloco_outer import (OuterOptimizer, OuterOptimizerFactory, OuterState,
-                                                   describe_outer_optimizer)
+from moshpeer.peer.strategies.diloco_fragments import Fragment, make_fragments
+from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterOptimizerFactory, describe_outer_optimizer
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
 
 if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
@@ -43,10 +50,13 @@ DEFAULT_INNER_STEPS = 50
 class DiLoCoStrategy(AveragingStrategy):
     """H inner steps, then an outer step on the group's average pseudo-gradient.
 
-    :param inner_steps: H, inner optimizer steps per outer step (per collaborative epoch)
+    :param inner_steps: H, inner optimizer steps per outer step of each fragment
     :param outer_optimizer: factory `(list of tensors) -> torch.optim.Optimizer` over θ_outer; default
         `OuterOptimizer()` (SGD, Nesterov, lr 0.7, momentum 0.9)
-    :param overlap: average Δ_t while computing the next H inner steps (one-outer-step delay)
+    :param overlap: average Δ_t while computing the next epoch's inner steps (one-outer-step delay)
+    :param fragments: F, Streaming DiLoCo's fragments: an epoch of H/F inner steps averages one of them
+        (1: plain DiLoCo). UserError unless a positive divisor of H; `bind` raises UserError when the model
+        has fewer than F parameter tensors or error feedback is on (it averages every value every round)
     """
 
     name = "diloco"
@@ -54,74 +64,115 @@ class DiLoCoStrategy(AveragingStrategy):
     catches_up_after_missed_round = True  # nothing else would bring a lone outer step back to the swarm's θ_outer
 
     def __init__(self, inner_steps: int = DEFAULT_INNER_STEPS, outer_optimizer: Optional[OuterOptimizerFactory] = None,
-                 overlap: bool = False):
+                 overlap: bool = False, fragments: int = 1):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise UserError(f"inner_steps must be a positive integer, got {inner_steps!r}")
-        self.inner_steps = inner_steps
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+            raise UserError(f"fragments must be a positive integer, got {fragments!r}")
+        if inner_steps % fragments:
+            raise UserError(f"inner_steps ({inner_steps}) must be a multiple of fragments ({fragments}): "
+                            f"each epoch is inner_steps / fragments inner steps")
+        self.inner_steps, self.fragments = inner_steps, fragments
+        self.steps_per_epoch = inner_steps // fragments
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else OuterOptimizer()
         if not callable(self.outer_optimizer):
             raise UserError("outer_optimizer must be a factory: (list of tensors) -> torch.optim.Optimizer")
         self.overlap = self.overlaps = bool(overlap)
         self.steps_this_epoch = 0
+        self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
 
     def bind(self, host: StrategyHost) -> None:
         super().bind(host)
+        if self.fragments > 1 and host.error_feedback is not None:
+            raise UserError("error feedback averages every value in every round: it does not combine with "
+                            f"DiLoCo fragments ({self.fragments})")
         self.buffer, self.delta = flat_buffer_views(host.params, 1)
-        self.outer = OuterState(host.params, self.outer_optimizer)
+        self.parts: List[Fragment] = make_fragments(host.params, self.buffer, self.delta, self.fragments,
+                                                    self.outer_optimizer)
 
     def on_micro_batch(self, batch_size: int) -> None:
         self.steps_this_epoch += 1
 
     def epoch_is_over(self) -> bool:
-        """H inner steps since the last outer step."""
-        return self.steps_this_epoch >= self.inner_steps
+        """H/F inner steps since the last outer step (of any fragment)."""
+        return self.steps_this_epoch >= self.steps_per_epoch
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
         self.steps_this_epoch = 0
+        self.planned = epoch % self.fragments  # the swarm's epoch: every member averages the same fragment
+        part = self.parts[self.planned]
         if self.overlap:
-            self.outer.send(self.host.params, self.delta)
+            # The epoch loop resolves a round before it plans the next, so a Δ still pending here was sent by no
+            # round of this process (a checkpoint's or a donor's state): no average will come, and its outer
+            # step is taken on this peer's own Δ, as after a failed round.
+            for orphan in self.parts:
+                self._step_alone(orphan)
+            part.outer.send(part.params, part.delta)
         else:
-            self.outer.pseudo_gradient(self.host.params, self.delta)
-        return RoundPlan(tensors=(self.buffer,), averages=("pseudo_gradient",))
+            part.outer.pseudo_gradient(part.params, part.delta)
+        return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned)
 
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
+        part = self.parts[plan.fragment]  # with overlap, the plan of the previous epoch: not `planned`
         if self.overlap:
-            self.outer.apply_delayed(self.delta, self.host.params)
+            part.outer.apply_delayed(part.delta, part.params)
         else:
-            self.outer.apply(self.delta, self.host.params)
+            part.outer.apply(part.delta, part.params)
         return None  # every member restarts from its θ_outer: there is no parameter spread to report
 
-    @torch.no_grad()
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
+        """The outer step of the plan's fragment (plan None: the last planned one) on this peer's own Δ."""
+        self._step_alone(self.parts[plan.fragment if plan is not None else self.planned])
+
+    @torch.no_grad()
+    def _step_alone(self, part: Fragment) -> None:
+        """`part`'s outer step on this peer's own Δ (with overlap: its pending Δ, if any)."""
         # Recomputed rather than read from the buffer: an abandoned round may still be writing to it.
         if self.overlap:
-            if self.outer.pending:
-                self.outer.apply_delayed(self.outer.pending_delta(), self.host.params)
+            if part.outer.pending:
+                part.outer.apply_delayed(part.outer.pending_delta(), part.params)
         else:
-            self.outer.apply(self._own_delta(), self.host.params)
-
-    def _own_delta(self) -> List[torch.Tensor]:
-        own = [torch.empty_like(d) for d in self.delta]
-        self.outer.pseudo_gradient(self.host.params, own)
-        return own
+            own = [torch.empty_like(d) for d in part.delta]
+            part.outer.pseudo_gradient(part.params, own)
+            part.outer.apply(own, part.params)
 
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""
         return {"inner_steps": self.inner_steps, "outer_optimizer": describe_outer_optimizer(self.outer_optimizer),
-                "overlap": self.overlap, "delta_codec": self.host.compression}
+                "overlap": self.overlap, "fragments": self.fragments, "delta_codec": self.host.compression}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "steps_this_epoch": self.steps_this_epoch}
+        outer = [part.outer.state_dict() for part in self.parts]
+        # One fragment: "outer" is the dict every earlier version wrote and reads, so that peers of either
+        # version exchange states; they refuse a list (several fragments) as an unknown format.
+        return {"outer": outer[0] if self.fragments == 1 else outer, "fragments": self.fragments,
+                "steps_this_epoch": self.steps_this_epoch}
 
     def check_state_dict(self, state: Dict[str, Any]) -> None:
-        steps = state.get("steps_this_epoch") if isinstance(state, dict) else None
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= self.inner_steps:
-            raise ValueError("DiLoCo state: bad inner step count (another inner_steps setting?)")
-        self.outer.check_state(state.get("outer"))
+        self._outer_states(state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.check_state_dict(state)
-        self.outer.load_state_dict(state["outer"])
+        outer = self._outer_states(state)
+        # Every fragment's state is checked, and its optimizer built, before any fragment changes.
+        optimizers = [part.outer.fitted_optimizer(s) for part, s in zip(self.parts, outer)]
+        for part, s, optimizer in zip(self.parts, outer, optimizers):
+            part.outer.adopt(s, optimizer)
         self.steps_this_epoch = state["steps_this_epoch"]
 
+    def _outer_states(self, state: Any) -> List[Dict[str, Any]]:
+        """The outer state of each fragment in `state`, checked; ValueError unless the whole state fits."""
+        if not isinstance(state, dict):
+            raise ValueError("DiLoCo state: not a dict")
+        fragments = state.get("fragments", 1)  # states from before fragments existed have one
+        if fragments != self.fragments:
+            raise ValueError(f"DiLoCo state of {fragments!r} fragments, this peer has {self.fragments}")
+        steps = state.get("steps_this_epoch")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= self.steps_per_epoch:
+            raise ValueError("DiLoCo state: bad inner step count (another inner_steps or fragments setting?)")
+        outer = [state.get("outer")] if self.fragments == 1 else state.get("outer")
+        if not isinstance(outer, list) or len(outer) != self.fragments:
+            raise ValueError(f"DiLoCo state: not one outer state per fragment ({self.fragments})")
+        for part, fragment_state in zip(self.parts, outer):
+            part.outer.check_state(fragment_state)
+        return outer

@@ -215,12 +215,23 @@ class OuterState:
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Adopt a `state_dict()`; ValueError (and nothing changed) when it does not fit."""
+        self.adopt(state, self.fitted_optimizer(state))
+
+    def fitted_optimizer(self, state: Dict[str, Any]) -> torch.optim.Optimizer:
+        """`check_state`, then a fresh outer optimizer over θ_outer holding `state`'s optimizer state, for
+        `adopt`. ValueError when the state does not fit; changes nothing either way."""
         self.check_state(state)
         optimizer = self.outer_optimizer(self.anchor)
         try:
             optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         except (KeyError, ValueError, RuntimeError) as e:
             raise ValueError(f"DiLoCo outer optimizer state does not fit: {e}") from None
+        return optimizer
+
+    @torch.no_grad()
+    def adopt(self, state: Dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Take `state` with its `fitted_optimizer(state)` (split from loading so that several outer states
+        are all checked before any changes); cannot fail."""
         for anchor, value in zip(self.anchor, state["anchor"]):
             anchor.copy_(value)
         self.optimizer = optimizer
