@@ -181,3 +181,21 @@ def test_memory_is_bounded():
         assert credit.tracked <= 50
     credit.apply([trainer(1, 10, 5, 10.0)], own=own, swarm_epoch=10, now=200.0)
     assert credit.tracked == 1  # everyone else was last seen more than 10 s ago
+
+
+def test_a_peer_seen_computing_slowly_cannot_jump_to_the_target():
+    """A trainer watched gaining 10 samples/s for 3 s that jumps to the target at the next refresh (a turncoat, or a
+    bug) is capped: nobody here was seen computing anywhere near that fast."""
+    reader = Reader(1000)
+    aux = PeerRecord(peer_id=peer_id(0), role="aux", epoch=9, version="test", protocol=2, started_at=0.0,
+                     updated_at=0.0)
+    reader.view([trainer(k, 9, 0, 10.0) for k in (1, 2, 3)], aux, 0.5)
+    for step in range(7):  # the reader (an aux peer: no rate of its own) sees them enter epoch 10 at 1.0 s
+        now = 1.0 + REFRESH_S * step
+        seen = reader.view([trainer(k, 10, 5 * step, 0.0) for k in (1, 2, 3)], aux.updated(epoch=10), now)
+    assert seen.samples_accumulated == 3 * 30 and seen.samples_capped == 0
+    now += REFRESH_S  # the declared speeds are 0: the reference is the growth the reader watched, 10 samples/s
+    seen = reader.view([trainer(1, 10, 1000, 0.0)] + [trainer(k, 10, 35, 0.0) for k in (2, 3)], aux.updated(epoch=10),
+                       now)
+    allowed = int(RATE_FACTOR * 10.0 * (now - 1.0 + START_SLACK_S))
+    assert seen.samples_accumulated == allowed + 2 * 35 and seen.samples_capped == 1000 - allowed

@@ -8,9 +8,12 @@ since the epoch began, as this peer saw it happen, on its own monotonic clock:
     credible = min(declared, RATE_FACTOR x reference rate x (now - start + START_SLACK_S))
 
 - the **reference rate** is the lower median, over the trainers this peer sees (itself included), of each
-  trainer's rate: the increase of its count over the time this peer watched it grow within one epoch (at
-  least MIN_RATE_SPAN_S of watching), or its declared `samples_per_second` until then. A minority cannot raise
-  the median, however fast it claims or appears to be. A peer's own witnessed rate never raises its own cap:
+  trainer's rate: the faster of its declared `samples_per_second` and the increase of its count over the time
+  this peer watched it grow within one epoch (at least MIN_RATE_SPAN_S of watching). The faster, because a
+  trainer that waits for its round (its count flat at the end of an epoch) or whose meter has not filled yet
+  is not slow, and a reference pulled down would cap honest peers. A minority cannot raise the median,
+  however fast it claims or appears to be (with two trainers, the lower median is the slower one: this
+  peer's own rate against a liar's). A peer's own rate never raises its own cap:
   a liar can fake a steady climb from 0 to the target as cheaply as a jump, and a cap that followed a peer's
   believed rate with a factor would let a careful liar multiply its allowance at every refresh;
 - **start** is when this peer's view entered that epoch (its own epoch or the swarm epoch rose by one at a
@@ -30,14 +33,15 @@ What each constant allows, and why:
   first, a refresh every 0.5 s, a DHT store and read); 2 s of head start at 4x the median rate covers that,
   and it is all a record first seen at the very start of an epoch is allowed.
 - A peer first seen mid-epoch (it just joined, or this peer's DHT read missed it) counts what a 4x-median
-  trainer could have computed since this peer's view entered the epoch: an honest newcomer, which started
-  from 0 when it joined, is never capped; a fresh identity per epoch gains nothing over a persistent liar.
+  trainer could have computed since this peer's view entered the epoch: an honest newcomer within the factor,
+  which started from 0 when it joined, is not capped; a fresh identity per epoch gains nothing over a
+  persistent liar.
 - Nothing is capped in an epoch whose start this peer did not witness: its first view of the swarm (a
   newcomer), a view that rose by more than one epoch at once (catching up), or a swarm in which nobody
   computes at any rate yet. Then the caps could only starve honest peers, whose counts it cannot judge.
 
 Memory: at most MAX_TRACKED peers, each with its last HISTORY sightings; a peer not seen for FORGET_S is
-forgotten (a returning one is judged like a peer first seen, never more generously).
+forgotten (a returning one is judged like a peer first seen).
 
 This module decides; progress.py feeds it the records it fetched and applies the result (no I/O here).
 """
@@ -82,9 +86,10 @@ class _Witness:
         self.last_seen = now
 
     def rate(self, declared: float) -> float:
-        """Samples per second as witnessed within its epoch; `declared` until watched long enough."""
+        """Samples per second: the faster of `declared` and its count's growth within its epoch as witnessed
+        (only `declared` until watched for MIN_RATE_SPAN_S)."""
         (t0, s0), (t1, s1) = self.sightings[0], self.sightings[-1]
-        return (s1 - s0) / (t1 - t0) if t1 - t0 >= MIN_RATE_SPAN_S and s1 > s0 else declared
+        return max(declared, (s1 - s0) / (t1 - t0)) if t1 - t0 >= MIN_RATE_SPAN_S else declared
 
 
 class SampleCredit:
