@@ -108,6 +108,13 @@ def test_honest_jittery_swarms_end_at_the_same_refresh_with_and_without_the_cap(
         assert capped == plain and capped[1] == 0, seed
 
 
+def test_a_trainer_10x_faster_than_the_reader_is_not_capped_in_a_swarm_of_two():
+    """The upper median of two rates is the faster one: a slow reader believes its one fast partner (a swarm of
+    two has no majority to judge by), and both views end the epoch at the same refresh."""
+    plain = run(Reader(1000, cap=False), honest_swarm([100.0]), 10.0)
+    assert run(Reader(1000), honest_swarm([100.0]), 10.0) == plain and plain[1] == 0
+
+
 def test_a_newcomer_mid_epoch_counts_in_full_and_a_fresh_liar_does_not():
     """A trainer first seen 4 s into the epoch, counting from 0 at a fast 25 samples/s: counted in full, the epoch
     ends at the same refresh. A fresh identity first seen at the same time claiming the target is capped to what

@@ -7,13 +7,15 @@ since the epoch began, as this peer saw it happen, on its own monotonic clock:
 
     credible = min(declared, RATE_FACTOR x reference rate x (now - start + START_SLACK_S))
 
-- the **reference rate** is the lower median, over the trainers this peer sees (itself included), of each
+- the **reference rate** is the upper median, over the trainers this peer sees (itself included), of each
   trainer's rate: the faster of its declared `samples_per_second` and the increase of its count over the time
   this peer watched it grow within one epoch (at least MIN_RATE_SPAN_S of watching). The faster, because a
   trainer that waits for its round (its count flat at the end of an epoch) or whose meter has not filled yet
-  is not slow, and a reference pulled down would cap honest peers. A minority cannot raise the median,
-  however fast it claims or appears to be (with two trainers, the lower median is the slower one: this
-  peer's own rate against a liar's). A peer's own rate never raises its own cap:
+  is not slow, and a reference pulled down would cap honest peers. Fewer than half of the trainers cannot
+  raise it above the fastest honest rate, however fast they claim or appear to be, nor lower it below the
+  slowest; the upper median (as for the swarm epoch) leans to the faster half, so that honest peers
+  faster than most are capped later. With only two trainers, the other one sets it: a swarm of two has
+  no majority. A peer's own rate never raises its own cap:
   a liar can fake a steady climb from 0 to the target as cheaply as a jump, and a cap that followed a peer's
   believed rate with a factor would let a careful liar multiply its allowance at every refresh;
 - **start** is when this peer's view entered that epoch (its own epoch or the swarm epoch rose by one at a
@@ -150,13 +152,13 @@ class SampleCredit:
         self._opened = {epoch: at for epoch, at in self._opened.items() if epoch > level - KEEP_EPOCHS}
 
     def _reference_rate(self, trainers: Sequence[PeerRecord], own: PeerRecord) -> float:
-        """The lower median of the trainers' rates (witnessed, else declared), this peer's own included; 0 if
-        nobody computes at any rate."""
+        """The upper median of the trainers' rates (module docstring), this peer's own included; 0 if nobody
+        computes at any rate."""
         rates = [self._peers[r.peer_id].rate(r.samples_per_second) for r in trainers]
         if own.role == "trainer":
             rates.append(own.samples_per_second)  # local, not a claim
         rates = sorted(rate for rate in rates if rate > 0)
-        return rates[(len(rates) - 1) // 2] if rates else 0.0
+        return rates[len(rates) // 2] if rates else 0.0
 
     def _limit(self, record: PeerRecord, reference: float, now: float) -> Optional[int]:
         """The most samples `record` may count now; None when this peer cannot judge (module docstring)."""
