@@ -206,3 +206,14 @@ def test_a_peer_seen_computing_slowly_cannot_jump_to_the_target():
                        now)
     allowed = int(RATE_FACTOR * 10.0 * (now - 1.0 + START_SLACK_S))
     assert seen.samples_accumulated == allowed + 2 * 35 and seen.samples_capped == 1000 - allowed
+
+
+def test_older_copies_from_a_lagging_replica_do_not_cap_an_honest_peer():
+    """A DHT read may return an older copy of a record (the previous epoch, or fewer samples). Taken for a restart
+    of the peer's count, it would cap the honest count that the next read shows again (to what 2.5 s allow)."""
+    credit, own = SampleCredit(), trainer(0, 10, 0, 10.0)
+    credit.apply([trainer(1, 9, 0, 30.0)], own=own.updated(epoch=9), swarm_epoch=9, now=0.5)
+    reads = [(1.0, 10, 0), (15.0, 10, 420), (15.5, 9, 0), (16.0, 10, 450), (16.5, 10, 300), (17.0, 10, 480)]
+    for now, epoch, samples in reads:  # 30 samples/s from 1.0 s on, and two stale copies
+        credited = credit.apply([trainer(1, epoch, samples, 30.0)], own=own, swarm_epoch=10, now=now)
+        assert credited[0].samples_accumulated == samples and not credit.capped, now

@@ -19,8 +19,8 @@ since the epoch began, as this peer saw it happen, on its own monotonic clock:
   a liar can fake a steady climb from 0 to the target as cheaply as a jump, and a cap that followed a peer's
   believed rate with a factor would let a careful liar multiply its allowance at every refresh;
 - **start** is when this peer's view entered that epoch (its own epoch or the swarm epoch rose by one at a
-  refresh) or, if later, the last time it saw that trainer before its count restarted (at an earlier epoch,
-  or with a smaller count): the count cannot have started growing before. A record at an epoch this peer's
+  refresh) or, if later, the last time it saw that trainer at an earlier epoch: the count cannot have
+  started growing before. A record at an epoch this peer's
   view has not entered yet has had no time at all (a liar claiming the target at swarm epoch + 1 counts
   nothing extra the moment this peer moves there).
 
@@ -80,8 +80,13 @@ class _Witness:
     logged_epoch: Optional[int] = None  # the epoch whose cap was last logged (once per peer per epoch)
 
     def see(self, record: PeerRecord, now: float) -> None:
-        """Add a sighting; a new epoch or a smaller count means its count restarted after the last sighting."""
-        if record.epoch != self.epoch or (self.sightings and record.samples_accumulated < self.sightings[-1][1]):
+        """Add a sighting; at a new epoch its count restarted after the last sighting. A copy older than one
+        already seen (a lower epoch, or fewer samples at the same epoch: a DHT replica that has not caught up)
+        is skipped: taken for a restart, it would cap the honest count that the next read shows again."""
+        if record.epoch < self.epoch or (record.epoch == self.epoch and self.sightings
+                                         and record.samples_accumulated < self.sightings[-1][1]):
+            return
+        if record.epoch > self.epoch:
             self.restarted_at, self.epoch = self.last_seen, record.epoch
             self.sightings.clear()
         self.sightings.append((now, record.samples_accumulated))
