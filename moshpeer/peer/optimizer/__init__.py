@@ -11,6 +11,7 @@
 - round_timing.py: `RoundTiming`, the peer side's one owner of round timing (compute budget, windows)
 - rounds.py: `CollaborativeRound`, the record of one epoch
 - progress.py / swarm_link.py: the swarm's progress from peer records; how the optimizer is present in the swarm
+- sample_credit.py: `SampleCredit`, how many of each trainer's claimed samples progress.py believes
 - dropcompute.py, loss_phase.py, error_feedback.py, speed_meter.py: the compute budget, the loss budget's
   phase signal, EF21M state, this peer's throughput
 

@@ -89,6 +89,7 @@ class AuxPeer:
                     return None
                 return host.finish_round(plan, result, None, epoch=host.counters.epoch, samples=0,
                                          group_target=target, swarm_samples=snapshot.samples_accumulated,
+                                         swarm_samples_capped=snapshot.samples_capped,
                                          num_trainers=snapshot.num_trainers)
             host.wait_for_refresh(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         return None

@@ -190,7 +190,7 @@ class EpochLoop:
         host = self.host
         snapshot = host.swarm.progress.snapshot()
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
-                     num_trainers=snapshot.num_trainers)
+                     swarm_samples_capped=snapshot.samples_capped, num_trainers=snapshot.num_trainers)
         epoch = self.counters.epoch
         if snapshot.global_epoch > epoch + self.max_epoch_lag:
             # Behind: our gradients are for stale parameters. Adopt a donor's state instead.

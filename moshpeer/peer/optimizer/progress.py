@@ -18,6 +18,10 @@ dictionary. From those records each peer derives the same view:
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
   the optimizer compares with `target_batch_size`; with robust aggregation, the trainers this peer's
   averager weighs at zero (suspects) are left out of that sum: their samples never reach the model;
+- each other trainer's count is believed only up to what it could have computed since this peer saw the
+  epoch begin, at a few times the swarm's median witnessed rate (`SampleCredit`, sample_credit.py): a peer
+  claiming the target at every refresh cannot end every epoch at once; the refused samples are counted
+  (`ProgressSnapshot.samples_capped`);
 - the estimated time to the target comes from the summed `samples_per_second`.
 
 Reading the DHT costs a round trip, so a background thread refreshes the view every
@@ -31,9 +35,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
+from moshpeer.peer.optimizer.sample_credit import SampleCredit
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ class ProgressSnapshot:
     peers: Tuple[PeerRecord, ...] = field(default=(), repr=False)
     # Trainers whose samples count toward the target (live ones not weighed at zero); None: all of them.
     counted_trainers: Optional[int] = None
+    # Samples the counted trainers at `global_epoch` claimed beyond what this peer found credible (SampleCredit).
+    samples_capped: int = 0
 
     @property
     def contributing_trainers(self) -> int:
@@ -169,11 +177,13 @@ def summarize(
     now: float,
     max_epoch: Optional[int] = None,
     uncounted: Collection[str] = (),
+    capped: Mapping[str, int] = MappingProxyType({}),
 ) -> ProgressSnapshot:
     """The swarm view from (credited) peer records; `own` (this peer's live local record) replaces its DHT
     copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh); the samples and
     speed of the trainers in `uncounted` (peer ids whose contributions this peer's averaging discards) are
-    left out of the epoch's progress (never this peer's own)."""
+    left out of the epoch's progress (never this peer's own); `capped` says how many samples of each peer's
+    claim `SampleCredit` refused (reported as `samples_capped`, already taken out of the records)."""
     by_id = {record.peer_id: record for record in records}
     if own is not None:
         by_id[own.peer_id] = own
@@ -187,7 +197,8 @@ def summarize(
         global_epoch = max(global_epoch, own.epoch)
     own_id = own.peer_id if own is not None else None
     counted = [r for r in trainers if r.peer_id not in uncounted or r.peer_id == own_id]
-    samples = sum(r.samples_accumulated for r in counted if r.epoch == global_epoch)
+    at_epoch = [r for r in counted if r.epoch == global_epoch]
+    samples = sum(r.samples_accumulated for r in at_epoch)
     speed = sum(r.samples_per_second for r in counted)
     return ProgressSnapshot(
         global_epoch=global_epoch,
@@ -199,6 +210,7 @@ def summarize(
         fetched_at=now,
         peers=tuple(sorted(by_id.values(), key=lambda r: r.peer_id)),
         counted_trainers=len(counted),
+        samples_capped=sum(capped.get(r.peer_id, 0) for r in at_epoch if r.peer_id != own_id),
     )
 
 
@@ -229,6 +241,7 @@ class SwarmProgress:
         self._on_refresh = on_refresh
         self._records: Tuple[PeerRecord, ...] = ()
         self._credit = EpochCredit()
+        self._samples = SampleCredit()
         self._uncounted: Callable[[], Collection[str]] = tuple
         self._lock = threading.Lock()
         self._fetched = threading.Condition(self._lock)
@@ -264,9 +277,10 @@ class SwarmProgress:
     def snapshot(self) -> ProgressSnapshot:
         """The latest view (DHT records from the last refresh, this peer's own numbers live)."""
         with self._lock:
-            records, last = self._records, self._credit.swarm_epoch
+            records, last, capped = self._records, self._credit.swarm_epoch, self._samples.capped
         return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
-                         now=time.monotonic(), max_epoch=last, uncounted=frozenset(self._uncounted()))
+                         now=time.monotonic(), max_epoch=last, uncounted=frozenset(self._uncounted()),
+                         capped=capped)
 
     @property
     def swarm_epoch_reached(self) -> int:
@@ -313,13 +327,15 @@ class SwarmProgress:
             logger.debug(f"progress refresh failed: {e}")
             return False
         records = tuple(r for r in listed if not r.leaving)
-        own_peer_id = self._own_record().peer_id
-        if require_own and all(r.peer_id != own_peer_id for r in records):
+        own = self._own_record()
+        if require_own and all(r.peer_id != own.peer_id for r in records):
             logger.debug("progress refresh did not find this peer's own record: not a view of the swarm yet")
             time.sleep(min(timeout, 0.25))
             return False
+        now = time.monotonic()
         with self._fetched:
-            self._records = self._credit.apply(records, own_peer_id)
+            credited = self._credit.apply(records, own.peer_id, now=now)
+            self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch, now=now)
             self._credit.note_departures([r for r in listed if r.leaving])
             self._fetch_count += 1
             self._fetched.notify_all()

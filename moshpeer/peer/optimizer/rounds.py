@@ -27,6 +27,7 @@ class CollaborativeRound:
     dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)
     group_target: int = 0  # the group size this round aimed for (live peers, capped at group_size)
     swarm_samples: int = 0
+    swarm_samples_capped: int = 0  # claimed by other trainers beyond what this peer found credible
     num_trainers: int = 0
     # Loss budget (DBLP): the phase and budget P this round ran with, and the gradient norm of this epoch,
     # the signal that sets the next round's phase.

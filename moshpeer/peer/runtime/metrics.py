@@ -62,6 +62,8 @@ class PeerMetrics:
                                 registry=r)
         self.epoch = Gauge("moshpeer_epoch", "This peer's collaborative epoch.", registry=r)
         self.swarm_trainers = Gauge("moshpeer_swarm_trainers", "Trainers this peer saw in the swarm.", registry=r)
+        self.swarm_samples_capped = Gauge("moshpeer_swarm_samples_capped", "Samples of the last epoch that other "
+                                          "trainers claimed beyond what this peer found credible.", registry=r)
         self.samples = Counter("moshpeer_samples", "Samples this peer contributed.", registry=r)
         self.samples_per_second = Gauge("moshpeer_samples_per_second", "This peer's recent training throughput.",
                                         registry=r)
@@ -124,6 +126,7 @@ class PeerMetrics:
         self.epoch.set(round_.epoch + 1)
         self.samples.inc(max(int(round_.samples), 0))
         self.swarm_trainers.set(round_.num_trainers)
+        self.swarm_samples_capped.set(round_.swarm_samples_capped)
         self.group_size.set(round_.group_size if round_.ok else 1)
         if result is None:
             return
