@@ -40,12 +40,15 @@ What is measured and what is derived (said again in the table):
   with --netlab also the bytes each peer's link carried (all traffic: DHT, state, headers).
 - hidden communication (overlap arm): 1 - (time the training loop waited for rounds) / (time the rounds
   took, matchmaking included).
+- peak upload (--netlab): the highest rate any peer's link carried over a 1-second window (its interface
+  counter sampled every 0.5 s); streaming_peak_bandwidth_ratio = the streaming arm's / diloco-h50-int4's.
 
     python benchmarks/bench_diloco.py [--loopback] [--steps 400]
 
 Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco, time_to_target_speedup,
 sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + EF21M),
-hidden_comm_fraction, single_loss, and per-arm figures.
+streaming_loss_over_gradients, streaming_peak_bandwidth_ratio (the `diloco-streaming` arm), link_over_payload and
+failed_round_fraction (the headline arm), hidden_comm_fraction, single_loss, and per-arm figures.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -106,6 +110,37 @@ def task_flags(lr: float) -> List[str]:
     return flags
 
 
+class UploadPeaks:
+    """Samples every peer's link counter (netlab) every `interval` s on a thread of its own and keeps, per peer,
+    the highest upload rate over any `window`-second span: the peak bandwidth an arm asks of a link."""
+
+    def __init__(self, lab, peers: int, window: float = 1.0, interval: float = 0.5):
+        self.lab, self.peers, self.window, self.interval = lab, peers, window, interval
+        self.peak = [0.0] * peers  # bytes/s
+        self._history: List[List[tuple]] = [[] for _ in range(peers)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for i in range(self.peers):
+                now, sent = time.monotonic(), self.lab.tx_bytes(i)
+                history = self._history[i]
+                history.append((now, sent))
+                while len(history) > 1 and now - history[1][0] >= self.window:
+                    history.pop(0)
+                start, before = history[0]
+                if now - start >= self.window:
+                    self.peak[i] = max(self.peak[i], (sent - before) / (now - start))
+
+    def stop(self) -> float:
+        """Stop sampling; -> the highest peak over the peers, bytes/s."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return max(self.peak)
+
+
 def run_arm(args, arm: dict, lab) -> dict:
     """One swarm of args.peers `moshpeer join` peers (plus a `moshpeer dht` bootstrap) for one arm."""
     e = env()
@@ -118,6 +153,7 @@ def run_arm(args, arm: dict, lab) -> dict:
     boot = Child(wrap(0, moshpeer_argv("dht", run_id, f"/ip4/{hosts[0]}/tcp/0")), e)
     children = [boot]
     tx_before = [lab.tx_bytes(i) for i in range(args.peers)] if lab is not None else None
+    peaks = UploadPeaks(lab, args.peers) if lab is not None else None
     try:
         maddrs = bootstrap_maddrs(boot, 120)
         peers = []
@@ -147,8 +183,11 @@ def run_arm(args, arm: dict, lab) -> dict:
         figures = summarize(arm, peers)
         if lab is not None:
             figures["link_bytes_per_peer"] = sum(lab.tx_bytes(i) - b for i, b in enumerate(tx_before)) / args.peers
+            figures["peak_upload_bytes_per_s"] = peaks.stop()
         return figures
     finally:
+        if peaks is not None:
+            peaks.stop()
         for child in children:
             child.stop()
 
@@ -309,6 +348,17 @@ def main() -> int:
     if grad is not None and sparse is not None:
         figures["sparse_loss_over_gradients"] = sparse["final_loss"] / grad["final_loss"]
         figures["sparse_bytes_over_gradients"] = grad["bytes_per_peer"] / max(sparse["bytes_per_peer"], 1)
+    if head is not None:
+        figures["failed_round_fraction"] = 1.0 - head["rounds_ok_fraction"]
+        if head.get("link_bytes_per_peer"):
+            figures["link_over_payload"] = head["link_bytes_per_peer"] / max(head["bytes_per_peer"], 1)
+    streaming = results.get("diloco-streaming")
+    if streaming is not None:
+        if grad is not None:
+            figures["streaming_loss_over_gradients"] = streaming["final_loss"] / grad["final_loss"]
+        if head is not None and head.get("peak_upload_bytes_per_s") and streaming.get("peak_upload_bytes_per_s"):
+            figures["streaming_peak_bandwidth_ratio"] = \
+                streaming["peak_upload_bytes_per_s"] / head["peak_upload_bytes_per_s"]
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:
         figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]
