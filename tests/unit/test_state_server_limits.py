@@ -35,9 +35,10 @@ def test_a_flood_of_silent_connections_gets_two_slots_and_no_more():
             assert time.monotonic() < deadline, server.in_flight
             time.sleep(0.01)
         third = socket.create_connection((server.host, server.port))
-        assert closed_within(third, 0.5)  # refused at once: no slot, no thread
-        assert server.refused_busy == 1
-        assert all(closed_within(sock, 3.0) for sock in idle)  # silent past the request deadline: closed
+        # Refused for want of a slot (the counter says so), not closed by a request deadline; the waits are long
+        # only for a loaded machine, whose accept thread can take a while to run (they end at the close).
+        assert closed_within(third, 10.0) and server.refused_busy == 1
+        assert all(closed_within(sock, 10.0) for sock in idle)  # silent past the request deadline: closed
         offer = StateOffer(identity.peer_id, server.host, server.port, 3)
         epoch, data, _ = fetch_state_from(offer, RUN, timeout=10.0)
         assert (epoch, data) == (3, b"state" * 1000)
