@@ -129,7 +129,7 @@ class GroupAllReduce:
             raise ValueError("credentials were made for another group or member index")
         self.plane, self.members, self.group_size = plane, list(members), len(members)
         self.secret, self.credentials = secret, credentials  # handshake.accept reads them (this is its session)
-        partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes)
+        partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes).pipelined()
         chunk_seed = functools.partial(wire.chunk_seed, tag, my_index)
         staging = staging if staging is not None else staging_for(flat.device)
         cond = threading.Condition()

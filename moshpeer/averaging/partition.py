@@ -74,6 +74,25 @@ def reduce_allgather_seconds(numel_bytes: float, bandwidths: Sequence[float], si
     return max((numel - s + (n - 1) * s) * per_value / b for s, b in zip(sizes, bandwidths))
 
 
+# A round pipelines a part's chunks (an owner sends a chunk's average while later chunks are still arriving), which
+# needs a few chunks per part: with one, a part's all-gather cannot start before its last contribution is in. On
+# 8 peers with 20 Mbit/s uplinks averaging 8 MB (parts of 1 MB), 1 MB chunks took 1.45-1.60x the pipelined bound
+# and 256 KB chunks 1.24-1.31x (docs/simulation.md). Below 64 KB a chunk's frame overhead starts to count.
+MIN_CHUNKS_PER_PART = 4
+MIN_PIPELINED_CHUNK_NUMEL = 16384
+
+
+def pipelined_chunk_numel(chunk_numel: int, part_sizes: Sequence[int]) -> int:
+    """The chunk size a round uses: `chunk_numel`, halved while the largest part would have fewer than
+    MIN_CHUNKS_PER_PART chunks and the half is at least MIN_PIPELINED_CHUNK_NUMEL values. A pure function of
+    what every member knows, so all members cut the same chunks."""
+    largest = max(part_sizes, default=0)
+    chunk = chunk_numel
+    while chunk // 2 >= MIN_PIPELINED_CHUNK_NUMEL and -(-largest // chunk) < MIN_CHUNKS_PER_PART:
+        chunk //= 2
+    return chunk
+
+
 class Partition:
     """Part j = [part_starts[j], part_starts[j+1]); chunk c of part j = `chunk_numel` values (the last shorter).
 
@@ -96,6 +115,12 @@ class Partition:
         for size in sizes:
             starts.append(starts[-1] + size)
         self.part_starts: List[int] = starts
+
+    def pipelined(self) -> "Partition":
+        """The same parts, cut into chunks of `pipelined_chunk_numel` (self if that changes nothing)."""
+        sizes = [b - a for a, b in zip(self.part_starts, self.part_starts[1:])]
+        chunk = pipelined_chunk_numel(self.chunk_numel, sizes)
+        return self if chunk == self.chunk_numel else Partition(self.numel, self.group_size, chunk, sizes)
 
     def part_range(self, part: int) -> Tuple[int, int]:
         return self.part_starts[part], self.part_starts[part + 1]

@@ -273,7 +273,7 @@ class AveragingSimulation:
                 continue
             starts = grouping.starts[grouping.sizes == size]
             members = grouping.members[starts[:, None] + np.arange(size)]  # (groups, size)
-            part = Partition(self.config.dim, size, chunk_numel)
+            part = Partition(self.config.dim, size, chunk_numel).pipelined()
             for j in range(size):
                 owner, others = members[:, j], np.delete(members, j, axis=1)  # (G,), (G, size - 1)
                 for c in range(part.num_chunks(j)):

@@ -357,7 +357,7 @@ class MoshpitTraining:
             wt = torch.tensor(w, dtype=v.dtype)
             averaged[torch.from_numpy(rows)] = (wt @ v / wt.sum()).expand(n, dim)
             return
-        partition = Partition(dim, n, c.chunk_numel)
+        partition = Partition(dim, n, c.chunk_numel).pipelined()
         rng = self.swarm.loss_rng
         result = own_values.clone()
         v = v.clone()

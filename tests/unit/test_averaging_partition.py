@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_compression_allreduce import group_allreduce
 
-from moshpeer.averaging.partition import bandwidth_part_sizes, max_share, reduce_allgather_seconds
+from moshpeer.averaging.partition import (MIN_CHUNKS_PER_PART, MIN_PIPELINED_CHUNK_NUMEL, Partition, bandwidth_part_sizes,
+                                         max_share, pipelined_chunk_numel, reduce_allgather_seconds)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,3 +63,21 @@ def test_a_declared_huge_uplink_owns_at_most_twice_the_equal_share():
     assert max_share(4) == 0.5 and max_share(2) == 0.75
     # Honest, moderately different uplinks are not affected by the cap.
     assert bandwidth_part_sizes(1000, [1.0, 1.0, 1.0, 1.0]) == [250, 250, 250, 250]
+
+
+def test_chunks_shrink_until_parts_pipeline_but_not_below_the_floor():
+    one_mb = 262_144  # values of fp32
+    assert pipelined_chunk_numel(one_mb, [250_000] * 8) == one_mb // 4  # 8 MB over 8: 1 chunk per part -> 4
+    assert pipelined_chunk_numel(one_mb, [4_194_304] * 4) == one_mb  # 16 parts of 1 MB already pipeline
+    assert pipelined_chunk_numel(one_mb, [1000] * 4) == MIN_PIPELINED_CHUNK_NUMEL  # tiny parts: the floor
+    assert pipelined_chunk_numel(4096, [100_000, 0]) == 4096  # a chunk set below the floor is kept
+    assert pipelined_chunk_numel(one_mb, []) == MIN_PIPELINED_CHUNK_NUMEL
+    for largest in (20_000, 70_000, 300_000, 1_000_000, 5_000_000):
+        chunk = pipelined_chunk_numel(one_mb, [largest, largest // 3])
+        assert MIN_PIPELINED_CHUNK_NUMEL <= chunk <= one_mb
+        assert -(-largest // chunk) >= MIN_CHUNKS_PER_PART or chunk // 2 < MIN_PIPELINED_CHUNK_NUMEL
+    partition = Partition(2_000_000, 8, one_mb)
+    assert partition.pipelined().chunk_numel == one_mb // 4
+    assert partition.pipelined().part_starts == partition.part_starts
+    large = Partition(16 << 20, 4, one_mb)  # 64 MB over 4: 16 chunks per part, nothing to change
+    assert large.pipelined() is large
