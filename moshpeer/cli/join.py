@@ -203,7 +203,8 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
                        help="collaborative epochs per phase-signal window: the gradient summed over a window "
                        "is compared with the previous window's (Accordion; default: 5)")
     group.add_argument("--chunk-bytes", type=_positive_int, metavar="N",
-                       help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB)")
+                       help="bytes of fp32 values per averaging chunk, the unit of loss (default: 1 MiB; a round halves "
+                       "it, down to 64 KB, until each member's part has 4 chunks)")
     group.add_argument("--faults", metavar="SPEC",
                        help="inject faults into this peer's outgoing chunks, e.g. drop_prob=0.1 or "
                        "burst_prob=0.02,burst_len=8,burst_loss=0.75,retransmit_s=0.2, or play a hostile peer: "
