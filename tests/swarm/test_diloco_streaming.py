@@ -1,0 +1,180 @@
+"""DiLoCo's overlap (`--diloco-overlap`, the one-outer-step delay) and Streaming DiLoCo's fragments
+(`--diloco-fragments F`) end to end: real `moshpeer join` peers on loopback, checked round by round from
+their epoch lines (tests/swarm/test_diloco_training.py runs plain DiLoCo the same way)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moshpeer.peer.checkpoint import CheckpointStore
+from moshpeer.peer.strategies.diloco_fragments import split_fragments
+from moshpeer.peer.tasks import load_task
+from training_swarm import events, start_trainers, wait_event
+
+pytestmark = pytest.mark.timeout(300)
+
+MICRO_BATCH = 32
+OUTER = "sgd:lr=1,momentum=0"  # a short run: averaging the local models (see test_diloco_training.py)
+# The first round's group forms only if the last peer to start joins it within the first one's window; peers
+# that passed --min-peers together still start up to ~1 s apart, more at load 7 on 2 cores (at 2 s, 2 of 13
+# fragment runs failed; the one whose log was kept had lost round 0 to "no group found"). A group that is
+# full forms at once: the window costs nothing then.
+MATCHMAKING = "5.0"
+# FAST_TRAINING's heartbeat of 1 s leaves a record 3 s (3 heartbeats) to live; at load 11 on 2 cores a peer's
+# view lost both others for a moment, it ended its epoch "alone" (epoch_loop.end_epoch: a lone peer skips
+# matchmaking) and its θ_outer left the others' for good (1 run of 3). Records live 15 s here, the default's
+# lifetime (heartbeat 5 s); the heartbeat stays 1 s, so the peers still find each other at once.
+EXPIRATION = "15"
+
+
+def start_diloco_peers(swarm, run: str, seeds, *extra: str, group: int, per_peer=lambda seed: ()):
+    """One `join` peer per data seed (plus `per_peer(seed)`'s flags), all waiting for each other to train."""
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    return [start_trainers(swarm, 1, run, boot.maddrs, "--group-size", str(group), "--min-peers", str(group),
+                           "--averaging", "diloco", "--outer-optimizer", OUTER, "--seed", str(seed),
+                           "--batch-size", str(MICRO_BATCH), "--matchmaking-time", MATCHMAKING,
+                           "--expiration", EXPIRATION, *extra, *per_peer(seed))[0]
+            for seed in seeds]
+
+
+def finish(peers, timeout: float = 240) -> list:
+    """Every peer's `done` event, after a clean exit."""
+    done = [wait_event(peer, "done", timeout=timeout) for peer in peers]
+    for peer in peers:
+        assert peer.wait_exit(60) == 0, peer.describe(40)
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    return done
+
+
+def summary(record: dict) -> tuple:
+    return record["round_epoch"], record["ok"], record["error"], record["group_size"], record["chunks_lost"]
+
+
+# With overlap an epoch ends without waiting for its round (that runs while the next epoch computes), so the
+# first peer to start publishes epoch 1 after one epoch's compute. A peer that starts after that downloads
+# the state at startup, and the swarm's epochs stop lining up (the note below the test). The peers
+# pass --min-peers 3, yet on a loaded 2-core machine they start up to ~1 s apart while 10 inner steps of
+# digits take ~0.1 s: without a longer epoch, 7 of 12 runs failed so. A constant 0.1 s per micro-batch
+# (an injected delay, a sleep: no load on the cores) makes an epoch of H=20 last ~2 s, longer than the skew.
+OVERLAP_EPOCHS, OVERLAP_H, OVERLAP_DELAY = 5, 20, "constant:mean_s=0.1"
+
+
+@pytest.mark.swarm
+def test_three_overlapped_diloco_peers_average_in_every_round(swarm, tmp_path):
+    """Three overlapped peers: every round (each resolved one epoch later, the last by `settled`) averaged
+    the whole group's Δ, and the same Δ̄ from the same θ_outer leaves the same θ_outer on all three."""
+    peers = start_diloco_peers(swarm, "diloco-overlap3", (1, 2, 3), "--diloco-overlap",
+                               "--inner-steps", str(OVERLAP_H), "--max-epochs", str(OVERLAP_EPOCHS),
+                               "--eval-every", str(OVERLAP_EPOCHS), "--straggler", OVERLAP_DELAY, group=3,
+                               per_peer=lambda seed: ("--checkpoint-dir", str(tmp_path / str(seed))))
+    done = finish(peers)
+    numel = sum(p.numel() for p in load_task("digits").model.parameters())
+    # Every peer's rounds and startup downloads, for the assertion messages.
+    seen = [([(e["epoch"], e.get("previous_epoch")) + summary(e)
+              for e in events(peer, "epoch") + events(peer, "settled")],
+             [e["epoch"] for e in events(peer, "state_loaded")]) for peer in peers]
+    assert not any(downloads for _, downloads in seen), seen  # all started at epoch 0, in step
+    group_ids = {}
+    for peer in peers:
+        epochs = events(peer, "epoch")
+        settled = events(peer, "settled")
+        assert [e["epoch"] for e in epochs] == list(range(1, OVERLAP_EPOCHS + 1)), seen
+        assert all(e["overlap"] is True and e["inner_steps"] == OVERLAP_H for e in epochs)
+        # The first epoch end only launches its round; epoch e's line resolves round e - 1; `settled` the last.
+        assert epochs[0]["error"] == "round in flight" and epochs[0]["round"] is None, summary(epochs[0])
+        assert len(settled) == 1, seen
+        rounds = epochs[1:] + settled
+        assert [r["round_epoch"] for r in rounds] == list(range(OVERLAP_EPOCHS)), [summary(r) for r in rounds]
+        assert all(r["ok"] and r["group_size"] == 3 and r["chunks_lost"] == 0 for r in rounds), seen
+        # Only Δ travels: in a group of 3 each member sends (3 - 1) / 3 of it twice (reduce and gather)
+        # with bandwidth-sized parts, so at most all of it twice, plus headers.
+        assert all(0 < r["bytes_sent"] <= 2 * 4 * numel + 8192 for r in rounds), [r["bytes_sent"] for r in rounds]
+        for r in rounds:
+            group_ids.setdefault(r["round_epoch"], set()).add(r["round"]["group_id"])
+        losses = [e["loss"] for e in epochs]
+        assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    assert all(len(ids) == 1 for ids in group_ids.values()), group_ids  # one group of all three, every round
+    for record in done:
+        assert record["epochs"] == OVERLAP_EPOCHS and record["reason"] == "max_epochs"
+        assert record["rounds_ok"] == record["rounds"] and record["downloads"] == 0, record
+        assert math.isfinite(record["metrics"]["loss"])
+    # θ_outer (the final checkpoints', written after the settled round): the same bits on all three. The
+    # parameters are θ_outer + (θ_local − θ_sent) with θ_local = θ_sent (no inner step after the last
+    # send), equal to θ_outer up to float32 rounding (measured: params_digest differs between peers).
+    states = [CheckpointStore(tmp_path / str(seed)).load_latest()[0] for seed in (1, 2, 3)]
+    outers = [state["collaborative"]["strategy"]["outer"] for state in states]
+    for outer in outers:
+        assert outer["outer_steps"] == OVERLAP_EPOCHS and outer["sent"] is None
+    for other in outers[1:]:
+        for a, b in zip(outers[0]["anchor"], other["anchor"]):
+            assert torch.equal(a, b)
+    for state, outer in zip(states, outers):
+        params = list(state["model"].values())
+        assert len(params) == len(outer["anchor"])
+        for p, anchor in zip(params, outer["anchor"]):
+            assert torch.allclose(p.float(), anchor, rtol=0, atol=1e-5), float((p - anchor).abs().max())
+
+
+# The note: what the overlapped test avoids with its longer epochs (7 of 12 runs at H=10 and no delay). The
+# first peer's epoch 1 is published while its round 0 still looks for a group; a peer starting then
+# downloads that state (`state_loaded` at epoch 1 or 2), including the donor's pending Δ, whose outer step
+# it takes on that Δ alone (diloco.py plan_round), and one group averages Δs of different epochs
+# (round_epoch 0, 1 and 2 under one group_id). The peers' epochs no longer line up: those ahead reach
+# --max-epochs first, and the one behind ends with "caught up", a group of 2 or "no group found".
+
+# Without overlap an epoch ends only when its round does: a peer that starts late still finds epoch 0
+# (the others wait for it in matchmaking), so no delay is needed here.
+FRAGMENTS, FRAGMENT_H, FRAGMENT_EPOCHS = 2, 10, 6
+
+
+@pytest.mark.swarm
+def test_diloco_fragments_average_one_fragment_per_round_across_peers(swarm, tmp_path):
+    """Two peers, F=2: epoch e averages fragment e mod 2 only (its values, no more, travel), every round
+    succeeds, and both peers end with the same θ_outer of every fragment."""
+    peers = start_diloco_peers(swarm, "diloco-fragments2", (1, 2), "--diloco-fragments", str(FRAGMENTS),
+                               "--inner-steps", str(FRAGMENT_H), "--max-epochs", str(FRAGMENT_EPOCHS),
+                               "--eval-every", str(FRAGMENT_EPOCHS), group=2,
+                               per_peer=lambda seed: ("--checkpoint-dir", str(tmp_path / str(seed))))
+    done = finish(peers)
+    sizes = [p.numel() for p in load_task("digits").model.parameters()]
+    fragment_numel = [sum(sizes[a:b]) for a, b in split_fragments(sizes, FRAGMENTS)]
+    epochs = [events(peer, "epoch") for peer in peers]
+    seen = [([(e["epoch"], e["previous_epoch"], e["samples"]) + summary(e) for e in peer_epochs],
+             [e["epoch"] for e in events(peer, "state_loaded")]) for peer, peer_epochs in zip(peers, epochs)]
+    assert not any(downloads for _, downloads in seen), seen  # both started at epoch 0, in step
+    for peer, peer_epochs in zip(peers, epochs):
+        assert [e["epoch"] for e in peer_epochs] == list(range(1, FRAGMENT_EPOCHS + 1)), seen
+        assert all(e["fragments"] == FRAGMENTS and e["inner_steps"] == FRAGMENT_H for e in peer_epochs)
+        # An epoch is H/F inner steps.
+        assert all(e["samples"] == FRAGMENT_H // FRAGMENTS * MICRO_BATCH for e in peer_epochs), seen
+        assert all(e["ok"] and e["group_size"] == 2 and e["chunks_lost"] == 0 for e in peer_epochs), seen
+        losses = [e["loss"] for e in peer_epochs]
+        assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    for a, b in zip(*epochs):
+        assert a["round_epoch"] == b["round_epoch"] and a["round"]["group_id"] == b["round"]["group_id"]
+        numel = fragment_numel[a["round_epoch"] % FRAGMENTS]
+        # Fragment 0 is digits' first two parameters (8320 of 26122 values), fragment 1 the rest: the cut
+        # falls on a parameter boundary, so a round carries 0.32x or 0.68x of Δ, not exactly half.
+        # In a pair each member sends the other's part of Δ and then its own averaged part: together the
+        # pair sends the fragment twice (4 bytes a value), plus headers; never the whole model's Δ.
+        sent = a["bytes_sent"] + b["bytes_sent"]
+        assert 2 * 4 * numel <= sent <= 2 * 4 * numel + 8192, (a["round_epoch"], sent, numel, fragment_numel)
+        assert sent < 2 * 4 * sum(sizes)  # measured: 66720 and 142576 bytes against 208976 for all of Δ
+    for record in done:
+        assert record["epochs"] == FRAGMENT_EPOCHS and record["reason"] == "max_epochs"
+        assert record["rounds_ok"] == record["rounds"] and record["downloads"] == 0, record
+    # Every fragment's θ_outer (the final checkpoints'), bit for bit the same on both peers.
+    outers = []
+    for seed in (1, 2):
+        state, _ = CheckpointStore(tmp_path / str(seed)).load_latest()
+        strategy = state["collaborative"]["strategy"]
+        assert strategy["fragments"] == FRAGMENTS and len(strategy["outer"]) == FRAGMENTS
+        assert [o["outer_steps"] for o in strategy["outer"]] == [FRAGMENT_EPOCHS // FRAGMENTS] * FRAGMENTS
+        outers.append(strategy["outer"])
+    for ours, theirs in zip(*outers):
+        assert len(ours["anchor"]) == len(theirs["anchor"])
+        for a, b in zip(ours["anchor"], theirs["anchor"]):
+            assert torch.equal(a, b)
