@@ -142,6 +142,26 @@ def test_an_overlapping_round_is_resolved_at_the_next_epoch_end():
     assert host.epochs.rounds_total == 2
 
 
+def test_an_overlapping_peer_left_alone_reports_the_round_it_resolved_and_steps_alone_one_epoch_later():
+    """Each epoch end of an overlapping strategy resolves one round and reports it: a peer that finds itself alone
+    still reports the previous epoch's round (it used to return only its lone step, and that round's record never
+    reached an epoch line), and its lone outer step waits for the next epoch end like any round."""
+    host = FakeHost(DiLoCoStrategy(inner_steps=2, overlap=True))
+    host.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+    host.backward()
+    host.epochs.account(8)
+    assert host.epochs.account(8).error == "round in flight"  # epoch 0's round runs in the background
+    host.swarm.progress.view = swarm_view(trainers=1)  # the others are gone
+    host.epochs.account(8)
+    second = host.epochs.account(8)
+    assert second.ok and second.epoch == 0 and len(host.averager.calls) == 1  # no round started for epoch 1
+    host.epochs.account(8)
+    third = host.epochs.account(8)
+    assert third.epoch == 1 and third.error == "alone" and not third.ok
+    assert [r.epoch for r in host.epochs.rounds] == [0, 1] and host.counters.epoch == 3
+    assert host.epochs.settle().error == "alone" and host.epochs.settle() is None  # epoch 2's lone step
+
+
 def test_the_round_history_is_bounded_but_counted():
     host = gradients_host(target_batch_size=1)
     host.swarm.progress.view = swarm_view(trainers=1, target=1)

@@ -126,7 +126,8 @@ class EpochLoop:
         self.rounds: Deque[CollaborativeRound] = collections.deque(maxlen=ROUND_HISTORY)
         self.rounds_total = self.rounds_ok = 0
         self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
-        self._in_flight: Optional[tuple] = None  # (round future, plan, facts): overlapping strategies
+        # Overlapping strategies: (round future or None if alone, plan, facts, error) of the round to settle.
+        self._in_flight: Optional[tuple] = None
 
     # ---- micro-batches ------------------------------------------------------------------------
 
@@ -184,8 +185,8 @@ class EpochLoop:
 
     def end_epoch(self) -> CollaborativeRound:
         """End this peer's epoch now: catch up if behind, else average and step (alone if no group). Returns the
-        epoch's record; with an overlapping strategy the record of the round resolved now (the previous epoch's),
-        or at the first epoch end, whose round is still in flight, a record with error "round in flight" that
+        epoch's record; with an overlapping strategy the record of the round resolved now (the previous epoch's,
+        a lone step included: it too is taken at the next epoch end), or at the first epoch end, whose round is still in flight, a record with error "round in flight" that
         `rounds` does not keep."""
         host = self.host
         snapshot = host.swarm.progress.snapshot()
@@ -207,11 +208,14 @@ class EpochLoop:
         resolved = self.settle() if host.strategy.overlaps else None
         target, plan = self.group_target(snapshot), self.plan_round(snapshot)
         facts.update(epoch=epoch, samples=self.counters.samples, group_target=target)
-        if alone:  # a lone peer does not wait for a group that cannot form: it steps on its own data
+        if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
-        future = self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window(target))
-        if host.strategy.overlaps:  # resolved at the next epoch end (settle), while the peer computes
-            self._in_flight = (future, plan, facts)
+        future = None if alone else \
+            self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window(target))
+        if host.strategy.overlaps:
+            # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
+            # waits there too, so that every epoch end resolves exactly one round and reports it.
+            self._in_flight = (future, plan, facts, "alone" if alone else None)
             with host.lock:
                 self._next_epoch()
             return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",
@@ -231,11 +235,11 @@ class EpochLoop:
         more after its last epoch, so that the last outer step is applied."""
         if self._in_flight is None:
             return None
-        (future, plan, facts), self._in_flight = self._in_flight, None
+        (future, plan, facts, error), self._in_flight = self._in_flight, None
         waited = time.monotonic()
-        result = self.host.timing.await_result(future, self.host.should_stop)
+        result = self.host.timing.await_result(future, self.host.should_stop) if future is not None else None
         with self.host.lock:
-            record = self._resolve(plan, result, None, wait_s=time.monotonic() - waited, **facts)
+            record = self._resolve(plan, result, error, wait_s=time.monotonic() - waited, **facts)
         self._remember(record)
         return record
 
