@@ -117,9 +117,13 @@ def recv_exactly_by(sock: socket.socket, size: int, deadline: float) -> bytes:
 
 def readable_within(sock: socket.socket, seconds: float) -> bool:
     """Do bytes wait on `sock` (or its end come) within `seconds`? (`poll`, not `select`: a peer with many files
-    open has descriptors past select's limit of 1024.)"""
+    open has descriptors past select's limit of 1024.) A socket another thread closed (the round ended) counts
+    as ended: True, and the caller's next read fails with the OSError it handles."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLPRI)
+    poller.register(fd, select.POLLIN | select.POLLPRI)
     return bool(poller.poll(max(0, int(seconds * 1000))))
 
 

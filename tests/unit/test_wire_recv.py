@@ -74,3 +74,16 @@ def test_readable_within_works_on_a_descriptor_past_select_limit():
     finally:
         sock.close()
         a.close()
+
+
+def test_readable_within_a_socket_closed_by_another_thread_is_its_end_not_an_error():
+    """The round's end closes a receiver's socket from another thread while the receiver asks whether its sender
+    paused: that is the connection's end (the next read raises OSError), not a ValueError in a thread."""
+    a, b = socket.socketpair()
+    try:
+        a.close()
+        assert wire.readable_within(a, 0.01)
+        with pytest.raises(OSError):
+            a.recv(1)
+    finally:
+        b.close()
