@@ -31,8 +31,13 @@ SEED_PAIRS = ((1, 2), (3, 4), (5, 6))
 SINGLE_SEEDS = (0, 1, 2)
 
 
-def run_diloco_pair(swarm, run: str, seeds) -> float:
-    """Two DiLoCo peers (data seeds `seeds`) for OUTER_STEPS outer steps, checked round by round -> their final loss."""
+# A pair run again when one of its rounds failed (see the loss test): at most this many runs per pair.
+PAIR_ATTEMPTS = 3
+
+
+def run_diloco_pair(swarm, run: str, seeds) -> tuple:
+    """Two DiLoCo peers (data seeds `seeds`) for OUTER_STEPS outer steps, checked round by round -> (their final
+    loss, whether both peers averaged in every round)."""
     boot = swarm.bootstrap(run, "--heartbeat", "1")
     peers = [start_trainers(swarm, 1, run, boot.maddrs, "--group-size", "2", "--min-peers", "2",
                             "--averaging", "diloco", "--inner-steps", str(INNER_STEPS), "--outer-optimizer", OUTER,
@@ -64,12 +69,24 @@ def run_diloco_pair(swarm, run: str, seeds) -> float:
         assert done[0]["params_digest"] == done[1]["params_digest"]
     for summary in done:
         assert summary["epochs"] == OUTER_STEPS and summary["reason"] == "max_epochs"
-    return sum(summary["metrics"]["loss"] for summary in done) / len(done)
+    return sum(summary["metrics"]["loss"] for summary in done) / len(done), all(both_ok)
 
 
 @pytest.mark.swarm
 def test_two_diloco_peers_match_a_single_process_with_the_same_samples(swarm):
-    losses = [run_diloco_pair(swarm, f"diloco2-{k}", seeds) for k, seeds in enumerate(SEED_PAIRS)]
+    # The loss is compared over runs in which every round averaged: with fixed seeds such a run is the same run
+    # every time (measured 0.0460 against the single process's 0.0461). A round that failed on a loaded machine
+    # (at most 2 of 12 pass run_diloco_pair's checks) makes another, legitimate run: one peer stepped on its own
+    # Δ. In one CI rehearsal two pairs ended at 0.0565 and 0.0627 (their seeds' runs without a failed round end
+    # near 0.046) and the mean of three at 1.18x the reference; so a pair with a failed round is run again, and a
+    # pair that cannot average in every round in PAIR_ATTEMPTS runs fails the test.
+    losses = []
+    for k, seeds in enumerate(SEED_PAIRS):
+        outcomes = []
+        while len(outcomes) < PAIR_ATTEMPTS and not (outcomes and outcomes[-1][1]):
+            outcomes.append(run_diloco_pair(swarm, f"diloco2-{k}-{len(outcomes)}", seeds))
+        assert outcomes[-1][1], f"pair {seeds}: a round failed in each of {PAIR_ATTEMPTS} runs: {outcomes}"
+        losses.append(outcomes[-1][0])
     samples = 2 * MICRO_BATCH * INNER_STEPS * OUTER_STEPS
     reference = [train_locally(load_task("digits"), num_samples=samples, global_batch_size=2 * MICRO_BATCH,
                                micro_batch_size=2 * MICRO_BATCH, seed=seed).metrics["loss"] for seed in SINGLE_SEEDS]
