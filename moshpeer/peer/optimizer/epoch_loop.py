@@ -186,8 +186,8 @@ class EpochLoop:
     def end_epoch(self) -> CollaborativeRound:
         """End this peer's epoch now: catch up if behind, else average and step (alone if no group). Returns the
         epoch's record; with an overlapping strategy the record of the round resolved now (the previous epoch's,
-        a lone step included: it too is taken at the next epoch end), or at the first epoch end, whose round is still in flight, a record with error "round in flight" that
-        `rounds` does not keep."""
+        a lone step included: it too is taken at the next epoch end), or at the first epoch end, whose round is
+        still in flight, a record with error "round in flight" that `rounds` does not keep."""
         host = self.host
         snapshot = host.swarm.progress.snapshot()
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
