@@ -104,11 +104,12 @@ def fastest_rtt_ms(lab: Netlab, a: int, b: int) -> float:
 
 @needs_delays
 def test_delay_line_gives_the_configured_round_trip():
-    # Jitter 4 ms is +-2 ms on each peer's line: a round trip between two delayed peers is within +-4 ms of
-    # its configured value and never below it (the line never releases a packet early).
+    # Jitter 4 ms is +-2 ms on each peer's line: a round trip between two delayed peers is never below its
+    # configured value less 4 ms (the line never releases a packet early). Above it, the 10%: under
+    # tests/stress.sh even the fastest of 40 probes came 6 ms late (75.9 ms for 70).
     with Netlab([100, 100, 100], rtt=["100ms", "100ms", "40ms"], jitter="4ms") as lab:
-        assert 96 <= fastest_rtt_ms(lab, 0, 1) <= 102  # both peers add 50 ms each way
-        assert 66 <= fastest_rtt_ms(lab, 0, 2) <= 72  # 50 + 20
+        assert 96 <= fastest_rtt_ms(lab, 0, 1) <= 110  # both peers add 50 ms each way
+        assert 66 <= fastest_rtt_ms(lab, 0, 2) <= 77  # 50 + 20
     with Netlab([100, 100]) as lab:
         assert fastest_rtt_ms(lab, 0, 1) < 5  # no delay line unless asked for
     assert not lab_names(lab.lab_id)
