@@ -22,6 +22,10 @@ pytestmark = pytest.mark.timeout(240)
 # has no commit step for. 3 s keeps that out of reach; the data plane would report it (`absent`) anyway.
 FULL_GROUP_MATCHMAKING_S = "3.0"
 
+# Rounds (or a grid's swarm) a test may run again when matchmaking left a peer out (see FULL_GROUP_MATCHMAKING_S:
+# even 3 s was exceeded once in CI, a worker found no group while its 3 mates counted it and reported it absent).
+MATCHMAKING_ATTEMPTS = 3
+
 
 def exact_mean(seed: int, n: int, numel: int) -> torch.Tensor:
     return torch.stack([peer_values(seed, k, numel) for k in range(n)]).mean(0)
@@ -32,20 +36,31 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_grid(n: int, group: int, bits_per_peer, rounds: int, numel: int = 4096) -> None:
-    """Every round must form the full grid's groups (one missing member and the mean is not exact)."""
-    with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
-                        "--min-group-size", str(group), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S,
-                        per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
-        swarm.all("set", 30, cmd="set", seed=7)
-        for _ in range(rounds):
-            reports = swarm.all("report", 60, cmd="step")
-            assert all(r["ok"] and r["group_size"] == group and not r["absent"] for r in reports), \
-                [(r["ok"], r["error"], r["group_size"], r["absent"]) for r in reports] + \
-                ["\n".join(w.stderr_lines[-15:]) for w, r in zip(swarm.workers, reports) if not r["ok"] or r["absent"]]
-            assert all(r["lost_fraction"] == 0 for r in reports)
-        exact = exact_mean(7, n, numel)
-        for answer in swarm.all("values", 30, cmd="values"):
-            assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+    """Every round must form the full grid's groups (one missing member and the mean is not exact). A swarm in
+    which matchmaking left a peer out of a round (see FULL_GROUP_MATCHMAKING_S; seen once in a lane run under
+    tests/stress.sh: "no group found" for one of 8 peers) is started afresh, up to MATCHMAKING_ATTEMPTS times:
+    its group keys no longer form the grid. The data plane's part, lossless rounds and the exact mean, is
+    asserted on every round that formed its groups."""
+    for _attempt in range(MATCHMAKING_ATTEMPTS):
+        with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(group),
+                            "--min-group-size", str(group), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S,
+                            per_worker_args=lambda k: ["--grid-bits", bits_per_peer(k)]) as swarm:
+            swarm.all("set", 30, cmd="set", seed=7)
+            for _ in range(rounds):
+                reports = swarm.all("report", 60, cmd="step")
+                assert all(r["lost_fraction"] == 0 for r in reports if r["ok"])
+                full = all(r["ok"] and r["group_size"] == group and not r["absent"] for r in reports)
+                if not full:
+                    failed = [(r["ok"], r["error"], r["group_size"], r["absent"]) for r in reports] + \
+                        ["\n".join(w.stderr_lines[-15:]) for w, r in zip(swarm.workers, reports)
+                         if not r["ok"] or r["absent"]]
+                    break
+            else:
+                exact = exact_mean(7, n, numel)
+                for answer in swarm.all("values", 30, cmd="values"):
+                    assert rel_err(torch.tensor(answer["values"]), exact) <= 1e-6
+                return
+    raise AssertionError(failed)
 
 
 def test_exact_mean_8_peers_groups_of_2_after_3_rounds():
@@ -69,11 +84,6 @@ def lossy_swarm():
     with AveragingSwarm(PEERS, "--numel", str(NUMEL), "--target-group-size", "4", "--min-group-size", "4",
                         "--chunk-bytes", str(CHUNK_BYTES), "--matchmaking-time", FULL_GROUP_MATCHMAKING_S) as swarm:
         yield swarm
-
-
-# Rounds a loss test may retry when matchmaking left a peer out (see FULL_GROUP_MATCHMAKING_S: even 3 s was
-# exceeded once in CI, a worker found no group while its 3 mates counted it and reported it absent).
-MATCHMAKING_ATTEMPTS = 3
 
 
 def step_in_full_group(swarm: AveragingSwarm, faults: str, prepare=lambda: None) -> list:
