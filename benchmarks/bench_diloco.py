@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE  # noqa: E402
 from bench_training import Child, bootstrap_maddrs, env, moshpeer_argv  # noqa: E402  (same process handling as the training benchmark)
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY  # noqa: E402
 
@@ -216,6 +217,9 @@ def summarize(arm: dict, peers: List[Child]) -> dict:
         "bytes_per_peer": sum(sum(e.get("bytes_sent") or 0 for e in eps) for eps in epochs) / len(peers),
         "rounds": max(len(eps) for eps in epochs),
         "rounds_ok_fraction": sum(bool(e.get("ok")) for e in rounds) / max(len(rounds), 1),
+        # Rounds a peer missed while the others averaged: made up for by their Δ̄, or by downloading their state.
+        "missed_rounds_by_update": sum(e.get("error") == MISSED_ROUND_UPDATE for eps in epochs for e in eps),
+        "missed_rounds_by_download": sum(e.get("error") == "missed round; caught up" for eps in epochs for e in eps),
         "comm_s": sum(comm) / len(comm),
         "waited_s": sum(waited) / len(waited),
         "hidden_comm_fraction": (1.0 - sum(waited) / sum(comm)) if sum(comm) > 0 else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -163,6 +163,8 @@ class FakeHost:
         self.stop = False
         self.donor_state: Optional[Any] = None  # what catch_up adopts (None: no donor delivers)
         self.downloads: List[int] = []
+        self.updates: List[Any] = []  # what fetch_updates yields: other peers' kept updates (kept_update)
+        self.update_requests: List[int] = []
         self.advertised: List[bool] = []
         strategy.bind(self)
         self.epochs = EpochLoop(self, target_batch_size=target_batch_size, group_size=group_size,
@@ -192,6 +194,10 @@ class FakeHost:
         self.counters.epoch = max(min_epoch, self.counters.epoch)
         self.restart_epoch()
         return self.donor_state
+
+    def fetch_updates(self, epoch: int) -> Iterator[Any]:
+        self.update_requests.append(epoch)
+        return iter(self.updates)
 
     def advertise(self, force: bool = False) -> None:
         self.advertised.append(force)

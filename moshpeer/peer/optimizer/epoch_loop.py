@@ -17,8 +17,10 @@ Life of an epoch (all from the training thread):
 
 Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with
 the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
-never stops for lack of peers. A catch-up that finds no donor leaves the epoch to end as usual. Nothing here
-raises for network trouble.
+never stops for lack of peers. A strategy whose state must follow the swarm's (DiLoCo) does not step alone when
+the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
+one round's bytes), else their whole state (a catch-up). A catch-up that finds no donor leaves the epoch to end
+as usual. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -27,11 +29,12 @@ it the averager, the swarm link, the strategy, the round timing and the state ca
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager, Deque, Dict, List, Optional, Protocol
+from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol
 
 import torch
 
@@ -45,6 +48,11 @@ from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.optimizer.speed_meter import SpeedMeter
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
 from moshpeer.peer.optimizer.swarm_link import SwarmLink
+
+logger = logging.getLogger(__name__)
+
+# The error of a round this peer missed and made up for with the others' update (`_fetch_update`).
+MISSED_ROUND_UPDATE = "missed round; took the group's update"
 
 # Records kept in `EpochLoop.rounds` (the trainer's round health reads the last 20): a long run must not
 # grow a list per epoch. `rounds_total` and `rounds_ok` count them all.
@@ -101,6 +109,10 @@ class EpochHost(Protocol):
 
     def catch_up(self, min_epoch: int) -> Optional[Any]:
         """Adopt a donor's state of `min_epoch` or later; None if none delivered."""
+
+    def fetch_updates(self, epoch: int) -> Iterator[Any]:
+        """Updates other peers kept of their round of `epoch` (`AveragingStrategy.kept_update`), one per donor
+        that delivered one, until the caller stops asking or the fetch's deadline passes."""
 
     def advertise(self, force: bool = False) -> None:
         """Offer this peer's state to newcomers (throttled unless `force`)."""
@@ -222,12 +234,37 @@ class EpochLoop:
                                                   settings=host.strategy.settings())
         started = time.monotonic()
         result = host.timing.await_result(future, host.should_stop)
-        if not (result is not None and result.ok) and host.strategy.catches_up_after_missed_round \
-                and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop):
+        if self._missed(result, epoch):
+            update = self._fetch_update(plan)
+            if update is not None:
+                return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
+                                         wait_s=time.monotonic() - started, **facts)
             missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
             if missed is not None:
                 return missed
         return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
+
+    def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
+        """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period), for
+        a strategy whose state must then follow theirs."""
+        host = self.host
+        return not (result is not None and result.ok) and host.strategy.catches_up_after_missed_round \
+            and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop)
+
+    def _fetch_update(self, plan: RoundPlan) -> Optional[Any]:
+        """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer
+        (`AveragingStrategy.fit_update`); None (logged) when the strategy does not rejoin that way or no peer
+        delivered one that fits."""
+        strategy = self.host.strategy
+        if not strategy.rejoins_by_update:
+            return None
+        for update in self.host.fetch_updates(plan.epoch):
+            try:
+                with self.host.lock:
+                    return strategy.fit_update(plan, update)
+            except ValueError as e:
+                logger.warning(f"an update of the round of epoch {plan.epoch} does not fit: {e}")
+        return None
 
     def settle(self) -> Optional[CollaborativeRound]:
         """Resolve the round still running in the background (overlapping strategies): wait for it within its
@@ -238,8 +275,11 @@ class EpochLoop:
         (future, plan, facts, error), self._in_flight = self._in_flight, None
         waited = time.monotonic()
         result = self.host.timing.await_result(future, self.host.should_stop) if future is not None else None
+        update = self._fetch_update(plan) if future is not None and self._missed(result, plan.epoch) else None
+        if update is not None:
+            error = MISSED_ROUND_UPDATE
         with self.host.lock:
-            record = self._resolve(plan, result, error, wait_s=time.monotonic() - waited, **facts)
+            record = self._resolve(plan, result, error, update=update, wait_s=time.monotonic() - waited, **facts)
         self._remember(record)
         return record
 
@@ -256,22 +296,30 @@ class EpochLoop:
                                        averaged=plan.averages, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
-                     **facts: Any) -> CollaborativeRound:
-        """Apply the round's outcome (`result` None or failed: the peer's own step), record the epoch and start
-        the next one."""
+                     update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
+        """Apply the round's outcome (`result` None or failed: the fitted `update` of the others' round if one
+        came, else the peer's own step), record the epoch and start the next one."""
         with self.host.lock:
-            record = self._resolve(plan, result, error, **facts)
+            record = self._resolve(plan, result, error, update=update, **facts)
             self._next_epoch()
         self._remember(record)
         return record
 
     @torch.no_grad()
     def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
-                 **facts: Any) -> CollaborativeRound:
-        """Apply a round's outcome: the group's average, or this peer's own step (caller holds the lock)."""
+                 update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
+        """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their
+        round: its own samples are dropped), or this peer's own step (caller holds the lock)."""
         strategy = self.host.strategy
         ok = result is not None and result.ok
-        spread = strategy.apply_averaged(plan) if ok else strategy.apply_alone(plan)
+        if ok:
+            spread = strategy.apply_averaged(plan)
+        elif update is not None:
+            spread = strategy.apply_update(plan, update)
+            self.counters.dropped_samples += facts["samples"]
+            facts.update(dropped_samples=facts["samples"], samples=0)
+        else:
+            spread = strategy.apply_alone(plan)
         if not ok:
             error = error or (result.error if result is not None else "abandoned")
         grads = epoch_gradient(strategy.averaged_gradient(plan) if ok else None, self.counters.grad_sums,

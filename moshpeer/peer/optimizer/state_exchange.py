@@ -7,6 +7,8 @@
   `check_state_fits` before anything is adopted;
 - `download(min_epoch, max_epoch)`: fetch a donor's collaborative state and adopt it; `advertise()`: offer
   ours through a `StateServer` (donors serve one snapshot per epoch, `serialized_state`);
+- `fetch_updates(epoch)`: the update other peers' group applied in a round this peer missed (the strategy's
+  `kept_update`, which our server serves too: peer/state/updates.py);
 - `checkpoint_state()` / `load_checkpoint_state()`: this peer's own progress for a local checkpoint.
 
 Failure: a state that does not fit raises ValueError before anything changes (`check_state_fits`); a download
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -27,6 +29,7 @@ from moshpeer.peer.optimizer.error_feedback import (check_error_feedback_state, 
                                                     fresh_error_feedback_state)
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
+from moshpeer.peer.state.updates import UPDATE_OP, fetch_updates, update_handler
 from moshpeer.peer.state.validation import (MAX_COUNTER, validate_counters, validate_model_state,
                                             validate_optimizer_state)
 from moshpeer.peer.strategies.base import AveragingStrategy
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 # parameter that a fresh optimizer has not allocated yet).
 STATE_SIZE_FACTOR = 4
 SNAPSHOT_WAIT_S = 10.0  # the longest a donor's first snapshot waits for the optimizer's lock
+UPDATE_FETCH_TIMEOUT_S = 20.0  # the longest a missed round's update is sought before a state download
 ADVERTISE_EVERY_S = 5.0  # re-advertise a donor's offer at least this often (it expires in the DHT)
 
 
@@ -80,7 +84,8 @@ class StateExchange:
         self.server: Optional[StateServer] = None
         if serve:
             self.server = StateServer(self.serialized_state, run_id=run_id, identity=dht.identity, host=address,
-                                      bytes_per_second=bytes_per_second, admission=dht.admission)
+                                      bytes_per_second=bytes_per_second, admission=dht.admission,
+                                      handlers={UPDATE_OP: update_handler(self.serialized_update)})
 
     # ---- torch's state dict ---------------------------------------------------------------------
 
@@ -187,7 +192,20 @@ class StateExchange:
                     f"({downloaded.nbytes} bytes in {downloaded.seconds:.2f} s)")
         return downloaded
 
+    def fetch_updates(self, epoch: int) -> Iterator[Dict[str, Any]]:
+        """Other peers' kept updates of the round of `epoch` (updates.py's `fetch_updates`), within
+        UPDATE_FETCH_TIMEOUT_S (or the download timeout, if shorter)."""
+        # An update is at most the model in fp32, with its framing.
+        max_bytes = 4 * sum(p.numel() for p in self.host.params) + (1 << 20)
+        return fetch_updates(self.dht, self.run_id, epoch, timeout=min(self.download_timeout, UPDATE_FETCH_TIMEOUT_S),
+                             max_bytes=max_bytes, exclude=(self.dht.identity.peer_id,))
+
     # ---- donating ---------------------------------------------------------------------------------
+
+    def serialized_update(self, epoch: int) -> Optional[bytes]:
+        """The strategy's kept update of the round of `epoch`, serialized (None if it keeps none)."""
+        update = self.host.strategy.kept_update(epoch)
+        return None if update is None else serialize_state(update)
 
     def serialized_state(self) -> Tuple[int, bytes]:
         """(epoch, bytes) a donor serves: one snapshot per epoch, taken under the lock (never a torn state), so

@@ -110,10 +110,13 @@ def recv_msgpack(sock: socket.socket, deadline: float) -> Dict[str, Any]:
 
 # ---- signatures ---------------------------------------------------------------------------------
 
-def signed_fields(run_id: str, challenge: bytes, epoch: int, total: int, digest: str) -> bytes:
+STATE_KIND = b"moshpeer-state"  # what a signed header announces: a state (other ops sign their own kind)
+
+
+def signed_fields(run_id: str, challenge: bytes, epoch: int, total: int, digest: str,
+                  kind: bytes = STATE_KIND) -> bytes:
     """What a single-donor header's signature covers."""
-    return b"|".join((b"moshpeer-state", run_id.encode(), challenge, str(epoch).encode(), str(total).encode(),
-                      digest.encode()))
+    return b"|".join((kind, run_id.encode(), challenge, str(epoch).encode(), str(total).encode(), digest.encode()))
 
 
 def request_fields(run_id: str, challenge: bytes) -> bytes:

@@ -51,7 +51,7 @@ from hivemind.utils import get_dht_time
 from moshpeer.dht import Admission, SwarmDHT
 from moshpeer.dht.identity import Identity, peer_id_from_owner_key
 from moshpeer.errors import ProtocolError
-from moshpeer.peer.state.framing import (OPS, STATE_PROTOCOL, StateOffer, check_donor, client_peer,
+from moshpeer.peer.state.framing import (OPS, STATE_KIND, STATE_PROTOCOL, StateOffer, check_donor, client_peer,
                                          deserialize_state, parse_header, recv_frame_length, recv_msgpack, remaining,
                                          send_frame, signed_fields, signed_request, state_offers_key)
 from moshpeer.peer.state.pieces import serve_piece_request
@@ -61,8 +61,7 @@ from moshpeer.peer.state.validation import disagreeing_tensors
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-DEFAULT_MAX_STATE_BYTES = 8 << 30
-RECEIVE_SCRATCH_BYTES = 1 << 20
+DEFAULT_MAX_STATE_BYTES, RECEIVE_SCRATCH_BYTES = 8 << 30, 1 << 20
 # Requests a donor serves at once. A downloader opens one connection per donor, so this is newcomers at once; a
 # donor's upload is shared among them anyway. More are refused (closed at once) rather than given a thread each.
 MAX_CONCURRENT_REQUESTS = 16
@@ -70,7 +69,7 @@ MAX_CONCURRENT_REQUESTS = 16
 REQUEST_DEADLINE_S = 5.0
 
 StateSource = Callable[[], Tuple[int, bytes]]  # -> (epoch, serialized state)
-
+OpHandler = Callable[["StateServer", socket.socket, Dict[str, Any], bytes], None]
 
 # ---- serving ------------------------------------------------------------------------------------
 
@@ -81,6 +80,7 @@ class StateServer:
     :param source: returns (epoch, serialized state); called once per request (cache inside it)
     :param identity: this peer's identity: signs each transfer's header (see the module docstring)
     :param admission: a private run's policy: serve only admitted clients (None: everyone)
+    :param handlers: more ops, {op: handler(server, sock, request, challenge)} (e.g. updates.py's "get_update")
     :param bytes_per_second: throttle each transfer (tests use it to kill a donor mid-download)
     :param max_concurrent: requests served at once; a connection beyond them is closed at once (`refused_busy`)
     :param request_deadline: seconds a connection may take to send its request
@@ -97,11 +97,13 @@ class StateServer:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         bytes_per_second: Optional[float] = None,
         on_served: Optional[Callable[[Dict[str, Any]], None]] = None,
+        handlers: Optional[Dict[str, OpHandler]] = None,
         admission: Optional[Admission] = None,
         max_concurrent: int = MAX_CONCURRENT_REQUESTS,
         request_deadline: float = REQUEST_DEADLINE_S,
     ):
         self.source, self.run_id, self.identity, self.admission = source, run_id, identity, admission
+        self.handlers = dict(handlers or {})
         # A throttled transfer sends small chunks (about 20 per second), so the rate holds within a second.
         self.chunk_bytes = chunk_bytes if not bytes_per_second else min(chunk_bytes, max(4096, int(bytes_per_second / 20)))
         self.bytes_per_second = bytes_per_second
@@ -157,7 +159,8 @@ class StateServer:
         sock.settimeout(30.0)
         try:
             request = recv_msgpack(sock, time.monotonic() + self.request_deadline)
-            if request.get("op") not in OPS or request.get("protocol") != STATE_PROTOCOL:
+            op = request.get("op")
+            if not (op in OPS or op in self.handlers) or request.get("protocol") != STATE_PROTOCOL:
                 raise ProtocolError(f"unsupported request {request!r:.200}")
             if request.get("run_id") != self.run_id:
                 raise ProtocolError("request for another run")
@@ -171,8 +174,11 @@ class StateServer:
                     self.admission.refuse("state", "(unsigned request)")
                 if client is None or not self.admission.check("state", client, tag):
                     raise ProtocolError(f"client {client or '(unsigned)'} is not admitted to this private run")
+            if op in self.handlers:
+                self.handlers[op](self, sock, request, challenge)
+                return
             epoch, data = self.source()
-            if request["op"] != "get_state":
+            if op != "get_state":
                 serve_piece_request(self, sock, request, challenge, epoch, data)
                 return
             digest = hashlib.sha256(data).hexdigest()
@@ -292,8 +298,12 @@ def fetch_state_from(
     progress: Optional[Callable[[int, int], None]] = None,
     identity: Optional[Identity] = None,
     tag: bytes = b"",
+    op: str = "get_state",
+    fields: Optional[Dict[str, Any]] = None,
+    kind: bytes = STATE_KIND,
 ) -> Tuple[int, bytes, str]:
-    """Download and verify one donor's state by `timeout` seconds from now; returns (epoch, bytes, sha256).
+    """Download and verify one donor's state (or, with `op`, `fields` and the header's signed `kind`, another
+    single-donor transfer: updates.py) by `timeout` seconds from now; returns (epoch, bytes, sha256).
 
     Raises TimeoutError past the deadline (checked inside every receive), ProtocolError when the donor
     cannot prove it is the offer's peer, announces more than `max_bytes`, sends more than it announced
@@ -305,10 +315,10 @@ def fetch_state_from(
     challenge = os.urandom(32)
     with socket.create_connection((offer.host, offer.port), timeout=min(remaining(deadline), 5.0)) as sock:
         sock.settimeout(remaining(deadline))
-        send_frame(sock, msgpack.packb(signed_request("get_state", run_id, challenge, identity, tag)))
+        send_frame(sock, msgpack.packb(signed_request(op, run_id, challenge, identity, tag, **(fields or {}))))
         header = recv_msgpack(sock, deadline)
         epoch, total, digest, chunk_limit = parse_header(header, max_bytes, "chunk_bytes")
-        check_donor(header, offer.peer_id, signed_fields(run_id, challenge, epoch, total, digest))
+        check_donor(header, offer.peer_id, signed_fields(run_id, challenge, epoch, total, digest, kind))
         # Memory follows the bytes that actually arrive, read through a small scratch buffer: a donor that
         # announces gigabytes and sends nothing costs nothing.
         data = bytearray()

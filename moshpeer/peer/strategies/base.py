@@ -20,6 +20,11 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
                             make the model and the inner optimizer use it; returns the parameter spread
                             (||params - group mean|| / ||group mean|| before adopting) or None
     apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
+    kept_update(epoch)      (strategies that `rejoin_by_update`) the update a successful round of `epoch`
+                            applied, kept for peers that missed that round (any thread); None if not kept
+    fit_update(plan, u)     this peer's round of `plan` failed while others averaged it: check a kept update
+                            fetched from one of them (ValueError if it does not fit); apply_update(plan, fitted)
+                            then takes the group's step with it instead of apply_alone
     averaged_gradient(plan) the gradient of this epoch after a successful round, if the strategy averages
                             one (the DBLP phase signal uses it; else the local mean gradient is used)
     state_dict() / load_state_dict(state) / check_state_dict(state)
@@ -75,6 +80,7 @@ class RoundPlan:
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
     fragment: int = 0
+    epoch: int = 0  # the collaborative epoch of the round
 
 
 class AveragingStrategy(abc.ABC):
@@ -92,6 +98,9 @@ class AveragingStrategy(abc.ABC):
     # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
     # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).
     catches_up_after_missed_round: ClassVar[bool] = False
+    # Before downloading, such a peer asks one of them for the update the group applied (kept_update): one
+    # round's bytes instead of a whole state (DiLoCo's Δ̄).
+    rejoins_by_update: ClassVar[bool] = False
 
     host: StrategyHost
     buffer: torch.Tensor
@@ -119,6 +128,19 @@ class AveragingStrategy(abc.ABC):
     @abc.abstractmethod
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
         """This epoch ends without a group: step on local data (plan is None if none was made)."""
+
+    def kept_update(self, epoch: int) -> Optional[Any]:
+        """The update a successful round of `epoch` applied, if this strategy keeps it (`rejoins_by_update`)."""
+        return None
+
+    def fit_update(self, plan: RoundPlan, update: Any) -> Any:
+        """What `apply_update` takes, if another peer's kept update of `plan`'s round fits this peer; ValueError
+        saying why not otherwise (then nothing changed)."""
+        raise ValueError(f"the {self.name} strategy does not rejoin by update")
+
+    def apply_update(self, plan: RoundPlan, fitted: Any) -> None:
+        """Take the group's step of `plan`'s round with a `fit_update` result, as `apply_averaged` would have."""
+        raise NotImplementedError
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:
         """This epoch's averaged gradient after a successful round, if the round averaged one."""

@@ -9,9 +9,12 @@ in Moshpit SGD), so with more peers than one group the outer steps mix the whole
 
 Loss tolerance is the averager's: a chunk of Δ whose contributions partly arrived is the unbiased
 reconstruction, a chunk of Δ̄ this peer never received is its own Δ there. The outer step is linear in
-Δ̄, so it stays unbiased. No group while others averaged (this peer was late): it downloads their
-state, θ_outer included, instead (a lone outer step would leave its θ_outer apart from the swarm's for
-good). No group at all (alone, or nobody else finished the round): the outer step on its own Δ.
+Δ̄, so it stays unbiased. No group while others averaged (this peer was late): it takes the outer step
+on their Δ̄, fetched from one of them (every member keeps the latest Δ̄ of each fragment, encoded as
+the round sent it: diloco_update.py), so that a missed round costs one round's bytes and this peer's own
+Δ of that round; only if no member delivers a Δ̄ that fits does it download their whole state (a lone
+outer step would leave its θ_outer apart from the swarm's for good). No group at all (alone, or nobody
+else finished the round): the outer step on its own Δ.
 
 overlap=True (one-outer-step delay): the round of Δ_t runs in the background while the peer computes
 the next H inner steps; the outer step on Δ̄_t is taken at the next epoch end, keeping the local
@@ -31,7 +34,7 @@ pending θ_sent; the inner steps taken in the current epoch and the fragment cou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +42,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views
 from moshpeer.peer.strategies.diloco_fragments import Fragment, make_fragments
 from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterOptimizerFactory, describe_outer_optimizer
+from moshpeer.peer.strategies.diloco_update import OuterUpdate
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
 
 if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
@@ -62,6 +66,7 @@ class DiLoCoStrategy(AveragingStrategy):
     name = "diloco"
     steps_locally = True
     catches_up_after_missed_round = True  # nothing else would bring a lone outer step back to the swarm's θ_outer
+    rejoins_by_update = True  # ... but the group's Δ̄ (one round's bytes) does it as well, when a member has it
 
     def __init__(self, inner_steps: int = DEFAULT_INNER_STEPS, outer_optimizer: Optional[OuterOptimizerFactory] = None,
                  overlap: bool = False, fragments: int = 1):
@@ -80,6 +85,8 @@ class DiLoCoStrategy(AveragingStrategy):
         self.overlap = self.overlaps = bool(overlap)
         self.steps_this_epoch = 0
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
+        self.planned_epoch = -1  # the epoch of the last plan
+        self.kept: Dict[int, OuterUpdate] = {}  # fragment -> the Δ̄ of its last averaged round (kept_update)
 
     def bind(self, host: StrategyHost) -> None:
         super().bind(host)
@@ -99,6 +106,7 @@ class DiLoCoStrategy(AveragingStrategy):
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
         self.steps_this_epoch = 0
+        self.planned_epoch = epoch
         self.planned = epoch % self.fragments  # the swarm's epoch: every member averages the same fragment
         part = self.parts[self.planned]
         if self.overlap:
@@ -110,16 +118,60 @@ class DiLoCoStrategy(AveragingStrategy):
             part.outer.send(part.params, part.delta)
         else:
             part.outer.pseudo_gradient(part.params, part.delta)
-        return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned)
+        return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned, epoch=epoch)
 
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
         part = self.parts[plan.fragment]  # with overlap, the plan of the previous epoch: not `planned`
-        if self.overlap:
-            part.outer.apply_delayed(part.delta, part.params)
-        else:
-            part.outer.apply(part.delta, part.params)
+        self.kept[plan.fragment] = OuterUpdate.encode(part.buffer, epoch=plan.epoch, fragment=plan.fragment,
+                                                      outer_steps=part.outer.outer_steps,
+                                                      compression=self.host.compression)
+        self._outer_step(part, part.delta)
         return None  # every member restarts from its θ_outer: there is no parameter spread to report
+
+    def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
+        """The Δ̄ this peer applied in its successful round of `epoch` (`OuterUpdate.to_state()`), while it is
+        the latest of its fragment, with this peer's phase now: (epoch, inner steps into it)."""
+        update = self.kept.get(epoch % self.fragments)
+        if update is None or update.epoch != epoch:
+            return None
+        # This peer computes the epoch after its last plan's (with overlap too: a round is resolved at the next plan).
+        return update.to_state(phase=(self.planned_epoch + 1, self.steps_this_epoch))
+
+    @torch.no_grad()
+    def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
+        """(the decoded Δ̄, inner steps to start the next epoch with) of another member's `kept_update` for
+        `plan`'s round, checked against this peer's own Δ of the round (diloco_update.py says what fits);
+        ValueError otherwise."""
+        part = self.parts[plan.fragment]
+        update = OuterUpdate.from_state(update)
+        delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, outer_steps=part.outer.outer_steps,
+                                  own_delta=torch.cat([d.reshape(-1) for d in self._own_delta(part)]))
+        # The donor's steps into the epoch this peer starts next (without overlap: the one after the plan's), so
+        # that it meets the next round in time; at most all but one (the epoch still ends by a step).
+        in_next = not self.overlap and update.phase is not None and update.phase[0] == plan.epoch + 1
+        return delta, min(update.phase[1], self.steps_per_epoch - 1) if in_next else 0
+
+    @torch.no_grad()
+    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:
+        """The outer step of `plan`'s fragment on the group's Δ̄ (`fit_update`'s); this peer's own Δ is dropped,
+        and the next epoch starts as far in as the donor was."""
+        flat, steps = fitted
+        part = self.parts[plan.fragment]
+        delta, offset = [], 0
+        for d in part.delta:
+            delta.append(flat[offset:offset + d.numel()].view_as(d).to(d.device))
+            offset += d.numel()
+        self._outer_step(part, delta)
+        self.steps_this_epoch = max(self.steps_this_epoch, steps)
+
+    def _outer_step(self, part: Fragment, delta: List[torch.Tensor]) -> None:
+        """`part`'s outer step on the group's `delta`: the parameters restart from the new θ_outer (with overlap,
+        plus the progress made since the round's Δ was taken)."""
+        if self.overlap:
+            part.outer.apply_delayed(delta, part.params)
+        else:
+            part.outer.apply(delta, part.params)
 
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
         """The outer step of the plan's fragment (plan None: the last planned one) on this peer's own Δ."""
@@ -128,14 +180,17 @@ class DiLoCoStrategy(AveragingStrategy):
     @torch.no_grad()
     def _step_alone(self, part: Fragment) -> None:
         """`part`'s outer step on this peer's own Δ (with overlap: its pending Δ, if any)."""
-        # Recomputed rather than read from the buffer: an abandoned round may still be writing to it.
+        if not self.overlap or part.outer.pending:
+            self._outer_step(part, self._own_delta(part))
+
+    def _own_delta(self, part: Fragment) -> List[torch.Tensor]:
+        """This peer's own Δ of `part`'s current round (with overlap: the pending one, sent by a round).
+        Recomputed rather than read from the buffer: an abandoned round may still be writing to it."""
         if self.overlap:
-            if part.outer.pending:
-                part.outer.apply_delayed(part.outer.pending_delta(), part.params)
-        else:
-            own = [torch.empty_like(d) for d in part.delta]
-            part.outer.pseudo_gradient(part.params, own)
-            part.outer.apply(own, part.params)
+            return part.outer.pending_delta()
+        own = [torch.empty_like(d) for d in part.delta]
+        part.outer.pseudo_gradient(part.params, own)
+        return own
 
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""

@@ -1,0 +1,171 @@
+"""A missed DiLoCo round costs a round, not a download (issue 27): the members keep the Δ̄ they applied, a peer
+whose round failed while they averaged fetches it, checks it and takes the same outer step, and falls back to a
+download only when no update fits. The wire part runs on a real `StateServer` over localhost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.identity import Identity
+from moshpeer.errors import ProtocolError
+from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
+from moshpeer.peer.state.framing import deserialize_state, serialize_state
+from moshpeer.peer.state.sync import StateOffer, StateServer, fetch_state_from
+from moshpeer.peer.state.updates import UPDATE_KIND, UPDATE_OP, update_handler
+from moshpeer.peer.strategies.diloco import DiLoCoStrategy
+from moshpeer.peer.strategies.diloco_update import UPDATE_NORM_BOUND, OuterUpdate
+from peer_fakes import FakeHost
+
+
+def member_and_latecomer(compression: str = "none", **diloco) -> tuple:
+    """Two peers from the same start: the member's round averages (its Δ̄ = half its own Δ: a mate that did
+    nothing), the latecomer's finds no group while the swarm moved on. Each takes one epoch of inner steps."""
+    diloco.setdefault("inner_steps", 1)
+    member, late = (FakeHost(DiLoCoStrategy(**diloco), compression=compression) for _ in range(2))
+    member.averager.average = lambda tensors: [t.mul_(0.5) for t in tensors]
+    member.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.swarm.moved_on, late.donor_state = True, object()
+    return member, late
+
+
+def anchors(host: FakeHost) -> list:
+    return [a.clone() for part in host.strategy.parts for a in part.outer.anchor]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "int4"])
+def test_a_latecomer_takes_the_groups_step_instead_of_a_download(compression):
+    member, late = member_and_latecomer(compression)
+    member.backward(1.0)
+    assert member.epochs.account(8).ok
+    update = member.strategy.kept_update(0)
+    assert update is not None and member.strategy.kept_update(1) is None
+    late.updates = [update]
+    late.backward(3.0)
+    record = late.epochs.account(8)
+    assert record.error == MISSED_ROUND_UPDATE and not record.ok
+    assert late.update_requests == [0] and late.downloads == []  # one round's bytes, no state download
+    assert record.dropped_samples == 8 and late.counters.dropped_samples == 8 and late.counters.epoch == 1
+    for ours, theirs in zip(anchors(late), anchors(member)):
+        if compression == "none":
+            assert torch.equal(ours, theirs)  # the group's Δ̄ bit for bit
+        else:  # re-encoded once: within the codec's error of one update
+            step = 0.1 * 0.5  # the member's Δ̄ per value: lr x gradient x 1/2
+            assert (ours - theirs).abs().max() <= step * (0.01 if compression == "int8" else 0.15)
+    for p, q in zip(late.params, member.params):  # both restart from θ_outer
+        assert torch.allclose(p, q, atol=0.01)
+
+
+def test_the_latecomer_starts_its_next_epoch_as_far_in_as_the_donor_is():
+    # Late by more than the matchmaking window, a peer that computed all H steps of the next epoch would be as
+    # late for the next round: it starts as many steps in as the donor was when it served the update.
+    member, late = member_and_latecomer(inner_steps=8)
+    for _ in range(8):
+        member.backward(1.0)
+        member.epochs.account(8)
+    for _ in range(3):  # the member is 3 steps into epoch 1 when the latecomer asks
+        assert member.epochs.account(8) is None
+    update = member.strategy.kept_update(0)
+    assert update["phase"] == [1, 3]
+    late.updates = [update]
+    for _ in range(8):
+        late.backward(3.0)
+        record = late.epochs.account(8)
+    assert record.error == MISSED_ROUND_UPDATE and late.strategy.steps_this_epoch == 3
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+    assert [late.epochs.account(8) is None for _ in range(5)] == [True] * 4 + [False]  # 5 steps, not 8
+
+
+def test_an_update_that_does_not_fit_falls_back_to_a_download():
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(8)
+    wrong_epoch = {**member.strategy.kept_update(0), "epoch": 5}
+    too_large = OuterUpdate.encode(torch.full((8,), 100.0), epoch=0, fragment=0, outer_steps=0,
+                                   compression="none").to_state()
+    late.updates = [wrong_epoch, too_large, {"format": 99}]
+    late.backward(1.0)
+    record = late.epochs.account(8)
+    assert record.error == "missed round; caught up" and late.downloads == [1]
+
+
+def test_an_overlapped_latecomer_takes_the_groups_step_and_keeps_its_progress():
+    member, late = member_and_latecomer(overlap=True, inner_steps=1)
+    for host, grad in ((member, 1.0), (late, 3.0)):
+        host.backward(grad)
+        assert host.epochs.account(8).error == "round in flight"
+    assert member.epochs.account(8).ok  # the next epoch end resolves round 0
+    late.updates = [member.strategy.kept_update(0)]
+    record = late.epochs.account(8)  # resolves its round 0 (missed) and sends the Δ of its second epoch
+    assert record.epoch == 0 and record.error == MISSED_ROUND_UPDATE and record.dropped_samples == 8
+    assert late.update_requests == [0] and late.downloads == []
+    for ours, theirs in zip(anchors(late), anchors(member)):
+        assert torch.equal(ours, theirs)
+    # The second epoch's inner step (lr 0.1 x gradient 3) is kept: it is exactly the Δ now pending.
+    for pending in late.strategy.parts[0].outer.pending_delta():
+        assert torch.allclose(pending, torch.full_like(pending, 0.3))
+
+
+def test_a_member_keeps_the_latest_update_of_each_fragment():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    host = FakeHost(DiLoCoStrategy(inner_steps=2, fragments=2), model=model)
+    for epoch in range(3):
+        host.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+        host.backward(1.0)
+        assert host.epochs.account(8).ok
+    # Rounds 0 and 2 averaged fragment 0, round 1 fragment 1: round 0's Δ̄ is gone, 1 and 2 are kept.
+    assert host.strategy.kept_update(0) is None
+    for epoch, fragment in ((1, 1), (2, 0)):
+        kept = OuterUpdate.from_state(host.strategy.kept_update(epoch))
+        assert (kept.epoch, kept.fragment, kept.numel) == (epoch, fragment, host.strategy.parts[fragment].buffer.numel())
+    assert OuterUpdate.from_state(host.strategy.kept_update(2)).outer_steps == 1  # fragment 0's second step
+
+
+def test_check_fits_names_what_is_wrong():
+    own = torch.ones(8)
+    update = OuterUpdate.encode(torch.full((8,), 0.5), epoch=3, fragment=1, outer_steps=2, compression="int8")
+    fits = dict(epoch=3, fragment=1, outer_steps=2, own_delta=own)
+    assert torch.allclose(update.check_fits(**fits), torch.full((8,), 0.5), atol=0.01)
+    for wrong, message in (({"epoch": 4}, "epoch 3"), ({"fragment": 0}, "fragment 1"),
+                           ({"outer_steps": 1}, "2 outer steps"), ({"own_delta": torch.ones(9)}, "8 values"),
+                           ({"own_delta": own * 0.5 / (UPDATE_NORM_BOUND + 1)}, "norm")):
+        with pytest.raises(ValueError, match=message):
+            update.check_fits(**{**fits, **wrong})
+
+
+@pytest.mark.parametrize("bad", [{"format": 2}, {"epoch": True}, {"numel": -1}, {"codec": "gzip"},
+                                 {"payloads": [torch.zeros(4)]}, {"payloads": "bytes"}, {"phase": [1]},
+                                 {"phase": [1, -2]}, {"phase": "late"}])
+def test_a_strangers_update_is_refused_unless_every_field_has_its_type(bad):
+    state = OuterUpdate.encode(torch.ones(8), epoch=0, fragment=0, outer_steps=0, compression="int4").to_state()
+    with pytest.raises(ValueError):
+        OuterUpdate.from_state({**state, **bad})
+
+
+def test_a_corrupt_payload_is_refused_when_decoded():
+    update = OuterUpdate.encode(torch.ones(8), epoch=0, fragment=0, outer_steps=0, compression="none")
+    broken = OuterUpdate(**{**update.__dict__, "payloads": [torch.full((32,), 255, dtype=torch.uint8)]})  # NaNs
+    with pytest.raises(ValueError, match="does not decode"):
+        broken.decode()
+
+
+def test_a_donor_serves_its_kept_update_signed_as_an_update():
+    identity = Identity.generate()
+    data = serialize_state(OuterUpdate.encode(torch.arange(8.0), epoch=3, fragment=0, outer_steps=1,
+                                              compression="none").to_state())
+    server = StateServer(lambda: (9, b"state"), run_id="upd", identity=identity,
+                         handlers={UPDATE_OP: update_handler(lambda epoch: data if epoch == 3 else None)})
+    try:
+        offer = StateOffer(identity.peer_id, server.host, server.port, 4)
+        epoch, got, _ = fetch_state_from(offer, "upd", timeout=10.0, op=UPDATE_OP, fields={"epoch": 3},
+                                         kind=UPDATE_KIND)
+        assert epoch == 3 and torch.equal(OuterUpdate.from_state(deserialize_state(got)).decode(), torch.arange(8.0))
+        with pytest.raises(ProtocolError, match="bad state header"):  # no update of that round: {"ok": false}
+            fetch_state_from(offer, "upd", timeout=10.0, op=UPDATE_OP, fields={"epoch": 2}, kind=UPDATE_KIND)
+        with pytest.raises(ProtocolError, match="signature"):  # an update's header does not pass for a state's
+            fetch_state_from(offer, "upd", timeout=10.0, op=UPDATE_OP, fields={"epoch": 3})
+        assert fetch_state_from(offer, "upd", timeout=10.0)[:2] == (9, b"state")  # the state op is unchanged
+    finally:
+        server.shutdown()
