@@ -196,7 +196,9 @@ def run_arm(args, arm: dict, lab) -> dict:
 def summarize(arm: dict, peers: List[Child]) -> dict:
     done = [p.wait_event("done", 0) for p in peers]
     if not all(done):
-        raise RuntimeError(f"arm {arm['name']}: {sum(d is None for d in done)} peers did not finish")
+        tails = "\n".join(f"--- peer {i} (exit {p.proc.poll()}):\n{p.stderr_tail()}"
+                          for i, (p, d) in enumerate(zip(peers, done)) if d is None)
+        raise RuntimeError(f"arm {arm['name']}: {sum(d is None for d in done)} peers did not finish\n{tails}")
     epochs = [[e for e in p.events if e.get("event") in ("epoch", "settled")] for p in peers]
     starts = [e["received_at"] for p in peers for e in p.events if e.get("event") == "started"]
     evals = sorted((e["received_at"] - min(starts), e["eval_loss"]) for eps in epochs for e in eps

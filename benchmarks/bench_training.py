@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -66,14 +67,22 @@ HIVEMIND_TRACKER = dict(min_refresh_period=0.2, max_refresh_period=1.0, default_
 
 
 class Child:
-    """A child process whose stdout JSON lines are collected in a thread."""
+    """A child process whose stdout JSON lines are collected in a thread; its stderr is kept in a temporary file
+    (`stderr_tail`, for the error of a run that did not finish)."""
 
     def __init__(self, argv: List[str], env: Dict[str, str]):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(REPO), start_new_session=True)
         self.events: List[dict] = []
         self.cond = threading.Condition()
+        self.ended = False  # stdout reached its end: the process exited (or closed it)
         threading.Thread(target=self._read, daemon=True).start()
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        """The last `lines` lines the process wrote to stderr."""
+        self.stderr.seek(0)
+        return "\n".join(self.stderr.read().decode(errors="replace").splitlines()[-lines:])
 
     def _read(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
@@ -88,18 +97,19 @@ class Child:
                     self.events.append(event)
                     self.cond.notify_all()
         with self.cond:
+            self.ended = True
             self.cond.notify_all()
 
     def wait_event(self, kind: str, timeout: float) -> Optional[dict]:
+        """The first `kind` event; None once `timeout` passed or the process ended without printing one."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
                 for event in self.events:
                     if event.get("event") == kind:
                         return event
-                if self.proc.poll() is not None and not any(e.get("event") == kind for e in self.events):
-                    if time.monotonic() > deadline or self.proc.stdout.closed:
-                        return None
+                if self.ended:
+                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None

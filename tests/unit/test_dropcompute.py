@@ -242,7 +242,11 @@ def test_parsing_budgets_and_stragglers():
     straggler = parse_straggler("lognormal:mean_s=0.03,sigma=1.5,seed=7")
     assert (straggler.distribution, straggler.mean_s, straggler.sigma, straggler.seed) == ("lognormal", 0.03, 1.5, 7)
     assert parse_straggler("constant").distribution == "constant"
-    for bad in ("gamma", "lognormal:mean=1", "lognormal:sigma=x"):
+    slept = []
+    spiky = parse_straggler("constant:mean_s=1,spike_s=3,spike_at=2")
+    spiky.sleep = slept.append
+    assert [spiky() for _ in range(4)] == [1.0, 1.0, 4.0, 1.0] and slept == [1.0, 1.0, 4.0, 1.0]
+    for bad in ("gamma", "lognormal:mean=1", "lognormal:sigma=x", "constant:spike_s=-1", "constant:spike_at=1.5"):
         with pytest.raises(UserError):
             parse_straggler(bad)
     for bad in (-1.0, 0, math.inf, "fast", True):

@@ -134,6 +134,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     shutdown = delegate("parts", Parts.shutdown)
     restart_epoch = delegate("epochs", EpochLoop.restart_epoch)  # for StateHost (the parts' contracts)
     advertise = delegate("exchange", StateExchange.advertise)  # for EpochHost
+    fetch_updates = delegate("exchange", StateExchange.fetch_updates)  # for EpochHost
 
     def averaging_paused(self) -> ContextManager:  # StateHost: hold off rounds while error feedback changes
         return self.averager.get_tensors()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -160,10 +160,6 @@ class Parts:
         if downloaded is not None:
             self.epochs.report_progress(force=True)
         return downloaded
-
-    def fetch_updates(self, epoch: int) -> Iterator[Dict[str, Any]]:
-        """Other peers' kept updates of the round of `epoch` (StateExchange.fetch_updates)."""
-        return self.exchange.fetch_updates(epoch)
 
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Continue exactly from a `checkpoint_state()` (the model's parameters are the caller's to load) and

@@ -1,0 +1,49 @@
+"""A DiLoCo peer that misses a round rejoins with the group's Δ̄, not a state download (issue 27): three `moshpeer
+join` peers, one of which stalls once, longer than the matchmaking window. The other two average without it; it
+fetches their update over its state client, takes their outer step, starts its next epoch as far in as they are,
+and averages with them again. With codec `none` all three end on the same parameters, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
+from training_swarm import events, start_trainers, wait_event
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
+
+H, EPOCHS, MICRO_BATCH = 12, 4, 32
+WINDOW_S = 2.0  # matchmaking
+# Every micro-batch takes 0.5 s, so an epoch (6 s) outlasts the stall plus the window: the others are still in the
+# next epoch, holding the update, when the stalled peer asks for it. It then starts that epoch a whole number of
+# steps in, so it arrives at the next round up to one step (0.5 s) after them, well inside their window.
+PACE = "constant:mean_s=0.5"
+STALL = f"{PACE},spike_s=3.5,spike_at={H + 2}"  # 3.5 s more (past the window) in the second epoch
+
+
+def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_again(swarm):
+    run = "diloco-missed"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    flags = ("--group-size", "3", "--min-peers", "3", "--averaging", "diloco", "--inner-steps", str(H),
+             "--outer-optimizer", "sgd:lr=1,momentum=0", "--batch-size", str(MICRO_BATCH), "--max-epochs",
+             str(EPOCHS), "--eval-every", "100", "--matchmaking-time", str(WINDOW_S))
+    peers = [start_trainers(swarm, 1, run, boot.maddrs, *flags, "--seed", str(i),
+                            "--straggler", STALL if i == 2 else PACE)[0] for i in range(3)]
+    done = [wait_event(peer, "done", timeout=200) for peer in peers]
+    for peer in peers:
+        assert peer.wait_exit(30) == 0, peer.describe()
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    *steady, stalled = [events(peer, "epoch") for peer in peers]
+    described = [[(e["ok"], e["error"], e["group_size"], e["samples"]) for e in eps] for eps in (*steady, stalled)]
+
+    missed = [i for i, e in enumerate(stalled) if e["error"] == MISSED_ROUND_UPDATE]
+    assert len(missed) == 1 and missed[0] == 1, described  # the round of the stall, and only that one
+    assert not any(e["error"] == "missed round; caught up" for e in stalled), described  # no state download
+    assert stalled[1]["dropped_samples"] == H * MICRO_BATCH and "fetched the update" in peers[2].stderr
+    assert all(e["ok"] for eps in steady for e in eps), described  # the others averaged every round
+    # Back in step: it started the next epoch some inner steps in (as far as the donor was), and its later
+    # rounds averaged with both others.
+    assert 0 < stalled[2]["samples"] < H * MICRO_BATCH, described
+    assert all(e["ok"] and e["group_size"] == 3 for e in stalled[2:]), described
+    # The same outer steps on the same Δ̄: the three end on the same parameters, bit for bit.
+    assert len({summary["params_digest"] for summary in done}) == 1, described
