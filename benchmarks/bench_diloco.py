@@ -72,6 +72,8 @@ from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY  # noqa: E40
 
 TASK_ARGS = {"d_model": 288, "layers": 5, "heads": 4, "context": 32, "max_bytes": 1_000_000}
 LOOPBACK = "127.0.0.1"
+# What --events-out keeps of each epoch event (the JSON line has only the figures).
+RECORD_FIELDS = ("event", "epoch", "ok", "error", "group_size", "bytes_sent", "wait_s", "matchmaking_s", "train_time")
 HEADLINE = "diloco-h50-int4"  # the DiLoCo arm of the JSON figures: H and the Δ codec together
 
 
@@ -226,6 +228,7 @@ def summarize(arm: dict, peers: List[Child]) -> dict:
         "waited_s": sum(waited) / len(waited),
         "hidden_comm_fraction": (1.0 - sum(waited) / sum(comm)) if sum(comm) > 0 else None,
         "seconds_per_epoch": _seconds_per_epoch(epochs),
+        "records": [[{k: e.get(k) for k in RECORD_FIELDS} for e in eps] for eps in epochs],  # --events-out only
     }
 
 
@@ -368,7 +371,8 @@ def main() -> int:
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:
         figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]
-    figures["arms"] = {name: {k: v for k, v in f.items() if k not in ("evals", "curve")} for name, f in results.items()}
+    figures["arms"] = {name: {k: v for k, v in f.items() if k not in ("evals", "curve", "records")}
+                       for name, f in results.items()}
     if args.events_out:
         with open(args.events_out, "w") as out:
             json.dump(results, out)

@@ -128,6 +128,7 @@ class FakeSwarm:
         self.progress = FakeProgress()
         self.moved_on = False
         self.flagged: List[Dict[str, int]] = []
+        self.peer_id = "self"
 
     def publish_flagged(self, flagged: Dict[str, int]) -> None:
         self.flagged.append(dict(flagged))

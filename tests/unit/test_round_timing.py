@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
-                                                  MISSED_ROUND_GRACE_S, RoundTiming)
+                                                  MISSED_ROUND_GRACE_S, STRAGGLER_WAIT_WINDOWS, RoundTiming,
+                                                  stragglers_eta_s)
 from peer_fakes import FakeClock, FakeFuture
 
 
@@ -95,3 +99,49 @@ def test_await_result_abandons_a_round_when_asked_to_stop():
 def test_missed_round_grace_is_bounded_by_the_round_timeout():
     assert RoundTiming(1.0, None, 4, round_timeout=2.0).missed_round_grace() == 2.0
     assert RoundTiming(1.0, None, 4, round_timeout=60.0).missed_round_grace() == MISSED_ROUND_GRACE_S
+
+
+# ---- rounds of strategies that count their own epochs wait for the trainers still computing -------------------
+
+def record(k: int, epoch: int = 3, samples: int = 100, rate: float = 50.0, updated_at: float = 0.0, **fields):
+    return PeerRecord(peer_id="Qm" + "abcdefgh"[k] * 44, role=fields.pop("role", "trainer"), epoch=epoch,
+                      samples_accumulated=samples, samples_per_second=rate, version="test", protocol=2,
+                      started_at=0.0, updated_at=updated_at, **fields)
+
+
+def test_the_slowest_trainer_still_in_the_epoch_sets_the_wait():
+    me = record(0, samples=200)
+    peers = [me, record(1, samples=100, rate=50.0), record(2, samples=150, rate=10.0),  # 2 s and 5 s to go
+             record(3, epoch=4, samples=0), record(4, epoch=2, samples=0),  # done with it; behind (catches up)
+             record(5, samples=0, role="aux"), record(6, samples=0, leaving=True), record(7, samples=0, rate=0.0)]
+    assert stragglers_eta_s(peers, 3, 200, me.peer_id, now=0.0) == 5.0
+    # Time since a record was published counts as computed: a silent (stopped) peer soon counts for nothing.
+    assert stragglers_eta_s(peers, 3, 200, me.peer_id, now=1.0) == 4.0
+    assert stragglers_eta_s(peers, 3, 200, me.peer_id, now=10.0) == 0.0
+    assert stragglers_eta_s([me, record(1, samples=200)], 3, 200, me.peer_id) == 0.0  # everyone is done
+
+
+def test_a_round_waits_for_stragglers_up_to_a_bound_and_a_budget_keeps_its_own_window():
+    timing = RoundTiming(2.0, None, 4)
+    assert timing.matchmaking_window(4, 0.0) == 2.0
+    assert timing.matchmaking_window(4, 1.5) == 3.5  # their time to go, then one window to find the group
+    assert timing.matchmaking_window(4, 60.0) == STRAGGLER_WAIT_WINDOWS * 2.0
+    budget, _ = budgeted(seconds=10.0, matchmaking_time=2.0)
+    assert budget.matchmaking_window(4, 60.0) == 2.0  # the budget deadline rules there
+
+
+def test_a_diloco_round_asks_for_the_straggler_wait_and_a_gradients_round_does_not():
+    from moshpeer.averaging.report import RoundResult as Result
+    from moshpeer.peer.strategies.diloco import DiLoCoStrategy
+    from moshpeer.peer.strategies.gradients import GradientsStrategy
+    from peer_fakes import FakeHost, swarm_view
+
+    for strategy, expected in ((DiLoCoStrategy(inner_steps=1), 2.0 + 3.0), (GradientsStrategy(), 2.0)):
+        host = FakeHost(strategy, matchmaking_time=2.0)
+        view = swarm_view(trainers=2, samples=32)
+        host.swarm.progress.view = type(view)(**{**view.__dict__, "peers": (
+            record(1, epoch=0, samples=26, rate=2.0, updated_at=time.time()),)})  # 3 s to go, published now
+        host.averager.queue(Result(ok=True, group_size=2))
+        host.backward(1.0)
+        host.epochs.account(32)  # DiLoCo: its one inner step; gradients: this peer's share
+        assert host.averager.calls[0]["matchmaking_time"] == pytest.approx(expected, abs=0.5)

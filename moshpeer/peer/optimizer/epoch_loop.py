@@ -43,7 +43,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
-from moshpeer.peer.optimizer.round_timing import RoundTiming
+from moshpeer.peer.optimizer.round_timing import RoundTiming, stragglers_eta_s
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.optimizer.speed_meter import SpeedMeter
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
@@ -218,12 +218,13 @@ class EpochLoop:
             if missed is not None:
                 return missed
         resolved = self.settle() if host.strategy.overlaps else None
-        target, plan = self.group_target(snapshot), self.plan_round(snapshot)
+        target = self.group_target(snapshot)
+        window = host.timing.matchmaking_window(target, self._stragglers(snapshot))
+        plan = self.plan_round(snapshot)
         facts.update(epoch=epoch, samples=self.counters.samples, group_target=target)
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
-        future = None if alone else \
-            self.start_round(plan, float(self.counters.samples), target, host.timing.matchmaking_window(target))
+        future = None if alone else self.start_round(plan, float(self.counters.samples), target, window)
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
@@ -243,6 +244,13 @@ class EpochLoop:
             if missed is not None:
                 return missed
         return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
+
+    def _stragglers(self, snapshot: ProgressSnapshot) -> float:
+        """For a strategy that counts its own epochs: how long the trainers still computing this epoch need, by
+        their records (round_timing.stragglers_eta_s); 0 for the others, whose epochs end with the swarm's."""
+        if self.host.strategy.epoch_is_over() is None:
+            return 0.0
+        return stragglers_eta_s(snapshot.peers, self.counters.epoch, self.counters.samples, self.host.swarm.peer_id)
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
         """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period), for

@@ -22,9 +22,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.dropcompute import BudgetedStep, BudgetSetting, ComputeBudget
 
 # With a compute budget, how long a peer waits for its group at least (finding each other over the DHT
@@ -40,6 +41,12 @@ SEARCH_WINDOWS = 2
 # An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
 # when the group is complete), and a leader accepts only followers whose window outlasts its own.
 AUX_WINDOW_FACTOR = 10
+# A strategy that counts its own epochs (DiLoCo's H inner steps) ends them when its own steps say so, so the
+# swarm's epoch ends drift apart by more than a window (bench_diloco, 4 peers on 2 cores: up to 2.4 s against a
+# 2 s window), and its rounds split into partial groups and leave the last peer out. Such a round waits for the
+# trainers still computing its epoch, as long as their records say they need, plus one window for the last of
+# them to find the group: at most this many windows (a group still assembles the moment it is full).
+STRAGGLER_WAIT_WINDOWS = 4
 # A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
 # swarm's records to show that the others finished the round it missed.
 MISSED_ROUND_GRACE_S = 5.0
@@ -91,12 +98,13 @@ class RoundTiming:
 
     # ---- the round's waiting times ----------------------------------------------------------------
 
-    def matchmaking_window(self, target: Optional[int] = None) -> float:
+    def matchmaking_window(self, target: Optional[int] = None, stragglers_eta_s: float = 0.0) -> float:
         """How long this epoch's round (for a group of `target`, default `group_size`) waits for its group to fill
-        (see the module docstring)."""
+        (see the module docstring). `stragglers_eta_s`: without a budget, the round waits that much longer for
+        trainers still computing its epoch (`stragglers_eta_s()`), up to STRAGGLER_WAIT_WINDOWS windows."""
         epoch = self.epoch_budget
         if epoch is None or epoch.tau_s is None:
-            return self.matchmaking_time
+            return min(self.matchmaking_time + stragglers_eta_s, STRAGGLER_WAIT_WINDOWS * self.matchmaking_time)
         return min(self.matchmaking_time, max(epoch.tau_s - epoch.elapsed_s, self.assembly_floor(target)))
 
     def assembly_floor(self, target: Optional[int] = None) -> float:
@@ -143,3 +151,20 @@ class RoundTiming:
             except Exception as e:
                 logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
                 return None
+
+
+def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, own_peer_id: str,
+                     now: Optional[float] = None) -> float:
+    """Seconds until the slowest other trainer still in `epoch` has computed `epoch_samples` samples toward it,
+    by its record (samples so far and rate, advanced by the time since it published: a peer that stopped counts
+    less the longer it is silent); 0 when none is still computing. For strategies that count their own epochs,
+    where every trainer computes the same samples per epoch."""
+    now = time.time() if now is None else now
+    eta = 0.0
+    for record in peers:
+        if record.peer_id == own_peer_id or record.role != "trainer" or record.epoch != epoch or record.leaving:
+            continue
+        if record.samples_per_second > 0:
+            missing = epoch_samples - record.samples_accumulated
+            eta = max(eta, missing / record.samples_per_second - max(0.0, now - record.updated_at))
+    return eta

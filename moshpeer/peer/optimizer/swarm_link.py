@@ -35,6 +35,11 @@ class SwarmLink:
     publisher: Optional[RecordPublisher] = None  # None when a daemon publishes the record
     _published_flagged: Dict[str, int] = field(default_factory=dict)
 
+    @property
+    def peer_id(self) -> str:
+        """This peer's id (its record's)."""
+        return self.dht.identity.peer_id
+
     def publish_flagged(self, flagged: Dict[str, int]) -> None:
         """Robust aggregation clipped or trimmed someone: say so in our record (the most flagged peers)."""
         if flagged != self._published_flagged:
