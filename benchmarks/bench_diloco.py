@@ -121,6 +121,7 @@ class UploadPeaks:
         self.lab, self.peers, self.window, self.interval = lab, peers, window, interval
         self.peak = [0.0] * peers  # bytes/s
         self._history: List[List[tuple]] = [[] for _ in range(peers)]
+        self.samples: List[List[tuple]] = [[] for _ in range(peers)]  # (unix time, bytes sent): --events-out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -131,6 +132,7 @@ class UploadPeaks:
                 now, sent = time.monotonic(), self.lab.tx_bytes(i)
                 history = self._history[i]
                 history.append((now, sent))
+                self.samples[i].append((time.time(), sent))
                 while len(history) > 1 and now - history[1][0] >= self.window:
                     history.pop(0)
                 start, before = history[0]
@@ -187,6 +189,7 @@ def run_arm(args, arm: dict, lab) -> dict:
         if lab is not None:
             figures["link_bytes_per_peer"] = sum(lab.tx_bytes(i) - b for i, b in enumerate(tx_before)) / args.peers
             figures["peak_upload_bytes_per_s"] = peaks.stop()
+            figures["upload_samples"] = peaks.samples
         return figures
     finally:
         if peaks is not None:
@@ -371,7 +374,7 @@ def main() -> int:
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:
         figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]
-    figures["arms"] = {name: {k: v for k, v in f.items() if k not in ("evals", "curve", "records")}
+    figures["arms"] = {name: {k: v for k, v in f.items() if k not in ("evals", "curve", "records", "upload_samples")}
                        for name, f in results.items()}
     if args.events_out:
         with open(args.events_out, "w") as out:
