@@ -154,8 +154,11 @@ class Demo:
                 if self.events is not None:
                     self.events.write(json.dumps({"peer": view.name, **event}) + "\n")
                     self.events.flush()
-            if self.args.no_live and event.get("event") in ("epoch", "done"):
-                print(f"{view.name} {short_line(event)}", flush=True)
+                if self.args.no_live and event.get("event") in ("epoch", "done"):
+                    # Under the lock and in one write: print() writes the text and its newline separately, so two
+                    # peers' reader threads once glued two lines into one (a fast-lane run counted 11 of 12).
+                    sys.stdout.write(f"{view.name} {short_line(event)}\n")
+                    sys.stdout.flush()
 
     def _read_stderr(self, view: PeerView) -> None:
         for raw in iter(view.proc.stderr.readline, b""):
