@@ -181,20 +181,23 @@ class StateServer:
             if op != "get_state":
                 serve_piece_request(self, sock, request, challenge, epoch, data)
                 return
-            digest = hashlib.sha256(data).hexdigest()
             logger.info(f"serving state of epoch {epoch} ({len(data)} bytes) to {sock.getpeername()[0]}")
-            signature = self.identity.private_key.sign(signed_fields(self.run_id, challenge, int(epoch), len(data),
-                                                                      digest))
-            header = {"ok": True, "epoch": int(epoch), "total_bytes": len(data), "sha256": digest,
-                      "chunk_bytes": self.chunk_bytes, "public_key": self.identity.public_key.to_bytes(),
-                      "signature": signature}
-            send_frame(sock, msgpack.packb(header))
-            self.send_range(sock, data, 0, len(data))
-            self.count_served(int(epoch), digest, len(data))
+            self.count_served(int(epoch), self.send_signed(sock, challenge, int(epoch), data), len(data))
         except (OSError, ProtocolError, ConnectionError) as e:
             logger.info(f"state request not served: {e}")
         except Exception:
             logger.exception("state server failed on a request")
+
+    def send_signed(self, sock: socket.socket, challenge: bytes, epoch: int, data: bytes,
+                    kind: bytes = STATE_KIND) -> str:
+        """A header signed over the client's `challenge` and what it announces (`kind`), then `data`; -> its sha256."""
+        digest = hashlib.sha256(data).hexdigest()
+        signature = self.identity.private_key.sign(signed_fields(self.run_id, challenge, epoch, len(data), digest, kind))
+        send_frame(sock, msgpack.packb({"ok": True, "epoch": epoch, "total_bytes": len(data), "sha256": digest,
+                                        "chunk_bytes": self.chunk_bytes, "signature": signature,
+                                        "public_key": self.identity.public_key.to_bytes()}))
+        self.send_range(sock, data, 0, len(data))
+        return digest
 
     def count_served(self, epoch: int, digest: str, nbytes: int) -> None:
         """Count one transfer: a whole state sent, or a manifest (the start of a multi-donor download)."""
@@ -298,9 +301,7 @@ def fetch_state_from(
     progress: Optional[Callable[[int, int], None]] = None,
     identity: Optional[Identity] = None,
     tag: bytes = b"",
-    op: str = "get_state",
-    fields: Optional[Dict[str, Any]] = None,
-    kind: bytes = STATE_KIND,
+    op: str = "get_state", fields: Optional[Dict[str, Any]] = None, kind: bytes = STATE_KIND,
 ) -> Tuple[int, bytes, str]:
     """Download and verify one donor's state (or, with `op`, `fields` and the header's signed `kind`, another
     single-donor transfer: updates.py) by `timeout` seconds from now; returns (epoch, bytes, sha256).

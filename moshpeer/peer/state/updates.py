@@ -15,7 +15,6 @@ deadline passed. What an update says is the strategy's to check (`fit_update`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import time
@@ -24,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import msgpack
 
 from moshpeer.errors import ProtocolError
-from moshpeer.peer.state.framing import deserialize_state, send_frame, signed_fields
+from moshpeer.peer.state.framing import deserialize_state, send_frame
 from moshpeer.peer.state.sync import StateServer, fetch_state_from, list_state_offers
 
 logger = logging.getLogger(__name__)
@@ -46,13 +45,7 @@ def update_handler(source: UpdateSource) -> Callable[[StateServer, socket.socket
         if data is None:
             send_frame(sock, msgpack.packb({"ok": False, "error": f"no update of the round of epoch {epoch}"}))
             return
-        digest = hashlib.sha256(data).hexdigest()
-        signature = server.identity.private_key.sign(signed_fields(server.run_id, challenge, epoch, len(data),
-                                                                   digest, UPDATE_KIND))
-        send_frame(sock, msgpack.packb({"ok": True, "epoch": epoch, "total_bytes": len(data), "sha256": digest,
-                                        "chunk_bytes": server.chunk_bytes, "signature": signature,
-                                        "public_key": server.identity.public_key.to_bytes()}))
-        server.send_range(sock, data, 0, len(data))
+        server.send_signed(sock, challenge, epoch, data, UPDATE_KIND)
         logger.info(f"served the update of the round of epoch {epoch} ({len(data)} bytes)")
 
     return serve
