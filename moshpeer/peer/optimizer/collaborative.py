@@ -45,7 +45,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param error_feedback: EF21M state around a sparsifying codec; loss_budget, phase_threshold, phase_window:
         the rounds' DBLP loss budget; swarm_key, allow_peers: a private run (docs/security.md)
     :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating and downloading
-        state; should_stop: polled while a round is in flight (True abandons it)
+        state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
+        shortest interval (seconds) between reads of the swarm's progress, used near an epoch's end (further
+        from it, and in large swarms, reads come less often: `progress_cadence.py`)
 
     Bad settings raise `UserError` with one line. A round that fails or finds no group is logged and the epoch
     ends with this peer's own step (its record says why).

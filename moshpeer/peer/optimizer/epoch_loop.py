@@ -371,9 +371,12 @@ class EpochLoop:
     def report_progress(self, force: bool = False) -> None:
         """Publish this peer's epoch, samples and speed (throttled unless `force`), and whom its averaging flagged."""
         host = self.host
+        rate, steps_left = self.speed.rate(), host.strategy.steps_to_epoch_end()
+        epoch_eta_s = None if steps_left is None else (
+            steps_left * self.speed.mean_batch() / rate if rate > 0 else float("inf"))
         host.swarm.progress.report(epoch=self.counters.epoch, samples_accumulated=self.counters.samples,
-                                   samples_per_second=self.speed.rate(), step=self.counters.steps, force=force,
-                                   upload_bps=host.averager.upload_bandwidth or 0.0)
+                                   samples_per_second=rate, step=self.counters.steps, force=force,
+                                   upload_bps=host.averager.upload_bandwidth or 0.0, epoch_eta_s=epoch_eta_s)
         host.swarm.publish_flagged(host.averager.flagged_peers)
         host.advertise()
 

@@ -24,9 +24,11 @@ dictionary. From those records each peer derives the same view:
   (`ProgressSnapshot.samples_capped`);
 - the estimated time to the target comes from the summed `samples_per_second`.
 
-Reading the DHT costs a round trip, so a background thread refreshes the view every
-`refresh_interval` seconds; the training loop only reads the cached `ProgressSnapshot`, with this
-peer's own numbers always taken from local state (the DHT copy of them lags).
+Reading the DHT costs a round trip and bytes on every link, so a background thread refreshes the view on a
+`ProgressCadence` (progress_cadence.py: often near an epoch's end, seldom in between, within a byte budget),
+publications follow the same cadence, and a caller that waits for a refresh (`wait_for_refresh`) asks for one
+at once. The training loop only reads the cached `ProgressSnapshot`, with this peer's own numbers always taken
+from local state (the DHT copy of them lags).
 """
 
 from __future__ import annotations
@@ -39,12 +41,10 @@ from types import MappingProxyType
 from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
+from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
 
 logger = logging.getLogger(__name__)
-
-# Publish progress at most this often (each publication is a DHT store).
-MIN_PUBLISH_INTERVAL = 0.2
 
 Publish = Callable[..., None]
 
@@ -219,6 +219,7 @@ class SwarmProgress:
 
     :param own_record: returns this peer's current record (local, not the DHT copy)
     :param publish: `publish(**fields)` sends this peer's progress fields out (throttled here)
+    :param cadence: when to read and publish (default: `ProgressCadence()`)
     :param on_refresh: called in the refresh thread after every fetch (e.g. re-publish heartbeats)
     """
 
@@ -230,12 +231,12 @@ class SwarmProgress:
         target_batch_size: int,
         own_record: Callable[[], PeerRecord],
         publish: Publish,
-        refresh_interval: float = 0.5,
+        cadence: ProgressCadence = ProgressCadence(),
         on_refresh: Optional[Callable[[], None]] = None,
     ):
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
-        self.refresh_interval = refresh_interval
+        self.cadence = cadence
         self._own_record = own_record
         self._publish = publish
         self._on_refresh = on_refresh
@@ -248,18 +249,23 @@ class SwarmProgress:
         self._fetch_count = 0
         self._last_publish = 0.0
         self._last_published_epoch = -1
+        self._last_fetch = 0.0
+        self._epoch_eta: Optional[Tuple[float, float]] = None  # (seconds left in this peer's epoch, as of when)
         self._stop = threading.Event()
+        self._wanted = threading.Event()  # someone waits for a refresh: fetch now (within the byte budget)
         self._thread = threading.Thread(target=self._refresh_loop, name="moshpeer-progress", daemon=True)
         self._thread.start()
 
     # ---- local progress -------------------------------------------------------------------------
 
     def report(self, *, epoch: int, samples_accumulated: int, samples_per_second: float, step: int,
-               force: bool = False, upload_bps: float = 0.0) -> None:
-        """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per
-        MIN_PUBLISH_INTERVAL unless the epoch changed or `force`."""
+               force: bool = False, upload_bps: float = 0.0, epoch_eta_s: Optional[float] = None) -> None:
+        """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per cadence
+        interval unless the epoch changed or `force`. `epoch_eta_s`: seconds until this peer's epoch ends by its
+        strategy's own count (None: the swarm's target batch ends it), which sets the cadence."""
         now = time.monotonic()
-        if not force and epoch == self._last_published_epoch and now - self._last_publish < MIN_PUBLISH_INTERVAL:
+        self._epoch_eta = None if epoch_eta_s is None else (epoch_eta_s, now)
+        if not force and epoch == self._last_published_epoch and now - self._last_publish < self.next_interval():
             return
         self._last_publish, self._last_published_epoch = now, epoch
         self._publish(epoch=epoch, samples_accumulated=samples_accumulated,
@@ -289,10 +295,23 @@ class SwarmProgress:
         with self._lock:
             return self._credit.reached
 
+    def next_interval(self) -> float:
+        """Seconds between reads (and publications) now: the cadence at this peer's expected epoch end, by its
+        own count if it reported one, else by the swarm's progress toward the target batch."""
+        with self._lock:
+            peers, epoch_eta = len(self._records), self._epoch_eta
+        if epoch_eta is not None:
+            eta = max(0.0, epoch_eta[0] - (time.monotonic() - epoch_eta[1]))
+        else:
+            eta = self.snapshot().eta_s
+        return self.cadence.interval(eta, peers)
+
     def wait_for_refresh(self, timeout: float) -> bool:
-        """Block until the next background fetch completes (True) or `timeout` passes (False)."""
+        """Ask for a fetch now (it comes at once unless the byte budget's interval since the last one has not
+        passed) and block until it completes (True) or `timeout` passes (False)."""
         with self._fetched:
             seen = self._fetch_count
+            self._wanted.set()
             return self._fetched.wait_for(lambda: self._fetch_count > seen, timeout=timeout)
 
     def refresh_now(self, timeout: float = 2.0, *, retry_for: float = 0.0,
@@ -316,6 +335,7 @@ class SwarmProgress:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._wanted.set()
         self._thread.join(timeout=1.0)
 
     def _fetch(self, timeout: float, require_own: bool = False) -> bool:
@@ -334,6 +354,7 @@ class SwarmProgress:
             return False
         now = time.monotonic()
         with self._fetched:
+            self._last_fetch = now
             credited = self._credit.apply(records, own.peer_id, now=now)
             self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch, now=now)
             self._credit.note_departures([r for r in listed if r.leaving])
@@ -342,8 +363,16 @@ class SwarmProgress:
         return True
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.refresh_interval):
-            self._fetch(timeout=max(self.refresh_interval * 4, 2.0))
+        while not self._stop.is_set():
+            if self._wanted.wait(self.next_interval()):
+                self._wanted.clear()
+                with self._lock:
+                    allowed_at = self._last_fetch + self.cadence.floor(len(self._records))
+                if self._stop.wait(max(0.0, allowed_at - time.monotonic())):
+                    break
+            if self._stop.is_set():
+                break
+            self._fetch(timeout=max(self.cadence.min_interval_s * 4, 2.0))
             if self._on_refresh is not None:
                 try:
                     self._on_refresh()

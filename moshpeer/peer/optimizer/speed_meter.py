@@ -25,3 +25,7 @@ class SpeedMeter:
             return 0.0
         span = self._events[-1][0] - self._events[0][0]
         return sum(s for _, s in self._events[1:]) / span if span > 0 else 0.0
+
+    def mean_batch(self) -> float:
+        """Mean samples per micro-batch over the window (0 before the first)."""
+        return sum(s for _, s in self._events) / len(self._events) if self._events else 0.0

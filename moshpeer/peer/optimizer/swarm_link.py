@@ -13,6 +13,7 @@ from moshpeer.dht.admission import install as install_admission
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.progress import SwarmProgress
+from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
 
 logger = logging.getLogger(__name__)
@@ -84,17 +85,20 @@ class SwarmLink:
 
 def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any = None,
                   dht: Optional[SwarmDHT] = None, initial_peers: Sequence[str] = (), host: str = "127.0.0.1",
-                  progress_refresh: float = 0.3, admission: Optional[Admission] = None) -> SwarmLink:
+                  progress_refresh: float = 0.3, admission: Optional[Admission] = None,
+                  cadence: Optional[ProgressCadence] = None) -> SwarmLink:
     """The daemon's DHT and record, else `dht` (with a record of our own), else a DHT node of our own
     joined through `initial_peers`; UserError when none of the three is given. `admission` (a private run)
-    becomes that DHT node's policy (UserError if it already has another one)."""
+    becomes that DHT node's policy (UserError if it already has another one). Progress is read on `cadence`,
+    by default `ProgressCadence.fastest(progress_refresh)`."""
+    cadence = cadence or ProgressCadence.fastest(progress_refresh)
     if daemon is not None:
         install_admission(daemon.dht, admission)
         def publish(**fields: Any) -> None:
             daemon.update_record(publish_now=True, **fields)
 
         progress = SwarmProgress(daemon.dht, run_id, target_batch_size=target_batch_size,
-                                 own_record=lambda: daemon.record, refresh_interval=progress_refresh, publish=publish)
+                                 own_record=lambda: daemon.record, cadence=cadence, publish=publish)
         return SwarmLink(daemon.dht, progress, publish)
     own_dht = None
     if dht is None:
@@ -106,6 +110,6 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     publisher = RecordPublisher(dht, run_id, fresh_record(dht, role), expiration=OWN_RECORD_EXPIRATION_S)
     publisher.publish_quietly()
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
-                             publish=publisher.update_and_publish, refresh_interval=progress_refresh,
+                             publish=publisher.update_and_publish, cadence=cadence,
                              on_refresh=publisher.refresh_if_stale)
     return SwarmLink(dht, progress, publisher.update_and_publish, own_dht, publisher)

@@ -117,6 +117,11 @@ class AveragingStrategy(abc.ABC):
         optimizer decides (this peer's share of the target batch, the swarm's progress)."""
         return None
 
+    def steps_to_epoch_end(self) -> Optional[int]:
+        """Micro-batches left until `epoch_is_over` says True by this strategy's own count; None when the
+        optimizer decides (sets how often the swarm's progress is read: progress_cadence.py)."""
+        return None
+
     @abc.abstractmethod
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
         """Fill the buffer for this epoch's round and say what it averages."""

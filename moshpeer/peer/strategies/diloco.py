@@ -104,6 +104,9 @@ class DiLoCoStrategy(AveragingStrategy):
         """H/F inner steps since the last outer step (of any fragment)."""
         return self.steps_this_epoch >= self.steps_per_epoch
 
+    def steps_to_epoch_end(self) -> int:
+        return max(0, self.steps_per_epoch - self.steps_this_epoch)
+
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
         self.steps_this_epoch = 0
         self.planned_epoch = epoch

@@ -1,0 +1,102 @@
+"""How often a peer reads and publishes swarm progress (progress_cadence.py), and SwarmProgress keeping to it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+
+import pytest
+from test_dht_records import make_record
+
+from moshpeer.dht import Identity
+from moshpeer.peer.optimizer.progress import SwarmProgress
+from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_reads_come_often_near_the_epoch_end_and_seldom_far_from_it():
+    cadence = ProgressCadence(min_interval_s=0.3, max_interval_s=5.0, eta_fraction=0.5, budget_bps=math.inf)
+    assert cadence.interval(0.0, peers=4) == 0.3
+    assert cadence.interval(2.0, peers=4) == 1.0
+    assert cadence.interval(60.0, peers=4) == 5.0
+    assert cadence.interval(math.inf, peers=4) == 5.0  # nobody computes yet: the slowest cadence
+
+
+def test_the_byte_budget_stretches_the_interval_with_the_swarm():
+    cadence = ProgressCadence(min_interval_s=0.3, max_interval_s=5.0, budget_bps=128_000, bytes_per_record=16_000)
+    assert cadence.interval(0.0, peers=2) == 0.3
+    assert cadence.interval(0.0, peers=8) == pytest.approx(1.0)
+    # 100 peers: past the eta-based maximum too; the budget holds whatever the epoch says.
+    assert cadence.interval(0.0, peers=100) == pytest.approx(12.5)
+    assert cadence.interval(math.inf, peers=100) == pytest.approx(12.5)
+    # The cost of all reads and publications stays within the budget at any size.
+    for peers in (1, 4, 16, 64, 1000):
+        assert peers * 16_000 / cadence.interval(0.0, peers) <= 128_000 + 1e-6
+
+
+def test_a_fixed_cadence_ignores_the_epoch_and_the_swarm():
+    fixed = ProgressCadence.fixed(0.3)
+    assert {fixed.interval(eta, peers) for eta in (0.0, 10.0, math.inf) for peers in (1, 500)} == {0.3}
+
+
+def test_a_users_progress_refresh_is_the_shortest_interval():
+    assert ProgressCadence.fastest(0.2).interval(0.0, peers=1) == 0.2
+    assert ProgressCadence.fastest(7.0).interval(0.0, peers=1) == 7.0  # longer than the default maximum: kept
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_interval_s=0), dict(min_interval_s=6.0, max_interval_s=5.0),
+                                    dict(eta_fraction=0), dict(budget_bps=0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        ProgressCadence(**kwargs)
+
+
+class _EmptyDHT:
+    """A DHT whose membership dictionary is empty: every read succeeds at once and returns no records."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def get(self, key, latest=True, return_future=False):
+        self.reads += 1
+        future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _progress(dht, published, cadence):
+    own = make_record(Identity.generate())
+    return SwarmProgress(dht, "unit-run", target_batch_size=1000, own_record=lambda: own,
+                         publish=lambda **fields: published.append(fields), cadence=cadence)
+
+
+def test_far_from_the_epoch_end_a_peer_publishes_once_per_interval_except_a_new_epoch():
+    published = []
+    cadence = ProgressCadence(min_interval_s=0.01, max_interval_s=60.0, budget_bps=math.inf)
+    progress = _progress(_EmptyDHT(), published, cadence)
+    try:
+        for samples in range(10):
+            progress.report(epoch=3, samples_accumulated=samples, samples_per_second=1.0, step=samples,
+                            epoch_eta_s=1000.0)
+        assert len(published) == 1  # the interval is 60 s: the other nine waited
+        progress.report(epoch=4, samples_accumulated=0, samples_per_second=1.0, step=10, epoch_eta_s=1000.0)
+        progress.report(epoch=4, samples_accumulated=1, samples_per_second=1.0, step=11, force=True)
+        assert [p["epoch"] for p in published] == [3, 4, 4]
+        progress.report(epoch=4, samples_accumulated=2, samples_per_second=1.0, step=12, epoch_eta_s=0.0)
+        assert progress.next_interval() == 0.01  # the epoch ends now: the shortest interval
+    finally:
+        progress.shutdown()
+
+
+def test_waiting_for_a_refresh_asks_for_one_at_once():
+    dht = _EmptyDHT()
+    progress = _progress(dht, [], ProgressCadence(min_interval_s=0.01, max_interval_s=60.0))
+    try:
+        progress.report(epoch=0, samples_accumulated=0, samples_per_second=1.0, step=0, epoch_eta_s=1000.0)
+        # The background thread would wait 60 s; a caller that waits for a refresh gets one now.
+        assert progress.wait_for_refresh(timeout=20.0)
+        assert progress.wait_for_refresh(timeout=20.0)
+        assert dht.reads >= 2
+    finally:
+        progress.shutdown()
