@@ -3,7 +3,8 @@ and N virtual peers of `moshpeer.simulation` ("keys" topology: the production gr
 must need the same number of rounds, within one, for the spread of the peers' values to fall below eps relative
 to the start. The peers start on a full grid (balanced initial keys: worker k holds key k mod 2^bits), where the
 simulator is exact in M rounds for every seed, so the comparison does not depend on luck: any difference is the
-real swarm's (hivemind's matchmaking leaving a peer out, smaller groups, a wrong key rotation). 4 peers in groups
+real swarm's (smaller groups, a wrong key rotation). A swarm in which hivemind's matchmaking left a peer out of a
+round, which the simulator does not model, is started afresh (MATCHMAKING_ATTEMPTS). 4 peers in groups
 of 2 in the swarm lane; 8 peers in groups of 2 and 16 in groups of 4 are slow-marked.
 
 What the real run adds that the simulator leaves out: hivemind's matchmaking (a peer can miss a round, groups
@@ -72,11 +73,25 @@ def simulated_rounds(n: int, g: int, key_bits: int, rounds: int, eps: float, res
     return runs
 
 
+# Real swarms a comparison may start afresh when matchmaking left a peer out of a round (as in
+# test_averaging_swarm.py: under CPU load a peer stalled past its request timeout abandons a leader that had just
+# accepted it; seen once in a swarm-lane run, a peer alone in rounds 1 and 2). The simulator does not model that
+# failure, and after it the group keys no longer form the grid, so that swarm's rounds are not comparable.
+MATCHMAKING_ATTEMPTS = 3
+
+
 def check(n: int, g: int, key_bits: int, eps: float, tmp_path, rounds: int = 6) -> None:
-    # 16 processes on a small machine need longer than 2 s to fill groups of 4 (measured: a peer was alone in every
-    # round at 2 s on 2 busy cores)
-    errors, smallest = real_errors(n, g, key_bits, rounds, tmp_path, matchmaking_s=2.0 if n <= 8 else 5.0)
-    real = rounds_below(errors, eps)
+    for attempt in range(MATCHMAKING_ATTEMPTS):
+        # 16 processes on a small machine need longer than 2 s to fill groups of 4 (measured: a peer was alone in
+        # every round at 2 s on 2 busy cores)
+        errors, smallest = real_errors(n, g, key_bits, rounds, tmp_path, matchmaking_s=2.0 if n <= 8 else 5.0)
+        real = rounds_below(errors, eps)
+        if min(smallest[:real], default=g) >= g:
+            break
+        print(f"attempt {attempt + 1}: matchmaking left a peer out (smallest group per round {smallest}); "
+              f"starting the swarm afresh")
+    else:
+        pytest.fail(f"matchmaking left a peer out in each of {MATCHMAKING_ATTEMPTS} swarms: {smallest}")
     simulated = simulated_rounds(n, g, key_bits, rounds, eps)
     print(f"{n} peers, groups of {g}: real {real} rounds to {eps:g} (relative errors "
           f"{[f'{e:.1e}' for e in errors]}; smallest group per round {smallest}); simulated mean "
