@@ -172,7 +172,8 @@ def run_arm(args, arm: dict, lab) -> dict:
                                  "--eval-every",
                                  str(arm.get("eval_every", arm["epochs"] if arm["averaging"] == "gradients" else 1)),
                                  "--matchmaking-time", str(args.matchmaking_time),
-                                 "--round-timeout", str(arm["round_timeout"]), "--seed", str(i))
+                                 "--round-timeout", str(arm["round_timeout"]), "--seed", str(i),
+                                 "--heartbeat", str(args.heartbeat))
             if "inner_steps" in arm:
                 argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
             if arm.get("overlap"):
@@ -271,6 +272,9 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1.5e-3,
                         help="AdamW rate at the global batch (single, gradients); local steps use it x sqrt(1/peers)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--heartbeat", type=float, default=5.0,
+                        help="seconds between a peer's record heartbeats (the product's default; until session 13 the "
+                             "benchmark used 1 s, ~20 KB/s more DHT upload per peer)")
     parser.add_argument("--outer-optimizer", default="sgd:lr=1,momentum=0",
                         help="DiLoCo arms' outer optimizer (a run of 2-8 outer steps: momentum overshoots; see docs)")
     parser.add_argument("--timeout", type=float, default=900.0, help="per arm")
