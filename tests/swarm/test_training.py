@@ -23,7 +23,7 @@ def test_two_peers_gradient_averaging_matches_single_process(swarm):
     run = "grad2"
     boot = swarm.bootstrap(run, "--heartbeat", "1")
     peers = start_trainers(swarm, 2, run, boot.maddrs, "--group-size", "2", "--min-peers", "2",
-                           "--max-epochs", str(EPOCHS), "--eval-every", "4")
+                           "--max-epochs", str(EPOCHS), "--eval-every", "4", first_seed=0)
     done = [wait_event(peer, "done", timeout=200) for peer in peers]
     for peer in peers:
         assert peer.wait_exit(30) == 0, peer.describe()

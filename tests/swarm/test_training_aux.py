@@ -20,7 +20,7 @@ def test_aux_peer_joins_groups_without_contributing_samples(swarm):
     aux = swarm.spawn("join", "--initial-peers", *boot.maddrs, "--run-id", run, "--host-maddrs", LOOPBACK,
                       *FAST_TRAINING, *common, "--role", "aux", name="aux")
     aux.wait_ready(60)  # its record is in the DHT before the trainers look for peers: their group target is 3
-    trainers = start_trainers(swarm, 2, run, boot.maddrs, *common)
+    trainers = start_trainers(swarm, 2, run, boot.maddrs, *common, first_seed=0)
     done = [wait_event(peer, "done", timeout=200) for peer in trainers]
     aux_done = wait_event(aux, "done", timeout=60)
     for peer in trainers + [aux]:

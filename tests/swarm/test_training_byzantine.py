@@ -27,8 +27,8 @@ def test_a_hostile_peer_is_rejected_then_distrusted_and_its_samples_stop_countin
     boot = swarm.bootstrap(run, "--heartbeat", "1")
     flags = ("--group-size", "4", "--min-peers", "4", "--max-epochs", str(EPOCHS), "--eval-every", str(EPOCHS),
              "--aggregation", "clipped")
-    honest = start_trainers(swarm, 3, run, boot.maddrs, *flags)
-    (hostile,) = start_trainers(swarm, 1, run, boot.maddrs, *flags, "--faults", HOSTILE)
+    honest = start_trainers(swarm, 3, run, boot.maddrs, *flags, first_seed=0)
+    (hostile,) = start_trainers(swarm, 1, run, boot.maddrs, *flags, "--faults", HOSTILE, first_seed=3)
     hostile_id = wait_event(hostile, "training", timeout=60)["peer_id"]
     done = [wait_event(peer, "done", timeout=200) for peer in honest]
     for peer in honest:
