@@ -193,6 +193,10 @@ def test_leftovers_of_a_killed_owner_are_cleaned_up():
     assert not lab_names(lab_id)
 
 
+ROUND_FACTS = ("ok", "error", "group_size", "my_index", "lost_fraction", "missing_chunks", "absent", "departed",
+               "relayed", "rejected_messages", "total_s")
+
+
 def average_once(lab: Netlab, numel: int, tmp_path, *extra: str, rounds: int = 1, relay_ok: bool = False) -> tuple:
     """`rounds` group all-reduces of all peers in `lab`, each of the same values; -> (reports of the last round,
     or a list of them per round if rounds > 1; max relative error vs the exact mean over all rounds)."""
@@ -212,12 +216,15 @@ def average_once(lab: Netlab, numel: int, tmp_path, *extra: str, rounds: int = 1
                        for r in reports), \
                 [(r["ok"], r["error"], r["absent"], r["relayed"]) for r in reports]
             per_round.append(reports)
-            for worker in swarm.workers:
+            for worker, report in zip(swarm.workers, reports):
                 path = tmp_path / f"values{worker.index}.pt"
                 worker.send(cmd="dump", path=str(path))
                 worker.read_event("dumped", 60)
                 values = torch.load(path).double()
                 errors.append(float((values - exact).norm() / exact.norm()))
+                # Shown with a failing test's output: which worker's values were off, and what its round said.
+                facts = {k: report.get(k) for k in ROUND_FACTS}
+                print(f"round {len(per_round)} worker {worker.index}: rel err {errors[-1]:.1e}, {facts}")
     return (per_round if rounds > 1 else per_round[0]), max(errors)
 
 
