@@ -11,7 +11,8 @@ carried: DHT requests and answers, libp2p and TCP headers.
 Arms: `fixed` reads and publishes every `--fixed-refresh` seconds (0.3 s by default: the cadence before the
 byte budget, which read every 0.3 s and published every 0.2 s) and `budget` uses SwarmProgress's default
 cadence (progress_cadence.py). The JSON line gives each arm's mean and max upload per
-peer (bytes/s) over the steady window, and `budget_over_fixed` (mean upload, budget / fixed).
+peer (bytes/s) over the steady window, that mean per record (`per_record_bps`), and `budget_over_fixed` (mean
+upload, budget / fixed).
 
     python benchmarks/bench_dht.py [--peers 4,8] [--seconds 30]
 """
@@ -94,7 +95,7 @@ def run_arm(lab, peers: int, refresh: float, args: argparse.Namespace) -> Dict[s
         for child in children:
             child.stop()
     return {"mean_upload_bps": sum(rates) / len(rates), "max_upload_bps": max(rates),
-            "per_record_read_bps": sum(rates) / len(rates) / peers}
+            "per_record_bps": sum(rates) / len(rates) / peers}
 
 
 def main() -> int:

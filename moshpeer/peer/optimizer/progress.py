@@ -265,8 +265,11 @@ class SwarmProgress:
         strategy's own count (None: the swarm's target batch ends it), which sets the cadence."""
         now = time.monotonic()
         self._epoch_eta = None if epoch_eta_s is None else (epoch_eta_s, now)
-        if not force and epoch == self._last_published_epoch and now - self._last_publish < self.next_interval():
-            return
+        if not force and epoch == self._last_published_epoch:
+            since = now - self._last_publish
+            # The cheap test first: report() runs every micro-batch, next_interval() may summarize every record.
+            if since < self.cadence.min_interval_s or since < self.next_interval():
+                return
         self._last_publish, self._last_published_epoch = now, epoch
         self._publish(epoch=epoch, samples_accumulated=samples_accumulated,
                       samples_per_second=float(max(samples_per_second, 0.0)), step=step,
