@@ -72,11 +72,13 @@ def test_backend_equals_reference_bit_for_bit(monkeypatch, backend, bits, block,
 @pytest.mark.parametrize("backend", ["torch"] + COMPILED)
 @pytest.mark.parametrize("bits,block", [(8, 128), (4, 128), (8, 64), (4, 1024)])
 @pytest.mark.parametrize("offset", [0, 1])  # x 16-byte aligned (the CUDA kernel's float4 loads) or not
-def test_encode_chunks_rows_are_the_payloads_of_encode(monkeypatch, backend, bits, block, offset):
+@pytest.mark.parametrize("blocks_per_chunk", [32, 3])  # 7 x 3 blocks: the CUDA kernel's groups of blocks per warp
+def test_encode_chunks_rows_are_the_payloads_of_encode(monkeypatch, backend, bits, block, offset, blocks_per_chunk):
     """`encode_chunks` (one `quantize_rows` call for the full chunks) writes in each row the bytes `encode` makes
-    for that chunk alone; a chunk with a NaN, or with a value above the scale bound, is reported alone."""
+    for that chunk alone; a chunk with a NaN, or with a value above the scale bound, is reported alone. With 3
+    blocks per chunk the CUDA kernel's groups of blocks straddle chunks, and the last group is partial."""
     monkeypatch.setenv(ENV_BACKEND, backend)
-    codec, n = BlockQuantizer(bits, block), 4 * 1024
+    codec, n = BlockQuantizer(bits, block), blocks_per_chunk * block
     base = heavy_tailed(offset + 6 * n + 100, seed=bits + block)
     base[offset + 2 * n + 17] = float("nan")
     base[offset + 4 * n + 5] = 3e38  # finite, but its scale exceeds MAX_SCALE (2^120)

@@ -77,6 +77,31 @@ void quantize_rows(const at::Tensor& x, at::Tensor rows, at::IntArrayRef header,
   TORCH_CHECK(result == cudaSuccess, "quantize_rows kernel launch failed: ", cudaGetErrorString(result));
 }
 
+void dequantize_rows(const at::Tensor& rows, at::Tensor out, int64_t bits, int64_t block, double weight,
+                     bool overwrite) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
+              "rows must be a contiguous 2-D uint8 CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "out must be a contiguous 1-D float32 CUDA tensor");
+  TORCH_CHECK(rows.device() == out.device(), "rows and out must be on the same device");
+  const int64_t count = rows.size(0), stride = rows.size(1);
+  if (count == 0) return;
+  TORCH_CHECK(out.numel() % count == 0, "out must hold a whole number of values per row");
+  const int64_t n = out.numel() / count;
+  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
+  const int64_t code_bytes = bits == 8 ? n : n / 2;
+  TORCH_CHECK(16 + 4 * (n / block) + code_bytes <= stride && stride % 4 == 0,
+              "rows too narrow for header, scales and codes (or not 4-byte aligned)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0, "rows must be 4-byte aligned");
+  c10::cuda::CUDAGuard guard(out.device());
+  cudaError_t result = moshpeer::dequantize_rows_cuda(
+      rows.data_ptr<uint8_t>(), count, stride, n, (int)bits, block, out.data_ptr<float>(), (float)weight, overwrite,
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(result == cudaSuccess, "dequantize_rows kernel launch failed: ", cudaGetErrorString(result));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moshpeer_cuda, m) {
@@ -86,4 +111,6 @@ TORCH_LIBRARY(moshpeer_cuda, m) {
         &dequantize_accumulate);
   m.def("quantize_rows(Tensor x, Tensor(a!) rows, int[] header, Tensor(b!) status, int bits, int block, "
         "float max_scale) -> ()", &quantize_rows);
+  m.def("dequantize_rows(Tensor rows, Tensor(a!) out, int bits, int block, float weight, bool overwrite) -> ()",
+        &dequantize_rows);
 }

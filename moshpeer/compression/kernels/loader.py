@@ -115,7 +115,7 @@ class OpsBackend:
         self._ops.quantize_rows(x, rows, list(header), status, bits, block, float(max_scale))
 
     def dequantize_rows(self, rows, out, bits, block, weight, overwrite) -> bool:
-        if not hasattr(self._ops, "dequantize_rows"):  # the CPU extension has it; the CUDA one not yet
+        if not hasattr(self._ops, "dequantize_rows"):  # both extensions have it; a stale build may not
             return False
         self._ops.dequantize_rows(rows, out, bits, block, float(weight), bool(overwrite))
         return True

@@ -1,6 +1,6 @@
 // CUDA quantization kernels (plain CUDA; per-value math in quant_math.h, spec in reference.py).
-// Quantize: one warp per block of values (coalesced loads, warp-shuffle absmax). Dequantize: one thread per
-// value (int8) or per byte (int4), grid-stride.
+// Quantize: one warp per block of values (coalesced loads, warp-shuffle absmax); quantize_rows: several blocks per
+// warp. Dequantize: one thread per value (int8) or per byte (int4), grid-stride; dequantize_rows: per 4 values.
 #include "quant_cuda.h"
 
 #include "quant_math.h"
@@ -83,10 +83,12 @@ __global__ void dequantize_int4_kernel(const float* __restrict__ scales, const u
 }
 
 // quantize_rows: chunk r of x (whole blocks) encoded straight into row r of `rows` as a payload (header, scales,
-// codes). One warp per block, as quantize_kernel; with kVector, each lane loads 4 values at once (float4) and
-// stores their 4 (int8) or 2 (int4) code bytes at once. Row status: 1 non-finite value, 2 scale above max_scale.
-const int kMaxVectorLoads = 1024 / 128;  // the largest block (quantization.MAX_BLOCK) in float4 loads per lane
-
+// codes). One warp per block; row status: 1 non-finite value, 2 scale above max_scale.
+//
+// The vector kernel (x 16-byte aligned) is bound by memory-level parallelism, not arithmetic: a warp that loads
+// one block, reduces it with five shuffles and stores its codes has one 16-byte load per lane in flight, and an
+// H200 then moved 0.8 TB/s against a copy's 3.9. So each warp takes kGroup consecutive blocks, issues all their
+// float4 loads (kLoads per lane per block) before the first reduction, and reduces the group's maxima together.
 struct RowHeader {
   uint32_t words[4];
 };
@@ -101,55 +103,77 @@ __device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, fl
   return (uint32_t)(q0 & 15) | ((uint32_t)(q1 & 15) << 4) | ((uint32_t)(q2 & 15) << 8) | ((uint32_t)(q3 & 15) << 12);
 }
 
-template <int kBits, bool kVector>
-__global__ void quantize_rows_kernel(const float* __restrict__ x, int64_t blocks, int64_t block, int64_t per_row,
-                                     uint8_t* __restrict__ rows, int64_t stride, RowHeader header, float max_scale,
-                                     int* __restrict__ status) {
-  const float qmax = kBits == 8 ? 127.0f : 7.0f;
-  const int lane = threadIdx.x & 31;
-  const int64_t b = (int64_t)blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
-  if (b >= blocks) return;  // uniform per warp
+__device__ __forceinline__ uint32_t abs_bits_max4(float4 q) {
+  const uint32_t m01 = max(__float_as_uint(q.x) & 0x7FFFFFFFu, __float_as_uint(q.y) & 0x7FFFFFFFu);
+  const uint32_t m23 = max(__float_as_uint(q.z) & 0x7FFFFFFFu, __float_as_uint(q.w) & 0x7FFFFFFFu);
+  return max(m01, m23);
+}
+
+// Block b of the part, given its absmax bit pattern: writes its row's header (first block of a row), its scale and
+// the row status; -> false (nothing more to write) if the block holds a non-finite value. Sets *codes and *inv.
+template <int kBits>
+__device__ __forceinline__ bool begin_block(int64_t b, uint32_t max_bits, int64_t block, int64_t per_row,
+                                            uint8_t* rows, int64_t stride, const RowHeader& header, float max_scale,
+                                            int* status, int lane, uint8_t** codes, float* inv) {
   const int64_t r = b / per_row, j = b - r * per_row;
   uint8_t* row = rows + r * stride;
   if (j == 0 && lane < 4) reinterpret_cast<uint32_t*>(row)[lane] = header.words[lane];
-  float* scales = reinterpret_cast<float*>(row + 16);
-  uint8_t* codes = row + 16 + 4 * per_row + (kBits == 8 ? j * block : j * block / 2);
-  const float* v = x + b * block;
-
-  uint32_t max_bits = 0;
-  float4 held[kMaxVectorLoads];  // kVector: the lane's values, loaded once (block <= 1024: at most 8 float4)
-  if (kVector) {
-#pragma unroll
-    for (int k = 0; k < kMaxVectorLoads; ++k) {
-      const int64_t i = 4 * lane + 128 * k;
-      if (i < block) {
-        const float4 q = __ldcs(reinterpret_cast<const float4*>(v + i));  // read once: do not keep it in cache
-        held[k] = q;
-        const uint32_t m01 = max(__float_as_uint(q.x) & 0x7FFFFFFFu, __float_as_uint(q.y) & 0x7FFFFFFFu);
-        const uint32_t m23 = max(__float_as_uint(q.z) & 0x7FFFFFFFu, __float_as_uint(q.w) & 0x7FFFFFFFu);
-        max_bits = max(max_bits, max(m01, m23));
-      }
-    }
-  } else {
-    for (int64_t i = lane; i < block; i += 32) max_bits = max(max_bits, __float_as_uint(v[i]) & 0x7FFFFFFFu);
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) max_bits = max(max_bits, __shfl_xor_sync(0xFFFFFFFFu, max_bits, offset));
-  if (max_bits >= 0x7F800000u) {
+  if (max_bits >= 0x7F800000u) {  // inf / NaN bit patterns
     if (lane == 0) atomicOr(status + r, 1);
-    return;
+    return false;
   }
-  float scale, inv;
-  mp_block_scale(__uint_as_float(max_bits), qmax, &scale, &inv);
+  float scale;
+  mp_block_scale(__uint_as_float(max_bits), kBits == 8 ? 127.0f : 7.0f, &scale, inv);
   if (lane == 0) {
-    scales[j] = scale;
+    reinterpret_cast<float*>(row + 16)[j] = scale;
     if (scale > max_scale) atomicOr(status + r, 2);
   }
-  if (kVector) {
+  *codes = row + 16 + 4 * per_row + (kBits == 8 ? j * block : j * block / 2);
+  return true;
+}
+
+template <int kBits, int kLoads, int kGroup>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rows_vector_kernel(const float* __restrict__ x, int64_t blocks, int64_t block, int64_t per_row,
+                                uint8_t* __restrict__ rows, int64_t stride, RowHeader header, float max_scale,
+                                int* __restrict__ status) {
+  const int lane = threadIdx.x & 31;
+  const int64_t first = ((int64_t)blockIdx.x * kWarpsPerCta + threadIdx.x / 32) * kGroup;
+  if (first >= blocks) return;  // uniform per warp
+  float4 held[kGroup][kLoads];
 #pragma unroll
-    for (int k = 0; k < kMaxVectorLoads; ++k) {
+  for (int g = 0; g < kGroup; ++g)
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int64_t i = 4 * lane + 128 * k;
+      held[g][k] = (first + g < blocks && i < block)
+                       ? __ldcs(reinterpret_cast<const float4*>(x + (first + g) * block + i))  // read once: no cache
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  uint32_t max_bits[kGroup];
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    max_bits[g] = 0;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) max_bits[g] = max(max_bits[g], abs_bits_max4(held[g][k]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) max_bits[g] = max(max_bits[g], __shfl_xor_sync(0xFFFFFFFFu, max_bits[g], offset));
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    if (first + g >= blocks) break;  // uniform per warp
+    uint8_t* codes;
+    float inv;
+    if (!begin_block<kBits>(first + g, max_bits[g], block, per_row, rows, stride, header, max_scale, status, lane,
+                            &codes, &inv))
+      continue;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
       const int64_t i = 4 * lane + 128 * k;
       if (i < block) {
-        const float4 q = held[k];
+        const float4 q = held[g][k];
         const uint32_t packed = pack4<kBits>(q.x, q.y, q.z, q.w, inv);
         if (kBits == 8)
           *reinterpret_cast<uint32_t*>(codes + i) = packed;
@@ -157,13 +181,112 @@ __global__ void quantize_rows_kernel(const float* __restrict__ x, int64_t blocks
           *reinterpret_cast<uint16_t*>(codes + i / 2) = (uint16_t)packed;
       }
     }
-  } else if (kBits == 8) {
+  }
+}
+
+// x not 16-byte aligned (a part that starts mid-tensor at an odd offset): scalar loads, one block per warp.
+template <int kBits>
+__global__ void quantize_rows_scalar_kernel(const float* __restrict__ x, int64_t blocks, int64_t block,
+                                            int64_t per_row, uint8_t* __restrict__ rows, int64_t stride,
+                                            RowHeader header, float max_scale, int* __restrict__ status) {
+  const int lane = threadIdx.x & 31;
+  const int64_t b = (int64_t)blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  if (b >= blocks) return;  // uniform per warp
+  const float* v = x + b * block;
+  uint32_t max_bits = 0;
+  for (int64_t i = lane; i < block; i += 32) max_bits = max(max_bits, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+  for (int offset = 16; offset > 0; offset >>= 1) max_bits = max(max_bits, __shfl_xor_sync(0xFFFFFFFFu, max_bits, offset));
+  uint8_t* codes;
+  float inv;
+  if (!begin_block<kBits>(b, max_bits, block, per_row, rows, stride, header, max_scale, status, lane, &codes, &inv))
+    return;
+  if (kBits == 8) {
     for (int64_t i = lane; i < block; i += 32) codes[i] = (uint8_t)(int8_t)mp_quantize_nearest(v[i], inv);
   } else {
     for (int64_t p = lane; p < block / 2; p += 32) {
       const int32_t lo = mp_quantize_nearest(v[2 * p], inv), hi = mp_quantize_nearest(v[2 * p + 1], inv);
       codes[p] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
     }
+  }
+}
+
+struct RowsLaunch {
+  const float* x;
+  int64_t blocks, block, per_row;
+  uint8_t* rows;
+  int64_t stride;
+  RowHeader header;
+  float max_scale;
+  int* status;
+  cudaStream_t stream;
+};
+
+template <int kBits, int kLoads, int kGroup>
+void launch_vector(const RowsLaunch& a) {
+  const int64_t warps = (a.blocks + kGroup - 1) / kGroup;
+  const unsigned grid = (unsigned)((warps + kWarpsPerCta - 1) / kWarpsPerCta);
+  quantize_rows_vector_kernel<kBits, kLoads, kGroup><<<grid, kThreads, 0, a.stream>>>(
+      a.x, a.blocks, a.block, a.per_row, a.rows, a.stride, a.header, a.max_scale, a.status);
+}
+
+// kLoads float4 loads per lane cover a block of up to 128 * kLoads values; a group of blocks per warp makes
+// loads_in_flight of them (at most 16 per lane: 64 registers of held values).
+constexpr int clamp_group(int loads, int group) { return loads * group <= 16 ? group : 16 / loads; }
+
+template <int kBits, int kLoads>
+void launch_vector_group(const RowsLaunch& a, int loads_in_flight) {
+  const int group = loads_in_flight / kLoads;
+  if (group >= 16)
+    launch_vector<kBits, kLoads, clamp_group(kLoads, 16)>(a);
+  else if (group >= 8)
+    launch_vector<kBits, kLoads, clamp_group(kLoads, 8)>(a);
+  else if (group >= 4)
+    launch_vector<kBits, kLoads, clamp_group(kLoads, 4)>(a);
+  else if (group >= 2)
+    launch_vector<kBits, kLoads, 2>(a);
+  else
+    launch_vector<kBits, kLoads, 1>(a);
+}
+
+template <int kBits>
+void launch_rows(const RowsLaunch& a, bool vector, int loads_in_flight) {
+  if (!vector) {
+    const unsigned grid = (unsigned)((a.blocks + kWarpsPerCta - 1) / kWarpsPerCta);
+    quantize_rows_scalar_kernel<kBits><<<grid, kThreads, 0, a.stream>>>(a.x, a.blocks, a.block, a.per_row, a.rows,
+                                                                         a.stride, a.header, a.max_scale, a.status);
+  } else if (a.block <= 128) {
+    launch_vector_group<kBits, 1>(a, loads_in_flight);
+  } else if (a.block <= 256) {
+    launch_vector_group<kBits, 2>(a, loads_in_flight);
+  } else if (a.block <= 512) {
+    launch_vector_group<kBits, 4>(a, loads_in_flight);
+  } else {
+    launch_vector_group<kBits, 8>(a, loads_in_flight);  // block <= 1024 (quantization.MAX_BLOCK)
+  }
+}
+
+// dequantize_rows: row r of `rows` (a validated payload of n values) decoded into out[r*n, (r+1)*n), read where its
+// scales and codes lie in the row (no gather). One thread per 4 values (n is a multiple of 16).
+template <int kBits, bool kOverwrite>
+__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ rows, int64_t stride, int64_t n, int64_t block,
+                                       float* __restrict__ out, int64_t quads, float weight) {
+  const int64_t per_row = n / block;
+  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < quads; t += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = 4 * t, r = i / n, k = i - r * n;
+    const uint8_t* row = rows + r * stride;
+    const float sw = MP_MUL(reinterpret_cast<const float*>(row + 16)[k / block], weight);
+    const uint8_t* codes = row + 16 + 4 * per_row;
+    int32_t c[4];
+    if (kBits == 8) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + k);  // k % 4 == 0, the code offset too
+      for (int q = 0; q < 4; ++q) c[q] = (int32_t)(int8_t)(uint8_t)(w >> (8 * q));
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint16_t*>(codes + k / 2);
+      for (int q = 0; q < 4; ++q) c[q] = mp_nibble_value((w >> (4 * q)) & 15u);
+    }
+    float* o = out + i;
+    for (int q = 0; q < 4; ++q)  // 0 + v, not v: the same -0.0 handling as the CPU kernel
+      o[q] = MP_ADD(kOverwrite ? 0.0f : o[q], MP_MUL((float)c[q], sw));
   }
 }
 
@@ -190,26 +313,45 @@ cudaError_t quantize_cuda(const float* x, int64_t numel, int bits, int64_t block
 
 cudaError_t quantize_rows_cuda(const float* x, int64_t count, int64_t row_numel, int bits, int64_t block,
                                uint8_t* rows, int64_t stride, const uint8_t header[16], float max_scale, int* status,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int loads_in_flight) {
   if (count == 0) return cudaSuccess;
   cudaError_t cleared = cudaMemsetAsync(status, 0, count * sizeof(int), stream);
   if (cleared != cudaSuccess) return cleared;
-  RowHeader h;
+  RowsLaunch a;
   for (int w = 0; w < 4; ++w)
-    h.words[w] = (uint32_t)header[4 * w] | ((uint32_t)header[4 * w + 1] << 8) | ((uint32_t)header[4 * w + 2] << 16) |
-                 ((uint32_t)header[4 * w + 3] << 24);
-  const int64_t per_row = row_numel / block, blocks = count * per_row;
-  const unsigned grid = (unsigned)((blocks + kWarpsPerCta - 1) / kWarpsPerCta);
+    a.header.words[w] = (uint32_t)header[4 * w] | ((uint32_t)header[4 * w + 1] << 8) |
+                        ((uint32_t)header[4 * w + 2] << 16) | ((uint32_t)header[4 * w + 3] << 24);
+  a.x = x;
+  a.per_row = row_numel / block;
+  a.blocks = count * a.per_row;
+  a.block = block;
+  a.rows = rows;
+  a.stride = stride;
+  a.max_scale = max_scale;
+  a.status = status;
+  a.stream = stream;
   // float4 loads need x 16-byte aligned (blocks are multiples of 16 values, so every block then is).
   const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (bits == 8 && vector)
-    quantize_rows_kernel<8, true><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
-  else if (bits == 8)
-    quantize_rows_kernel<8, false><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
-  else if (vector)
-    quantize_rows_kernel<4, true><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
+  if (bits == 8)
+    launch_rows<8>(a, vector, loads_in_flight);
   else
-    quantize_rows_kernel<4, false><<<grid, kThreads, 0, stream>>>(x, blocks, block, per_row, rows, stride, h, max_scale, status);
+    launch_rows<4>(a, vector, loads_in_flight);
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_rows_cuda(const uint8_t* rows, int64_t count, int64_t stride, int64_t row_numel, int bits,
+                                 int64_t block, float* out, float weight, bool overwrite, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const int64_t quads = count * row_numel / 4;
+  const unsigned grid = (unsigned)grid_for(quads);
+  if (bits == 8 && overwrite)
+    dequantize_rows_kernel<8, true><<<grid, kThreads, 0, stream>>>(rows, stride, row_numel, block, out, quads, weight);
+  else if (bits == 8)
+    dequantize_rows_kernel<8, false><<<grid, kThreads, 0, stream>>>(rows, stride, row_numel, block, out, quads, weight);
+  else if (overwrite)
+    dequantize_rows_kernel<4, true><<<grid, kThreads, 0, stream>>>(rows, stride, row_numel, block, out, quads, weight);
+  else
+    dequantize_rows_kernel<4, false><<<grid, kThreads, 0, stream>>>(rows, stride, row_numel, block, out, quads, weight);
   return cudaGetLastError();
 }
 
