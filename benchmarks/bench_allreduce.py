@@ -1,6 +1,6 @@
 """Group all-reduce benchmark: moshpeer vs hivemind's DecentralizedAverager vs torch.distributed gloo.
 
-    python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 7]
+    python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 7] [--repeats 1]
                                          [--compression none[,fp16,...]] [--drop 0.0] [--torch-threads 1]
 
 Every system runs `--peers` processes on this machine averaging one float32 tensor of `--numel`
@@ -299,6 +299,8 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--numel", type=int, default=16_777_216)
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every system this many times, in turn; ratios are medians of paired repeats")
     parser.add_argument("--compression", default="none", help="moshpeer codec(s), comma-separated")
     parser.add_argument("--drop", type=float, default=0.0, help="moshpeer per-chunk drop probability")
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
@@ -326,17 +328,27 @@ def main() -> int:
         return 0
 
     systems = args.systems.split(",")
-    results: Dict[str, Dict[str, float]] = {}
-    if "moshpeer" in systems:
-        for codec, rounds in run_system("moshpeer", args, args.compression).items():
-            results[f"moshpeer[{codec}]"] = summarize(rounds)
-    for system in ("hivemind", "gloo"):
-        if system in systems:
-            results[system] = summarize(run_system(system, args)["none"])
+    # Each repeat runs every system afresh, in turn; a system's figures are medians over the rounds of all
+    # repeats, and a ratio is the median of the repeats' paired ratios (their range says how noisy the machine is).
+    pooled: Dict[str, List[List[dict]]] = {}
+    per_repeat: List[Dict[str, float]] = []
+    for _ in range(args.repeats):
+        seconds: Dict[str, float] = {}
+        if "moshpeer" in systems:
+            for codec, rounds in run_system("moshpeer", args, args.compression).items():
+                pooled.setdefault(f"moshpeer[{codec}]", []).extend(rounds)
+                seconds[f"moshpeer[{codec}]"] = summarize(rounds)["seconds"]
+        for system in ("hivemind", "gloo"):
+            if system in systems:
+                rounds = run_system(system, args)["none"]
+                pooled.setdefault(system, []).extend(rounds)
+                seconds[system] = summarize(rounds)["seconds"]
+        per_repeat.append(seconds)
+    results: Dict[str, Dict[str, float]] = {name: summarize(rounds) for name, rounds in pooled.items()}
 
     mb = args.numel * 4 / 1e6
-    print(f"\n{args.peers} peers, {args.numel} float32 values ({mb:.0f} MB), median of {args.rounds} rounds, "
-          f"slowest peer per round; drop={args.drop} (moshpeer only)")
+    print(f"\n{args.peers} peers, {args.numel} float32 values ({mb:.0f} MB), median of {args.rounds} rounds x "
+          f"{args.repeats} repeats, slowest peer per round; drop={args.drop} (moshpeer only)")
     print(f"{'system':<22}{'round s':>9}{'matchmaking s':>15}{'reduce-sc s':>12}{'all-gath s':>11}"
           f"{'MB sent/peer':>14}{'rel err':>11}{'ok':>4}")
     for name, r in results.items():
@@ -364,6 +376,17 @@ def main() -> int:
         figures["speedup_vs_hivemind"] = figures["hivemind_s"] / figures["moshpeer_s"]
     if figures["moshpeer_s"] and figures["gloo_s"]:
         figures["ratio_vs_gloo"] = figures["moshpeer_s"] / figures["gloo_s"]
+    if "gloo" in systems and "moshpeer" in systems:
+        # Paired per repeat: gloo and moshpeer ran back to back on the same machine state.
+        paired = {codec: [r[f"moshpeer[{codec}]"] / r["gloo"] for r in per_repeat]
+                  for codec in args.compression.split(",")}
+        figures["ratio_vs_gloo_per_codec"] = {codec: statistics.median(v) for codec, v in paired.items()}
+        figures["ratio_vs_gloo_runs"] = paired
+        figures["ratio_vs_gloo"] = figures["ratio_vs_gloo_per_codec"][args.compression.split(",")[0]]
+        for codec, ratios in paired.items():
+            print(f"moshpeer[{codec}] / gloo: median {statistics.median(ratios):.2f} over {len(ratios)} repeats "
+                  f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    figures["repeats"] = args.repeats
     for name, r in results.items():
         if name.startswith("moshpeer"):
             print(f"{name}: peers learned the group {r['start_skew_s']:.3f} s apart (median); from the last one "

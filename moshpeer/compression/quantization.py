@@ -155,8 +155,8 @@ class BlockQuantizer(Codec):
         written; -> per row, why it was rejected (its values untouched) or None. Headers are compared on the
         host, scales on the payloads' device with one read-back for the batch; then one backend call per run of
         consecutive accepted rows with the same mode (one in all, normally), and one per short chunk. A backend
-        with `dequantize_rows` (the C++ one, and the reference) reads each run where it lies in the rows; the
-        others get its codes gathered side by side first (one copy).
+        with `dequantize_rows` (the C++ and CUDA ones, and the reference) reads each run where it lies in the rows;
+        a backend without it (a stale build) gets its codes gathered side by side first (one copy).
         """
         rows = payloads.shape[0]
         if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
