@@ -79,7 +79,7 @@ class PartSender:
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")
             if not self.ctx.closing:
-                self.ctx.give_up_on(j)  # our connection to j broke: j died or left the round, expect nothing more
+                self.ctx.outbound_broke(j)
         finally:
             with self.ctx.cond:
                 self.ctx.sent_progress[j] = DONE
@@ -88,7 +88,8 @@ class PartSender:
 
     def _wait_finalized_watching(self, link: OutboundLink, j: int, c: int) -> bool:
         """Wait for chunk c of our part to be finalized; meanwhile notice if member j's end of our connection
-        closed (it never sends on it, so readable means EOF or reset: j is gone). False = stop sending."""
+        closed (it never sends on it, so readable means EOF or reset: see `RoundContext.outbound_broke`). False =
+        stop sending."""
         finalized = self.ctx.reducer.finalized
         while True:
             with self.ctx.cond:
@@ -97,8 +98,8 @@ class PartSender:
                 if time.monotonic() >= self.ctx.deadline or self.ctx.closing:
                     return False
             if peer_closed(link.sock):
-                logger.debug(f"member {j} closed its connection: it left the round")
-                self.ctx.give_up_on(j)
+                logger.debug(f"member {j} closed its end of our connection")
+                self.ctx.outbound_broke(j)
                 return False
 
     def _stream(self, link: OutboundLink, j: int, phase: str) -> ChunkStream:

@@ -95,6 +95,17 @@ class RoundContext:
             self.cond.notify_all()
         self.reducer.finalize_ready()
 
+    def outbound_broke(self, j: int) -> None:
+        """Our connection to member j broke or j closed its end: we can send j nothing more. That says nothing of
+        what j sends us, which comes over j's own connection: j may simply have had all it needed and closed
+        first, with its averaged part still on its way to us. So while j has a connection to us, its receiver
+        decides when j is done (its end marker, the connection's end, the deadline); without one, expect nothing
+        more from j."""
+        with self.cond:
+            inbound = bool(self.inbound_admitted[j])
+        if not inbound:
+            self.give_up_on(j)
+
     def reject(self, i: int, why: str) -> None:
         """Count and log a message from member i that was refused (it changed nothing)."""
         with self.cond:

@@ -4,6 +4,8 @@ the `Links` the all-reduce was handed, and fault injection is such a wrapper, bu
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 
 import pytest
 import torch
@@ -89,3 +91,79 @@ def test_the_round_code_holds_no_fault_logic():
     for module in (allreduce, averager, dataplane):
         imports = [line for line in inspect.getsource(module).splitlines() if line.lstrip().startswith(("from ", "import "))]
         assert not [line for line in imports if "faults" in line or "Fault" in line], module.__name__
+
+
+class _EndMarkerBreaks:
+    """Our gather stream to a member whose end marker meets a closed connection (the member finished and closed
+    its end first); `broke` is set once it has."""
+
+    def __init__(self, inner, broke):
+        self.inner, self.broke = inner, broke
+        self.stats: PhaseStats = inner.stats
+
+    def closing(self) -> bool:
+        return self.inner.closing()
+
+    def send(self, header: bytes, data) -> None:
+        self.inner.send(header, data)
+
+    def end(self, marker: bytes) -> None:
+        self.broke.set()
+        raise BrokenPipeError("the member closed its end of our connection")
+
+
+class _HeldWhileOpen:
+    """Member 2's gather stream to member 0: its chunks leave once member 0's end marker to it has failed and
+    member 0's all-reduce has then either ended (what the race did) or kept waiting for 2 s (what it must do)."""
+
+    def __init__(self, inner, race):
+        self.inner, self.race = inner, race
+        self.stats: PhaseStats = inner.stats
+
+    def closing(self) -> bool:
+        return self.inner.closing()
+
+    def send(self, header: bytes, data) -> None:
+        self.race.broke.wait(10.0)
+        patience = time.monotonic() + 2.0
+        while not self.race.first_closing() and time.monotonic() < patience:
+            time.sleep(0.01)
+        self.inner.send(header, data)
+
+    def end(self, marker: bytes) -> None:
+        self.inner.end(marker)
+
+
+class _Race(Links):
+    """Member 0's gather end marker to member 2 fails; member 2's gather chunks to member 0 leave after that."""
+
+    def __init__(self):
+        self.broke = threading.Event()
+        self.breaking = None  # member 0's stream to member 2
+
+    def first_closing(self) -> bool:
+        return self.breaking is not None and self.breaking.closing()
+
+    def stream(self, inner, spec):
+        if spec.phase == "gather" and (spec.sender, spec.receiver) == (0, 2):
+            self.breaking = _EndMarkerBreaks(inner, self.broke)
+            return self.breaking
+        if spec.phase == "gather" and (spec.sender, spec.receiver) == (2, 0):
+            return _HeldWhileOpen(inner, self)
+        return inner
+
+
+def test_a_connection_that_breaks_does_not_end_what_arrives_on_the_other():
+    """A member that has all it needs closes its connections; the last frame another member sends it (an end
+    marker) then fails. That says nothing of the member's own data to us, which comes over its connection to us
+    and may still be on its way (seen on a relayed path under load: a round that lost the tail of a part, every
+    member alive). Member 0 keeps receiving member 2's averaged part, and every member ends with the exact mean."""
+    tensors = _inputs()
+    exact = sum(tensors) / N
+    race = _Race()
+    results = run_group(tensors, chunk_numel=CHUNK, deadline_s=20.0, member_kwargs=lambda k: {"links": race})
+    assert race.broke.is_set()
+    for k, result in enumerate(results):
+        assert result is not None and not result.departed and not result.missing_chunks, (k, result)
+    for t in tensors:
+        assert torch.allclose(t, exact, rtol=0, atol=1e-6)
