@@ -83,12 +83,14 @@ __global__ void dequantize_int4_kernel(const float* __restrict__ scales, const u
 }
 
 // quantize_rows: chunk r of x (whole blocks) encoded straight into row r of `rows` as a payload (header, scales,
-// codes). One warp per block; row status: 1 non-finite value, 2 scale above max_scale.
+// codes). Row status: 1 non-finite value, 2 scale above max_scale.
 //
 // The vector kernel (x 16-byte aligned) is bound by memory-level parallelism, not arithmetic: a warp that loads
-// one block, reduces it with five shuffles and stores its codes has one 16-byte load per lane in flight, and an
-// H200 then moved 0.8 TB/s against a copy's 3.9. So each warp takes kGroup consecutive blocks, issues all their
-// float4 loads (kLoads per lane per block) before the first reduction, and reduces the group's maxima together.
+// one block, reduces it with five shuffles and stores its codes has one 16-byte load per lane in flight (an H100
+// encoded 1.16 TB/s of input that way, a device copy moves 1.49). So each warp takes kGroup consecutive blocks,
+// issues all their float4 loads (kLoads per lane per block) before the first reduction, and reduces the group's
+// maxima together: 2.1 TB/s at 8 loads in flight (docs/benchmarks.md, session 14). The unaligned fallback keeps
+// one block per warp.
 struct RowHeader {
   uint32_t words[4];
 };
