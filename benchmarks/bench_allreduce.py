@@ -374,8 +374,6 @@ def main() -> int:
     }
     if figures["moshpeer_s"] and figures["hivemind_s"]:
         figures["speedup_vs_hivemind"] = figures["hivemind_s"] / figures["moshpeer_s"]
-    if figures["moshpeer_s"] and figures["gloo_s"]:
-        figures["ratio_vs_gloo"] = figures["moshpeer_s"] / figures["gloo_s"]
     if "gloo" in systems and "moshpeer" in systems:
         # Paired per repeat: gloo and moshpeer ran back to back on the same machine state.
         paired = {codec: [r[f"moshpeer[{codec}]"] / r["gloo"] for r in per_repeat]

@@ -21,23 +21,37 @@ pytestmark = pytest.mark.timeout(60)
 N, PART, CHUNK = 3, 256, 64  # 4 chunks per member's part
 
 
-class _Counted:
-    """Passes everything on to the real stream, counting what it was asked to send."""
+class _PassThrough:
+    """A `ChunkStream` wrapper that passes everything on to the real stream; subclasses override what they change."""
 
-    def __init__(self, inner, counts: dict, phase: str):
-        self.inner, self.counts, self.phase = inner, counts, phase
+    def __init__(self, inner):
+        self.inner = inner
         self.stats: PhaseStats = inner.stats
 
     def closing(self) -> bool:
         return self.inner.closing()
 
     def send(self, header: bytes, data) -> None:
-        self.counts[self.phase] += 1
         self.inner.send(header, data)
 
     def end(self, marker: bytes) -> None:
-        self.counts["markers"] += 1
         self.inner.end(marker)
+
+
+class _Counted(_PassThrough):
+    """Passes everything on to the real stream, counting what it was asked to send."""
+
+    def __init__(self, inner, counts: dict, phase: str):
+        super().__init__(inner)
+        self.counts, self.phase = counts, phase
+
+    def send(self, header: bytes, data) -> None:
+        self.counts[self.phase] += 1
+        super().send(header, data)
+
+    def end(self, marker: bytes) -> None:
+        self.counts["markers"] += 1
+        super().end(marker)
 
 
 class _Tap(Links):
@@ -93,45 +107,33 @@ def test_the_round_code_holds_no_fault_logic():
         assert not [line for line in imports if "faults" in line or "Fault" in line], module.__name__
 
 
-class _EndMarkerBreaks:
+class _EndMarkerBreaks(_PassThrough):
     """Our gather stream to a member whose end marker meets a closed connection (the member finished and closed
     its end first); `broke` is set once it has."""
 
     def __init__(self, inner, broke):
-        self.inner, self.broke = inner, broke
-        self.stats: PhaseStats = inner.stats
-
-    def closing(self) -> bool:
-        return self.inner.closing()
-
-    def send(self, header: bytes, data) -> None:
-        self.inner.send(header, data)
+        super().__init__(inner)
+        self.broke = broke
 
     def end(self, marker: bytes) -> None:
         self.broke.set()
         raise BrokenPipeError("the member closed its end of our connection")
 
 
-class _HeldWhileOpen:
+class _HeldWhileOpen(_PassThrough):
     """Member 2's gather stream to member 0: its chunks leave once member 0's end marker to it has failed and
     member 0's all-reduce has then either ended (what the race did) or kept waiting for 2 s (what it must do)."""
 
     def __init__(self, inner, race):
-        self.inner, self.race = inner, race
-        self.stats: PhaseStats = inner.stats
-
-    def closing(self) -> bool:
-        return self.inner.closing()
+        super().__init__(inner)
+        self.race = race
 
     def send(self, header: bytes, data) -> None:
         self.race.broke.wait(10.0)
         patience = time.monotonic() + 2.0
         while not self.race.first_closing() and time.monotonic() < patience:
             time.sleep(0.01)
-        self.inner.send(header, data)
-
-    def end(self, marker: bytes) -> None:
-        self.inner.end(marker)
+        super().send(header, data)
 
 
 class _Race(Links):

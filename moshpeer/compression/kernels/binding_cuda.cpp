@@ -22,6 +22,30 @@ void check_args(const at::Tensor& scales, const at::Tensor& codes, int64_t numel
               "codes must be a contiguous uint8 tensor of the encoded size");
 }
 
+// Payload rows (quantize_rows / dequantize_rows): `count` rows of `stride` bytes, each the payload of n values.
+struct RowLayout {
+  int64_t count, stride, n;
+};
+
+// Checks bits, block and that `rows` (2-D uint8 CUDA, 4-byte aligned) can hold payloads of numel / count values
+// each (`what` names the values' tensor in the error).
+RowLayout check_rows(const at::Tensor& rows, int64_t numel, int64_t bits, int64_t block, const char* what) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
+  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
+              "rows must be a contiguous 2-D uint8 CUDA tensor");
+  const int64_t count = rows.size(0), stride = rows.size(1);
+  if (count == 0) return {0, stride, 0};
+  TORCH_CHECK(numel % count == 0, what, " must hold a whole number of values per row");
+  const int64_t n = numel / count;
+  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
+  const int64_t code_bytes = bits == 8 ? n : n / 2;
+  TORCH_CHECK(16 + 4 * (n / block) + code_bytes <= stride && stride % 4 == 0,
+              "rows too narrow for header, scales and codes (or not 4-byte aligned)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0, "rows must be 4-byte aligned");
+  return {count, stride, n};
+}
+
 bool quantize(const at::Tensor& x, at::Tensor scales, at::Tensor codes, int64_t bits, int64_t block,
               bool stochastic, int64_t key) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
@@ -52,52 +76,31 @@ void quantize_rows(const at::Tensor& x, at::Tensor rows, at::IntArrayRef header,
                    int64_t block, double max_scale) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
               "x must be a contiguous 1-D float32 CUDA tensor");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
-  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
-  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
-              "rows must be a contiguous 2-D uint8 CUDA tensor");
   TORCH_CHECK(header.size() == 16, "the payload header is 16 bytes");
-  const int64_t count = rows.size(0), stride = rows.size(1);
-  TORCH_CHECK(status.is_cuda() && status.scalar_type() == at::kInt && status.is_contiguous() && status.numel() == count,
-              "status must be a contiguous int32 CUDA tensor with one entry per row");
-  if (count == 0) return;
-  TORCH_CHECK(x.numel() % count == 0, "x must hold a whole number of values per row");
-  const int64_t n = x.numel() / count;
-  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
-  const int64_t code_bytes = bits == 8 ? n : n / 2;
-  TORCH_CHECK(16 + 4 * (n / block) + code_bytes <= stride && stride % 4 == 0,
-              "rows too narrow for header, scales and codes (or not 4-byte aligned)");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0, "rows must be 4-byte aligned");
+  const RowLayout layout = check_rows(rows, x.numel(), bits, block, "x");
+  TORCH_CHECK(status.is_cuda() && status.scalar_type() == at::kInt && status.is_contiguous() &&
+              status.numel() == rows.size(0), "status must be a contiguous int32 CUDA tensor with one entry per row");
+  if (layout.count == 0) return;
   uint8_t bytes[16];
   for (int i = 0; i < 16; ++i) bytes[i] = (uint8_t)header[i];
   c10::cuda::CUDAGuard guard(x.device());
   cudaError_t result = moshpeer::quantize_rows_cuda(
-      x.data_ptr<float>(), count, n, (int)bits, block, rows.data_ptr<uint8_t>(), stride, bytes, (float)max_scale,
+      x.data_ptr<float>(), layout.count, layout.n, (int)bits, block, rows.data_ptr<uint8_t>(), layout.stride, bytes,
+      (float)max_scale,
       status.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(result == cudaSuccess, "quantize_rows kernel launch failed: ", cudaGetErrorString(result));
 }
 
 void dequantize_rows(const at::Tensor& rows, at::Tensor out, int64_t bits, int64_t block, double weight,
                      bool overwrite) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
-  TORCH_CHECK(block >= 16 && block % 16 == 0, "block must be a positive multiple of 16");
-  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
-              "rows must be a contiguous 2-D uint8 CUDA tensor");
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
               "out must be a contiguous 1-D float32 CUDA tensor");
   TORCH_CHECK(rows.device() == out.device(), "rows and out must be on the same device");
-  const int64_t count = rows.size(0), stride = rows.size(1);
-  if (count == 0) return;
-  TORCH_CHECK(out.numel() % count == 0, "out must hold a whole number of values per row");
-  const int64_t n = out.numel() / count;
-  TORCH_CHECK(n % block == 0 && n < (int64_t(1) << 32), "a row must hold whole blocks (and fewer than 2^32 values)");
-  const int64_t code_bytes = bits == 8 ? n : n / 2;
-  TORCH_CHECK(16 + 4 * (n / block) + code_bytes <= stride && stride % 4 == 0,
-              "rows too narrow for header, scales and codes (or not 4-byte aligned)");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0, "rows must be 4-byte aligned");
+  const RowLayout layout = check_rows(rows, out.numel(), bits, block, "out");
+  if (layout.count == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
   cudaError_t result = moshpeer::dequantize_rows_cuda(
-      rows.data_ptr<uint8_t>(), count, stride, n, (int)bits, block, out.data_ptr<float>(), (float)weight, overwrite,
+      rows.data_ptr<uint8_t>(), layout.count, layout.stride, layout.n, (int)bits, block, out.data_ptr<float>(), (float)weight, overwrite,
       c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(result == cudaSuccess, "dequantize_rows kernel launch failed: ", cudaGetErrorString(result));
 }
