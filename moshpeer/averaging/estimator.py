@@ -21,7 +21,20 @@ for the tests that show the difference.
 
 from __future__ import annotations
 
+from typing import List, Optional, Tuple
+
 import torch
+
+from moshpeer.compression.kernels import backend_for
+
+
+def _coefficients(own_weight: float, arrived_weight: float, others_weight: float) -> Optional[Tuple[float, float]]:
+    """(k_sum, k_own) with avg = S * k_sum + x_o * k_own; None when our own value is the estimate (nothing arrived,
+    or no others are left)."""
+    total = own_weight + others_weight
+    if arrived_weight <= 0 or others_weight <= 0 or total <= 0:
+        return None
+    return others_weight / (arrived_weight * total), own_weight / total
 
 
 def estimate_over_sum(
@@ -30,10 +43,23 @@ def estimate_over_sum(
     """The estimate above, written over `arrived_sum` (S, the weighted sum: scratch once a chunk is final) and
     returned, so that `own` stays intact until the caller has checked the result. Returns `own` itself when
     nothing arrived (or no others are left): then our own value is the estimate."""
-    total = own_weight + others_weight
-    if arrived_weight <= 0 or others_weight <= 0 or total <= 0:
+    k = _coefficients(own_weight, arrived_weight, others_weight)
+    if k is None:
         return own
-    return arrived_sum.mul_(others_weight / (arrived_weight * total)).add_(own, alpha=own_weight / total)
+    return arrived_sum.mul_(k[0]).add_(own, alpha=k[1])
+
+
+def estimate_chunks_into_own(own: torch.Tensor, own_weight: float, arrived_sum: torch.Tensor, arrived_weight: float,
+                             others_weight: float, chunk_numel: int) -> Optional[List[int]]:
+    """`estimate_over_sum`, written into `own` chunk by chunk (of `chunk_numel` values; the last may be shorter)
+    wherever it is finite: a finite contribution can still overflow in the sum. -> per chunk, 1 if its estimate
+    was not finite (`own` keeps its values there), else 0; None when `own` is the estimate and nothing was
+    written. `arrived_sum` is scratch afterwards. On the CPU one compiled pass per chunk blends and checks it, and
+    the copy follows while it is in cache (kernels.reference.estimate_chunks has the contract)."""
+    k = _coefficients(own_weight, arrived_weight, others_weight)
+    if k is None:
+        return None
+    return backend_for(own.device).estimate_chunks(arrived_sum, own, chunk_numel, k[0], k[1])
 
 
 def biased_estimate(

@@ -26,7 +26,7 @@ import torch
 
 from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, MIN_ROBUST_CONTRIBUTIONS, cap_weights,
                                             check_aggregation, robust_combine, weight_cap_factor)
-from moshpeer.averaging.estimator import estimate_over_sum
+from moshpeer.averaging.estimator import estimate_chunks_into_own
 from moshpeer.averaging.partition import Partition
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
@@ -306,18 +306,12 @@ class PartReducer:
     def _estimate_run(self, run: List[int], present_weight: float) -> None:
         start, end = self._range_of(run)
         lo, hi = start - self.part_start, end - self.part_start
-        values = self.flat[start:end]
-        # The average is computed beside our value and checked before it replaces it (no copy of our value).
-        average = estimate_over_sum(values, self.weights[self.my_index], self.others_sum[lo:hi],
-                                    self.arrived_weight[run[0]], present_weight)
-        if average is values:
-            return
-        if all_finite(average):  # one read-back for the run
-            values.copy_(average)
-            return
-        for c in run:  # some chunk's average is not finite: find which, chunk by chunk (rare)
-            s, e = self.partition.chunk_range(self.my_index, c)
-            self._accept_average(c, values[s - start:e - start], average[s - start:e - start])
+        # Computed beside our value and written over it only where finite (no copy of our value is kept).
+        refused = estimate_chunks_into_own(self.flat[start:end], self.weights[self.my_index], self.others_sum[lo:hi],
+                                           self.arrived_weight[run[0]], present_weight, self.partition.chunk_numel)
+        for c, bad in zip(run, refused or ()):
+            if bad:
+                self._note_nonfinite(c)
 
     def _accept_average(self, c: int, values: torch.Tensor, average: torch.Tensor) -> None:
         if average is values:
@@ -325,9 +319,12 @@ class PartReducer:
         if all_finite(average):  # e.g. finite contributions can overflow in the sum
             values.copy_(average)
         else:
-            with self._lock:
-                self.nonfinite_averages += 1
-            logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
+            self._note_nonfinite(c)
+
+    def _note_nonfinite(self, c: int) -> None:
+        with self._lock:
+            self.nonfinite_averages += 1
+        logger.warning(f"average of chunk {c} is not finite: keeping and sending this peer's own value")
 
     def _encode_gather_run(self, run: List[int]) -> None:
         """Encode the final chunks of `run` for the all-gather and replace our values by the decoded ones."""

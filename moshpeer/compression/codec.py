@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from moshpeer.compression.kernels import backend_for, reference
 from moshpeer.errors import ProtocolError, UserError
 
 
@@ -85,20 +86,13 @@ def accepted_runs(ok: Sequence[bool], modes: Sequence[Optional[str]], count: int
     return runs
 
 
-def _row_flags(values: torch.Tensor) -> List[bool]:
-    """Per row of a 2-D float32 tensor: are all its values finite? One read-back (two if a row's sum overflows)."""
-    flags = torch.isfinite(values.sum(dim=1, dtype=torch.float32)).tolist()
-    if all(flags):
-        return flags
-    return torch.isfinite(values).all(dim=1).tolist()
-
-
 class NoCompression(Codec):
     """Raw float32: zero-copy encode (the payload is a byte view of the chunk).
 
-    Batched like the quantizers (`decode_chunks`), so that a receiver takes a pipeline slice of chunks in with
-    one read-back and O(1) tensor operations instead of a few per chunk. Senders need no `encode_chunks`: a run
-    of chunks is a stretch of the vector itself (`raw = True`).
+    Batched like the quantizers (`decode_chunks`), so that a receiver takes a pipeline slice of chunks in with one
+    backend call instead of a few tensor operations per chunk: on the CPU the C++ kernel checks each row and writes
+    it while it is still in cache; elsewhere the reference needs one read-back per batch. Senders need no
+    `encode_chunks`: a run of chunks is a stretch of the vector itself (`raw = True`).
     """
 
     name = "none"
@@ -127,19 +121,15 @@ class NoCompression(Codec):
             if ok[r] and nbytes[r] != expected:
                 errors[r], ok[r] = f"float32 payload of {nbytes[r]} bytes for {expected // 4} values", False
         full = min(rows, numel // n)  # rows holding n values each; a short last row is checked on its own
-        values = payloads[:, :4 * n].view(torch.float32) if full else None
         if full and any(ok[:full]):
-            for r, finite in enumerate(_row_flags(values[:full])):
-                if ok[r] and not finite:
-                    errors[r], ok[r] = "non-finite values in payload", False
-        for r, end in accepted_runs(ok, modes, full):  # each run of accepted rows with one mode: one operation
-            target, source = out[r * n:end * n].view(end - r, n), values[r:end]
-            if modes[r] == "add":
-                target.add_(source, alpha=weight)
-            elif weight == 1.0:
-                target.copy_(source)
-            else:
-                torch.mul(source, weight, out=target)
+            # One backend call checks each row whole and writes only finite ones (kernels.reference has the contract).
+            wanted = [reference.MODE_SKIP if not ok[r] else reference.MODE_ADD if modes[r] == "add"
+                      else reference.MODE_INTO for r in range(full)]
+            values = payloads[:full, :4 * n].view(torch.float32)
+            refused = backend_for(out.device).take_float_rows(values, out[:full * n], wanted, weight)
+            for r in range(full):
+                if refused[r]:
+                    errors[r] = "non-finite values in payload"
         for r in range(full, rows):
             if ok[r]:
                 target = out[r * n:]

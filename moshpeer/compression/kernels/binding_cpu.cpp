@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <vector>
 
 #include "quant_cpu.h"
+#include "raw_cpu.h"
 
 namespace {
 
@@ -148,6 +151,67 @@ void dequantize_rows(const at::Tensor& rows, at::Tensor out, int64_t bits, int64
   });
 }
 
+// Raw float32 payload rows (the `none` codec): values row r (its first n = out.numel() / R values) is written into
+// out[r * n : (r + 1) * n] by modes[r] (0: skip, 1: out = weight * row, 2: out += weight * row), but only if every one
+// of its values is finite; the row is checked whole before anything is written. -> per row, 1 if it was refused for a
+// non-finite value, else 0. One pass to check and one to write, while the row is still in cache.
+std::vector<int64_t> take_float_rows(const at::Tensor& values, at::Tensor out, at::IntArrayRef modes, double weight) {
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 2 &&
+                  values.stride(1) == 1, "values must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "out must be a contiguous 1-D float32 CPU tensor");
+  const int64_t count = values.size(0);
+  TORCH_CHECK((int64_t)modes.size() == count, "one mode per row");
+  std::vector<int64_t> refused(count, 0);
+  if (count == 0) return refused;
+  TORCH_CHECK(out.numel() % count == 0 && out.numel() / count <= values.size(1),
+              "out must hold the same number of values for every row, at most a row's length");
+  const int64_t n = out.numel() / count, stride = values.stride(0);
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float w = (float)weight;
+  at::parallel_for(0, count, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(n, 1)), [&](int64_t begin,
+                                                                                                 int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (modes[r] == 0) continue;
+      const float* row = vp + r * stride;
+      if (!moshpeer::all_finite_cpu(row, n)) {
+        refused[r] = 1;
+        continue;
+      }
+      moshpeer::write_row_cpu(row, op + r * n, n, w, modes[r] == 1);
+    }
+  });
+  return refused;
+}
+
+// The owner's estimate of its part's average, chunk by chunk (averaging/estimator.py has the math): for chunk c of
+// n values (the last may be shorter), sum_c = sum_c * k1 + own_c * k2, and own_c = sum_c only if all of it is finite.
+// -> per chunk, 1 if its estimate was not finite (own_c untouched, sum_c scratch), else 0. Each chunk is blended
+// in one pass and copied while it is still in cache.
+std::vector<int64_t> estimate_chunks(at::Tensor sum, at::Tensor own, int64_t n, double k1, double k2) {
+  TORCH_CHECK(sum.device().is_cpu() && sum.scalar_type() == at::kFloat && sum.is_contiguous() && sum.dim() == 1,
+              "sum must be a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK(own.device().is_cpu() && own.scalar_type() == at::kFloat && own.is_contiguous() &&
+                  own.numel() == sum.numel(), "own must be a contiguous float32 CPU tensor the size of sum");
+  TORCH_CHECK(n > 0, "chunks must hold values");
+  const int64_t numel = sum.numel(), count = (numel + n - 1) / n;
+  std::vector<int64_t> refused(count, 0);
+  float* sp = sum.data_ptr<float>();
+  float* op = own.data_ptr<float>();
+  const float a = (float)k1, b = (float)k2;
+  at::parallel_for(0, count, std::max<int64_t>(1, kGrainValues / n), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t start = c * n, len = std::min(n, numel - start);
+      if (moshpeer::blend_row_cpu(sp + start, op + start, len, a, b))
+        std::memcpy(op + start, sp + start, len * sizeof(float));
+      else
+        refused[c] = 1;
+    }
+  });
+  return refused;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moshpeer_cpu, m) {
@@ -161,4 +225,6 @@ TORCH_LIBRARY(moshpeer_cpu, m) {
         "float max_scale) -> ()", &quantize_rows);
   m.def("dequantize_rows(Tensor rows, Tensor(a!) out, int bits, int block, float weight, bool overwrite) -> ()",
         &dequantize_rows);
+  m.def("take_float_rows(Tensor values, Tensor(a!) out, int[] modes, float weight) -> int[]", &take_float_rows);
+  m.def("estimate_chunks(Tensor(a!) sum, Tensor(b!) own, int n, float k1, float k2) -> int[]", &estimate_chunks);
 }

@@ -30,8 +30,8 @@ ENV_CACHE = "MOSHPEER_KERNEL_CACHE"
 BACKENDS = ("torch", "cpp", "cuda")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-CPU_SOURCES = ["binding_cpu.cpp", "quant_cpu.cpp"]
-CPU_HEADERS = ["quant_cpu.h", "quant_math.h"]
+CPU_SOURCES = ["binding_cpu.cpp", "quant_cpu.cpp", "raw_cpu.cpp"]
+CPU_HEADERS = ["quant_cpu.h", "quant_math.h", "raw_cpu.h"]
 CUDA_SOURCES = ["binding_cuda.cpp", "quant_cuda.cu"]
 CUDA_HEADERS = ["quant_cuda.h", "quant_math.h"]
 # -ffp-contract=off / --fmad=false: a fused multiply-add would round differently from the reference.
@@ -68,6 +68,15 @@ class Backend(Protocol):
         """Decode validated payload rows straight into `out` (reference.dequantize_rows has the contract); False if
         this backend has no such kernel (the caller then gathers scales and codes and calls `dequantize`)."""
 
+    def take_float_rows(self, values: torch.Tensor, out: torch.Tensor, modes: List[int], weight: float) -> List[int]:
+        """Check raw float32 rows and write the finite ones into `out` (reference.take_float_rows has the contract);
+        -> per row, 1 if refused."""
+
+    def estimate_chunks(self, total: torch.Tensor, own: torch.Tensor, chunk_numel: int, k1: float,
+                        k2: float) -> List[int]:
+        """Blend the arrived sum with our own values, chunk by chunk, keeping only finite results
+        (reference.estimate_chunks has the contract); -> per chunk, 1 if not finite."""
+
 
 class TorchBackend:
     """The reference implementation (kernels/reference.py)."""
@@ -89,6 +98,12 @@ class TorchBackend:
     def dequantize_rows(self, rows, out, bits, block, weight, overwrite) -> bool:
         reference.dequantize_rows(rows, out, bits, block, weight, overwrite)
         return True
+
+    def take_float_rows(self, values, out, modes, weight) -> List[int]:
+        return reference.take_float_rows(values, out, modes, weight)
+
+    def estimate_chunks(self, total, own, chunk_numel, k1, k2) -> List[int]:
+        return reference.estimate_chunks(total, own, chunk_numel, k1, k2)
 
 
 class OpsBackend:
@@ -119,6 +134,16 @@ class OpsBackend:
             return False
         self._ops.dequantize_rows(rows, out, bits, block, float(weight), bool(overwrite))
         return True
+
+    def take_float_rows(self, values, out, modes, weight) -> List[int]:
+        if not hasattr(self._ops, "take_float_rows"):  # the CUDA extension: torch's own ops batch well there
+            return reference.take_float_rows(values, out, modes, weight)
+        return self._ops.take_float_rows(values, out, list(modes), float(weight))
+
+    def estimate_chunks(self, total, own, chunk_numel, k1, k2) -> List[int]:
+        if not hasattr(self._ops, "estimate_chunks"):
+            return reference.estimate_chunks(total, own, chunk_numel, k1, k2)
+        return self._ops.estimate_chunks(total, own, int(chunk_numel), float(k1), float(k2))
 
 
 def cpu_isa_flags() -> List[str]:

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the quantization kernels: the definition every backend must match bit for bit.
+"""Pure-torch reference of the compiled kernels: the definition every backend must match (bit for bit, for quantization).
 
 The function, for a float32 vector `x` cut into blocks of `block` values (the last block may be short):
 
@@ -195,3 +195,58 @@ def dequantize_rows(rows: torch.Tensor, out: torch.Tensor, bits: int, block: int
     scales = rows[:, 16:16 + 4 * nb].reshape(-1).view(torch.float32)
     codes = rows[:, 16 + 4 * nb:16 + 4 * nb + cb].reshape(-1)
     (dequantize if overwrite else dequantize_accumulate)(scales, codes, out, bits, block, weight)
+
+
+MODE_SKIP, MODE_INTO, MODE_ADD = 0, 1, 2  # take_float_rows: what to do with a row
+
+
+def take_float_rows(values: torch.Tensor, out: torch.Tensor, modes, weight: float) -> list:
+    """Raw float32 payload rows (the `none` codec): with R = values.shape[0] and n = out.numel() / R, row r's first n
+    values go into out[r*n:(r+1)*n] by modes[r] (MODE_INTO: weight * row; MODE_ADD: out + weight * row; MODE_SKIP:
+    nothing), but only if all of them are finite: a row with NaN or inf is refused whole, before anything is
+    written. -> per row, 1 if refused, else 0. One read-back for the batch (two if a row's sum overflows)."""
+    count = values.shape[0]
+    if count == 0:
+        return []
+    n = out.numel() // count
+    rows = values[:, :n]
+    finite = torch.isfinite(rows.sum(dim=1, dtype=torch.float32)).tolist()
+    if not all(finite):
+        finite = torch.isfinite(rows).all(dim=1).tolist()
+    refused = [0 if finite[r] or modes[r] == MODE_SKIP else 1 for r in range(count)]
+    r = 0
+    while r < count:  # each run of accepted rows with one mode: one operation
+        end = r + 1
+        if modes[r] != MODE_SKIP and not refused[r]:
+            while end < count and modes[end] == modes[r] and not refused[end]:
+                end += 1
+            target, source = out[r * n:end * n].view(end - r, n), rows[r:end]
+            if modes[r] == MODE_ADD:
+                target.add_(source, alpha=weight)
+            elif weight == 1.0:
+                target.copy_(source)
+            else:
+                torch.mul(source, weight, out=target)
+        r = end
+    return refused
+
+
+def estimate_chunks(total: torch.Tensor, own: torch.Tensor, chunk_numel: int, k1: float, k2: float) -> list:
+    """The owner's estimate (averaging/estimator.py), chunk by chunk: total = total * k1 + own * k2 in place, then
+    each chunk of `chunk_numel` values (the last may be shorter) is copied into `own` only if all of it is finite.
+    -> per chunk, 1 if its estimate was not finite (`own` keeps its values there), else 0. One read-back for the
+    run when every chunk is finite."""
+    numel = own.numel()
+    count = -(-numel // chunk_numel)
+    total.mul_(k1).add_(own, alpha=k2)
+    if bool(torch.isfinite(total).all()):
+        own.copy_(total)
+        return [0] * count
+    refused = []
+    for c in range(count):  # some chunk is not finite: find which (rare)
+        lo, hi = c * chunk_numel, min(numel, (c + 1) * chunk_numel)
+        finite = bool(torch.isfinite(total[lo:hi]).all())
+        if finite:
+            own[lo:hi].copy_(total[lo:hi])
+        refused.append(0 if finite else 1)
+    return refused
