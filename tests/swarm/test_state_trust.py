@@ -196,6 +196,25 @@ def test_a_disagreeing_pair_is_set_aside_and_the_download_fails_at_once(dht_node
             server.shutdown()
 
 
+def test_two_donors_signing_one_forgery_do_not_outvote_an_honest_one(dht_node):
+    """Two Sybil donors serve the very same forged bytes beside one honest donor, all at one epoch (issue 26).
+    Identical signatures do not confirm a state that another donor contradicts: the forgery is compared with the
+    honest state, they disagree, all are set aside, and the newcomer adopts nothing rather than the forgery."""
+    boot = dht_node(run_ids=[RUN])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
+    forged = {"w": honest["w"] * -3.0}
+    servers = _serve_states(dht_node, maddrs, ((5, forged), (5, forged), (5, honest)))
+    try:
+        newcomer = _newcomer_seeing(dht_node, maddrs, 3)
+        with pytest.raises(state_sync.StateDownloadFailed, match="disagree") as refused:
+            download_state(newcomer, RUN, timeout=60, show_progress=False)
+        assert servers[2][1].identity.peer_id in str(refused.value)  # compared with the honest donor's state
+    finally:
+        for server, _ in servers:
+            server.shutdown()
+
+
 def test_factored_optimizer_state_is_accepted():
     """Adafactor keeps row and column factors (the parameter's shape reduced to 1 along one dimension): an
     honest donor's state of such an optimizer passes, a factor of a foreign shape does not."""

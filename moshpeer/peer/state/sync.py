@@ -361,7 +361,9 @@ def download_state(
 
     When more than one donor offers a state within one epoch of the first valid one, a second one is
     downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
-    (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are tried. Donors are asked
+    drawn from a secret seed (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are
+    tried. Donors that signed the very same bytes count as one such confirmation only when no other donor at
+    that epoch offers something else. Donors are asked
     in `_cross_checkable_first` order. A lone donor's validated state is taken as is. Once every donor on
     offer was tried, the download fails at once rather than at `timeout`.
 
@@ -442,8 +444,10 @@ def download_state(
                                      sha256=manifest.sha256, nbytes=manifest.total_bytes,
                                      seconds=time.monotonic() - started, failed_donors=failed,
                                      donors=swarmed.served_by)
-        if candidate is None and len(swarmed.agreeing) >= 2:
-            # Two donors signed the very same bytes: a stronger cross-check than a sample of values.
+        if candidate is None and len(swarmed.agreeing) >= 2 and not _dissenters(listed, tried, manifest.epoch):
+            # Donors signed the very same bytes and no other donor at that epoch offers something else. With a
+            # dissenter, identical signatures prove nothing (identities are cheap: two Sybils sign one forgery):
+            # the state is compared with the dissenter's like any other candidate.
             return downloaded
         if candidate is None:
             candidate = downloaded
@@ -459,6 +463,12 @@ def download_state(
         candidate = None
     raise StateDownloadFailed(f"no donor delivered the state within {time.monotonic() - started:.1f} s "
                               f"(failed: {failed})")
+
+
+def _dissenters(listed: List[StateOffer], tried: set, epoch: int) -> List[StateOffer]:
+    """Donors on offer at `epoch` that were not asked yet: after a download from a group of donors that signed one
+    manifest, those that signed another one. (Donors at other epochs hold other states by right.)"""
+    return [o for o in listed if o.peer_id not in tried and o.epoch == epoch]
 
 
 def _cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:

@@ -11,7 +11,8 @@ downloader then moves on to the next donor. Agreement between two donors is chec
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Sequence
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -96,10 +97,11 @@ def validate_counters(epoch: Any, steps: Any, max_epoch: int = MAX_COUNTER) -> N
 
 
 def disagreeing_tensors(first: Mapping[str, torch.Tensor], second: Mapping[str, torch.Tensor],
-                        seed: int = 0) -> List[str]:
+                        seed: Optional[int] = None) -> List[str]:
     """Names of the parameter tensors on which two donors' model states disagree, compared on a random
-    sample of values (both already validated: same names and shapes)."""
-    generator = torch.Generator().manual_seed(seed)
+    sample of values (both already validated: same names and shapes). The sample is drawn from a fresh secret
+    seed unless `seed` is given (tests): a forger who knew which values are compared could forge the others."""
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
     if set(first) != set(second):
         return sorted(set(first) ^ set(second))
     disagree = []
