@@ -1,4 +1,5 @@
-"""Group all-reduce benchmark: moshpeer vs hivemind's DecentralizedAverager vs torch.distributed gloo.
+"""Group all-reduce benchmark: moshpeer vs hivemind's DecentralizedAverager vs torch.distributed gloo (and, with
+`--systems ...,bare`, the floor of moshpeer's architecture: bare_allreduce.py).
 
     python benchmarks/bench_allreduce.py [--peers 4] [--numel 16777216] [--rounds 7] [--repeats 1]
                                          [--compression none[,fp16,...]] [--drop 0.0] [--torch-threads 1]
@@ -13,6 +14,8 @@ What is timed (matchmaking is excluded for both swarm systems and reported separ
 - hivemind: `step(wait=False, require_trigger=True)`; once the control reaches AWAITING_TRIGGER
   (group assembled) the clock starts, `allow_allreduce()`, and it stops when the result is ready.
 - gloo: `dist.all_reduce(SUM)` + divide by the peer count, after a barrier.
+- bare: the same reduce-scatter + all-gather in Python threads over one TCP connection per pair, with moshpeer's
+  frame MACs and nothing else (bare_allreduce.py), after a barrier: what the architecture costs before the protocol.
 Relative error: ||result - exact mean|| / ||exact mean||, exact mean computed in float64 by each peer, over the
 whole vector in the warm-up round and over a fixed sample of coordinates in every timed round (`ErrorCheck`).
 Ends with one JSON line of the figures.
@@ -212,7 +215,13 @@ def gloo_worker(args) -> None:
     dist.destroy_process_group()
 
 
-WORKERS = {"moshpeer": moshpeer_worker, "hivemind": hivemind_worker, "gloo": gloo_worker}
+def bare_worker(args) -> None:
+    from bare_allreduce import bare_worker as run
+
+    run(args, emit, ErrorCheck, peer_values)
+
+
+WORKERS = {"moshpeer": moshpeer_worker, "hivemind": hivemind_worker, "gloo": gloo_worker, "bare": bare_worker}
 
 
 # ---- orchestration --------------------------------------------------------------------------------
@@ -263,7 +272,7 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
                                 text=True, env=env)
 
     try:
-        if system == "gloo":
+        if system in ("gloo", "bare"):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -372,7 +381,7 @@ def main() -> int:
             for codec, rounds in run_system("moshpeer", args, args.compression).items():
                 pooled.setdefault(f"moshpeer[{codec}]", []).extend(rounds)
                 seconds[f"moshpeer[{codec}]"] = summarize(rounds)["seconds"]
-        for system in ("hivemind", "gloo"):
+        for system in ("hivemind", "bare", "gloo"):
             if system in systems:
                 rounds = run_system(system, args)["none"]
                 pooled.setdefault(system, []).extend(rounds)
@@ -418,6 +427,19 @@ def main() -> int:
         for codec, ratios in paired.items():
             print(f"moshpeer[{codec}] / gloo: median {statistics.median(ratios):.2f} over {len(ratios)} repeats "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    if "bare" in systems and "gloo" in systems:
+        # The architecture's floor (bare_allreduce.py) against gloo, and moshpeer against that floor, paired.
+        floor = [r["bare"] / r["gloo"] for r in per_repeat]
+        figures["bare_s"] = results["bare"]["seconds"]
+        figures["bare_over_gloo"] = statistics.median(floor)
+        print(f"bare / gloo: median {figures['bare_over_gloo']:.2f} (range {min(floor):.2f}-{max(floor):.2f}); "
+              f"bare CPU per peer per round {results['bare']['cpu_s']:.3f} s")
+        if "moshpeer" in systems:
+            primary_codec = args.compression.split(",")[0]
+            over = [r[f"moshpeer[{primary_codec}]"] / r["bare"] for r in per_repeat]
+            figures["moshpeer_over_bare"] = statistics.median(over)
+            print(f"moshpeer[{primary_codec}] / bare: median {figures['moshpeer_over_bare']:.2f} "
+                  f"(range {min(over):.2f}-{max(over):.2f})")
     figures["repeats"] = args.repeats
     for name, r in results.items():
         if name.startswith("moshpeer"):
