@@ -207,6 +207,7 @@ def build_table(run_id: str, peers: List[PeerRecord], now: float):
     table.add_column("epoch/step", justify="right")
     table.add_column("samples/s", justify="right")
     table.add_column("recent rounds", justify="right")  # averaged / rounds, share of chunks lost, seconds
+    table.add_column("path")  # how its chunks reached its group: direct TCP, or a share over the relay
     table.add_column("last seen", justify="right")
     # How many other peers' robust aggregation clipped it: each record counts once, whatever count it claims
     # (a single record claiming 2^62 flags about an honest peer shows as 1 reporter, not 2^62).
@@ -220,6 +221,7 @@ def build_table(run_id: str, peers: List[PeerRecord], now: float):
             f"{peer.epoch}/{peer.step}",
             f"{peer.samples_per_second:.1f}",
             _describe_health(peer),
+            _describe_path(peer),
             f"{max(0.0, now - peer.updated_at):.1f} s ago",
             str(flagged.get(peer.peer_id, 0)),
         )
@@ -250,6 +252,15 @@ def _describe_health(peer: PeerRecord) -> str:
     if health is None or not health.rounds:
         return "-"
     return f"{health.averaged}/{health.rounds} ok, {100 * health.lost_fraction:.1f}% lost, {health.seconds:.2f} s"
+
+
+def _describe_path(peer: PeerRecord) -> str:
+    health = peer.round_health
+    if health is None or not health.averaged:
+        return "-"
+    if health.relayed_fraction == 0:
+        return "direct"
+    return f"{100 * health.relayed_fraction:.0f}% relayed"
 
 
 def _console():

@@ -37,7 +37,7 @@ MUTABLE_FIELDS = frozenset(
 
 class RoundHealth(BaseModel):
     """How a peer's recent collaborative rounds went (its last `rounds`, at most MAX_HEALTH_ROUNDS):
-    shown by `moshpeer status`. Four numbers, so the record stays small."""
+    shown by `moshpeer status`. Five numbers, so the record stays small."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
@@ -45,6 +45,9 @@ class RoundHealth(BaseModel):
     averaged: Annotated[int, Field(ge=0, le=MAX_HEALTH_ROUNDS)]  # of them, with a group
     lost_fraction: Annotated[float, Field(ge=0.0, le=1.0)]  # chunks lost / expected, over the averaged ones
     seconds: _Seconds  # mean seconds per averaged round (matchmaking + data plane)
+    # Of its connections to group members in those rounds, the share that went over libp2p streams because no
+    # direct TCP connection could be opened (NAT, firewall): `moshpeer status` shows the path.
+    relayed_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
 
     @model_validator(mode="after")
     def _averaged_within_rounds(self) -> "RoundHealth":

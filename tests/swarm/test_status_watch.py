@@ -45,12 +45,14 @@ def test_watch_refreshes_with_epochs_throughput_and_round_health_then_ctrl_c_exi
             health = peer["round_health"]
             assert 1 <= health["rounds"] <= 20 and 0 <= health["averaged"] <= health["rounds"]
             assert 0.0 <= health["lost_fraction"] <= 1.0 and health["seconds"] >= 0.0
+            assert health["relayed_fraction"] == 0.0  # loopback: every member reached directly
     assert any(p["round_health"]["averaged"] > 0 for p in last["peers"] if p["role"] == "trainer")
 
     # The table view, until Ctrl-C: it exits 0 at once, without a traceback (conftest checks stderr).
     live = swarm.spawn("status", "--initial-peers", *boot.maddrs, "--run-id", run, "--watch", "--interval", "0.5")
     live.wait_for_line(lambda line: "recent rounds" in line, timeout=60)
-    live.wait_for_line(lambda line: "ok," in line and "% lost" in line, timeout=30)  # a trainer's round health
+    # A trainer's round health, and the path its chunks took (loopback: direct TCP to every member).
+    live.wait_for_line(lambda line: "ok," in line and "% lost" in line and "direct" in line, timeout=30)
     live.send_signal(signal.SIGINT)
     assert live.wait_exit(15) == 0, live.describe()
     assert "swarm epoch" in live.stdout and "samples/s" in live.stdout
