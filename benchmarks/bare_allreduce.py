@@ -148,9 +148,10 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
         finished = time.monotonic()
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         emit_err = errors.full(tensor) if round_index == 0 else emit_err
-        emit(event="round", round=round_index, ok=not failures and not any(t.is_alive() for t in threads), seconds=finished - started,
-             rel_err=errors.round(tensor), full_rel_err=emit_err, bytes_sent=None,
-             cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime, cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime)
+        ok = not failures and not any(t.is_alive() for t in threads)
+        emit(event="round", round=round_index, ok=ok, seconds=finished - started, rel_err=errors.round(tensor),
+             full_rel_err=emit_err, bytes_sent=None, cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime,
+             cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime)
     emit(event="done")
     dist.destroy_process_group()
     for sock, _ in list(outbound.values()) + list(inbound.values()):

@@ -153,7 +153,7 @@ class BlockQuantizer(Codec):
 
         Every row is validated as `decode_into` does (header, length, scales, padding) before anything is
         written; -> per row, why it was rejected (its values untouched) or None. Headers are compared on the
-        host, scales on the payloads' device with one read-back for the batch; then one backend call per run of
+        host, scales by one backend call for the batch (one read-back on a device); then one backend call per run of
         consecutive accepted rows with the same mode (one in all, normally), and one per short chunk. A backend
         with `dequantize_rows` (the C++ and CUDA ones, and the reference) reads each run where it lies in the rows;
         a backend without it (a stale build) gets its codes gathered side by side first (one copy).
@@ -180,9 +180,10 @@ class BlockQuantizer(Codec):
             want = np.frombuffer(HEADER.pack(MAGIC, VERSION, self.bits, self.block,
                                              FLAG_STOCHASTIC if self.stochastic else 0, 0, n), dtype=np.uint8)
             head_ok = (heads == want).all(axis=1).tolist()
-            scales = self._scratch_tensor("dec_scales", full * nb, torch.float32, out.device).view(full, nb)
-            scales.view(torch.uint8).copy_(payloads[:full, HEADER_NBYTES:HEADER_NBYTES + 4 * nb])
-            bad = (~torch.isfinite(scales) | (scales < 0) | (scales > MAX_SCALE)).any(dim=1).tolist()
+            backend = self._backend(out.device)
+            # Scales are read where they lie when rows keep them 4-byte aligned (the receive batches do).
+            aligned = payloads.stride(0) % 4 == 0 and payloads.storage_offset() % 4 == 0
+            bad = (backend.bad_scale_rows if aligned else reference.bad_scale_rows)(payloads[:full], nb, MAX_SCALE)
             for r in range(full):
                 if not ok[r]:
                     continue
@@ -197,7 +198,6 @@ class BlockQuantizer(Codec):
                 elif bad[r]:
                     errors[r] = f"{self.name} payload has an invalid (non-finite, negative or huge) scale"
                 ok[r] = errors[r] is None
-            backend = self._backend(out.device)
             for r, end in accepted_runs(ok, modes, full):
                 rows_of_run = payloads[r:end]
                 if rows_of_run.is_contiguous() and backend.dequantize_rows(
@@ -211,7 +211,8 @@ class BlockQuantizer(Codec):
                 else:
                     codes = codes.reshape(-1)
                 call = backend.dequantize if modes[r] == "into" else backend.dequantize_accumulate
-                call(scales[r:end].reshape(-1), codes, out[r * n:end * n], self.bits, self.block, weight)
+                scales = payloads[r:end, HEADER_NBYTES:HEADER_NBYTES + 4 * nb].contiguous().view(torch.float32)
+                call(scales.reshape(-1), codes, out[r * n:end * n], self.bits, self.block, weight)
         for r in range(full, rows):  # rows that do not batch (a short last chunk): chunk by chunk
             if not ok[r]:
                 continue

@@ -1,6 +1,7 @@
-"""The kernels of raw float32 payloads (the `none` codec) and of the owner's estimate: the compiled CPU ones agree
-with the pure-torch reference, refuse a non-finite row or chunk alone and leave its target untouched. Runs on the
-CPU; on a CUDA machine the same checks run through the device's backend (which uses the reference)."""
+"""The data path's small kernels beside quantization: raw float32 payloads (the `none` codec), the owner's
+estimate, and the scale check of quantized payload rows. The compiled CPU ones agree with the pure-torch
+reference, refuse a bad row or chunk alone and leave its target untouched. Runs on the CPU; on a CUDA machine the
+same checks run through the device's backend (which uses the reference for these)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,18 @@ def test_estimate_chunks_keeps_our_value_where_the_estimate_overflows(device):
         keep = torch.ones_like(own, dtype=torch.bool)
         keep[N:2 * N] = False
         assert torch.allclose(mine[keep], expected[keep], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_scale_rows_refuses_a_row_with_any_scale_the_decoder_refuses(device):
+    nb, limit = 8, 2.0 ** 120
+    scales = torch.rand(6, nb)
+    scales[1, 3] = float("nan")
+    scales[2, 0] = -1.0
+    scales[3, 7] = float("inf")
+    scales[4, 5] = limit * 2
+    scales[5, 2] = -0.0  # as the decoder: not negative
+    rows = torch.zeros(6, 16 + 4 * nb + 12, dtype=torch.uint8)
+    rows[:, 16:16 + 4 * nb] = scales.view(torch.uint8).view(6, 4 * nb)
+    for backend in backends(device):
+        assert list(backend.bad_scale_rows(rows.to(device), nb, limit)) == [0, 1, 1, 1, 1, 0]

@@ -212,6 +212,26 @@ std::vector<int64_t> estimate_chunks(at::Tensor sum, at::Tensor own, int64_t n, 
   return refused;
 }
 
+// Per payload row (scales as float32 at byte offset 16 of each row, `nb` of them): 1 if a scale is non-finite,
+// negative or above max_scale (the decoder refuses such a row), else 0. The check of a batch of received rows in
+// one call, with no tensor temporaries.
+std::vector<int64_t> bad_scale_rows(const at::Tensor& rows, int64_t nb, double max_scale) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
+              "rows must be a 2-D uint8 CPU tensor with contiguous rows");
+  TORCH_CHECK(nb >= 0 && 16 + 4 * nb <= rows.size(1) && rows.stride(0) % 4 == 0, "rows too narrow for the scales");
+  const uint8_t* rp = rows.data_ptr<uint8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rp) % 4 == 0, "rows must be 4-byte aligned");
+  const float limit = (float)max_scale;
+  std::vector<int64_t> bad(rows.size(0), 0);
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    const float* scales = reinterpret_cast<const float*>(rp + r * rows.stride(0) + 16);
+    bool ok = true;
+    for (int64_t b = 0; b < nb; ++b) ok &= scales[b] >= 0.0f && scales[b] <= limit;  // NaN fails both
+    bad[r] = ok ? 0 : 1;
+  }
+  return bad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moshpeer_cpu, m) {
@@ -227,4 +247,5 @@ TORCH_LIBRARY(moshpeer_cpu, m) {
         &dequantize_rows);
   m.def("take_float_rows(Tensor values, Tensor(a!) out, int[] modes, float weight) -> int[]", &take_float_rows);
   m.def("estimate_chunks(Tensor(a!) sum, Tensor(b!) own, int n, float k1, float k2) -> int[]", &estimate_chunks);
+  m.def("bad_scale_rows(Tensor rows, int nb, float max_scale) -> int[]", &bad_scale_rows);
 }

@@ -77,6 +77,9 @@ class Backend(Protocol):
         """Blend the arrived sum with our own values, chunk by chunk, keeping only finite results
         (reference.estimate_chunks has the contract); -> per chunk, 1 if not finite."""
 
+    def bad_scale_rows(self, rows: torch.Tensor, nb: int, max_scale: float) -> List[int]:
+        """Per payload row, 1 if one of its scales would make the decoder refuse it (reference.bad_scale_rows)."""
+
 
 class TorchBackend:
     """The reference implementation (kernels/reference.py)."""
@@ -104,6 +107,9 @@ class TorchBackend:
 
     def estimate_chunks(self, total, own, chunk_numel, k1, k2) -> List[int]:
         return reference.estimate_chunks(total, own, chunk_numel, k1, k2)
+
+    def bad_scale_rows(self, rows, nb, max_scale) -> List[int]:
+        return reference.bad_scale_rows(rows, nb, max_scale)
 
 
 class OpsBackend:
@@ -144,6 +150,11 @@ class OpsBackend:
         if not hasattr(self._ops, "estimate_chunks"):
             return reference.estimate_chunks(total, own, chunk_numel, k1, k2)
         return self._ops.estimate_chunks(total, own, int(chunk_numel), float(k1), float(k2))
+
+    def bad_scale_rows(self, rows, nb, max_scale) -> List[int]:
+        if not hasattr(self._ops, "bad_scale_rows"):  # the CUDA extension: one batched check and read-back there
+            return reference.bad_scale_rows(rows, nb, max_scale)
+        return self._ops.bad_scale_rows(rows, int(nb), float(max_scale))
 
 
 def cpu_isa_flags() -> List[str]:

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the compiled kernels: the definition every backend must match (bit for bit, for quantization).
+"""Pure-torch reference of the compiled kernels: the definition every backend must match (quantization: bit for bit).
 
 The function, for a float32 vector `x` cut into blocks of `block` values (the last block may be short):
 
@@ -250,3 +250,12 @@ def estimate_chunks(total: torch.Tensor, own: torch.Tensor, chunk_numel: int, k1
             own[lo:hi].copy_(total[lo:hi])
         refused.append(0 if finite else 1)
     return refused
+
+
+def bad_scale_rows(rows: torch.Tensor, nb: int, max_scale: float) -> list:
+    """Per payload row of `rows` (2-D uint8, the `nb` float32 scales at byte offset 16 of each row): 1 if a scale is
+    non-finite, negative or above `max_scale` (the decoder refuses the row), else 0. One read-back."""
+    if rows.shape[0] == 0:
+        return []
+    scales = rows[:, 16:16 + 4 * nb].contiguous().view(torch.float32)
+    return (~torch.isfinite(scales) | (scales < 0) | (scales > max_scale)).any(dim=1).to(torch.int64).tolist()
