@@ -141,20 +141,20 @@ class OpsBackend:
         self._ops.dequantize_rows(rows, out, bits, block, float(weight), bool(overwrite))
         return True
 
+    def _op_or_reference(self, name: str):
+        """The extension's op `name`, or the reference's function of that name. The CUDA extension has none of the
+        data path's small kernels (raw rows, the estimate, the scale check): torch's own batched ops with one
+        read-back per batch serve there."""
+        return getattr(self._ops, name) if hasattr(self._ops, name) else getattr(reference, name)
+
     def take_float_rows(self, values, out, modes, weight) -> List[int]:
-        if not hasattr(self._ops, "take_float_rows"):  # the CUDA extension: torch's own ops batch well there
-            return reference.take_float_rows(values, out, modes, weight)
-        return self._ops.take_float_rows(values, out, list(modes), float(weight))
+        return self._op_or_reference("take_float_rows")(values, out, list(modes), float(weight))
 
     def estimate_chunks(self, total, own, chunk_numel, k1, k2) -> List[int]:
-        if not hasattr(self._ops, "estimate_chunks"):
-            return reference.estimate_chunks(total, own, chunk_numel, k1, k2)
-        return self._ops.estimate_chunks(total, own, int(chunk_numel), float(k1), float(k2))
+        return self._op_or_reference("estimate_chunks")(total, own, int(chunk_numel), float(k1), float(k2))
 
     def bad_scale_rows(self, rows, nb, max_scale) -> List[int]:
-        if not hasattr(self._ops, "bad_scale_rows"):  # the CUDA extension: one batched check and read-back there
-            return reference.bad_scale_rows(rows, nb, max_scale)
-        return self._ops.bad_scale_rows(rows, int(nb), float(max_scale))
+        return self._op_or_reference("bad_scale_rows")(rows, int(nb), float(max_scale))
 
 
 def cpu_isa_flags() -> List[str]:

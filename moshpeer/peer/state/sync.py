@@ -363,9 +363,9 @@ def download_state(
     downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
     drawn from a secret seed (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are
     tried. Donors that signed the very same bytes count as one such confirmation only when no other donor at
-    that epoch offers something else. Donors are asked
-    in `_cross_checkable_first` order. A lone donor's validated state is taken as is. Once every donor on
-    offer was tried, the download fails at once rather than at `timeout`.
+    that epoch offers something else. Donors are asked in `_cross_checkable_first` order. A lone donor's
+    validated state is taken as is. Once every donor on offer was tried, the download fails at once rather than
+    at `timeout`.
 
     :param exclude: peer ids not to ask (this peer)
     :param min_epoch: ignore donors behind this epoch; max_epoch: ignore donors claiming more (what the
