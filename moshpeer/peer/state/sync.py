@@ -56,6 +56,7 @@ from moshpeer.peer.state.framing import (OPS, STATE_KIND, STATE_PROTOCOL, StateO
                                          send_frame, signed_fields, signed_request, state_offers_key)
 from moshpeer.peer.state.pieces import serve_piece_request
 from moshpeer.peer.state.swarm import SwarmedState, download_swarmed
+from moshpeer.peer.state.donors import cross_checkable_first, dissenters
 from moshpeer.peer.state.validation import disagreeing_tensors
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def download_state(
     downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
     drawn from a secret seed (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are
     tried. Donors that signed the very same bytes count as one such confirmation only when no other donor at
-    that epoch offers something else. Donors are asked in `_cross_checkable_first` order. A lone donor's
+    that epoch offers something else. Donors are asked in `donors.cross_checkable_first` order. A lone donor's
     validated state is taken as is. Once every donor on offer was tried, the download fails at once rather than
     at `timeout`.
 
@@ -394,7 +395,7 @@ def download_state(
             # The caller trains on and asks again with a fresher view.
             raise StateDownloadFailed(f"every donor offers an epoch above {max_epoch}, what the swarm view "
                                       f"confirms ({sorted(o.epoch for o in on_offer)[:8]})")
-        offers = _cross_checkable_first([o for o in listed if o.peer_id not in tried])
+        offers = cross_checkable_first([o for o in listed if o.peer_id not in tried])
         if candidate is not None:
             # Like with like first: two honest donors one epoch apart differ by a whole optimizer step, which
             # can exceed the agreement tolerance (an Adam step on a small bias is several percent of it).
@@ -444,7 +445,7 @@ def download_state(
                                      sha256=manifest.sha256, nbytes=manifest.total_bytes,
                                      seconds=time.monotonic() - started, failed_donors=failed,
                                      donors=swarmed.served_by)
-        if candidate is None and len(swarmed.agreeing) >= 2 and not _dissenters(listed, tried, manifest.epoch):
+        if candidate is None and len(swarmed.agreeing) >= 2 and not dissenters(listed, tried, manifest.epoch):
             # Donors signed the very same bytes and no other donor at that epoch offers something else. With a
             # dissenter, identical signatures prove nothing (identities are cheap: two Sybils sign one forgery):
             # the state is compared with the dissenter's like any other candidate.
@@ -463,22 +464,6 @@ def download_state(
         candidate = None
     raise StateDownloadFailed(f"no donor delivered the state within {time.monotonic() - started:.1f} s "
                               f"(failed: {failed})")
-
-
-def _dissenters(listed: List[StateOffer], tried: set, epoch: int) -> List[StateOffer]:
-    """Donors on offer at `epoch` that were not asked yet: after a download from a group of donors that signed one
-    manifest, those that signed another one. (Donors at other epochs hold other states by right.)"""
-    return [o for o in listed if o.peer_id not in tried and o.epoch == epoch]
-
-
-def _cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:
-    """Offers ordered so that the first two can confirm each other: the most advanced epoch that two or more
-    donors hold first (one donor claiming an epoch ahead of the rest cannot jump the queue that way), then
-    the lone offers, most advanced first."""
-    counts: Dict[int, int] = {}
-    for offer in offers:
-        counts[offer.epoch] = counts.get(offer.epoch, 0) + 1
-    return sorted(offers, key=lambda o: (counts[o.epoch] < 2, -o.epoch, o.peer_id))
 
 
 class _progress_bar:
