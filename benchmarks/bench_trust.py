@@ -11,14 +11,17 @@
    the process's CPU seconds per round (less sensitive to other load on the machine).
 2. Training: 4 `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
    (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
-   the same with `--aggregation clipped` on every peer; and the control, all honest with `clipped` (what the
-   robust aggregation costs when nobody attacks). Final test accuracy of the honest peers, the chunks in which
-   an honest peer was clipped, and the rounds in which the hostile peer still counted.
+   the same with `--aggregation clipped` on every peer; the control, all honest with `clipped` (what the
+   robust aggregation costs when nobody attacks); and `inside_radius`, a hostile peer inside the rules
+   (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`). Final test accuracy of the
+   honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
+   counted.
 
     python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
-honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc (those of the arms run; see --arms).
+honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc (those of the arms run; see
+--arms).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ from moshpeer.dht.identity import Identity  # noqa: E402
 
 MEMBERS = 4
 HOSTILE = "byzantine=-100,weight=1e6"
-ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped")
+# Inside the rules (issue 26): the hostile peer sends its gradient negated at its own scale, near the honest spread.
+INSIDE_RADIUS = "byzantine=-1"
+ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius")
 
 
 class ConstantMacs:
@@ -149,6 +154,8 @@ def training(args) -> dict:
         ("honest_clipped", lambda i: ["--aggregation", "clipped"]),
         ("byzantine_mean", lambda i: ["--faults", HOSTILE] if i == hostile else []),
         ("byzantine_clipped", lambda i: ["--aggregation", "clipped"] + (["--faults", HOSTILE] if i == hostile else [])),
+        ("inside_radius",
+         lambda i: ["--aggregation", "clipped"] + (["--faults", INSIDE_RADIUS] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": []}
            for name, _ in arms}
@@ -163,7 +170,8 @@ def training(args) -> dict:
                       for e in peer if e.get("event") == "done"]
             out[name]["accs"].append(sum(finals) / len(finals) if finals else None)
             out[name]["peers_finished"].append(len(finals))
-            flags = flag_counts(events, hostile if name.startswith("byzantine") else None)
+            attacked = name.startswith("byzantine") or name == "inside_radius"
+            flags = flag_counts(events, hostile if attacked else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
             out[name]["hostile_free_rounds"].append(flags["hostile_free_rounds"])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
@@ -209,9 +217,10 @@ def main() -> int:
             print(f"{name:<22}{acc:>10}  {each:<30}{str(r['peers_finished']):>8}"
                   f"{' '.join(f'{t:.1f}' for t in r['train_s']):>20}")
         print("flagged chunks of honest peers per run: " + "; ".join(
-            f"{name} {r['honest_flagged']}" for name, r in runs.items() if name.endswith("clipped")))
+            f"{name} {r['honest_flagged']}" for name, r in runs.items() if name not in ("honest", "byzantine_mean")))
         print("honest owners' rounds in which the hostile peer still counted, per run: " + "; ".join(
-            f"{name} {r['hostile_free_rounds']}" for name, r in runs.items() if name.startswith("byzantine")))
+            f"{name} {r['hostile_free_rounds']}" for name, r in runs.items()
+            if name.startswith("byzantine") or name == "inside_radius"))
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
                        repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},
