@@ -13,15 +13,16 @@
    (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
    the same with `--aggregation clipped` on every peer; the control, all honest with `clipped` (what the
    robust aggregation costs when nobody attacks); and `inside_radius`, a hostile peer inside the rules
-   (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`). Final test accuracy of the
+   (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`), and `sparse_chunks`
+   (`--faults byzantine=-100,chunks=0.25`: -100x in one chunk of four, under `clipped`). Final test accuracy of the
    honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
    counted.
 
     python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
-honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc (those of the arms run; see
---arms).
+honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc (those of
+the arms run; see --arms).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ MEMBERS = 4
 HOSTILE = "byzantine=-100,weight=1e6"
 # Inside the rules (issue 26): the hostile peer sends its gradient negated at its own scale, near the honest spread.
 INSIDE_RADIUS = "byzantine=-1"
-ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius")
+# The audit's sparse attack: -100x in one chunk of four, too few chunks for the suspect rule's "half of them".
+SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
+ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")
 
 
 class ConstantMacs:
@@ -156,6 +159,8 @@ def training(args) -> dict:
         ("byzantine_clipped", lambda i: ["--aggregation", "clipped"] + (["--faults", HOSTILE] if i == hostile else [])),
         ("inside_radius",
          lambda i: ["--aggregation", "clipped"] + (["--faults", INSIDE_RADIUS] if i == hostile else [])),
+        ("sparse_chunks",
+         lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": []}
            for name, _ in arms}
@@ -170,7 +175,7 @@ def training(args) -> dict:
                       for e in peer if e.get("event") == "done"]
             out[name]["accs"].append(sum(finals) / len(finals) if finals else None)
             out[name]["peers_finished"].append(len(finals))
-            attacked = name.startswith("byzantine") or name == "inside_radius"
+            attacked = name.startswith("byzantine") or name in ("inside_radius", "sparse_chunks")
             flags = flag_counts(events, hostile if attacked else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
             out[name]["hostile_free_rounds"].append(flags["hostile_free_rounds"])
@@ -220,7 +225,7 @@ def main() -> int:
             f"{name} {r['honest_flagged']}" for name, r in runs.items() if name not in ("honest", "byzantine_mean")))
         print("honest owners' rounds in which the hostile peer still counted, per run: " + "; ".join(
             f"{name} {r['hostile_free_rounds']}" for name, r in runs.items()
-            if name.startswith("byzantine") or name == "inside_radius"))
+            if name.startswith("byzantine") or name in ("inside_radius", "sparse_chunks")))
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
                        repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},

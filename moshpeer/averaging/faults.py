@@ -36,7 +36,7 @@ PHASES = ("reduce", "gather")
 # Short names accepted by `FaultConfig.parse` (CLI: `moshpeer join --faults drop=0.1,delay=0.05`).
 ALIASES = {"drop": "drop_prob", "delay": "delay_s", "jitter": "jitter_s", "burst": "burst_prob",
            "stop": "stop_after_chunks", "retransmit": "retransmit_s", "byzantine": "byzantine_scale",
-           "weight": "byzantine_weight", "value": "byzantine_value"}
+           "weight": "byzantine_weight", "value": "byzantine_value", "chunks": "byzantine_chunks"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class FaultConfig:
     :param byzantine_scale: multiply this peer's reduce contributions by this factor (e.g. -100)
     :param byzantine_value: send this constant as every reduce contribution instead (e.g. 3e38)
     :param byzantine_weight: declare this averaging weight in matchmaking instead of the real one
+    :param byzantine_chunks: the share of reduce chunks the byzantine contribution replaces (1.0: all of them);
+        which ones follows from each chunk's codec seed, so a round's choice is spread over every part
     """
 
     drop_prob: float = 0.0
@@ -76,9 +78,10 @@ class FaultConfig:
     byzantine_scale: Optional[float] = None
     byzantine_value: Optional[float] = None
     byzantine_weight: Optional[float] = None
+    byzantine_chunks: float = 1.0
 
     def __post_init__(self):
-        for name in ("drop_prob", "burst_prob", "burst_loss"):
+        for name in ("drop_prob", "burst_prob", "burst_loss", "byzantine_chunks"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise UserError(f"fault {name} must be within [0, 1], got {value}")
@@ -103,7 +106,8 @@ class FaultConfig:
         """`drop_prob=0.1,delay_s=0.01,phases=reduce+gather` -> FaultConfig (the CLI's syntax).
 
         Keys are FaultConfig's field names or their short ALIASES (drop, delay, jitter, burst, stop,
-        retransmit). Raises UserError, with one line that says what is wrong, on a malformed spec.
+        retransmit, byzantine, weight, value, chunks). Raises UserError, with one line that says what is wrong,
+        on a malformed spec.
         """
         kinds = {f.name: f for f in fields(cls)}
         values = {}
@@ -134,6 +138,12 @@ class FaultConfig:
         if self.byzantine_scale is not None:
             return values * self.byzantine_scale
         return values
+
+    def attacks_chunk(self, seed: int) -> bool:
+        """Does the byzantine contribution replace the chunk with this codec seed (`byzantine_chunks` of them)?"""
+        if self.byzantine_chunks >= 1.0:
+            return True
+        return random.Random(f"{self.seed}:{seed}").random() < self.byzantine_chunks
 
     def declared_weight(self, weight: float) -> float:
         """The averaging weight this peer announces (a byzantine peer lies about it)."""
@@ -228,7 +238,8 @@ class HostileCodec:
         self.codec, self.config = codec, config
 
     def encode(self, chunk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
-        return self.codec.encode(self.config.hostile(chunk), seed=seed)
+        values = self.config.hostile(chunk) if self.config.attacks_chunk(seed) else chunk
+        return self.codec.encode(values, seed=seed)
 
     def __getattr__(self, name):
         return getattr(self.codec, name)

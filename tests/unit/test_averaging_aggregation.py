@@ -181,3 +181,21 @@ def test_bad_aggregation_and_byzantine_spec_are_user_errors():
                            chunk_numel=16, deadline=time.monotonic() + 1, aggregation="median-of-means")
     finally:
         plane.close()
+
+
+def test_a_byzantine_peer_can_attack_a_share_of_its_chunks():
+    """`--faults byzantine=S,chunks=F` (issue 26's sparse attack): the hostile contribution replaces about F of the
+    chunks, the same ones for the same seeds, and the others carry the peer's true values."""
+    from moshpeer.averaging.faults import HostileCodec
+
+    config = FaultConfig.parse("byzantine=-100,chunks=0.25,seed=3")
+    attacked = [config.attacks_chunk(seed) for seed in range(4000)]
+    assert 0.2 < sum(attacked) / len(attacked) < 0.3
+    assert attacked == [config.attacks_chunk(seed) for seed in range(4000)]
+    codec = HostileCodec(get_compression("none").reduce_codec, config)
+    values = torch.ones(8)
+    for seed in range(20):
+        sent = codec.encode(values, seed=seed).view(torch.float32)
+        assert torch.equal(sent, values * (-100.0 if config.attacks_chunk(seed) else 1.0))
+    with pytest.raises(UserError, match="byzantine_chunks"):
+        FaultConfig.parse("byzantine=-1,chunks=1.5")
