@@ -60,11 +60,12 @@ def test_backend_calls_per_part_do_not_grow_with_its_chunks(monkeypatch, device,
     few, few_by_name = backend_calls_per_part(monkeypatch, device, 16, spec)
     many, many_by_name = backend_calls_per_part(monkeypatch, device, 64, spec)
     # Per part: its contribution encoded (by each other member), received and decoded, its average encoded and
-    # decoded, and the averaged part decoded by each other member, each a few batches ("pipeline slices"). A
-    # receiver also decodes what it holds when its sender pauses (part_receiver.IDLE_FLUSH_S): on a loaded machine a
-    # descheduled sender adds a batch or two. Chunk by chunk, 64 chunks would take over 128 calls.
+    # decoded, and the averaged part decoded by each other member, each a few batches ("pipeline slices"); a decoded
+    # batch is two calls (its scales checked, then its rows decoded). A receiver also decodes what it holds when its
+    # sender pauses (part_receiver.IDLE_FLUSH_S): on a loaded machine a descheduled sender adds a batch or two.
+    # Chunk by chunk, 64 chunks would take over 128 calls (over 200 with the scale checks).
     assert many <= 1.5 * few, f"16 chunks: {few_by_name}; 64 chunks: {many_by_name}"
-    assert many <= 32, many_by_name
+    assert many <= 48, many_by_name
     print(f"backend calls per part ({spec}, {device}): {few} at 16 chunks, {many} at 64: {many_by_name}")
 
 
