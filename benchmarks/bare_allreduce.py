@@ -83,7 +83,7 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
         return [(lo, min(lo + chunk, bounds[part + 1])) for lo in range(bounds[part], bounds[part + 1], chunk)]
 
     emit(event="ready", maddrs=[])
-    emit_err = None
+    full_err = None
     for round_index in range(args.rounds + 1):
         tensor.copy_(initial)
         mine = chunks(rank)
@@ -147,10 +147,10 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
             thread.join(args.round_timeout)
         finished = time.monotonic()
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-        emit_err = errors.full(tensor) if round_index == 0 else emit_err
+        full_err = errors.full(tensor) if round_index == 0 else full_err
         ok = not failures and not any(t.is_alive() for t in threads)
         emit(event="round", round=round_index, ok=ok, seconds=finished - started, rel_err=errors.round(tensor),
-             full_rel_err=emit_err, bytes_sent=None, cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime,
+             full_rel_err=full_err, bytes_sent=None, cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime,
              cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime)
     emit(event="done")
     dist.destroy_process_group()

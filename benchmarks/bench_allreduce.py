@@ -70,7 +70,7 @@ class ErrorCheck:
     A full check converts and subtracts 64 MB vectors in float64: ~0.1 s of CPU and 256 MB of fresh pages. A
     peer that finished its round early would run it beside the members still in theirs, on the same cores, and
     the benchmark would time its own checker. So every round checks a fixed sample of SAMPLE coordinates, and
-    `full` checks the whole vector (after the last round, when nobody is timed)."""
+    `full` checks the whole vector (the workers call it in the warm-up round, which is not timed)."""
 
     SAMPLE = 1 << 16
 

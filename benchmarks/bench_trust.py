@@ -57,6 +57,7 @@ INSIDE_RADIUS = "byzantine=-1"
 # The audit's sparse attack: -100x in one chunk of four, too few chunks for the suspect rule's "half of them".
 SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
 ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")
+ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")  # one hostile peer
 
 
 class ConstantMacs:
@@ -175,8 +176,7 @@ def training(args) -> dict:
                       for e in peer if e.get("event") == "done"]
             out[name]["accs"].append(sum(finals) / len(finals) if finals else None)
             out[name]["peers_finished"].append(len(finals))
-            attacked = name.startswith("byzantine") or name in ("inside_radius", "sparse_chunks")
-            flags = flag_counts(events, hostile if attacked else None)
+            flags = flag_counts(events, hostile if name in ATTACKED_ARMS else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
             out[name]["hostile_free_rounds"].append(flags["hostile_free_rounds"])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
@@ -224,8 +224,7 @@ def main() -> int:
         print("flagged chunks of honest peers per run: " + "; ".join(
             f"{name} {r['honest_flagged']}" for name, r in runs.items() if name not in ("honest", "byzantine_mean")))
         print("honest owners' rounds in which the hostile peer still counted, per run: " + "; ".join(
-            f"{name} {r['hostile_free_rounds']}" for name, r in runs.items()
-            if name.startswith("byzantine") or name in ("inside_radius", "sparse_chunks")))
+            f"{name} {r['hostile_free_rounds']}" for name, r in runs.items() if name in ATTACKED_ARMS))
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
                        repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},

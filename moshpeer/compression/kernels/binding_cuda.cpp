@@ -86,8 +86,7 @@ void quantize_rows(const at::Tensor& x, at::Tensor rows, at::IntArrayRef header,
   c10::cuda::CUDAGuard guard(x.device());
   cudaError_t result = moshpeer::quantize_rows_cuda(
       x.data_ptr<float>(), layout.count, layout.n, (int)bits, block, rows.data_ptr<uint8_t>(), layout.stride, bytes,
-      (float)max_scale,
-      status.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream());
+      (float)max_scale, status.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(result == cudaSuccess, "quantize_rows kernel launch failed: ", cudaGetErrorString(result));
 }
 
@@ -100,8 +99,8 @@ void dequantize_rows(const at::Tensor& rows, at::Tensor out, int64_t bits, int64
   if (layout.count == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
   cudaError_t result = moshpeer::dequantize_rows_cuda(
-      rows.data_ptr<uint8_t>(), layout.count, layout.stride, layout.n, (int)bits, block, out.data_ptr<float>(), (float)weight, overwrite,
-      c10::cuda::getCurrentCUDAStream().stream());
+      rows.data_ptr<uint8_t>(), layout.count, layout.stride, layout.n, (int)bits, block, out.data_ptr<float>(),
+      (float)weight, overwrite, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(result == cudaSuccess, "dequantize_rows kernel launch failed: ", cudaGetErrorString(result));
 }
 

@@ -31,7 +31,7 @@ BACKENDS = ("torch", "cpp", "cuda")
 
 SOURCE_DIR = Path(__file__).resolve().parent
 CPU_SOURCES = ["binding_cpu.cpp", "quant_cpu.cpp", "raw_cpu.cpp"]
-CPU_HEADERS = ["quant_cpu.h", "quant_math.h", "raw_cpu.h"]
+CPU_HEADERS = ["quant_cpu.h", "quant_math.h", "raw_cpu.h", "float_bits.h"]
 CUDA_SOURCES = ["binding_cuda.cpp", "quant_cuda.cu"]
 CUDA_HEADERS = ["quant_cuda.h", "quant_math.h"]
 # -ffp-contract=off / --fmad=false: a fused multiply-add would round differently from the reference.

@@ -3,6 +3,7 @@
 // ranges of blocks on several threads.
 #include "quant_cpu.h"
 
+#include "float_bits.h"
 #include "quant_math.h"
 
 #include <cstring>
@@ -10,18 +11,10 @@
 namespace moshpeer {
 namespace {
 
-// absmax of a block, as the maximum of the bit patterns of |x_i|: for non-negative floats the integer order
-// is the float order, and inf / NaN patterns (>= 0x7F800000) exceed every finite one, so one unsigned max
-// gives both the absmax and the non-finite check, and it vectorizes without fast-math.
+// absmax of a block and whether it is finite, from one max over the bit patterns (float_bits.h).
 float block_absmax(const float* x, int64_t len, bool* finite) {
-  uint32_t max_bits = 0;
-  for (int64_t i = 0; i < len; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &x[i], sizeof(bits));
-    bits &= 0x7FFFFFFFu;
-    max_bits = bits > max_bits ? bits : max_bits;
-  }
-  *finite = max_bits < 0x7F800000u;
+  const uint32_t max_bits = max_abs_bits(x, len);
+  *finite = max_bits < kNonFiniteBits;
   float amax;
   std::memcpy(&amax, &max_bits, sizeof(amax));
   return amax;

@@ -5,7 +5,7 @@
 
 namespace moshpeer {
 
-// Does x[0:n] hold only finite values? (One unsigned max over the bit patterns of |x_i|, as block_absmax.)
+// Does x[0:n] hold only finite values? (One unsigned max over the bit patterns of |x_i|: float_bits.h.)
 bool all_finite_cpu(const float* x, int64_t n);
 
 // out[0:n] = src * weight (overwrite) or out[0:n] + src * weight; a weight of 1 copies or adds without multiplying.
