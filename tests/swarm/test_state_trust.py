@@ -3,6 +3,7 @@ follows the bytes that arrive, the donor's identity, full validation, and a cros
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -139,16 +140,24 @@ def test_forged_states_fail_validation(dht_node):
         opt.shutdown()
 
 
-def _serve_states(dht_node, maddrs, states):
-    """A StateServer per (epoch, model), each on its own DHT node, advertised for the run."""
+@contextlib.contextmanager
+def _donors(dht_node, states):
+    """A bootstrap node, and a StateServer per (epoch, model), each on its own DHT node, advertised for the run:
+    -> (bootstrap maddrs, [(server, its dht)]); the servers shut down on exit."""
+    boot = dht_node(run_ids=[RUN])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
     servers = []
-    for epoch, model in states:
-        dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
-        data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch})
-        server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity)
-        assert server.advertise(dht, epoch, expiration=300)
-        servers.append((server, dht))
-    return servers
+    try:
+        for epoch, model in states:
+            dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
+            data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch})
+            server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity)
+            servers.append((server, dht))
+            assert server.advertise(dht, epoch, expiration=300)
+        yield maddrs, servers
+    finally:
+        for server, _ in servers:
+            server.shutdown()
 
 
 def _newcomer_seeing(dht_node, maddrs, count):
@@ -162,57 +171,39 @@ def _newcomer_seeing(dht_node, maddrs, count):
 def test_cross_check_prefers_an_epoch_two_donors_hold(dht_node):
     """A forger claims an epoch ahead of two honest donors: the two honest ones, at one epoch, confirm each
     other first, and the forger is never asked."""
-    boot = dht_node(run_ids=[RUN])
-    maddrs = [str(m) for m in boot.get_visible_maddrs()]
     honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
     forged = {"w": honest["w"] * -3.0}
-    servers = _serve_states(dht_node, maddrs, ((6, forged), (5, honest), (5, honest)))
-    try:
+    with _donors(dht_node, ((6, forged), (5, honest), (5, honest))) as (maddrs, servers):
         newcomer = _newcomer_seeing(dht_node, maddrs, 3)
         downloaded = download_state(newcomer, RUN, timeout=30, show_progress=False)
         assert torch.equal(downloaded.state["model"]["w"], honest["w"]) and downloaded.epoch == 5
         assert downloaded.donor != servers[0][1].identity.peer_id and downloaded.failed_donors == []
         assert servers[0][0].served == 0  # the forger's state was never downloaded
-    finally:
-        for server, _ in servers:
-            server.shutdown()
 
 
 def test_a_disagreeing_pair_is_set_aside_and_the_download_fails_at_once(dht_node):
     """A forger one epoch ahead and one honest donor disagree: both are set aside, and with no donor left
     the download fails right away instead of waiting out its timeout."""
-    boot = dht_node(run_ids=[RUN])
-    maddrs = [str(m) for m in boot.get_visible_maddrs()]
     honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
-    servers = _serve_states(dht_node, maddrs, ((6, {"w": honest["w"] * -3.0}), (5, honest)))
-    try:
+    with _donors(dht_node, ((6, {"w": honest["w"] * -3.0}), (5, honest))) as (maddrs, _):
         newcomer = _newcomer_seeing(dht_node, maddrs, 2)
         started = time.monotonic()
         with pytest.raises(state_sync.StateDownloadFailed, match="disagree"):
             download_state(newcomer, RUN, timeout=60, show_progress=False)
         assert time.monotonic() - started < 20.0  # not the 60 s timeout
-    finally:
-        for server, _ in servers:
-            server.shutdown()
 
 
 def test_two_donors_signing_one_forgery_do_not_outvote_an_honest_one(dht_node):
     """Two Sybil donors serve the very same forged bytes beside one honest donor, all at one epoch (issue 26).
     Identical signatures do not confirm a state that another donor contradicts: the forgery is compared with the
     honest state, they disagree, all are set aside, and the newcomer adopts nothing rather than the forgery."""
-    boot = dht_node(run_ids=[RUN])
-    maddrs = [str(m) for m in boot.get_visible_maddrs()]
     honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
     forged = {"w": honest["w"] * -3.0}
-    servers = _serve_states(dht_node, maddrs, ((5, forged), (5, forged), (5, honest)))
-    try:
+    with _donors(dht_node, ((5, forged), (5, forged), (5, honest))) as (maddrs, servers):
         newcomer = _newcomer_seeing(dht_node, maddrs, 3)
         with pytest.raises(state_sync.StateDownloadFailed, match="disagree") as refused:
             download_state(newcomer, RUN, timeout=60, show_progress=False)
         assert servers[2][1].identity.peer_id in str(refused.value)  # compared with the honest donor's state
-    finally:
-        for server, _ in servers:
-            server.shutdown()
 
 
 def test_factored_optimizer_state_is_accepted():
