@@ -53,6 +53,19 @@ def summary(record: dict) -> tuple:
     return record["round_epoch"], record["ok"], record["error"], record["group_size"], record["chunks_lost"]
 
 
+def rounds_seen(peers, *kinds: str) -> str:
+    """Every peer's rounds of the event `kinds` (epoch, previous epoch, samples, then `summary`), its startup
+    downloads and its last log lines: one string, so that a failed assertion shows all of it (pytest cuts
+    the repr of anything else to a few hundred characters, and with it the round that failed)."""
+    lines = []
+    for peer in peers:
+        lines.append(f"downloads at epochs {[e['epoch'] for e in events(peer, 'state_loaded')]}")
+        lines += [f"  {(e['epoch'], e.get('previous_epoch'), e.get('samples')) + summary(e)}"
+                  for kind in kinds for e in events(peer, kind)]
+        lines.append(peer.describe(12))
+    return "\n".join(lines)
+
+
 # With overlap an epoch ends without waiting for its round (that runs while the next epoch computes), so the
 # first peer to start publishes epoch 1 after one epoch's compute. A peer that starts after that downloads
 # the state at startup, and the swarm's epochs stop lining up (the note below the test). The peers
@@ -73,10 +86,8 @@ def test_three_overlapped_diloco_peers_average_in_every_round(swarm, tmp_path):
     done = finish(peers)
     numel = sum(p.numel() for p in load_task("digits").model.parameters())
     # Every peer's rounds and startup downloads, for the assertion messages.
-    seen = [([(e["epoch"], e.get("previous_epoch")) + summary(e)
-              for e in events(peer, "epoch") + events(peer, "settled")],
-             [e["epoch"] for e in events(peer, "state_loaded")]) for peer in peers]
-    assert not any(downloads for _, downloads in seen), seen  # all started at epoch 0, in step
+    seen = rounds_seen(peers, "epoch", "settled")
+    assert not any(events(peer, "state_loaded") for peer in peers), seen  # all started at epoch 0, in step
     group_ids = {}
     for peer in peers:
         epochs = events(peer, "epoch")
@@ -142,9 +153,8 @@ def test_diloco_fragments_average_one_fragment_per_round_across_peers(swarm, tmp
     sizes = [p.numel() for p in load_task("digits").model.parameters()]
     fragment_numel = [sum(sizes[a:b]) for a, b in split_fragments(sizes, FRAGMENTS)]
     epochs = [events(peer, "epoch") for peer in peers]
-    seen = [([(e["epoch"], e["previous_epoch"], e["samples"]) + summary(e) for e in peer_epochs],
-             [e["epoch"] for e in events(peer, "state_loaded")]) for peer, peer_epochs in zip(peers, epochs)]
-    assert not any(downloads for _, downloads in seen), seen  # both started at epoch 0, in step
+    seen = rounds_seen(peers, "epoch")
+    assert not any(events(peer, "state_loaded") for peer in peers), seen  # both started at epoch 0, in step
     for peer, peer_epochs in zip(peers, epochs):
         assert [e["epoch"] for e in peer_epochs] == list(range(1, FRAGMENT_EPOCHS + 1)), seen
         assert all(e["fragments"] == FRAGMENTS and e["inner_steps"] == FRAGMENT_H for e in peer_epochs)

@@ -24,6 +24,11 @@ dictionary. From those records each peer derives the same view:
   (`ProgressSnapshot.samples_capped`);
 - the estimated time to the target comes from the summed `samples_per_second`.
 
+A read that does not return this peer's own record (`holds_own_record`) is incomplete and leaves the view as it
+was: the record is republished every heartbeat, so a read without it is one whose requests timed out (hivemind's
+`get` then answers None or the few nodes' entries it reached), not a swarm that left. Taken as the swarm, such a
+read made a loaded peer think it was alone and step without its group.
+
 Reading the DHT costs a round trip and bytes on every link, so a background thread refreshes the view on a
 `ProgressCadence` (progress_cadence.py: often near an epoch's end, seldom in between, within a byte budget),
 publications follow the same cadence, and a caller that waits for a refresh (`wait_for_refresh`) asks for one
@@ -214,6 +219,12 @@ def summarize(
     )
 
 
+def holds_own_record(listed: Sequence[PeerRecord], own_peer_id: str) -> bool:
+    """Whether a read of the membership dictionary is complete enough to be a view of the swarm: it holds this
+    peer's own record (live or leaving), which this peer republishes every heartbeat."""
+    return any(r.peer_id == own_peer_id for r in listed)
+
+
 class SwarmProgress:
     """This peer's view of swarm progress, refreshed in the background; see the module docstring.
 
@@ -320,13 +331,12 @@ class SwarmProgress:
     def refresh_now(self, timeout: float = 2.0, *, retry_for: float = 0.0,
                     should_stop: Callable[[], bool] = lambda: False) -> ProgressSnapshot:
         """Fetch the records synchronously (e.g. before deciding to download state). A fetch that fails (a DHT
-        timeout under load) keeps the previous view; with `retry_for`, failed fetches are retried for up to that
-        many seconds more, and a fetch that does not hold this peer's own published record counts as failed too
-        (the DHT answered before it reached the swarm: a newcomer would think it is alone at epoch 0); a
-        warning says when none succeeded (the view returned is then the previous one). `should_stop` ends the
-        retries early (a stop requested meanwhile)."""
+        timeout under load) or is incomplete (it lacks this peer's own record: for a newcomer, the DHT answered
+        before it reached the swarm) keeps the previous view; with `retry_for`, such fetches are retried for up
+        to that many seconds more, and a warning says when none succeeded (the view returned is then the
+        previous one). `should_stop` ends the retries early (a stop requested meanwhile)."""
         deadline = time.monotonic() + retry_for
-        while not self._fetch(timeout, require_own=retry_for > 0):
+        while not self._fetch(timeout):
             if should_stop():
                 break
             if time.monotonic() + timeout > deadline:
@@ -334,6 +344,7 @@ class SwarmProgress:
                     logger.warning(f"could not read the swarm's progress from the DHT within {retry_for:g} s; "
                                    f"going on with the last view (swarm epoch {self.snapshot().global_epoch})")
                 break
+            time.sleep(min(timeout, 0.25))  # an incomplete read answers at once: do not spin on the DHT
         return self.snapshot()
 
     def shutdown(self) -> None:
@@ -341,29 +352,31 @@ class SwarmProgress:
         self._wanted.set()
         self._thread.join(timeout=1.0)
 
-    def _fetch(self, timeout: float, require_own: bool = False) -> bool:
-        """One DHT read of the records into the view; False (the previous view kept) if it failed, or with
-        `require_own` if it lacks this peer's own record."""
+    def _fetch(self, timeout: float) -> bool:
+        """One DHT read of the records into the view; False (the previous view kept) if it failed or was
+        incomplete (`holds_own_record`). Waiters (`wait_for_refresh`) are woken by every read that answered."""
         try:
             listed = list_peers(self.dht, self.run_id, timeout=timeout, include_leaving=True)
         except Exception as e:  # timeouts, DHT shutting down: keep the previous view
             logger.debug(f"progress refresh failed: {e}")
             return False
-        records = tuple(r for r in listed if not r.leaving)
         own = self._own_record()
-        if require_own and all(r.peer_id != own.peer_id for r in records):
-            logger.debug("progress refresh did not find this peer's own record: not a view of the swarm yet")
-            time.sleep(min(timeout, 0.25))
-            return False
+        complete = holds_own_record(listed, own.peer_id)
+        if not complete:
+            logger.debug(f"progress refresh did not find this peer's own record among {len(listed)}: "
+                         f"an incomplete read, the previous view kept")
         now = time.monotonic()
         with self._fetched:
             self._last_fetch = now
-            credited = self._credit.apply(records, own.peer_id, now=now)
-            self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch, now=now)
-            self._credit.note_departures([r for r in listed if r.leaving])
+            if complete:
+                records = tuple(r for r in listed if not r.leaving)
+                credited = self._credit.apply(records, own.peer_id, now=now)
+                self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch,
+                                                    now=now)
+                self._credit.note_departures([r for r in listed if r.leaving])
             self._fetch_count += 1
             self._fetched.notify_all()
-        return True
+        return complete
 
     def _refresh_loop(self) -> None:
         while not self._stop.is_set():
