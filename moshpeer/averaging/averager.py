@@ -454,8 +454,9 @@ class MoshpitAverager(ServicerBase):
         flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged_by_index) if n}
         if self.aggregation == "clipped":
             for peer in self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index):
-                logger.warning(f"peer {peer[-8:]} was clipped in {self.suspects.after_rounds} rounds in a row: "
-                               f"its contributions to our parts count for nothing until a round where it is not")
+                logger.warning(f"peer {peer[-8:]} is clipped round after round (suspicion score "
+                               f"{self.suspects.score(peer):.2f}): its contributions to our parts count for nothing "
+                               f"until it behaves for a few rounds")
         for peer, n in flagged.items():
             self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
