@@ -13,6 +13,9 @@ computes one in ~0.1 s). Every arm trains on the same number of samples: STEPS m
 - diloco-streaming: Streaming DiLoCo, `--diloco-fragments 4`, Δ as int4, H=40 (F must divide H, and H/F
   the steps): an epoch of 10 inner steps averages a quarter of the parameters, so each fragment syncs
   every 40 steps and a round carries a quarter of the bytes; peers evaluate every 4 epochs (every H);
+- diloco-streaming-paced: the same, overlapped (`--diloco-overlap`: a fragment's round runs during the next
+  epoch's inner steps) and paced (`--diloco-pace`: the round spreads its upload over most of that epoch's
+  compute instead of bursting at the link's rate), as Streaming DiLoCo overlaps a fragment's communication;
 - single: one process (`train_locally`), global batch peers x micro-batch, the same samples.
 
 Learning rates: --lr (AdamW, default 1.5e-3, the best of a sweep of the single process at this size) is
@@ -47,7 +50,8 @@ What is measured and what is derived (said again in the table):
 
 Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco, time_to_target_speedup,
 sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + EF21M),
-streaming_loss_over_gradients, streaming_peak_bandwidth_ratio (the `diloco-streaming` arm), link_over_payload and
+streaming_loss_over_gradients, streaming_peak_bandwidth_ratio (the `diloco-streaming` arm; streaming_paced_* the
+paced arm's; *_loss_over_single for both), link_over_payload and
 failed_round_fraction (the headline arm), hidden_comm_fraction, single_loss, and per-arm figures.
 """
 
@@ -94,6 +98,8 @@ def arms(args) -> List[dict]:
          "compression": "int4", "overlap": True, "round_timeout": 30},
         {"name": "diloco-streaming", "averaging": "diloco", "epochs": steps // 10, "inner_steps": 40, "fragments": 4,
          "compression": "int4", "round_timeout": 30, "eval_every": 4},
+        {"name": "diloco-streaming-paced", "averaging": "diloco", "epochs": steps // 10, "inner_steps": 40,
+         "fragments": 4, "overlap": True, "pace": True, "compression": "int4", "round_timeout": 30, "eval_every": 4},
         # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
         {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "topk-int2:0.0156", "error_feedback": True, "round_timeout": 30},
@@ -178,6 +184,8 @@ def run_arm(args, arm: dict, lab) -> dict:
                 argv += ["--inner-steps", str(arm["inner_steps"]), "--outer-optimizer", args.outer_optimizer]
             if arm.get("overlap"):
                 argv += ["--diloco-overlap"]
+            if arm.get("pace"):
+                argv += ["--diloco-pace"]
             if arm.get("fragments"):
                 argv += ["--diloco-fragments", str(arm["fragments"])]
             if arm.get("error_feedback"):
@@ -368,12 +376,15 @@ def main() -> int:
         figures["failed_round_fraction"] = 1.0 - head["rounds_ok_fraction"]
         if head.get("link_bytes_per_peer"):
             figures["link_over_payload"] = head["link_bytes_per_peer"] / max(head["bytes_per_peer"], 1)
-    streaming = results.get("diloco-streaming")
-    if streaming is not None:
+    for arm, key in (("diloco-streaming", "streaming"), ("diloco-streaming-paced", "streaming_paced")):
+        streaming = results.get(arm)
+        if streaming is None:
+            continue
+        figures[f"{key}_loss_over_single"] = streaming["final_loss"] / single["final_loss"]
         if grad is not None:
-            figures["streaming_loss_over_gradients"] = streaming["final_loss"] / grad["final_loss"]
+            figures[f"{key}_loss_over_gradients"] = streaming["final_loss"] / grad["final_loss"]
         if head is not None and head.get("peak_upload_bytes_per_s") and streaming.get("peak_upload_bytes_per_s"):
-            figures["streaming_peak_bandwidth_ratio"] = \
+            figures[f"{key}_peak_bandwidth_ratio"] = \
                 streaming["peak_upload_bytes_per_s"] / head["peak_upload_bytes_per_s"]
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:

@@ -234,17 +234,18 @@ class DeadlineLearner:
             deadline.observe(seconds)
 
     def next_round(self, target: int, payload_bytes: int, round_timeout: float, *, grace_s: float,
-                   timeout: Optional[float] = None, window_cap: Optional[float] = None) -> Tuple[float, RoundDeadline]:
+                   timeout: Optional[float] = None, window_cap: Optional[float] = None,
+                   spread_s: float = 0.0) -> Tuple[float, RoundDeadline]:
         """The matchmaking window (seconds) and the `RoundDeadline` of a round starting now: the learned window,
         at most `window_cap` (a caller's, e.g. up to a compute-budget deadline); a search of `timeout` (default
         5 windows, at least one); `grace_s` longer while committed to a group; then the learned data-plane
-        budget, `round_timeout` at most."""
+        budget plus an upload spread of `spread_s` (pacing.py), `round_timeout` at most."""
         window = self.matchmaking_window(target)
         if window_cap is not None:
             window = min(window, window_cap)
         search_s = max(timeout if timeout is not None else 5 * window, window)
         return window, RoundDeadline.starting_now(search_s, grace_s, round_timeout,
-                                                  data_s=self.round_deadline(target, payload_bytes))
+                                                  data_s=self.round_deadline(target, payload_bytes), spread_s=spread_s)
 
     def observe_result(self, result: "RoundResult", *, target: int, payload_bytes: int) -> None:
         """Learn from a finished round: its assembly time (a full group only; nothing when no group formed:

@@ -18,6 +18,7 @@ explains how long a committed peer waits for its group); what members tell each 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -51,6 +52,7 @@ from moshpeer.averaging.private import dataplane_check, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import DataPlaneStats, RoundResult
 from moshpeer.averaging.scratch import ScratchPool
+from moshpeer.averaging.pacing import group_links
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
@@ -162,7 +164,7 @@ class MoshpitAverager(ServicerBase):
         self.admission: private_runs.Admission = dht.admission
         self.aggregation = check_aggregation(aggregation)
         # Per peer id (base58): chunks in which this peer's robust aggregation clipped or trimmed that peer.
-        self.flagged_peers: Dict[str, int] = {}
+        self.flagged_peers: Dict[str, int] = collections.Counter()
         self.suspects = SuspectTracker()  # "clipped": peers flagged round after round, weighed at zero
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
@@ -314,7 +316,7 @@ class MoshpitAverager(ServicerBase):
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
-             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             upload_spread_s: float = 0.0, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
         wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
@@ -336,9 +338,12 @@ class MoshpitAverager(ServicerBase):
             them: a round that needs less sends less). Peers group only with peers whose round averages the
             same shapes (the schema hash covers them); UserError for non-float tensors
         :param averaged: what the tensors hold, e.g. ("gradients",); the result reports it
+        :param upload_spread_s: this round only: spread its upload over about this many seconds (pacing.py: for
+            a round nobody waits for; the group paces by its smallest spread, within the deadline); 0: unpaced
         """
-        if not math.isfinite(weight) or weight < 0:
-            raise UserError(f"weight must be finite and >= 0, got {weight}")
+        for name, value in (("weight", weight), ("upload_spread_s", upload_spread_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise UserError(f"{name} must be finite and >= 0, got {value}")
         if target_group_size is not None and not self.min_group_size <= target_group_size:
             raise UserError(f"target_group_size must be at least min_group_size ({self.min_group_size})")
         if matchmaking_time is not None and not matchmaking_time > 0:
@@ -348,8 +353,8 @@ class MoshpitAverager(ServicerBase):
         tensors = round_tensors(tensors, self.tensors, self._numel if self.error_feedback is not None else None)
         target = target_group_size or self.target_group_size
         window, deadline = self.deadlines.next_round(target, payload_bytes(tensors), self.round_timeout,
-                                                     grace_s=self.request_timeout + ASSEMBLY_GRACE_S,
-                                                     timeout=timeout, window_cap=matchmaking_time)
+                                                     grace_s=self.request_timeout + ASSEMBLY_GRACE_S, timeout=timeout,
+                                                     window_cap=matchmaking_time, spread_s=upload_spread_s)
         future = RoundFuture(deadline)
         round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
         try:
@@ -377,7 +382,7 @@ class MoshpitAverager(ServicerBase):
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), nonce,
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
-                                    self.admission.tag(self.identity.peer_id))
+                                    self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s)
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
                                         schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
@@ -440,10 +445,12 @@ class MoshpitAverager(ServicerBase):
         # One budget per group: every member computes the same one from the same gathered list.
         declared = [m.loss_budget for m in members if m.loss_budget is not None]
         loss_budget, loss_phase = group_budget(declared or [(self.loss_budget.budget, self.loss_budget.phase)])
+        links, spread = group_links(self.links, [m.pace_s for m in members], sum(t.numel() for t in tensors),
+                                    self.compression, self.chunk_numel)
         dataplane = GroupDataPlane(
             self._plane, [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
                           for m, peer_id in zip(members, group.peer_ids)],
-            my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, self.links,
+            my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, links,
             loss_budget or 0.0, [m.bandwidth for m in members], self.aggregation, distrusted, scratch=self._scratch,
             relay=self._relay.connect if self._relay is not None else None, force_relay=self.transport == "libp2p")
         with self._lock_tensors:
@@ -453,13 +460,10 @@ class MoshpitAverager(ServicerBase):
         self._upload.note(result.upload_bps)
         flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged_by_index) if n}
         if self.aggregation == "clipped":
-            for peer in self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index):
-                logger.warning(f"peer {peer[-8:]} is clipped round after round (suspicion score "
-                               f"{self.suspects.score(peer):.2f}): its contributions to our parts count for nothing "
-                               f"until it behaves for a few rounds")
-        for peer, n in flagged.items():
-            self.flagged_peers[peer] = self.flagged_peers.get(peer, 0) + n
+            self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index)
+        self.flagged_peers.update(flagged)  # a Counter: adds
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
         part_sizes = dataplane.part_sizes(flat.numel()) or []
         return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,
-                                                     distrusted=[peer_ids[i] for i in distrusted])
+                                                     distrusted=[peer_ids[i] for i in distrusted],
+                                                     upload_paced_s=spread)

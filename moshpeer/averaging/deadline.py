@@ -26,6 +26,9 @@ from hivemind.utils import get_dht_time
 # Share of a data plane's time left at its start that the reduce-scatter gets (owners stop waiting for
 # contributions then); the all-gather, which overlaps it, has until the data plane's end.
 REDUCE_SCATTER_SHARE = 0.6
+# The most of the `round_timeout` cap a paced round may spread its upload over (pacing.py): the rest is left for
+# the transfer itself.
+PACED_SHARE = 0.5
 
 
 def reduce_scatter_end(now: float, end: float) -> float:
@@ -43,16 +46,21 @@ class RoundDeadline:
     dht_offset: float  # get_dht_time() - time.monotonic(), for matchmaking, which speaks DHT time
     started: float = 0.0  # when the deadline was computed
     data_s: float = 0.0  # the data plane's budget from the group's assembly (never past `end`)
+    paced_s: float = 0.0  # of data_s, the span the round's upload is spread over (pacing.py); 0: unpaced
 
     @classmethod
     def starting_now(cls, search_s: float, grace_s: float, round_timeout: float,
-                     data_s: Optional[float] = None) -> "RoundDeadline":
+                     data_s: Optional[float] = None, spread_s: float = 0.0) -> "RoundDeadline":
         """Search for `search_s`, wait `grace_s` longer while committed, then `data_s` (default: all of
-        `round_timeout`, the cap) for the data plane; nothing runs past `round_timeout` after the grace."""
+        `round_timeout`, the cap) for the data plane; nothing runs past `round_timeout` after the grace. A round
+        that spreads its upload over `spread_s` (pacing.py) gets that much more data-plane time, within the cap;
+        the spread granted (`paced_s`) is at most PACED_SHARE of the cap."""
         now = time.monotonic()
+        data_s = min(data_s, round_timeout) if data_s is not None else round_timeout
+        paced_s = max(0.0, min(spread_s, PACED_SHARE * round_timeout))
         return cls(search_end=now + search_s, assembly_end=now + search_s + grace_s,
                    end=now + search_s + grace_s + round_timeout, dht_offset=get_dht_time() - now, started=now,
-                   data_s=min(data_s, round_timeout) if data_s is not None else round_timeout)
+                   data_s=min(data_s + paced_s, round_timeout), paced_s=paced_s)
 
     @property
     def budget_s(self) -> float:

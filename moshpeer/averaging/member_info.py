@@ -1,7 +1,7 @@
 """What each member tells its group in matchmaking, and its validation: `MemberInfo`.
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
-budget, upload bandwidth, a private run's membership tag) travels inside matchmaking over libp2p's encrypted
+budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over) travels inside matchmaking over libp2p's encrypted
 channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -20,6 +20,7 @@ from moshpeer.version import PROTOCOL_VERSION
 MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger is rejected
 NONCE_BYTES = 16
 MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
+MAX_PACE_S = 3600.0  # a member announcing a longer upload spread is rejected
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,14 @@ class MemberInfo:
     # Upload bytes/s for sizing parts (0: unknown or equal parts wanted; the group then splits equally).
     bandwidth: float = 0.0
     tag: bytes = b""  # a private run's membership tag (moshpeer/dht/admission.py); b"" in open runs
+    # Seconds this member's round budget grants to spreading its upload (pacing.py); the group paces by the
+    # smallest, so that every member's deadline has room for it (0: this member does not pace).
+    pace_s: float = 0.0
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
-                      tag: bytes = b"") -> bytes:
+                      tag: bytes = b"", pace_s: float = 0.0) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -48,6 +52,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["bw"] = float(bandwidth)
     if tag:
         info["tag"] = tag
+    if pace_s > 0:
+        info["pace"] = float(pace_s)
     return msgpack.packb(info)
 
 
@@ -83,4 +89,7 @@ def parse_member_info(data: bytes) -> MemberInfo:
     tag = info.get("tag", b"")
     if not isinstance(tag, bytes) or len(tag) > private_runs.TAG_BYTES:
         raise ProtocolError("bad membership tag")
-    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag)
+    pace = info.get("pace", 0.0)
+    if not isinstance(pace, (int, float)) or not 0 <= pace <= MAX_PACE_S:
+        raise ProtocolError("bad upload pace")
+    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace))

@@ -136,6 +136,7 @@ class RoundResult:
     matchmaking_window_s: float = 0.0  # how long the group was given to fill
     round_deadline_s: float = 0.0  # the whole round's budget: search, assembly grace and data plane
     data_deadline_s: float = 0.0  # the data plane's budget from the group's assembly (0 without a group)
+    upload_paced_s: float = 0.0  # the span the group spread its upload over (pacing.py; 0: not paced)
     # ---- data plane (GroupAllReduce; summed over the all-reduces of the round) ----
     data: DataPlaneStats = field(default_factory=DataPlaneStats)
     part_sizes: List[int] = field(default_factory=list)  # values per member's part if sized by bandwidth, else []

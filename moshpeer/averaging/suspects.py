@@ -29,6 +29,7 @@ decides for its own part, from what it saw itself; nothing here travels over the
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Sequence
 
 DECAY = 0.9
@@ -36,6 +37,8 @@ SUSPECT_SCORE = 1.5
 SCORE_CAP = 2 * SUSPECT_SCORE
 # What the constants above give for a member flagged in every chunk it contributes: 1.0, then 1.9.
 SUSPECT_AFTER_ROUNDS = 2
+
+logger = logging.getLogger(__name__)
 
 
 class SuspectTracker:
@@ -53,8 +56,8 @@ class SuspectTracker:
 
     def record_round(self, peer_ids: Sequence[str], flagged: Sequence[int], contributed: Sequence[int]) -> List[str]:
         """Update the scores from one round (per member index: chunks flagged, chunks contributed to our part);
-        -> the peers that became suspects in this round. Members that contributed nothing keep their score (an
-        absence is neither evidence for nor against them)."""
+        -> the peers that became suspects in this round (a WARNING line names each). Members that contributed
+        nothing keep their score (an absence is neither evidence for nor against them)."""
         became = []
         for peer, hits, chunks in zip(peer_ids, flagged, contributed):
             if chunks <= 0:
@@ -66,6 +69,8 @@ class SuspectTracker:
                 continue
             self._scores[peer] = score
             if before < self.threshold <= score:
+                logger.warning(f"peer {peer[-8:]} is clipped round after round (suspicion score {score:.2f}): its "
+                               f"contributions to our parts count for nothing until it behaves for a few rounds")
                 became.append(peer)
         return became
 

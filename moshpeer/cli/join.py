@@ -103,6 +103,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diloco-overlap", action="store_true",
                        help="diloco: average the pseudo-gradient while computing the next inner steps "
                        "(one-outer-step delay)")
+    group.add_argument("--diloco-pace", action="store_true",
+                       help="diloco with --diloco-overlap: spread each round's upload over most of the next "
+                       "epoch's compute instead of sending it at the link's full rate (a lower peak on the link)")
     group.add_argument("--diloco-fragments", type=_positive_int, metavar="F",
                        help="diloco: Streaming DiLoCo, F fragments of the parameters; an epoch of H/F inner steps "
                        "averages one of them, so a round sends 1/F of the bytes (F divides H; default: 1)")
@@ -259,7 +262,7 @@ def strategy_from_args(args: argparse.Namespace):
         from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
         return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
-                             fragments=args.diloco_fragments,
+                             fragments=args.diloco_fragments, pace=args.diloco_pace or None,
                              outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
     return make_strategy(args.averaging)
 
@@ -274,7 +277,8 @@ def trainer_config_from_args(args: argparse.Namespace):
         raise UserError("an aux peer computes nothing: --compute-budget does not apply")
     diloco_flags = [flag for flag, value in (("--inner-steps", args.inner_steps), ("--outer-optimizer", args.outer_optimizer),
                                               ("--diloco-overlap", args.diloco_overlap),
-                                              ("--diloco-fragments", args.diloco_fragments)) if value]
+                                              ("--diloco-fragments", args.diloco_fragments),
+                                              ("--diloco-pace", args.diloco_pace)) if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     settings = loss_budget_settings_from_args(args)

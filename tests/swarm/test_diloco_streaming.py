@@ -77,9 +77,10 @@ OVERLAP_EPOCHS, OVERLAP_H, OVERLAP_DELAY = 5, 20, "constant:mean_s=0.1"
 
 @pytest.mark.swarm
 def test_three_overlapped_diloco_peers_average_in_every_round(swarm, tmp_path):
-    """Three overlapped peers: every round (each resolved one epoch later, the last by `settled`) averaged
-    the whole group's Δ, and the same Δ̄ from the same θ_outer leaves the same θ_outer on all three."""
-    peers = start_diloco_peers(swarm, "diloco-overlap3", (1, 2, 3), "--diloco-overlap",
+    """Three overlapped, paced peers: every round (each resolved one epoch later, the last by `settled`)
+    averaged the whole group's Δ with its upload spread over most of an epoch, and the same Δ̄ from the same
+    θ_outer leaves the same θ_outer on all three."""
+    peers = start_diloco_peers(swarm, "diloco-overlap3", (1, 2, 3), "--diloco-overlap", "--diloco-pace",
                                "--inner-steps", str(OVERLAP_H), "--max-epochs", str(OVERLAP_EPOCHS),
                                "--eval-every", str(OVERLAP_EPOCHS), "--straggler", OVERLAP_DELAY, group=3,
                                per_peer=lambda seed: ("--checkpoint-dir", str(tmp_path / str(seed))))
@@ -93,13 +94,17 @@ def test_three_overlapped_diloco_peers_average_in_every_round(swarm, tmp_path):
         epochs = events(peer, "epoch")
         settled = events(peer, "settled")
         assert [e["epoch"] for e in epochs] == list(range(1, OVERLAP_EPOCHS + 1)), seen
-        assert all(e["overlap"] is True and e["inner_steps"] == OVERLAP_H for e in epochs)
+        assert all(e["overlap"] is True and e["pace"] is True and e["inner_steps"] == OVERLAP_H for e in epochs)
         # The first epoch end only launches its round; epoch e's line resolves round e - 1; `settled` the last.
         assert epochs[0]["error"] == "round in flight" and epochs[0]["round"] is None, summary(epochs[0])
         assert len(settled) == 1, seen
         rounds = epochs[1:] + settled
         assert [r["round_epoch"] for r in rounds] == list(range(OVERLAP_EPOCHS)), [summary(r) for r in rounds]
         assert all(r["ok"] and r["group_size"] == 3 and r["chunks_lost"] == 0 for r in rounds), seen
+        # Paced by the group's smallest spread, 0.7 of an epoch's compute (~2 s, the injected delay's): each
+        # member sent its 4 chunks (2 contributions, 2 averaged parts) spread over it, not at once.
+        paced = [(r["round"]["upload_paced_s"], r["round"]["total_s"]) for r in rounds]
+        assert all(spread >= 1.0 and total >= spread / 2 for spread, total in paced), paced
         # Only Δ travels: in a group of 3 each member sends (3 - 1) / 3 of it twice (reduce and gather)
         # with bandwidth-sized parts, so at most all of it twice, plus headers.
         assert all(0 < r["bytes_sent"] <= 2 * 4 * numel + 8192 for r in rounds), [r["bytes_sent"] for r in rounds]

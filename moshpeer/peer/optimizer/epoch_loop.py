@@ -299,9 +299,12 @@ class EpochLoop:
 
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
         """Start one averaging round in the averager's round thread; its `RoundFuture`."""
-        return self.host.averager.step(weight=weight, timeout=self.host.timing.search_time_for(window),
+        timing = self.host.timing
+        return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
-                                       averaged=plan.averages, wait=False)
+                                       averaged=plan.averages, wait=False,
+                                       upload_spread_s=timing.upload_spread() if self.host.strategy.paces_uploads
+                                       else 0.0)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:

@@ -50,6 +50,9 @@ STRAGGLER_WAIT_WINDOWS = 4
 # A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
 # swarm's records to show that the others finished the round it missed.
 MISSED_ROUND_GRACE_S = 5.0
+# A paced round (pacing.py) spreads its upload over this share of the epoch that just computed: the next epoch,
+# which the round overlaps, should take as long, and the rest is margin for the round to end before it does.
+PACE_SHARE = 0.7
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ class RoundTiming:
                  fastest_assembly: Callable[[int], Optional[float]] = lambda group_size: None,
                  clock: Callable[[], float] = time.perf_counter):
         self.matchmaking_time, self.round_timeout, self.group_size = matchmaking_time, round_timeout, group_size
-        self.fastest_assembly = fastest_assembly
+        self.fastest_assembly, self.clock = fastest_assembly, clock
+        self.last_compute_s = 0.0  # the last ended epoch's compute (begin_epoch to end_compute)
         self.compute_budget = ComputeBudget(budget, num_workers=group_size, clock=clock) \
             if budget is not None else None
         self.epoch_budget: Optional[BudgetedStep] = None  # the current epoch's compute, with a budget
@@ -81,6 +85,7 @@ class RoundTiming:
 
     def begin_epoch(self) -> None:
         """The DropCompute clock of an epoch starts when the previous epoch ended."""
+        self.epoch_started = self.clock()
         self.epoch_budget = self.compute_budget.begin_step(None) if self.compute_budget is not None else None
 
     def record_micro_batch(self, batch_size: int) -> None:
@@ -94,7 +99,13 @@ class RoundTiming:
 
     def end_compute(self) -> bool:
         """End the epoch's compute; True if the budget stopped it."""
+        self.last_compute_s = self.clock() - self.epoch_started
         return self.epoch_budget.finish().stopped_by_budget if self.epoch_budget is not None else False
+
+    def upload_spread(self) -> float:
+        """Seconds a paced round started now spreads its upload over (`MoshpitAverager.step`'s
+        `upload_spread_s`): PACE_SHARE of the epoch whose compute just ended."""
+        return PACE_SHARE * self.last_compute_s
 
     # ---- the round's waiting times ----------------------------------------------------------------
 

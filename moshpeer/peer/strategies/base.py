@@ -95,6 +95,9 @@ class AveragingStrategy(abc.ABC):
     # apply_alone) at the next epoch end, before the next plan_round, while the peer computes (DiLoCo's
     # one-outer-step delay).
     overlaps: bool = False
+    # An overlapped round spreads its upload over most of the next epoch's compute instead of bursting at the
+    # link's rate (pacing.py; `RoundTiming.upload_spread`).
+    paces_uploads: bool = False
     # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
     # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).
     catches_up_after_missed_round: ClassVar[bool] = False

@@ -58,6 +58,9 @@ class DiLoCoStrategy(AveragingStrategy):
     :param outer_optimizer: factory `(list of tensors) -> torch.optim.Optimizer` over θ_outer; default
         `OuterOptimizer()` (SGD, Nesterov, lr 0.7, momentum 0.9)
     :param overlap: average Δ_t while computing the next epoch's inner steps (one-outer-step delay)
+    :param pace: with overlap, spread each round's upload over most of the next epoch's compute (Streaming
+        DiLoCo's overlap of a fragment's communication with the inner steps: a lower peak on the link); UserError
+        without overlap (a round the peer waits for would only take longer)
     :param fragments: F, Streaming DiLoCo's fragments: an epoch of H/F inner steps averages one of them
         (1: plain DiLoCo). UserError unless a positive divisor of H; `bind` raises UserError when the model
         has fewer than F parameter tensors or error feedback is on (it averages every value every round)
@@ -69,7 +72,7 @@ class DiLoCoStrategy(AveragingStrategy):
     rejoins_by_update = True  # ... but the group's Δ̄ (one round's bytes) does it as well, when a member has it
 
     def __init__(self, inner_steps: int = DEFAULT_INNER_STEPS, outer_optimizer: Optional[OuterOptimizerFactory] = None,
-                 overlap: bool = False, fragments: int = 1):
+                 overlap: bool = False, fragments: int = 1, pace: bool = False):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise UserError(f"inner_steps must be a positive integer, got {inner_steps!r}")
         if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
@@ -83,6 +86,9 @@ class DiLoCoStrategy(AveragingStrategy):
         if not callable(self.outer_optimizer):
             raise UserError("outer_optimizer must be a factory: (list of tensors) -> torch.optim.Optimizer")
         self.overlap = self.overlaps = bool(overlap)
+        if pace and not self.overlap:
+            raise UserError("pacing spreads a round's upload over the next epoch's compute: it needs overlap")
+        self.paces_uploads = bool(pace)
         self.steps_this_epoch = 0
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
         self.planned_epoch = -1  # the epoch of the last plan
@@ -198,7 +204,8 @@ class DiLoCoStrategy(AveragingStrategy):
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""
         return {"inner_steps": self.inner_steps, "outer_optimizer": describe_outer_optimizer(self.outer_optimizer),
-                "overlap": self.overlap, "fragments": self.fragments, "delta_codec": self.host.compression}
+                "overlap": self.overlap, "pace": self.paces_uploads, "fragments": self.fragments,
+                "delta_codec": self.host.compression}
 
     def state_dict(self) -> Dict[str, Any]:
         outer = [part.outer.state_dict() for part in self.parts]
