@@ -31,7 +31,7 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size", "upload_bps"}
+     "round_health", "target_batch_size", "upload_bps", "training"}
 )
 
 
@@ -83,6 +83,9 @@ class PeerRecord(BaseModel):
     started_at: _Seconds  # unix time the peer started, by its own clock
     updated_at: _Seconds  # unix time of this publication, by the owner's clock: "last seen"
     leaving: bool = False  # set by a peer that withdraws; readers drop it at once
+    # A trainer past its startup (task, model, optimizer): it trains, or waits for its peers to. A record is
+    # published when the peer's DHT starts, seconds earlier under load: `--min-peers` counts only these.
+    training: bool = False
     # Peers whose contributions this peer's robust aggregation clipped or trimmed, and in how many chunks
     # (the most flagged ones; `moshpeer status` adds up what every record says about each peer).
     flagged: Dict[_PeerIdStr, _Count] = Field(default_factory=dict, max_length=MAX_FLAGGED_PEERS)

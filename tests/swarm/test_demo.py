@@ -17,13 +17,18 @@ def test_demo_two_peers_writes_plot_and_summary(swarm, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    # One string, so that a failure shows all of it (pytest cuts the repr of a list): the terminal's lines, each
+    # peer's epochs and errors, and the demo's stderr.
+    seen = "\n".join(lines + [f"{e['peer']} {e['event']} {e.get('epoch')} {e.get('error')} {e.get('reason')}"
+                               for e in events if e["event"] in ("epoch", "done", "state_loaded")]
+                      + [result.stderr[-2000:]])
     final = json.loads(lines[-1])
-    assert final["event"] == "demo_done" and final["stop_reason"] == "peers finished"
+    assert final["event"] == "demo_done" and final["stop_reason"] == "peers finished", seen
     # The terminal gets one short readable line per peer epoch; the whole records go to --events.
     epoch_lines = [line for line in lines[:-1] if " epoch " in line]
     assert len(epoch_lines) >= 12 and all(len(line) < 160 and not line.lstrip().startswith("{")
-                                          for line in epoch_lines), lines[:5]
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+                                          for line in epoch_lines), seen
     assert {e["peer"] for e in events if e["event"] == "epoch"} == {"peer1", "peer2"}
     assert all("round" in e for e in events if e["event"] == "epoch")  # the whole record, round result included
 

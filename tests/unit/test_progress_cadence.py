@@ -103,10 +103,10 @@ def test_waiting_for_a_refresh_asks_for_one_at_once():
 
 
 def test_a_read_without_this_peers_own_record_leaves_the_view_as_it_was(monkeypatch):
-    """The fragments swarm test's failure in CI: a loaded peer's DHT read came back without the others (hivemind's
-    get answers None, or some nodes' entries, when its requests time out); the view lost its partner, the peer
-    ended its epoch "alone" and the group's round failed. A read lacking this peer's own record is incomplete:
-    the view stays, and a waiter is still woken."""
+    """A DHT read whose requests timed out answers None or part of the membership dictionary (hivemind's get, in a
+    swarm where this peer's node does not store the run's key itself); taken as the swarm, the peer would think its
+    partners left and end its epoch "alone". A read lacking this peer's own record is incomplete: the view stays,
+    and a waiter is still woken."""
     own = make_record(Identity.generate(), epoch=3)
     others = [make_record(Identity.generate(), epoch=3) for _ in range(2)]
     reads = iter([[own, *others], [], others[:1], [own, others[0]]])

@@ -125,3 +125,10 @@ def test_the_epoch_reached_outlives_the_trainers_that_withdrew():
     assert credit.reached == 16  # ...but where they left is remembered
     credit.note_departures([record(1, 1 << 62).updated(leaving=True), record(9, 1 << 62).updated(leaving=True)])
     assert credit.reached == 16  # a leaving claim past its credit (or of a peer never seen live) raises nothing
+
+
+def test_trainers_count_as_started_once_their_record_says_so():
+    own = record(0, 0).updated(training=True)
+    starting, started = record(1, 0), record(2, 0).updated(training=True)
+    snapshot = summarize((starting, started), own=own, target_batch_size=TARGET, now=0.0)
+    assert snapshot.num_trainers == 3 and snapshot.started_trainers == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List
 
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
@@ -50,6 +51,16 @@ def test_wait_for_trainers_returns_once_enough_are_visible():
     assert swarm.progress.refreshes == 3
     alone = link([swarm_view(trainers=1)])
     assert alone.wait_for_trainers(2, timeout=30.0, should_stop=lambda: True) == 1  # a stop ends the wait
+
+
+def test_wait_for_trainers_counts_only_trainers_past_their_startup():
+    """A peer's record is published when its DHT starts, seconds before it can train on a loaded machine: a
+    partner that counts it trains its first epoch alone and finds no group (what test_demo's CI failure looks
+    like). Records now say when a trainer is past its startup (`training`), and only those count."""
+    starting = replace(swarm_view(trainers=2), started_trainers=1)
+    swarm = link([starting, starting, replace(swarm_view(trainers=2), started_trainers=2)])
+    assert swarm.wait_for_trainers(2, timeout=30.0, should_stop=lambda: False) == 2
+    assert swarm.progress.refreshes == 3
 
 
 def test_moved_past_sees_a_later_epoch_within_its_grace():

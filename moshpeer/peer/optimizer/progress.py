@@ -25,9 +25,11 @@ dictionary. From those records each peer derives the same view:
 - the estimated time to the target comes from the summed `samples_per_second`.
 
 A read that does not return this peer's own record (`holds_own_record`) is incomplete and leaves the view as it
-was: the record is republished every heartbeat, so a read without it is one whose requests timed out (hivemind's
-`get` then answers None or the few nodes' entries it reached), not a swarm that left. Taken as the swarm, such a
-read made a loaded peer think it was alone and step without its group.
+was: the record is republished every heartbeat, so a read without it is one whose requests timed out, not a swarm
+that left. hivemind's `get` merges what its own node stores with what the nodes it reached answered, so in a small
+swarm, where every node stores every record, a read is rarely incomplete; in a large one the run's key lives on a
+few nodes far from most peers, and a read whose requests time out answers None or part of the dictionary. Taken as
+the swarm, such a read makes a peer think it is alone (it ends its epoch without its group) or that others left.
 
 Reading the DHT costs a round trip and bytes on every link, so a background thread refreshes the view on a
 `ProgressCadence` (progress_cadence.py: often near an epoch's end, seldom in between, within a byte budget),
@@ -70,6 +72,8 @@ class ProgressSnapshot:
     counted_trainers: Optional[int] = None
     # Samples the counted trainers at `global_epoch` claimed beyond what this peer found credible (SampleCredit).
     samples_capped: int = 0
+    # Live trainers past their startup (`PeerRecord.training`), this peer included if it is; None: all of them.
+    started_trainers: Optional[int] = None
 
     @property
     def contributing_trainers(self) -> int:
@@ -216,6 +220,7 @@ def summarize(
         peers=tuple(sorted(by_id.values(), key=lambda r: r.peer_id)),
         counted_trainers=len(counted),
         samples_capped=sum(capped.get(r.peer_id, 0) for r in at_epoch if r.peer_id != own_id),
+        started_trainers=sum(r.training for r in trainers),
     )
 
 

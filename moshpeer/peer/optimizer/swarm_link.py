@@ -48,11 +48,13 @@ class SwarmLink:
             self.publish(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
 
     def wait_for_trainers(self, min_trainers: int, timeout: float, should_stop: Callable[[], bool]) -> int:
-        """Wait until at least `min_trainers` trainers are visible, `timeout` passes or `should_stop()`;
-        returns how many are visible."""
+        """Wait until at least `min_trainers` trainers past their startup are visible (`PeerRecord.training`:
+        a record published when a peer's DHT started says nothing of when it will train), `timeout` passes or
+        `should_stop()`; returns how many are visible."""
         deadline = time.monotonic() + timeout
         while True:
-            visible = self.progress.refresh_now().num_trainers
+            snapshot = self.progress.refresh_now()
+            visible = snapshot.num_trainers if snapshot.started_trainers is None else snapshot.started_trainers
             if visible >= min_trainers or time.monotonic() >= deadline or should_stop():
                 return visible
             self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
@@ -99,6 +101,8 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
 
         progress = SwarmProgress(daemon.dht, run_id, target_batch_size=target_batch_size,
                                  own_record=lambda: daemon.record, cadence=cadence, publish=publish)
+        if role == "trainer":
+            publish(training=True)  # the daemon published our record at its start: now we can train
         return SwarmLink(daemon.dht, progress, publish)
     own_dht = None
     if dht is None:
@@ -107,7 +111,8 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
         dht = own_dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"],
                                   admission=admission)
     install_admission(dht, admission)
-    publisher = RecordPublisher(dht, run_id, fresh_record(dht, role), expiration=OWN_RECORD_EXPIRATION_S)
+    record = fresh_record(dht, role).updated(training=role == "trainer")
+    publisher = RecordPublisher(dht, run_id, record, expiration=OWN_RECORD_EXPIRATION_S)
     publisher.publish_quietly()
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
                              publish=publisher.update_and_publish, cadence=cadence,
