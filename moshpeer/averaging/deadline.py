@@ -28,7 +28,7 @@ from hivemind.utils import get_dht_time
 REDUCE_SCATTER_SHARE = 0.6
 # The most of the `round_timeout` cap a paced round may spread its upload over (pacing.py): the rest is left for
 # the transfer itself.
-PACED_SHARE = 0.5
+MAX_PACED_SHARE = 0.5
 
 
 def reduce_scatter_end(now: float, end: float) -> float:
@@ -54,10 +54,10 @@ class RoundDeadline:
         """Search for `search_s`, wait `grace_s` longer while committed, then `data_s` (default: all of
         `round_timeout`, the cap) for the data plane; nothing runs past `round_timeout` after the grace. A round
         that spreads its upload over `spread_s` (pacing.py) gets that much more data-plane time, within the cap;
-        the spread granted (`paced_s`) is at most PACED_SHARE of the cap."""
+        the spread granted (`paced_s`) is at most MAX_PACED_SHARE of the cap."""
         now = time.monotonic()
         data_s = min(data_s, round_timeout) if data_s is not None else round_timeout
-        paced_s = max(0.0, min(spread_s, PACED_SHARE * round_timeout))
+        paced_s = max(0.0, min(spread_s, MAX_PACED_SHARE * round_timeout))
         return cls(search_end=now + search_s, assembly_end=now + search_s + grace_s,
                    end=now + search_s + grace_s + round_timeout, dht_offset=get_dht_time() - now, started=now,
                    data_s=min(data_s + paced_s, round_timeout), paced_s=paced_s)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from local_group import run_group
 
-from moshpeer.averaging.deadline import PACED_SHARE, RoundDeadline
+from moshpeer.averaging.deadline import MAX_PACED_SHARE, RoundDeadline
 from moshpeer.averaging.links import PLAIN_LINKS, StreamSpec
 from moshpeer.averaging.member_info import pack_member_info, parse_member_info
 from moshpeer.averaging.pacing import (BURST_S, DEADLINE_MARGIN_S, PacedLinks, PacedStream, UploadPacer,
@@ -91,7 +91,7 @@ def test_the_spread_is_part_of_the_round_deadline_within_the_cap():
     assert (plain.data_s, plain.paced_s) == (2.0, 0.0)
     assert (paced.data_s, paced.paced_s) == (5.0, 3.0)
     long = RoundDeadline.starting_now(1.0, 1.0, round_timeout=10.0, data_s=8.0, spread_s=30.0)
-    assert long.paced_s == PACED_SHARE * 10.0 and long.data_s == 10.0
+    assert long.paced_s == MAX_PACED_SHARE * 10.0 and long.data_s == 10.0
 
 
 def test_members_announce_their_spread_and_a_bad_one_is_refused():
