@@ -37,7 +37,9 @@ def test_two_peers_gradient_averaging_matches_single_process(swarm):
             [(e["epoch"], e["num_trainers"], e["samples"], e["error"]) for e in peer_epochs]
     # Rounds in a full group give both peers the same averaged gradient: identical parameters.
     both_ok = [a["ok"] and b["ok"] for a, b in zip(*epochs)]
-    assert sum(both_ok) >= EPOCHS - 2, both_ok
+    assert sum(both_ok) >= EPOCHS - 2, "\n".join(
+        [f"epoch {a['epoch']}: {a['error']!r} (group {a['group_size']}) | {b['error']!r} (group {b['group_size']})"
+         for a, b in zip(*epochs)] + [peer.describe(15) for peer in peers])
     assert done[0]["params_digest"] == done[1]["params_digest"] or not all(both_ok)
     assert all(e["group_size"] == 2 for e in epochs[0] if e["ok"])
 
