@@ -300,11 +300,10 @@ class EpochLoop:
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
         """Start one averaging round in the averager's round thread; its `RoundFuture`."""
         timing = self.host.timing
+        spread = timing.upload_spread() if self.host.strategy.paces_uploads else 0.0
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
-                                       averaged=plan.averages, wait=False,
-                                       upload_spread_s=timing.upload_spread() if self.host.strategy.paces_uploads
-                                       else 0.0)
+                                       averaged=plan.averages, upload_spread_s=spread, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:

@@ -81,6 +81,11 @@ class ProgressSnapshot:
         return self.num_trainers if self.counted_trainers is None else self.counted_trainers
 
     @property
+    def trainers_past_startup(self) -> int:
+        """How many live trainers `--min-peers` counts (`PeerRecord.training`; all of them when unknown)."""
+        return self.num_trainers if self.started_trainers is None else self.started_trainers
+
+    @property
     def ready(self) -> bool:
         """The swarm has gathered the target batch for `global_epoch`."""
         return self.samples_accumulated >= self.target_batch_size

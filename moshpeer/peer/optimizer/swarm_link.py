@@ -53,8 +53,7 @@ class SwarmLink:
         `should_stop()`; returns how many are visible."""
         deadline = time.monotonic() + timeout
         while True:
-            snapshot = self.progress.refresh_now()
-            visible = snapshot.num_trainers if snapshot.started_trainers is None else snapshot.started_trainers
+            visible = self.progress.refresh_now().trainers_past_startup
             if visible >= min_trainers or time.monotonic() >= deadline or should_stop():
                 return visible
             self.progress.wait_for_refresh(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
