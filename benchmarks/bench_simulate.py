@@ -21,6 +21,9 @@ Parts:
    (loss_ratio_failures); 10% hostile peers sending -100x with mean / clipped / trimmed aggregation
    (byz10_*_loss_ratio); the hostile fraction at which clipped stops keeping the loss within 2%
    (--training-rounds rounds each, fewer with --quick); a second swarm on internet links as context.
+6. the control plane (moshpeer.simulation.control_plane): each peer's progress traffic in the DHT at the
+   production cadence for 4 to 10,000 peers (dht_rate_*_bps), and the 1,000-peer DiLoCo swarm on home links
+   (20 Mbit/s, 50 ms, equal peers, no failures) with and without it (goodput_1k_diloco_home, goodput_1k_diloco_home_no_dht).
 
     python benchmarks/bench_simulate.py [--many 100] [--timed 3] [--skip-groups] [--skip-training]
 
@@ -220,7 +223,18 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
                         seconds=net.sim_seconds)
     line("sync, internet links", net_sync)
     figures.update(goodput_1k_diloco_internet=round(net.goodput, 4),
-                   goodput_1k_sync_internet=round(net_sync.goodput, 4))
+                   goodput_1k_sync_internet=round(net_sync.goodput, 4),
+                   diloco_1k_internet_dht_bytes_per_peer=round(net.dht_bytes_per_peer))
+    # Home links (20 Mbit/s, 50 ms), equal peers (no late members to blur it): where the control plane's traffic
+    # takes a visible share of each link.
+    home = dict(base, uplink=2.5e6, downlink=2.5e6, rtt_s=0.05)
+    for suffix, budget in (("", {}), ("_no_dht", {"progress_budget_bps": 0.0})):
+        r = run_training(TrainingConfig(**home, **budget), seed=0)
+        line(f"diloco, home links{', no control plane' if suffix else ''}", r)
+        figures[f"goodput_1k_diloco_home{suffix}"] = round(r.goodput, 4)
+        figures[f"diloco_1k_home{suffix}_sim_h"] = round(r.sim_seconds / 3600, 3)
+        figures[f"diloco_1k_home{suffix}_dht_bytes_per_peer"] = round(r.dht_bytes_per_peer)
+        figures[f"diloco_1k_home{suffix}_bytes_per_peer"] = round(r.bytes_per_peer)
 
     # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
     # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the
@@ -250,6 +264,21 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
     return figures
 
 
+def control_plane_rates() -> dict:
+    """Part 6's table: what progress in the DHT costs one peer at the production cadence, by swarm size."""
+    from moshpeer.simulation.control_plane import ControlPlane, read_cycle_bytes
+
+    plane, figures = ControlPlane(), {}
+    print(f"{'peers':>7} {'read interval s':>16} {'KB per read':>12} {'KB/s per peer':>14} {'of 20 Mbit/s':>13}")
+    for peers in (4, 8, 16, 100, 1_000, 10_000):
+        rate = plane.floor_rate(peers)
+        print(f"{peers:>7} {plane.cadence.floor(peers):>16.2f} {read_cycle_bytes(peers) / 1e3:>12.0f} "
+              f"{rate / 1e3:>14.1f} {rate / 2.5e6:>13.1%}")
+        figures[f"dht_rate_{peers}_bps"] = round(rate)
+        figures[f"dht_read_interval_{peers}_s"] = round(plane.cadence.floor(peers), 2)
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grids", type=int, default=100, help="grid draws for the paper's protocol (default 100)")
@@ -270,6 +299,7 @@ def main() -> int:
         figures.update(round_timing(args.timed))
         if not args.skip_groups:
             figures.update(group_sizes())
+    figures.update(control_plane_rates())
     if not args.skip_training:
         figures.update(training_scenarios(args.training_rounds, args.training_peers, args.hostile_rounds))
     figures["wall_s"] = round(time.perf_counter() - started, 1)

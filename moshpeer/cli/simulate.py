@@ -191,6 +191,9 @@ TRAINING_KNOBS = (
      "how long the first ready member of a group waits for the others, s"),
     ("--round-timeout", "round_timeout_s", _positive_float, 120.0, "S",
      "cap of the adaptive round deadline (production DeadlineLearner), s"),
+    ("--progress-budget-kbps", "progress_budget_kbps", _nonnegative_float, 128.0, "K",
+     "the byte budget of production's progress cadence, KB/s: the control plane models its DHT reads and "
+     "publications on every peer's links (0 = leave the control plane out)"),
     ("--sync", "sync", None, False, None, "also run the synchronous data-parallel baseline for the same "
      "simulated time (checkpoint interval: Young's optimum; 60 s timeout, 60 s restart)"),
     ("--sweep-failures", "sweep_failures", _nonnegative_float, None, "F",
@@ -316,7 +319,8 @@ def run_training_level(args: argparse.Namespace) -> int:
             chunk_numel=args.chunk_numel, hostile_fraction=knobs["hostile_fraction"],
             hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],
             matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
-            min_round_timeout_s=min(5.0, knobs["round_timeout_s"]), workload=workload,
+            min_round_timeout_s=min(5.0, knobs["round_timeout_s"]),
+            progress_budget_bps=knobs["progress_budget_kbps"] * 1000, workload=workload,
         ).check()
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -354,10 +358,11 @@ def print_training_table(results: Sequence["TrainingResult"], sweep: Sequence[di
         for t, loss in r.curve[::step] + ([r.curve[-1]] if (len(r.curve) - 1) % step else []):
             print(f"  {t / 3600:>8.2f} h  {loss:.5g}")
     print(f"{'system':>16} {'goodput':>8} {'final loss':>11} {'spread':>9} {'rounds':>7} {'sim h':>7} "
-          f"{'GB/peer':>8} {'stalls':>7} {'failures':>8}")
+          f"{'GB/peer':>8} {'DHT GB':>7} {'stalls':>7} {'failures':>8}")
     for r in results:
         print(f"{r.system:>16} {r.goodput:>8.3f} {r.final_loss:>11.5g} {r.final_spread:>9.3g} {r.rounds:>7} "
-              f"{r.sim_seconds / 3600:>7.2f} {r.bytes_per_peer / 1e9:>8.2f} {r.stalls:>7} {r.failures:>8}")
+              f"{r.sim_seconds / 3600:>7.2f} {r.bytes_per_peer / 1e9:>8.2f} {r.dht_bytes_per_peer / 1e9:>7.2f} "
+              f"{r.stalls:>7} {r.failures:>8}")
     for row in sweep:
         print(f"failures/peer/h {row['failures_per_hour']:g}: goodput moshpit {row['moshpit']:.3f}, "
               f"sync {row['sync']:.3f}")

@@ -29,14 +29,19 @@
    it as departed, its own part is lost for everybody (each keeps its own value there), and the others wait
    for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
    round it finished, as a peer does).
-4. aggregation per owner part and chunk (production `Partition` on the workload's dimension): `mean` = the
-   production estimator `estimate_over_sum` over what arrived (with chunk loss), `clipped`/`trimmed` = the
-   production `robust_combine`; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
-   averaged chunks keep the receiver's own value.
+4. aggregation per owner part and chunk (`group_aggregation.py`, production `Partition` on the workload's
+   dimension): `mean` = the production estimator `estimate_over_sum` over what arrived (with chunk loss),
+   `clipped`/`trimmed` = the production `robust_combine`; declared weights capped by `cap_weights`
+   (`weight_cap_factor(mode)`); lost averaged chunks keep the receiver's own value.
 5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
    random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
    ready only after its group had formed catches up as production DiLoCo does (`catches_up_after_missed_round`):
    it downloads a member's state after the round, and its round's compute is lost.
+
+**The control plane** (`control_plane.py`, unless `progress_budget_bps` is 0): every peer up reads and publishes
+swarm progress in the DHT at the production cadence, over its epoch's compute and at the cadence's floor while it
+waits and averages; that traffic is counted (`dht_bytes_per_peer`) and takes its floor rate from both links of a
+group round's members.
 
 **Hostile peers** (a fixed random subset): they train honestly but send `hostile_scale` x their contribution
 (-100 = the issue's scaled attack, -1 = sign flip) and declare `hostile_weight` x their true weight. As owners
@@ -52,11 +57,12 @@ import torch
 
 from moshpeer.averaging import grid
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
-from moshpeer.averaging.aggregation import cap_weights, robust_combine, weight_cap_factor
-from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
+from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
+from moshpeer.simulation.control_plane import ControlPlane
+from moshpeer.simulation.group_aggregation import aggregate_group
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
 from moshpeer.simulation.training_config import TrainingConfig, config_dict
@@ -87,6 +93,11 @@ class MoshpitTraining:
         self.wait = np.zeros(n)
         self.comm = np.zeros(n)
         self.sent = np.zeros(n)
+        self.dht_sent = np.zeros(n)
+        self.control = (ControlPlane(ProgressCadence(budget_bps=config.progress_budget_bps))
+                        if config.progress_budget_bps > 0 else None)
+        self.saturated = 0  # group participations whose link progress traffic alone would fill
+        self.live_peers = n
         self.key_bits = config.resolved_key_bits()
         self.keys = grid.initial_group_keys(n, self.key_bits, s.group_rng)
         self.deadlines: Dict[int, DeadlineLearner] = {}
@@ -164,11 +175,15 @@ class MoshpitTraining:
         active = np.flatnonzero(self.down_until <= self.clock)
         if active.size == 0:
             return
+        self.live_peers = active.size
         steps = c.steps_per_round()
         compute = steps * c.workload.batch / s.speed[active]
         ready = self.clock[active] + compute
         failing = self.fail_at[active] < ready
-        self.lost[active[failing]] += self.fail_at[active[failing]] - self.clock[active[failing]]
+        worked = self.fail_at[active[failing]] - self.clock[active[failing]]
+        self.lost[active[failing]] += worked
+        if self.control is not None:  # (a failed peer's reads taken as those of an epoch that short)
+            self.dht_sent[active[failing]] += self.control.round_bytes(worked, np.zeros(worked.size), active.size)
         self._fail(active[failing], self.fail_at[active[failing]])
         survivors, ready, compute = active[~failing], ready[~failing], compute[~failing]
         honest, contributions, weights = self._compute(survivors)
@@ -218,6 +233,9 @@ class MoshpitTraining:
             resume = catch_end + state_values * 4 / s.downlink[catch_up]
             self.wait[catch_up] += resume - ready_of[catch_up]
             self.clock[catch_up] = resume
+        if self.control is not None:
+            tail = self.clock[survivors] - ready_of[survivors]
+            self.dht_sent[survivors] += self.control.round_bytes(compute, tail, active.size)
         if grouping.num_groups:
             blob = s.group_rng.bytes(GROUP_ID_BYTES * grouping.num_groups)
             ids = [blob[k * GROUP_ID_BYTES:(k + 1) * GROUP_ID_BYTES] for k in range(grouping.num_groups)]
@@ -306,6 +324,10 @@ class MoshpitTraining:
         n = members.size
         self.group_sizes.append(n)
         ups, downs = s.uplink[members], s.downlink[members]
+        if self.control is not None:  # progress traffic shares both links with the round
+            self.saturated += int(self.control.saturates(ups, self.live_peers).sum())
+            ups, downs = (self.control.data_share(ups, self.live_peers),
+                          self.control.data_share(downs, self.live_peers))
         numel = c.model_params * (2 if contributions.shape[1] > c.workload.dim else 1)
         if c.partition == "bandwidth":
             sizes = bandwidth_part_sizes(numel, ups.tolist())
@@ -336,57 +358,8 @@ class MoshpitTraining:
             died = members[dying]
             self.lost[died] += ready[dying] - self.clock[died]  # the epoch's compute, not only the round
             self._fail(died, self.fail_at[died])
-        self._aggregate(rows, contributions, weights, dying, averaged)
+        aggregate_group(self.config, self.swarm.loss_rng, rows, contributions, weights, dying, averaged)
         return ~dying, end
-
-    def _aggregate(self, rows: np.ndarray, contributions: torch.Tensor, weights: np.ndarray, dying: np.ndarray,
-                   averaged: torch.Tensor) -> None:
-        """Each member owns one part of the workload vector; aggregate it from what arrived, send it back."""
-        c = self.config
-        n = rows.size
-        v = contributions[torch.from_numpy(rows)]
-        dim = v.shape[1]
-        w = cap_weights(weights[np.arange(n)].tolist(), weight_cap_factor(c.aggregation))
-        present = ~dying
-        # A receiver keeps its own (honest) value where nothing comes back; a hostile owner aggregates honestly,
-        # from its own honest value (robust aggregation cannot defend against a lying owner anyway).
-        own_values = averaged[torch.from_numpy(rows)]
-        if c.aggregation == "mean" and c.chunk_loss == 0 and not dying.any():
-            # One weighted mean for the whole vector: the same as per part, except that a hostile owner's own
-            # share of its own part (1/n of 1/n of the vector) is counted as sent, not as honest.
-            wt = torch.tensor(w, dtype=v.dtype)
-            averaged[torch.from_numpy(rows)] = (wt @ v / wt.sum()).expand(n, dim)
-            return
-        partition = Partition(dim, n, c.chunk_numel).pipelined()
-        rng = self.swarm.loss_rng
-        result = own_values.clone()
-        v = v.clone()
-        wt = torch.tensor(w, dtype=v.dtype)
-        for owner in range(n):
-            if dying[owner]:
-                continue  # its part never comes back: everybody keeps its own value there
-            lo_part, hi_part = partition.part_range(owner)
-            v[owner, lo_part:hi_part] = own_values[owner, lo_part:hi_part]
-            for chunk in range(partition.num_chunks(owner)):
-                lo, hi = partition.chunk_range(owner, chunk)
-                arrived = present & (rng.random(n) >= c.chunk_loss)
-                arrived[owner] = True
-                if c.aggregation == "mean":
-                    others = present.copy()
-                    others[owner] = False
-                    got = arrived & others
-                    mask = torch.from_numpy(got).to(v.dtype)
-                    total = (wt * mask) @ v[:, lo:hi]
-                    value = estimate_over_sum(v[owner, lo:hi].clone(), w[owner], total, float((wt * mask).sum()),
-                                              float(wt[torch.from_numpy(others)].sum()))
-                else:
-                    idx = np.flatnonzero(arrived)
-                    value, _ = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
-                                              [w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
-                back = present & (rng.random(n) >= c.chunk_loss)
-                back[owner] = True
-                result[torch.from_numpy(back), lo:hi] = value
-        averaged[torch.from_numpy(rows)] = result
 
     def _apply(self, peers: np.ndarray, done: np.ndarray, averaged: torch.Tensor) -> None:
         """Each peer that finished the round (in a group or alone) applies what it got, as its strategy does."""
@@ -453,6 +426,8 @@ class MoshpitTraining:
             up_s=up_s, lost_s=float(self.lost.sum()), wait_s=float(self.wait.sum()), comm_s=float(self.comm.sum()),
             stalls=self.stalls, failures=self.failures, final_loss=final, loss_floor=s.loss_floor(),
             initial_loss=self.initial_loss, bytes_per_peer=float(self.sent.mean()),
+            dht_bytes_per_peer=float(self.dht_sent.mean()),
+            dht_saturated_fraction=self.saturated / max(sum(self.group_sizes), 1),
             final_spread=s.spread(models) if live_honest.size else float("nan"),
             mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
             alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups, curve=self.curve)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from moshpeer.averaging import grid
 from moshpeer.averaging.aggregation import AGGREGATIONS
+from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
 MODES = ("gradients", "parameters", "diloco")
@@ -68,6 +69,9 @@ class TrainingConfig:
     :param never_return: probability that a failed peer never comes back
     :param chunk_loss: probability that one chunk on one link is lost (both phases)
     :param chunk_numel: values per chunk of the workload vector
+    :param progress_budget_bps: the byte budget of production's progress cadence (`ProgressCadence.budget_bps`),
+        whose reads and publications in the DHT the control plane models (control_plane.py); 0 = leave the
+        control plane out
     """
 
     peers: int = 1000
@@ -100,6 +104,7 @@ class TrainingConfig:
     matchmaking_window_s: float = 30.0
     round_timeout_s: float = 120.0
     min_round_timeout_s: float = 5.0
+    progress_budget_bps: float = ProgressCadence().budget_bps
     workload: Workload = field(default_factory=Workload)
 
     def check(self) -> "TrainingConfig":
@@ -138,6 +143,8 @@ class TrainingConfig:
         need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")
         need(math.isfinite(self.hostile_scale), f"hostile_scale must be finite, got {self.hostile_scale}")
         need(0 < self.hostile_weight < math.inf, f"hostile_weight must be positive, got {self.hostile_weight}")
+        need(0 <= self.progress_budget_bps < math.inf,
+             f"progress_budget_bps must be finite and >= 0, got {self.progress_budget_bps}")
         need(self.chunk_numel >= 1, f"chunk_numel must be >= 1, got {self.chunk_numel}")
         self.workload.check()
         return self

@@ -17,7 +17,10 @@ from typing import List, Tuple
 class TrainingResult:
     """What a run measured. `curve` = (simulated seconds, loss) after each round (sync: each checkpoint
     interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout;
-    `catch_ups` = peers that came after their group had formed and downloaded a member's state instead."""
+    `catch_ups` = peers that came after their group had formed and downloaded a member's state instead;
+    `bytes_per_peer` = the data plane's upload (rounds), `dht_bytes_per_peer` = progress traffic in the DHT
+    (control_plane.py; 0 for the synchronous baseline, which has none), `dht_saturated_fraction` = the share of
+    group participations in which progress traffic alone would have filled the member's link."""
 
     system: str
     config: dict
@@ -35,6 +38,8 @@ class TrainingResult:
     loss_floor: float
     initial_loss: float
     bytes_per_peer: float
+    dht_bytes_per_peer: float = 0.0
+    dht_saturated_fraction: float = 0.0
     final_spread: float = 0.0
     catch_ups: int = 0
     mean_group_size: float = 0.0
