@@ -77,7 +77,8 @@ from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY  # noqa: E40
 TASK_ARGS = {"d_model": 288, "layers": 5, "heads": 4, "context": 32, "max_bytes": 1_000_000}
 LOOPBACK = "127.0.0.1"
 # What --events-out keeps of each epoch event (the JSON line has only the figures).
-RECORD_FIELDS = ("event", "epoch", "ok", "error", "group_size", "bytes_sent", "wait_s", "matchmaking_s", "train_time")
+RECORD_FIELDS = ("event", "epoch", "ok", "error", "group_size", "bytes_sent", "wait_s", "matchmaking_s", "train_time",
+                 "matchmaking_window_s", "stragglers_eta_s", "group_target", "received_at")
 HEADLINE = "diloco-h50-int4"  # the DiLoCo arm of the JSON figures: H and the Δ codec together
 
 

@@ -235,14 +235,18 @@ class DeadlineLearner:
 
     def next_round(self, target: int, payload_bytes: int, round_timeout: float, *, grace_s: float,
                    timeout: Optional[float] = None, window_cap: Optional[float] = None,
-                   spread_s: float = 0.0) -> Tuple[float, RoundDeadline]:
+                   spread_s: float = 0.0, hold_s: float = 0.0) -> Tuple[float, RoundDeadline]:
         """The matchmaking window (seconds) and the `RoundDeadline` of a round starting now: the learned window,
-        at most `window_cap` (a caller's, e.g. up to a compute-budget deadline); a search of `timeout` (default
-        5 windows, at least one); `grace_s` longer while committed to a group; then the learned data-plane
-        budget plus an upload spread of `spread_s` (pacing.py), `round_timeout` at most."""
+        at most `window_cap` (a caller's, e.g. up to a compute-budget deadline) and at least `hold_s` (a caller
+        that knows members are still on their way: the learned window is how long a group takes to assemble
+        once its members are ready, not how long they take to get ready), `hold_s` itself at most `window_cap`;
+        a search of `timeout` (default 5 windows, at least one); `grace_s` longer while committed to a group;
+        then the learned data-plane budget plus an upload spread of `spread_s` (pacing.py), `round_timeout` at
+        most."""
         window = self.matchmaking_window(target)
         if window_cap is not None:
-            window = min(window, window_cap)
+            window, hold_s = min(window, window_cap), min(hold_s, window_cap)
+        window = max(window, hold_s)
         search_s = max(timeout if timeout is not None else 5 * window, window)
         return window, RoundDeadline.starting_now(search_s, grace_s, round_timeout,
                                                   data_s=self.round_deadline(target, payload_bytes), spread_s=spread_s)

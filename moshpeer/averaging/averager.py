@@ -67,6 +67,18 @@ TRANSPORTS = ("auto", "libp2p")
 PARTITIONS = ("equal", "bandwidth")
 
 
+def check_round_args(min_group_size: int, *, target_group_size: Optional[int], matchmaking_time: Optional[float],
+                     **non_negative: float) -> None:
+    """`MoshpitAverager.step`'s arguments: UserError naming the first bad one."""
+    for name, value in non_negative.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise UserError(f"{name} must be finite and >= 0, got {value}")
+    if target_group_size is not None and not min_group_size <= target_group_size:
+        raise UserError(f"target_group_size must be at least min_group_size ({min_group_size})")
+    if matchmaking_time is not None and not matchmaking_time > 0:
+        raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
+
+
 class MoshpitAverager(ServicerBase):
     """Averages `tensors` in place with the swarm, one Moshpit round per `step()`.
 
@@ -316,7 +328,7 @@ class MoshpitAverager(ServicerBase):
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
-             upload_spread_s: float = 0.0, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             upload_spread_s: float = 0.0, hold_s: float = 0.0, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
         wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
@@ -340,21 +352,19 @@ class MoshpitAverager(ServicerBase):
         :param averaged: what the tensors hold, e.g. ("gradients",); the result reports it
         :param upload_spread_s: this round only: spread its upload over about this many seconds (pacing.py: for
             a round nobody waits for; the group paces by its smallest spread, within the deadline); 0: unpaced
+        :param hold_s: this round only: keep the group open at least this long, up to `matchmaking_time` (e.g.
+            for members known to be still computing), even where the learned window is shorter
         """
-        for name, value in (("weight", weight), ("upload_spread_s", upload_spread_s)):
-            if not (math.isfinite(value) and value >= 0):
-                raise UserError(f"{name} must be finite and >= 0, got {value}")
-        if target_group_size is not None and not self.min_group_size <= target_group_size:
-            raise UserError(f"target_group_size must be at least min_group_size ({self.min_group_size})")
-        if matchmaking_time is not None and not matchmaking_time > 0:
-            raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
+        check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
+                         target_group_size=target_group_size, matchmaking_time=matchmaking_time)
         if not self._loop_thread.running:
             raise UserError("averager is not started")
         tensors = round_tensors(tensors, self.tensors, self._numel if self.error_feedback is not None else None)
         target = target_group_size or self.target_group_size
         window, deadline = self.deadlines.next_round(target, payload_bytes(tensors), self.round_timeout,
                                                      grace_s=self.request_timeout + ASSEMBLY_GRACE_S, timeout=timeout,
-                                                     window_cap=matchmaking_time, spread_s=upload_spread_s)
+                                                     window_cap=matchmaking_time, spread_s=upload_spread_s,
+                                                     hold_s=hold_s)
         future = RoundFuture(deadline)
         round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
         try:

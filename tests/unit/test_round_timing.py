@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
@@ -68,7 +69,6 @@ def test_the_assembly_floor_asks_the_averager_for_the_rounds_group_size():
 
 
 def test_the_floor_follows_what_a_real_averagers_learner_measured():
-    from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
     learner = DeadlineLearner(matchmaking_floor=0.2, matchmaking_cap=5.0, round_floor=0.1, round_cap=30.0)
     timing = RoundTiming(1.0, 0.4, 4, clock=FakeClock(), fastest_assembly=learner.fastest_assembly_s)
     assert timing.assembly_floor() == MIN_BUDGET_WINDOW_S  # nothing measured yet
@@ -145,3 +145,26 @@ def test_a_diloco_round_asks_for_the_straggler_wait_and_a_gradients_round_does_n
         host.backward(1.0)
         host.epochs.account(32)  # DiLoCo: its one inner step; gradients: this peer's share
         assert host.averager.calls[0]["matchmaking_time"] == pytest.approx(expected, abs=0.5)
+        # The round holds its group open that long: the averager's learned window (how long a group of ready
+        # members takes to assemble) must not close it before the straggler is ready (bench_diloco: four peers
+        # formed two pairs in most rounds while their windows asked for up to 8 s).
+        assert host.averager.calls[0]["hold_s"] == (pytest.approx(expected, abs=0.5) if expected > 2.0 else 0.0)
+
+
+def test_a_hold_keeps_the_group_open_past_the_learned_window_up_to_the_cap():
+    learner = DeadlineLearner(matchmaking_floor=0.2, matchmaking_cap=2.0, round_floor=0.1, round_cap=30.0)
+    for _ in range(10):
+        learner.observe_assembly(4, 0.3, full=True)  # groups of ready members assemble fast
+    learned = learner.matchmaking_window(4)
+    assert learned < 1.0
+    window, _ = learner.next_round(4, 1000, 30.0, grace_s=1.0, window_cap=8.0)
+    assert window == learned  # nobody on the way: the learned window
+    window, _ = learner.next_round(4, 1000, 30.0, grace_s=1.0, window_cap=8.0, hold_s=5.0)
+    assert window == 5.0
+    window, _ = learner.next_round(4, 1000, 30.0, grace_s=1.0, window_cap=4.0, hold_s=5.0)
+    assert window == 4.0  # never past the caller's cap
+    timing = RoundTiming(2.0, None, 4)
+    assert timing.straggler_hold(0.0) == 0.0 and timing.straggler_hold(1.5) == 3.5
+    assert timing.straggler_hold(60.0) == STRAGGLER_WAIT_WINDOWS * 2.0
+    budget, _ = budgeted(seconds=10.0, matchmaking_time=2.0)
+    assert budget.straggler_hold(60.0) == 0.0  # the budget deadline rules there

@@ -219,12 +219,15 @@ class EpochLoop:
                 return missed
         resolved = self.settle() if host.strategy.overlaps else None
         target = self.group_target(snapshot)
-        window = host.timing.matchmaking_window(target, self._stragglers(snapshot))
+        stragglers = self._stragglers(snapshot)
+        window = host.timing.matchmaking_window(target, stragglers)
         plan = self.plan_round(snapshot)
-        facts.update(epoch=epoch, samples=self.counters.samples, group_target=target)
+        facts.update(epoch=epoch, samples=self.counters.samples, group_target=target, matchmaking_window_s=window,
+                     stragglers_eta_s=stragglers)
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
-        future = None if alone else self.start_round(plan, float(self.counters.samples), target, window)
+        future = None if alone else self.start_round(plan, float(self.counters.samples), target, window,
+                                                     hold_s=host.timing.straggler_hold(stragglers))
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
@@ -297,13 +300,14 @@ class EpochLoop:
         with self.host.lock, self.host.averager.get_tensors():
             return self.host.strategy.plan_round(self.counters.epoch, snapshot)
 
-    def start_round(self, plan: RoundPlan, weight: float, target: int, window: float) -> Any:
-        """Start one averaging round in the averager's round thread; its `RoundFuture`."""
+    def start_round(self, plan: RoundPlan, weight: float, target: int, window: float, hold_s: float = 0.0) -> Any:
+        """Start one averaging round in the averager's round thread; its `RoundFuture`. The group waits up to
+        `window` to fill, and at least `hold_s` (members known to be on their way)."""
         timing = self.host.timing
         spread = timing.upload_spread() if self.host.strategy.paces_uploads else 0.0
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
-                                       averaged=plan.averages, upload_spread_s=spread, wait=False)
+                                       averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:

@@ -118,6 +118,15 @@ class RoundTiming:
             return min(self.matchmaking_time + stragglers_eta_s, STRAGGLER_WAIT_WINDOWS * self.matchmaking_time)
         return min(self.matchmaking_time, max(epoch.tau_s - epoch.elapsed_s, self.assembly_floor(target)))
 
+    def straggler_hold(self, stragglers_eta_s: float) -> float:
+        """How long a round must keep its group open, at least, for trainers still computing its epoch: their
+        whole `matchmaking_window` when some are (and no compute budget decides instead), else 0. The averager's
+        learned window is how long a group takes to assemble once its members are ready, so alone it closes
+        the group before a straggler is ready."""
+        if stragglers_eta_s <= 0 or (self.epoch_budget is not None and self.epoch_budget.tau_s is not None):
+            return 0.0
+        return self.matchmaking_window(stragglers_eta_s=stragglers_eta_s)
+
     def assembly_floor(self, target: Optional[int] = None) -> float:
         """The shortest matchmaking window worth trying: the fastest recent assembly of a full group of `target`
         (default `group_size`; no member was late), as the averager learned it, with a margin; at least
