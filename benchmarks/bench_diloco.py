@@ -52,7 +52,9 @@ Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco
 sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + EF21M),
 streaming_loss_over_gradients, streaming_peak_bandwidth_ratio (the `diloco-streaming` arm; streaming_paced_* the
 paced arm's; *_loss_over_single for both), link_over_payload and
-failed_round_fraction (the headline arm), hidden_comm_fraction, single_loss, and per-arm figures.
+failed_round_fraction (the headline arm), quorum_time_to_target_over_homogeneous and
+noquorum_time_to_target_over_homogeneous (`diloco-quorum` / `diloco-hetero`, peer 0 at about half speed, over the
+headline arm), hidden_comm_fraction, single_loss, and per-arm figures.
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ def arms(args) -> List[dict]:
          "compression": "int4", "round_timeout": 30, "eval_every": 4},
         {"name": "diloco-streaming-paced", "averaging": "diloco", "epochs": steps // 10, "inner_steps": 40,
          "fragments": 4, "overlap": True, "pace": True, "compression": "int4", "round_timeout": 30, "eval_every": 4},
+        # Decoupled DiLoCo's quorum (issue 27): peer 0 at about half speed, without and with a quorum of 0.75
+        {"name": "diloco-hetero", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
+         "compression": "int4", "round_timeout": 30, "straggler": f"constant:mean_s={args.half_speed_s}"},
+        {"name": "diloco-quorum", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
+         "compression": "int4", "round_timeout": 30, "straggler": f"constant:mean_s={args.half_speed_s}",
+         "quorum": 0.75},
         # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
         {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "topk-int2:0.0156", "error_feedback": True, "round_timeout": 30},
@@ -189,6 +197,10 @@ def run_arm(args, arm: dict, lab) -> dict:
                 argv += ["--diloco-pace"]
             if arm.get("fragments"):
                 argv += ["--diloco-fragments", str(arm["fragments"])]
+            if arm.get("straggler") and i == 0:
+                argv += ["--straggler", arm["straggler"]]
+            if arm.get("quorum"):
+                argv += ["--diloco-quorum", str(arm["quorum"])]
             if arm.get("error_feedback"):
                 argv += ["--error-feedback"]
             peers.append(Child(wrap(i, argv), e))
@@ -281,6 +293,9 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1.5e-3,
                         help="AdamW rate at the global batch (single, gradients); local steps use it x sqrt(1/peers)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--half-speed-s", type=float, default=0.4,
+                        help="the quorum arms' slow peer sleeps this long per micro-batch (about one micro-batch's "
+                        "compute of 4 peers on 2 cores: half speed)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between a peer's record heartbeats (the product's default; until session 13 the "
                              "benchmark used 1 s, ~20 KB/s more DHT upload per peer)")
@@ -387,6 +402,9 @@ def main() -> int:
         if head is not None and head.get("peak_upload_bytes_per_s") and streaming.get("peak_upload_bytes_per_s"):
             figures[f"{key}_peak_bandwidth_ratio"] = \
                 streaming["peak_upload_bytes_per_s"] / head["peak_upload_bytes_per_s"]
+    for arm, key in (("diloco-quorum", "quorum"), ("diloco-hetero", "noquorum")):
+        if arm in results and head is not None and head.get("time_to_target_s") and results[arm].get("time_to_target_s"):
+            figures[f"{key}_time_to_target_over_homogeneous"] = results[arm]["time_to_target_s"] / head["time_to_target_s"]
     overlap = results.get("diloco-h50-int4-overlap")
     if overlap is not None:
         figures["hidden_comm_fraction"] = overlap["hidden_comm_fraction"]

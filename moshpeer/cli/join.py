@@ -76,6 +76,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The training flags of `moshpeer join` (also passed through by `moshpeer demo`)."""
     group = parser.add_argument_group("training")
@@ -106,6 +116,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diloco-pace", action="store_true",
                        help="diloco with --diloco-overlap: spread each round's upload over most of the next "
                        "epoch's compute instead of sending it at the link's full rate (a lower peak on the link)")
+    group.add_argument("--diloco-quorum", type=_share, metavar="Q",
+                       help="diloco: end an epoch early, with the inner steps taken so far, once trainers holding Q "
+                       "of the swarm's compute rate have ended theirs (a slow peer keeps up instead of missing "
+                       "rounds; its Δ counts by its samples). 0 < Q <= 1; default: off")
     group.add_argument("--diloco-fragments", type=_positive_int, metavar="F",
                        help="diloco: Streaming DiLoCo, F fragments of the parameters; an epoch of H/F inner steps "
                        "averages one of them, so a round sends 1/F of the bytes (F divides H; default: 1)")
@@ -263,6 +277,7 @@ def strategy_from_args(args: argparse.Namespace):
 
         return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
                              fragments=args.diloco_fragments, pace=args.diloco_pace or None,
+                             quorum=args.diloco_quorum,
                              outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
     return make_strategy(args.averaging)
 
@@ -278,7 +293,8 @@ def trainer_config_from_args(args: argparse.Namespace):
     diloco_flags = [flag for flag, value in (("--inner-steps", args.inner_steps), ("--outer-optimizer", args.outer_optimizer),
                                               ("--diloco-overlap", args.diloco_overlap),
                                               ("--diloco-fragments", args.diloco_fragments),
-                                              ("--diloco-pace", args.diloco_pace)) if value]
+                                              ("--diloco-pace", args.diloco_pace),
+                                              ("--diloco-quorum", args.diloco_quorum)) if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     settings = loss_budget_settings_from_args(args)

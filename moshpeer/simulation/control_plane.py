@@ -8,9 +8,12 @@ in the epoch, never faster than its byte budget allows; peer/optimizer/progress_
 control plane"): a read asks up to `DHT_READ_FANOUT` nodes, and each answers with the whole progress dictionary,
 one record per live peer at ~`WIRE_BYTES_PER_RECORD` on the wire. Per read-and-publish cycle that is
 min(N, 20) x N x 2.8 KB, which gives 45, 179 and 717 KB per peer per cycle at 4, 8 and 16 peers, against the 44,
-176 and 656 KB measured there (16 peers ran CPU-bound). Beyond 16 peers the fan-out of 20 is hivemind's search
-beam, not a measurement. Every node answers other peers' reads about as often as it reads (all of them cache the
-dictionary), so a peer's upload per cycle is what its own read moves.
+176 and 656 KB measured there (16 peers ran CPU-bound). Why a record costs more in a larger swarm is a lead, not
+a traced fact: `membership.list_peers` reads with hivemind's `get(latest=True)`, which searches the whole beam
+(20 nodes, hivemind's bucket size) for the latest copy instead of stopping at the first, and every node it asks
+answers with its copy; but a beam of 5 cut only 8-16% at 8 peers (session 13). Beyond 16 peers the cap at 20 is
+that beam, not a measurement. Every node answers other peers' reads about as often as it reads (all of them
+cache the dictionary), so a peer's upload per cycle is what its own read moves.
 
 What follows for large swarms: production's byte budget assumes a constant `BYTES_PER_RECORD` (16 KB) per record,
 so its floor interval grows as N x 16 KB / budget, while the cost per record grows to 20 x 2.8 = 56 KB at 20 peers

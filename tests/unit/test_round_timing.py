@@ -11,7 +11,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
                                                   MISSED_ROUND_GRACE_S, STRAGGLER_WAIT_WINDOWS, RoundTiming,
-                                                  stragglers_eta_s)
+                                                  quorum_eta_s, stragglers_eta_s)
 from peer_fakes import FakeClock, FakeFuture
 
 
@@ -168,3 +168,48 @@ def test_a_hold_keeps_the_group_open_past_the_learned_window_up_to_the_cap():
     assert timing.straggler_hold(60.0) == STRAGGLER_WAIT_WINDOWS * 2.0
     budget, _ = budgeted(seconds=10.0, matchmaking_time=2.0)
     assert budget.straggler_hold(60.0) == 0.0  # the budget deadline rules there
+
+
+def test_the_quorum_is_in_when_trainers_holding_that_share_of_the_swarms_rate_are_done():
+    me = record(0, samples=20)
+    # Three trainers at rate 2 (done: past the epoch; done: all samples in; 5 s to go), this peer at rate 1, 30 s.
+    peers = [me, record(1, epoch=4, samples=0, rate=2.0), record(2, samples=200, rate=2.0),
+             record(3, samples=190, rate=2.0), record(4, samples=0, role="aux"), record(5, samples=0, leaving=True)]
+    eta = quorum_eta_s(peers, 3, 200, me.peer_id, own_eta_s=30.0, own_rate=1.0, quorum=0.5, now=0.0)
+    assert eta == 0.0  # 4 of the swarm's 7 samples/s are done
+    assert quorum_eta_s(peers, 3, 200, me.peer_id, 30.0, 1.0, quorum=0.75, now=0.0) == 5.0  # 6 of 7 in 5 s
+    assert quorum_eta_s(peers, 3, 200, me.peer_id, 30.0, 1.0, quorum=0.75, now=5.0) == 0.0  # its record aged
+    assert quorum_eta_s(peers, 3, 200, me.peer_id, 30.0, 1.0, quorum=1.0, now=0.0) == 30.0  # everyone: this one too
+    # A trainer behind the epoch, or without a rate, is never done: too few others leave the quorum out of reach.
+    behind = [me, record(1, epoch=2, samples=0, rate=2.0), record(2, samples=0, rate=0.0)]
+    assert quorum_eta_s(behind, 3, 200, me.peer_id, 30.0, 1.0, quorum=0.5, now=0.0) == float("inf")
+
+
+def test_a_diloco_peer_with_a_quorum_ends_its_epoch_early_once_the_others_are_done():
+    """Three trainers have moved past the epoch: with a quorum of 0.75 this peer ends it after its first inner
+    step (not before: its round needs a Δ), and without one after its H inner steps."""
+    from moshpeer.averaging.report import RoundResult as Result
+    from moshpeer.peer.strategies.diloco import DiLoCoStrategy
+    from peer_fakes import FakeHost, swarm_view
+
+    from moshpeer.errors import UserError
+    for bad in (1.5, -0.1, True):
+        with pytest.raises(UserError, match="quorum"):
+            DiLoCoStrategy(quorum=bad)
+    for quorum, rounds_after_one_step in ((0.0, 0), (0.75, 1)):
+        host = FakeHost(DiLoCoStrategy(inner_steps=4, quorum=quorum), matchmaking_time=2.0)
+        view = swarm_view(trainers=4, samples=32)
+        host.swarm.progress.view = type(view)(**{**view.__dict__, "peers": tuple(
+            record(k, epoch=1, samples=0, rate=8.0, updated_at=time.time()) for k in (1, 2, 3))})  # moved on
+        host.averager.queue(Result(ok=True, group_size=4))
+        host.backward(1.0)
+        host.epochs.account(8)  # one inner step of four
+        assert len(host.averager.calls) == rounds_after_one_step, quorum
+        if rounds_after_one_step:
+            assert host.averager.calls[0]["weight"] == 8.0  # its Δ counts by the samples it computed
+        else:
+            for _ in range(3):
+                host.backward(1.0)
+                host.epochs.account(8)
+            assert len(host.averager.calls) == 1  # H inner steps end it as before
+

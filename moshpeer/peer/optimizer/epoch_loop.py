@@ -43,7 +43,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
-from moshpeer.peer.optimizer.round_timing import RoundTiming, stragglers_eta_s
+from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_eta_s, stragglers_eta_s
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.optimizer.speed_meter import SpeedMeter
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
@@ -176,8 +176,10 @@ class EpochLoop:
     def epoch_is_over(self) -> bool:
         """Whether this peer should average now (see the module docstring)."""
         counted = self.host.strategy.epoch_is_over()
-        if self.host.timing.budget_spent() or counted is not None:
-            return self.host.timing.budget_spent() or bool(counted)
+        if self.host.timing.budget_spent() or counted:
+            return True
+        if counted is not None:  # the strategy's own count says not yet; its quorum may end the epoch early
+            return self._quorum_eta_s() == 0.0
         snapshot = self.host.swarm.progress.snapshot()
         return snapshot.ready or self.counters.samples >= self.share(snapshot)
 
@@ -254,6 +256,19 @@ class EpochLoop:
         if self.host.strategy.epoch_is_over() is None:
             return 0.0
         return stragglers_eta_s(snapshot.peers, self.counters.epoch, self.counters.samples, self.host.swarm.peer_id)
+
+    def _quorum_eta_s(self) -> float:
+        """For a strategy with a quorum (DiLoCo's `quorum`): seconds until trainers holding that share of the
+        swarm's compute have ended this epoch, by their records (round_timing.quorum_eta_s); inf without a
+        quorum, or before this peer has computed anything this epoch (a round needs its Δ)."""
+        strategy = self.host.strategy
+        steps_left = strategy.steps_to_epoch_end()
+        if not strategy.quorum or steps_left is None or self.counters.samples == 0:
+            return math.inf
+        rate, batch = self.speed.rate(), self.speed.mean_batch()
+        own_eta_s = steps_left * batch / rate if rate > 0 else math.inf
+        return quorum_eta_s(self.snapshot().peers, self.counters.epoch, self.counters.samples + round(steps_left * batch),
+                            self.host.swarm.peer_id, own_eta_s, rate, strategy.quorum)
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
         """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period), for
@@ -378,8 +393,8 @@ class EpochLoop:
         """Publish this peer's epoch, samples and speed (throttled unless `force`), and whom its averaging flagged."""
         host = self.host
         rate, steps_left = self.speed.rate(), host.strategy.steps_to_epoch_end()
-        epoch_eta_s = None if steps_left is None else (
-            steps_left * self.speed.mean_batch() / rate if rate > 0 else float("inf"))
+        epoch_eta_s = None if steps_left is None else min(
+            steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf, self._quorum_eta_s())
         host.swarm.progress.report(epoch=self.counters.epoch, samples_accumulated=self.counters.samples,
                                    samples_per_second=rate, step=self.counters.steps, force=force,
                                    upload_bps=host.averager.upload_bandwidth or 0.0, epoch_eta_s=epoch_eta_s)

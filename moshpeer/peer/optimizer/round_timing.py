@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -188,3 +189,31 @@ def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int
             missing = epoch_samples - record.samples_accumulated
             eta = max(eta, missing / record.samples_per_second - max(0.0, now - record.updated_at))
     return eta
+
+
+def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, own_peer_id: str, own_eta_s: float,
+                 own_rate: float, quorum: float, now: Optional[float] = None) -> float:
+    """Seconds until trainers holding at least `quorum` of the swarm's compute rate have computed `epoch_samples`
+    samples toward `epoch`: each other trainer by its record as in `stragglers_eta_s` (one past `epoch` is done,
+    one behind it or with no rate never is), this peer by `own_eta_s` and `own_rate`. 0: the quorum is in; inf:
+    it never will be by these records. Rates weigh the trainers: a quorum of compute (tokens), not of heads."""
+    now = time.time() if now is None else now
+    entries = [(max(own_eta_s, 0.0), max(own_rate, 0.0))]
+    for record in peers:
+        if record.peer_id == own_peer_id or record.role != "trainer" or record.leaving:
+            continue
+        rate = max(record.samples_per_second, 0.0)
+        if record.epoch > epoch:
+            entries.append((0.0, rate))
+        elif record.epoch < epoch or rate == 0:
+            entries.append((math.inf, rate))
+        else:
+            missing = epoch_samples - record.samples_accumulated
+            entries.append((max(0.0, missing / rate - max(0.0, now - record.updated_at)), rate))
+    total = sum(rate for _, rate in entries)
+    done = 0.0
+    for eta, rate in sorted(entries):
+        done += rate
+        if total > 0 and done >= quorum * total * (1 - 1e-9):
+            return eta
+    return math.inf

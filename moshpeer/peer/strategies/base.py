@@ -98,6 +98,9 @@ class AveragingStrategy(abc.ABC):
     # An overlapped round spreads its upload over most of the next epoch's compute instead of bursting at the
     # link's rate (pacing.py; `RoundTiming.upload_spread`).
     paces_uploads: bool = False
+    # A strategy that counts its own epochs may end one early, with the inner steps it has, once trainers
+    # holding this share of the swarm's compute rate have ended theirs (round_timing.quorum_eta_s); 0: never.
+    quorum: float = 0.0
     # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
     # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).
     catches_up_after_missed_round: ClassVar[bool] = False

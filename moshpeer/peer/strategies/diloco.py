@@ -21,6 +21,11 @@ the next H inner steps; the outer step on Δ̄_t is taken at the next epoch end,
 progress made meanwhile (OuterState.apply_delayed). The optimizer runs such a strategy's rounds with
 `MoshpitAverager.step(wait=False)` and resolves them one epoch later.
 
+quorum=Q (0 < Q <= 1; Decoupled DiLoCo's minimum quorum, inside the swarm): a peer ends its epoch early, with
+the inner steps it has taken (at least one), once trainers holding Q of the swarm's compute rate have ended theirs
+(their records: round_timing.quorum_eta_s). The round weighs each member's Δ by its samples (tokens), so a slower
+peer counts for what it did, and it starts the next epoch with the others instead of missing their round.
+
 fragments=F (Streaming DiLoCo, Douillard et al. 2025): the parameters are cut into F contiguous runs
 (diloco_fragments.py), each with its own θ_outer, outer momentum and θ_sent. A collaborative epoch is H/F
 inner steps and the round of epoch e averages fragment e mod F only (the epoch is the swarm's, so every
@@ -64,6 +69,8 @@ class DiLoCoStrategy(AveragingStrategy):
     :param fragments: F, Streaming DiLoCo's fragments: an epoch of H/F inner steps averages one of them
         (1: plain DiLoCo). UserError unless a positive divisor of H; `bind` raises UserError when the model
         has fewer than F parameter tensors or error feedback is on (it averages every value every round)
+    :param quorum: end an epoch early once trainers holding this share of the swarm's compute rate have ended
+        theirs (see the module docstring); 0 (default): after H/F inner steps only. UserError outside [0, 1]
     """
 
     name = "diloco"
@@ -72,7 +79,7 @@ class DiLoCoStrategy(AveragingStrategy):
     rejoins_by_update = True  # ... but the group's Δ̄ (one round's bytes) does it as well, when a member has it
 
     def __init__(self, inner_steps: int = DEFAULT_INNER_STEPS, outer_optimizer: Optional[OuterOptimizerFactory] = None,
-                 overlap: bool = False, fragments: int = 1, pace: bool = False):
+                 overlap: bool = False, fragments: int = 1, pace: bool = False, quorum: float = 0.0):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise UserError(f"inner_steps must be a positive integer, got {inner_steps!r}")
         if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
@@ -89,6 +96,9 @@ class DiLoCoStrategy(AveragingStrategy):
         if pace and not self.overlap:
             raise UserError("pacing spreads a round's upload over the next epoch's compute: it needs overlap")
         self.paces_uploads = bool(pace)
+        if isinstance(quorum, bool) or not isinstance(quorum, (int, float)) or not 0 <= quorum <= 1:
+            raise UserError(f"quorum must be a share of the swarm's compute in [0, 1], got {quorum!r}")
+        self.quorum = float(quorum)
         self.steps_this_epoch = 0
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
         self.planned_epoch = -1  # the epoch of the last plan
@@ -204,7 +214,7 @@ class DiLoCoStrategy(AveragingStrategy):
     def settings(self) -> Dict[str, Any]:
         """What the join event line and every round result show of this strategy."""
         return {"inner_steps": self.inner_steps, "outer_optimizer": describe_outer_optimizer(self.outer_optimizer),
-                "overlap": self.overlap, "pace": self.paces_uploads, "fragments": self.fragments,
+                "overlap": self.overlap, "pace": self.paces_uploads, "fragments": self.fragments, "quorum": self.quorum,
                 "delta_codec": self.host.compression}
 
     def state_dict(self) -> Dict[str, Any]:
