@@ -41,6 +41,7 @@ from local state (the DHT copy of them lags).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -282,10 +283,12 @@ class SwarmProgress:
     def report(self, *, epoch: int, samples_accumulated: int, samples_per_second: float, step: int,
                force: bool = False, upload_bps: float = 0.0, epoch_eta_s: Optional[float] = None) -> None:
         """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per cadence
-        interval unless the epoch changed or `force`. `epoch_eta_s`: seconds until this peer's epoch ends by its
-        strategy's own count (None: the swarm's target batch ends it), which sets the cadence."""
+        interval unless the epoch changed, it ends now, or `force`. `epoch_eta_s`: seconds until this peer's epoch
+        ends by its strategy's own count (None: the swarm's target batch ends it; 0: it ends now), which sets the
+        cadence. The record of an epoch's end goes out at once: the others' straggler waits and quorums read it."""
         now = time.monotonic()
         self._epoch_eta = None if epoch_eta_s is None else (epoch_eta_s, now)
+        force = force or (epoch_eta_s is not None and epoch_eta_s <= 0)
         if not force and epoch == self._last_published_epoch:
             since = now - self._last_publish
             # The cheap test first: report() runs every micro-batch, next_interval() may summarize every record.
@@ -321,9 +324,13 @@ class SwarmProgress:
 
     def next_interval(self) -> float:
         """Seconds between reads (and publications) now: the cadence at this peer's expected epoch end, by its
-        own count if it reported one, else by the swarm's progress toward the target batch."""
+        own count if it reported one, else by the swarm's progress toward the target batch. An epoch its own
+        count reported over (eta 0: its round is on) reads at the longest interval: nothing in the view decides
+        anything until the next epoch, and what the round needs it asks for (`refresh_now`, `wait_for_refresh`)."""
         with self._lock:
             peers, epoch_eta = len(self._records), self._epoch_eta
+        if epoch_eta is not None and epoch_eta[0] <= 0:
+            return self.cadence.interval(math.inf, peers)
         if epoch_eta is not None:
             eta = max(0.0, epoch_eta[0] - (time.monotonic() - epoch_eta[1]))
         else:
