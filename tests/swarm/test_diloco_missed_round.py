@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 H, EPOCHS, MICRO_BATCH = 12, 4, 32
 WINDOW_S = 2.0  # matchmaking
 # Every micro-batch takes 0.5 s, so an epoch (6 s) outlasts the stall plus the window: the others are still in the
-# next epoch, holding the update, when the stalled peer asks for it. It then starts that epoch a whole number of
-# steps in, so it arrives at the next round up to one step (0.5 s) after them, well inside their window.
+# next epoch, holding the update, when the stalled peer asks for it. It then starts that epoch as many steps in as
+# its donor is, so it arrives at the next round up to one step (0.5 s) after them, well inside their window.
 PACE = "constant:mean_s=0.5"
 STALL = f"{PACE},spike_s=3.5,spike_at={H + 2}"  # 3.5 s more (past the window) in the second epoch
 
@@ -41,9 +41,10 @@ def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_ag
     assert not any(e["error"] == "missed round; caught up" for e in stalled), described  # no state download
     assert stalled[1]["dropped_samples"] == H * MICRO_BATCH and "fetched the update" in peers[2].stderr
     assert all(e["ok"] for eps in steady for e in eps), described  # the others averaged every round
-    # Back in step: it started the next epoch some inner steps in (as far as the donor was), and its later
-    # rounds averaged with both others.
-    assert 0 < stalled[2]["samples"] < H * MICRO_BATCH, described
+    # Back in step: it started the next epoch as far in as the donor was (anywhere from 0 inner steps: the others'
+    # round held its group open for it, by its record, before giving up, so the donor may just have started),
+    # and its later rounds averaged with both others.
+    assert 0 < stalled[2]["samples"] <= H * MICRO_BATCH, described
     assert all(e["ok"] and e["group_size"] == 3 for e in stalled[2:]), described
     # The same outer steps on the same Δ̄: the three end on the same parameters, bit for bit.
     assert len({summary["params_digest"] for summary in done}) == 1, described
