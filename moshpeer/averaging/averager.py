@@ -56,6 +56,7 @@ from moshpeer.averaging.pacing import group_links
 from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
+from moshpeer.compression.kernels import load_kernels
 from moshpeer.compression.ef21m import EF21M
 from moshpeer.dht import admission as private_runs
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
@@ -183,6 +184,7 @@ class MoshpitAverager(ServicerBase):
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.compression_spec = compression
         self.compression = get_compression(compression)
+        load_kernels(self.tensors)  # now, not in the first round: there every member would load them at once
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
         self.deadlines = DeadlineLearner.for_settings(matchmaking_time, round_timeout, min_matchmaking_time,

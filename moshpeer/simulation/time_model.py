@@ -9,6 +9,11 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple
 
+# Link speeds are line rates (as an ISP and Linux's tbf count them): a full TCP segment on Ethernet (MTU 1500, TCP
+# timestamps) carries 1448 payload bytes in 1514 on the wire, 4.6% more. Session 14's netlab runs put real rounds
+# at 1.19-1.27x a model without it (docs/simulation.md, "Round times on shaped links").
+WIRE_BYTES_PER_PAYLOAD_BYTE = 1514 / 1448
+
 
 def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence[float], downlinks: Sequence[float],
                         rtt_s: float, bytes_per_value: float) -> Tuple[float, List[float]]:
@@ -17,9 +22,10 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
     Member i uploads its contribution to every other part (numel - s_i values, reduce-scatter) and its averaged
     part to the n - 1 others ((n - 1) s_i, all-gather), and downloads as much. Chunks are pipelined (an owner
     sends a chunk back as soon as it is final), so the round lasts as long as the busiest link:
-    max_i max(U_i / up_i, D_i / down_i), plus one round trip per phase. With unlimited downlinks this is the
-    production model `partition.reduce_allgather_seconds` (the one `bandwidth_part_sizes` optimizes) plus two
-    round trips.
+    max_i max(U_i / up_i, D_i / down_i) in wire bytes (`WIRE_BYTES_PER_PAYLOAD_BYTE`), plus one round trip per
+    phase. With unlimited downlinks this is the production model `partition.reduce_allgather_seconds` (the one
+    `bandwidth_part_sizes` optimizes) times the wire overhead, plus two round trips. The bytes returned are
+    payload bytes.
 
     :raises ValueError: part sizes that do not fit the members, or a non-positive link speed
     """
@@ -36,7 +42,7 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
         volume = (numel - s + (n - 1) * s) * bytes_per_value
         busiest = max(busiest, volume / up, volume / down)
         sent.append(volume)
-    return busiest + 2 * rtt_s, sent
+    return busiest * WIRE_BYTES_PER_PAYLOAD_BYTE + 2 * rtt_s, sent
 
 
 def matchmaking_seconds(peers: int, rtt_s: float) -> float:
@@ -52,5 +58,5 @@ def ring_allreduce_seconds(numel: int, peers: int, uplink: float, downlink: floa
     Generous to the baseline: no real all-reduce has both."""
     if peers <= 1:
         return 0.0
-    volume = 2 * (peers - 1) / peers * numel * bytes_per_value
+    volume = 2 * (peers - 1) / peers * numel * bytes_per_value * WIRE_BYTES_PER_PAYLOAD_BYTE
     return volume / min(uplink, downlink) + 2 * math.ceil(math.log2(peers)) * rtt_s

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
+from moshpeer.simulation.time_model import WIRE_BYTES_PER_PAYLOAD_BYTE
 from moshpeer.simulation.training import (
     MoshpitTraining,
     TrainingConfig,
@@ -43,7 +44,8 @@ def test_round_time_with_unlimited_downlinks_is_the_production_upload_bound_plus
     ups = [10e6, 20e6, 40e6, 5e6]
     sizes = bandwidth_part_sizes(1_000_000, ups)
     seconds, sent = group_round_seconds(1_000_000, sizes, ups, [1e15] * 4, rtt_s=0.05, bytes_per_value=4)
-    assert seconds == pytest.approx(reduce_allgather_seconds(4e6, ups, sizes) + 0.1, rel=1e-9)
+    assert seconds == pytest.approx(WIRE_BYTES_PER_PAYLOAD_BYTE * reduce_allgather_seconds(4e6, ups, sizes) + 0.1,
+                                    rel=1e-9)
     # Every member uploads numel - s_i + (n - 1) s_i values.
     assert sent == [pytest.approx(4 * (1_000_000 + 2 * s)) for s in sizes]
     # A slow downlink is the limit when it is slower than what the uplinks allow.

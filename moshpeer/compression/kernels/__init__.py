@@ -7,6 +7,7 @@ from moshpeer.compression.kernels.loader import (
     KernelUnavailable,
     backend_for,
     load_backend,
+    load_kernels,
 )
 
-__all__ = ["BACKENDS", "ENV_BACKEND", "Backend", "KernelUnavailable", "backend_for", "load_backend"]
+__all__ = ["BACKENDS", "ENV_BACKEND", "Backend", "KernelUnavailable", "backend_for", "load_backend", "load_kernels"]

@@ -249,6 +249,16 @@ def forced_backend() -> Optional[str]:
 _warned = set()
 
 
+def load_kernels(tensors) -> None:
+    """Load (building if needed) the backend of every device among `tensors` now, so that its first use does not
+    pay for it. Never raises: a backend that cannot load falls back as in `backend_for`, warning once."""
+    for device in {t.device for t in tensors} or {torch.device("cpu")}:
+        try:
+            backend_for(device)
+        except KernelUnavailable:
+            pass  # forced and unavailable: the first use raises it where it matters
+
+
 def backend_for(device: torch.device) -> Backend:
     """The backend for tensors on `device`: forced by MOSHPEER_KERNELS, else the compiled one, else the reference."""
     kind = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
