@@ -265,10 +265,14 @@ class EpochLoop:
         steps_left = strategy.steps_to_epoch_end()
         if not strategy.quorum or steps_left is None or self.counters.samples == 0:
             return math.inf
-        rate, batch = self.speed.rate(), self.speed.mean_batch()
-        own_eta_s = steps_left * batch / rate if rate > 0 else math.inf
-        return quorum_eta_s(self.snapshot().peers, self.counters.epoch, self.counters.samples + round(steps_left * batch),
-                            self.host.swarm.peer_id, own_eta_s, rate, strategy.quorum)
+        epoch_samples = self.counters.samples + round(steps_left * self.speed.mean_batch())
+        return quorum_eta_s(self.snapshot().peers, self.counters.epoch, epoch_samples, self.host.swarm.peer_id,
+                            self._own_eta_s(steps_left), self.speed.rate(), strategy.quorum)
+
+    def _own_eta_s(self, steps_left: int) -> float:
+        """Seconds until this peer's `steps_left` micro-batches are computed at its recent rate (inf: unknown)."""
+        rate = self.speed.rate()
+        return steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
         """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period), for
@@ -393,8 +397,7 @@ class EpochLoop:
         """Publish this peer's epoch, samples and speed (throttled unless `force`), and whom its averaging flagged."""
         host = self.host
         rate, steps_left = self.speed.rate(), host.strategy.steps_to_epoch_end()
-        epoch_eta_s = None if steps_left is None else min(
-            steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf, self._quorum_eta_s())
+        epoch_eta_s = None if steps_left is None else min(self._own_eta_s(steps_left), self._quorum_eta_s())
         host.swarm.progress.report(epoch=self.counters.epoch, samples_accumulated=self.counters.samples,
                                    samples_per_second=rate, step=self.counters.steps, force=force,
                                    upload_bps=host.averager.upload_bandwidth or 0.0, epoch_eta_s=epoch_eta_s)
