@@ -75,9 +75,9 @@ class ControlPlane:
     def round_bytes(self, epoch_s: np.ndarray, tail_s: np.ndarray, peers: int) -> np.ndarray:
         """Progress bytes each peer's uplink carries in one round: `epoch_s` of compute, then `tail_s` of waiting
         and averaging."""
-        per_read = read_cycle_bytes(peers)
-        reads = np.array([self.epoch_reads(float(e), peers) for e in epoch_s])
-        return per_read * reads + self.floor_rate(peers) * np.maximum(tail_s, 0.0)
+        epochs, index = np.unique(np.asarray(epoch_s, dtype=float), return_inverse=True)  # peers share speeds
+        reads = np.array([self.epoch_reads(float(e), peers) for e in epochs])[index.reshape(-1)]
+        return read_cycle_bytes(peers) * reads + self.floor_rate(peers) * np.maximum(tail_s, 0.0)
 
     def data_share(self, links: np.ndarray, peers: int) -> np.ndarray:
         """The link speeds left to the data plane once progress traffic has taken its floor rate."""

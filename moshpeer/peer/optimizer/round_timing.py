@@ -190,9 +190,15 @@ def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int
         if record.peer_id == own_peer_id or record.role != "trainer" or record.epoch != epoch or record.leaving:
             continue
         if record.samples_per_second > 0:
-            missing = epoch_samples - record.samples_accumulated
-            eta = max(eta, missing / record.samples_per_second - max(0.0, now - record.updated_at))
+            eta = max(eta, _seconds_to_go(record, epoch_samples, now))
     return eta
+
+
+def _seconds_to_go(record: PeerRecord, epoch_samples: int, now: float) -> float:
+    """Seconds until a trainer in the epoch (rate > 0) has computed `epoch_samples`, by its record: samples still
+    to compute over its rate, less the time since it published (negative: it should be done by now)."""
+    missing = epoch_samples - record.samples_accumulated
+    return missing / record.samples_per_second - max(0.0, now - record.updated_at)
 
 
 def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, own_peer_id: str, own_eta_s: float,
@@ -212,8 +218,7 @@ def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, ow
         elif record.epoch < epoch or rate == 0:
             entries.append((math.inf, rate))
         else:
-            missing = epoch_samples - record.samples_accumulated
-            entries.append((max(0.0, missing / rate - max(0.0, now - record.updated_at)), rate))
+            entries.append((max(0.0, _seconds_to_go(record, epoch_samples, now)), rate))
     total = sum(rate for _, rate in entries)
     done = 0.0
     for eta, rate in sorted(entries):
