@@ -13,9 +13,9 @@ same harness on the CPU (the default test suite does, with tiny sizes).
    uncompressed round. The anchor, in the same run: two processes' `torch.distributed` gloo all_reduce of the
    same tensors on the same device (NCCL cannot put two ranks on one GPU); none_round_vs_gloo and
    int8_round_vs_gloo = moshpeer's round / gloo's.
-2. Encoding on the data path: a part encoded the way the averager encodes it (`encode_chunks`, a pipeline
-   slice of the part's chunks at a time: part_sender.PART_SLICES), against a device-to-device copy of the same
-   vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth for int8 (input bytes per second).
+2. Encoding on the data path: a part encoded the way the averager encodes it (`encode_chunks` over
+   part_sender.encode_runs: the whole part in one call on a device, a pipeline slice at a time on the CPU),
+   against a device-to-device copy of the same vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth for int8 (input bytes per second).
    Also: the old chunk-by-chunk `codec.encode` loop (`*_chunkwise_encode_gbps`), backend calls per part (a
    counter) and, on CUDA, syncs_per_part (host syncs `torch.cuda.set_sync_debug_mode("warn")` reports while one
    part is encoded; None on the CPU, where nothing syncs).
@@ -238,7 +238,7 @@ def _next_json(proc: subprocess.Popen, event: str, timeout: float) -> str:
 # ---- part 2: encoding bandwidth on the data path ----------------------------------------------------
 
 
-def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -> dict:
+def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 20) -> dict:
     """GB/s of fp32 input: a device-to-device copy of the vector, and each codec encoding it chunk by chunk."""
     import torch
 
@@ -261,24 +261,23 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 5) -
         return numel * 4 / min(times) / 1e9
 
     figures = {"copy_gbps": best_of(lambda: target.copy_(source))}
-    from moshpeer.averaging.part_sender import pipeline_slices
+    from moshpeer.averaging.part_sender import encode_runs
     import moshpeer.compression.quantization as quantization
 
     num_chunks = -(-numel // chunk)
-    slices = pipeline_slices(num_chunks)
 
-    def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (allreduce.py) ...
-        encoded = []
-        for chunks in slices:
-            start, end = chunks[0] * chunk, min(numel, (chunks[-1] + 1) * chunk)
-            encoded.append(codec.encode_chunks(source[start:end], chunk, list(chunks)))
-        for batch in encoded:  # ... and reads each slice's verdicts (one read-back each, as it sends them)
+    runs = encode_runs(num_chunks, device)
+
+    def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (part_sender.py):
+        encoded = [codec.encode_chunks(source[run[0] * chunk:min(numel, (run[-1] + 1) * chunk)], chunk, list(run))
+                   for run in runs]  # its runs (the whole part on a device), each in one call, ...
+        for batch in encoded:  # ... and each run's verdicts, read back once
             assert not any(batch.errors)
 
     for spec in codecs:
         codec = get_compression(spec).reduce_codec
         figures[f"{spec}_encode_gbps"] = best_of(lambda: encode_part(codec))
-        # the same part in one call (no pipeline slices): what the kernel gives with the least host work
+        # the same part in one call (on a device, what encode_part does): the least host work
         figures[f"{spec}_one_call_encode_gbps"] = best_of(
             lambda: codec.encode_chunks(source, chunk, list(range(num_chunks))).errors)
         figures[f"{spec}_chunkwise_encode_gbps"] = best_of(

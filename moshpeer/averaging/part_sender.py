@@ -38,6 +38,16 @@ def pipeline_slices(num_chunks: int, slices: int = PART_SLICES):
     return [range(first, min(num_chunks, first + size)) for first in range(0, num_chunks, size)]
 
 
+def encode_runs(num_chunks: int, device: torch.device):
+    """The runs of a part's chunks that a sender encodes with one `encode_chunks` call each. On a device, the whole
+    part: there the host work of a call, not its kernel, bounds the encode (on an H200 a 64 MB slice's kernel runs
+    ~32 us, the call around it ~55 us, so four slices ran at 0.5 of a device copy and one call at 0.8); its bytes
+    still go to host memory a pipeline slice at a time. On the CPU, each pipeline slice just before it is sent."""
+    if device.type != "cpu" and num_chunks:
+        return [range(num_chunks)]
+    return pipeline_slices(num_chunks)
+
+
 def is_batched(codec) -> bool:
     """Does `codec` take a pipeline slice of chunks at a time (`decode_chunks`, and `encode_chunks` unless raw)?"""
     return bool(getattr(codec, "batched", False))
@@ -140,47 +150,58 @@ class PartSender:
         stream.end(wire.pack_header(wire.PHASE_END_REDUCE, 0, 0, 0, self.ctx.tag))
 
     def _send_reduce_batched(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
-        """Part j's chunks a slice at a time: encoded (`codec.encode_chunks`: O(1) backend calls per slice) into one
-        buffer each, or for a raw codec taken as they lie in the vector, and staged to host memory with one copy
-        per slice; the next slice is encoded and staged before this one is sent when the staging overlaps copies
-        with sends (a device)."""
+        """Part j's chunks a slice at a time, staged to host memory with one copy per slice: encoded
+        (`codec.encode_chunks`, see `encode_runs`) into one buffer, or for a raw codec taken as they lie in the
+        vector; the next slice is staged before this one is sent when the staging overlaps copies with sends (a
+        device)."""
         chunk_numel = self.ctx.partition.chunk_numel
         slices = pipeline_slices(num_chunks)
+        runs = encode_runs(num_chunks, self.ctx.flat.device)
         stride = codec.row_stride(chunk_numel)
         outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
         buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
+        whole_part = []  # on a device: the part's one encoding, made when its first slice is staged
 
-        def encode(k: int):  # -> (the encoding or None if raw, (offset, nbytes) of each chunk, the staged bytes)
+        def encode(k: int):  # -> (the encoding or None if raw, its row of chunk slices[k][0], spans, staged bytes)
             chunks = slices[k]
             if is_raw(codec):
                 data, spans = self._vector_run(j, chunks[0], chunks[-1] + 1)
-                return None, spans, outbox.prepare(data)
-            start = self.ctx.partition.chunk_range(j, chunks[0])[0]
-            end = self.ctx.partition.chunk_range(j, chunks[-1])[1]
-            encoded = codec.encode_chunks(self.ctx.flat[start:end], chunk_numel,
-                                          [self.ctx.chunk_seed(j, c) for c in chunks], out=buffers[k % 2])
-            buffers[k % 2] = encoded.buffer.view(-1)
-            spans = [(r * stride, nbytes) for r, nbytes in enumerate(encoded.nbytes)]
-            return encoded, spans, outbox.prepare(encoded.buffer.view(-1))
+                return None, 0, spans, outbox.prepare(data)
+            if len(runs) < len(slices):
+                if not whole_part:
+                    whole_part.append(self._encode_run(j, codec, runs[0]))
+                encoded, first = whole_part[0], chunks[0]
+            else:
+                encoded, first = self._encode_run(j, codec, chunks, out=buffers[k % 2]), 0
+                buffers[k % 2] = encoded.buffer.view(-1)
+            spans = [(r * stride, encoded.nbytes[first + r]) for r in range(len(chunks))]
+            return encoded, first, spans, outbox.prepare(encoded.buffer[first: first + len(chunks)].view(-1))
 
         ahead = None
         for k, chunks in enumerate(slices):
             if time.monotonic() > self.ctx.reduce_deadline:
                 break
-            encoded, spans, staged = ahead if ahead is not None else encode(k)
+            encoded, first, spans, staged = ahead if ahead is not None else encode(k)
             ahead = encode(k + 1) if outbox.lookahead and k + 1 < len(slices) else None
             data = outbox.host_bytes(staged)
             for r, c in enumerate(chunks):
                 if time.monotonic() > self.ctx.reduce_deadline:
                     return
-                if encoded is not None and encoded.errors[r] is not None:
-                    raise ValueError(encoded.errors[r])
+                if encoded is not None and encoded.errors[first + r] is not None:
+                    raise ValueError(encoded.errors[first + r])
                 offset, nbytes = spans[r]
                 header = wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.ctx.tag)
                 stream.send(header, data[offset: offset + nbytes])
                 with self.ctx.cond:
                     self.ctx.sent_progress[j] = c + 1
                     self.ctx.cond.notify_all()
+
+    def _encode_run(self, j: int, codec, chunks: range, out: Optional[torch.Tensor] = None):
+        """Chunks `chunks` of part j (consecutive), encoded with one `codec.encode_chunks` call."""
+        start = self.ctx.partition.chunk_range(j, chunks[0])[0]
+        end = self.ctx.partition.chunk_range(j, chunks[-1])[1]
+        return codec.encode_chunks(self.ctx.flat[start:end], self.ctx.partition.chunk_numel,
+                                   [self.ctx.chunk_seed(j, c) for c in chunks], out=out)
 
     def _send_reduce_chunks(self, stream: ChunkStream, j: int, codec, num_chunks: int) -> None:
         outbox = self.ctx.staging.outbox(codec.max_encoded_nbytes(self.ctx.partition.chunk_numel))

@@ -107,3 +107,14 @@ def test_a_bad_chunk_in_a_batch_is_refused_alone(device):
     single.member_finished(1)
     assert batched.finalize_ready() == single.finalize_ready() == list(range(chunks))
     assert torch.equal(batched.flat, single.flat)
+
+
+def test_a_device_encodes_a_part_in_one_call_and_the_cpu_a_slice_at_a_time():
+    """part_sender.encode_runs: on a device the host work of a call bounds the encode, so the part is one run; on the
+    CPU each pipeline slice is encoded just before it is sent. Both cover every chunk once, in order."""
+    from moshpeer.averaging.part_sender import PART_SLICES, encode_runs
+
+    assert encode_runs(256, torch.device("cuda")) == [range(256)]
+    on_cpu = encode_runs(256, torch.device("cpu"))
+    assert len(on_cpu) == PART_SLICES and [c for run in on_cpu for c in run] == list(range(256))
+    assert encode_runs(0, torch.device("cuda")) == encode_runs(0, torch.device("cpu")) == []
