@@ -38,6 +38,9 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How long a worker may take to import torch + hivemind and start its DHT (minutes on a loaded 2-core machine).
 READY_TIMEOUT_S = 300
+# A worker behind a NAT waits this long, at most, for a relay slot before it says it is ready (p2pd's autorelay
+# reserves one about 3 minutes after start: dht.node.start_dht's behind_nat).
+RELAY_WAIT_S = 240.0
 sys.path.insert(0, REPO)
 
 
@@ -105,7 +108,11 @@ def moshpeer_worker(args) -> None:
     from moshpeer.averaging import FaultConfig, FaultyLinks, Links, MoshpitAverager
     from moshpeer.dht import start_dht
 
-    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+                    behind_nat=args.behind_nat)
+    relay_wait = time.monotonic() + RELAY_WAIT_S
+    while args.behind_nat and not dht.relay_maddrs() and time.monotonic() < relay_wait:
+        time.sleep(1.0)  # reachable by peers behind other NATs only once a relay holds a slot for it
     initial = peer_values(args.rank, args.numel)
     errors = ErrorCheck(args.peers, args.numel)
     tensor = initial.clone()
@@ -121,6 +128,7 @@ def moshpeer_worker(args) -> None:
     for averager in averagers.values():
         averager.start()
     emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+    sys.stdin.readline()  # "go": every peer is ready (one behind a NAT only once a relay holds a slot for it)
     for codec, averager in averagers.items():
         full_err = None
         for round_index in range(args.rounds + 1):
@@ -137,7 +145,7 @@ def moshpeer_worker(args) -> None:
                  cpu_sys_s=cpu_after.ru_stime - cpu_before.ru_stime,
                  matchmaking_s=report.matchmaking_s, reduce_scatter_s=report.reduce_scatter_s,
                  all_gather_s=report.all_gather_s, bytes_sent=report.bytes_sent, lost_fraction=report.lost_fraction,
-                 relayed=len(report.relayed),
+                 relayed=len(report.relayed), absent=len(report.absent),
                  rel_err=errors.round(tensor), full_rel_err=full_err)
     emit(event="done")
     wait_for_exit()
@@ -267,6 +275,8 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
             argv += ["--host", node.address]
             if node.upload_bytes_per_s and (system != "moshpeer" or getattr(args, "declare_bandwidth", True)):
                 argv += ["--bandwidth", str(node.upload_bytes_per_s)]
+            if node.site is not None and system == "moshpeer":
+                argv += ["--behind-nat"]
             argv = lab.command(rank, argv)
         return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=env)
@@ -285,6 +295,10 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
             procs += [spawn(rank, ["--initial-peers", *maddrs]) for rank in range(1, args.peers)]
             for proc in procs[1:]:
                 _read_json(proc, "ready", READY_TIMEOUT_S)
+        if system == "moshpeer":
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
         per_peer = [[_read_json(proc, "round", 600 + 3 * args.round_timeout)
                      for _ in range(len(codecs) * (args.rounds + 1))] for proc in procs]
         for proc in procs:
@@ -330,7 +344,8 @@ def summarize(rounds: List[List[dict]]) -> Dict[str, float]:
                                    for r in rounds) if "cpu_user_s" in rounds[0][0] else float("nan"),
         "all_ok": all(p["ok"] for r in rounds for p in r),
         # Rounds in which every peer averaged with the whole group.
-        "ok_fraction": sum(all(p["ok"] and p.get("group_size", len(r)) == len(r) for p in r) for r in rounds)
+        "ok_fraction": sum(all(p["ok"] and p.get("group_size", len(r)) == len(r) and not p.get("absent")
+                               for p in r) for r in rounds)
         / max(len(rounds), 1),
         "relayed_members": max((p.get("relayed", 0) for r in rounds for p in r), default=0),
         "rounds": len(rounds),
@@ -359,6 +374,7 @@ def main() -> int:
     parser.add_argument("--bandwidth", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--partition", default="equal", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--behind-nat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)

@@ -299,8 +299,8 @@ class MoshpitAverager(ServicerBase):
         """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
         return self._upload.current
 
-    def _announced_address(self) -> Tuple[str, int]:
-        return ("", 0) if self.transport == "libp2p" else self._plane.address
+    def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us over libp2p (also when behind NAT)
+        return ("", 0) if self.transport == "libp2p" or getattr(self.dht, "behind_nat", False) else self._plane.address
 
     def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:
         """The fastest recent assembly of a full group of `target_group_size` (default: the averager's), learned

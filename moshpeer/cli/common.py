@@ -248,7 +248,8 @@ def print_ready_line(**fields: Any) -> None:
     sys.stdout.flush()
 
 
-def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = False) -> PeerDaemon:
+def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = False,
+                behind_nat: bool = False) -> PeerDaemon:
     """A `PeerDaemon` configured from the network and membership options."""
     from moshpeer.peer.runtime.daemon import PeerDaemon
 
@@ -260,6 +261,7 @@ def make_daemon(args: argparse.Namespace, *, role: Role, client_mode: bool = Fal
         announce_maddrs=args.announce_maddrs,
         identity_path=args.identity,
         client_mode=client_mode,
+        behind_nat=behind_nat,
         connect_timeout=args.connect_timeout,
         admission=admission_from_args(args),
         **membership_timing_from_args(args),

@@ -54,6 +54,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not accept incoming connections (for peers behind NAT or firewalls; needs --initial-peers)",
     )
+    parser.add_argument(
+        "--behind-nat",
+        action="store_true",
+        help="nobody can connect to this machine (NAT, firewall): be reachable through a relay among the initial "
+        "peers, about 3 minutes after start, so that peers behind other NATs can average with it "
+        "(needs --initial-peers)",
+    )
     add_network_arguments(parser)
     add_membership_arguments(parser)
     add_training_arguments(parser)
@@ -348,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = metrics_from_args(args, "join")
     ready = functools.partial(announce_ready, command="join", metrics=metrics, metrics_port=args.metrics_port)
     if args.no_train:
-        daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
+        daemon = make_daemon(args, role=args.role, client_mode=args.client_mode, behind_nat=args.behind_nat)
         daemon.configure_preemption(notice_file=args.preemption_notice)
         exit_now(daemon.run(on_ready=ready))
     config = trainer_config_from_args(args)  # bad flags fail before anything starts
@@ -356,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
 
     task_kwargs = parse_task_kwargs(args.task_arg)
     emit = events_emitter(args.events)
-    daemon = make_daemon(args, role=args.role, client_mode=args.client_mode)
+    daemon = make_daemon(args, role=args.role, client_mode=args.client_mode, behind_nat=args.behind_nat)
     # With checkpoints a stop has a deadline: the round in flight and the final checkpoint get the grace period.
     daemon.configure_preemption(grace_period=args.grace_period if config.checkpoint else None,
                                 notice_file=args.preemption_notice)

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import hivemind
 
@@ -59,14 +59,25 @@ class SwarmDHT(hivemind.DHT):
     Use `start_dht` to create one; the constructor takes hivemind.DHT's arguments plus `identity`.
     """
 
-    def __init__(self, *args, identity: Identity, admission: Optional[Admission] = None, **kwargs):
+    def __init__(self, *args, identity: Identity, admission: Optional[Admission] = None, behind_nat: bool = False,
+                 **kwargs):
+        if behind_nat:  # p2pd: autorelay on, and private reachability at once rather than after AutoNAT's probes
+            kwargs = {"use_auto_relay": True, "force_reachability": "private", **kwargs}
         super().__init__(*args, **kwargs)
         self.identity = identity
+        # Nobody can dial this node (`start_dht`'s behind_nat): its averager announces no data-plane address, so
+        # that members reach it over libp2p streams at once instead of after timed-out TCP attempts.
+        self.behind_nat = behind_nat
         # Who this node admits (private runs); read in this (the main) process by every layer above.
         self.admission = admission if admission is not None else Admission()
         self.admission.own_peer_id = identity.peer_id
         self._creator_pid = os.getpid()
         self._identity_lock = None  # the open lock file of a persistent identity (start_dht), closed by kill()
+
+    def relay_maddrs(self) -> List[str]:
+        """The addresses through a circuit relay at which others reach this node (`start_dht(behind_nat=True)`),
+        as its p2pd announces them now; [] before a relay has reserved it a slot (or without `behind_nat`)."""
+        return [str(m) for m in self.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(m)]
 
     @property
     def owner_subkey(self) -> bytes:
@@ -161,6 +172,7 @@ def start_dht(
     identity_path: Optional[str] = None,
     identity: Optional[Identity] = None,
     client_mode: bool = False,
+    behind_nat: bool = False,
     run_ids: Sequence[str] = (),
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     should_stop: Optional[Callable[[], bool]] = None,
@@ -174,6 +186,11 @@ def start_dht(
     :param identity_path: persistent identity file (created if missing), so a restart keeps the peer id;
         `identity` passes an already loaded one; with neither, the peer gets a fresh identity
     :param client_mode: do not accept incoming DHT requests (for peers that cannot be reached)
+    :param behind_nat: nobody can dial this node (NAT, firewall): it takes a slot on a circuit relay (p2pd's
+        autorelay, among its initial peers, which relay by default) and announces the relay's address, so that
+        peers behind other NATs reach it through the relay (its data plane then takes libp2p streams). p2pd
+        reserves the slot about 3 minutes after start (autorelay's boot delay, not configurable there); until
+        then only peers it dialled itself reach it. `SwarmDHT.relay_maddrs()` says when it is reachable.
     :param run_ids: runs whose peer records this node schema-checks (signatures are always checked)
     :param connect_timeout: how long to keep trying to reach `initial_peers`
     :param should_stop: polled between attempts; returning True raises `StartCancelled`
@@ -187,6 +204,9 @@ def start_dht(
     run_ids = [validate_run_id(run_id) for run_id in run_ids]
     if client_mode and not initial_peers:
         raise UserError("a client-mode peer cannot start a new swarm: give --initial-peers")
+    if behind_nat and not initial_peers:
+        raise UserError("a peer behind NAT cannot start a new swarm (nobody could reach it): give --initial-peers")
+
     check_ports_free(host_maddrs)
 
     persistent = identity_path is not None
@@ -196,6 +216,7 @@ def start_dht(
     try:
         return _start_dht_node(identity, identity_lock, persistent, initial_peers=initial_peers,
                                host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, client_mode=client_mode,
+                               behind_nat=behind_nat,
                                run_ids=run_ids, connect_timeout=connect_timeout, should_stop=should_stop,
                                admission=admission, **dht_kwargs)
     except BaseException:
@@ -225,7 +246,7 @@ def _lock_identity(path: str):
 
 
 def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, initial_peers, host_maddrs,
-                    announce_maddrs, client_mode, run_ids, connect_timeout, should_stop, admission,
+                    announce_maddrs, client_mode, behind_nat, run_ids, connect_timeout, should_stop, admission,
                     **dht_kwargs) -> SwarmDHT:
     """start_dht once its arguments are checked and its identity is loaded (and locked, if it is a file);
     `persistent`: the identity came from `identity_path` (hivemind then also asks the swarm whether it is free)."""
@@ -253,6 +274,7 @@ def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, init
                 initial_peers=initial_peers or None,
                 identity=identity,
                 admission=admission,
+                behind_nat=behind_nat,
                 start=False,
                 host_maddrs=host_maddrs,
                 announce_maddrs=announce_maddrs or None,

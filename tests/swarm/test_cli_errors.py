@@ -91,6 +91,9 @@ CASES = {
     "client mode without initial peers": Case(
         "join", lambda c: (*JOIN, "--client-mode"), lambda c: "client-mode peer cannot start a new swarm"
     ),
+    "behind NAT without initial peers": Case(
+        "join", lambda c: (*JOIN, "--behind-nat"), lambda c: "a peer behind NAT cannot start a new swarm"
+    ),
     "nonexistent device (join)": Case(
         "join", lambda c: ("--run-id", "r", "--device", "cuda:7"), lambda c: "device 'cuda:7' does not exist"
     ),
