@@ -23,6 +23,7 @@ from moshpeer.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 CONNECT_RETRIES = 3
+RELAY_ATTEMPTS = 2  # libp2p streams tried per member when the first one closes after our hello
 CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) address then falls back to libp2p
 DIRECT, RELAYED = "direct", "relayed"
 
@@ -125,12 +126,21 @@ class MemberConnector:
         if RELAYED not in paths:
             logger.warning(f"member {j} has no direct address and this peer has no libp2p relay")
             return None
-        try:
-            sock = self.relay(member.peer_id, self.deadline)
-        except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
-            logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
-            return None
-        return self._handshake(sock, j, RELAYED)
+        for attempt in range(RELAY_ATTEMPTS):
+            try:
+                sock = self.relay(member.peer_id, self.deadline)
+            except Exception as e:  # the libp2p stream did not open (peer gone, unreachable, timeout)
+                logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
+                return None
+            try:
+                return self._handshake(sock, j, RELAYED)
+            except PeerRefused:
+                # A stream that dies before its first byte arrives looks like a refusal; between two peers behind
+                # NATs it can be one whose libp2p connection (through a relay) was just replaced: try a fresh one.
+                if attempt + 1 == RELAY_ATTEMPTS or time.monotonic() >= self.deadline or self.closing():
+                    raise
+                logger.debug(f"libp2p stream to member {j} closed after our hello; opening another")
+        return None
 
     def _connect_direct(self, j: int) -> Tuple[Optional[OutboundLink], Optional[BaseException], bool]:
         """-> (the link or None, the last connection error, stopped: the deadline passed or the all-reduce is
