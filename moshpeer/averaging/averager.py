@@ -38,7 +38,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner, payload_bytes
 from moshpeer.averaging.allreduce import GroupMember
-from moshpeer.averaging.dataplane import UNKNOWN_GROUP_WAIT_S, DataPlane
+from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.group_dataplane import GroupDataPlane, flatten, log_round, round_tensors
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.handshake import RoundCredentials
@@ -211,8 +211,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError("error_feedback needs a sparsifying codec (arc-topk) and one value per averaged value")
         self.error_feedback = error_feedback
 
-        self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission),
-                                unknown_group_wait_s=max(UNKNOWN_GROUP_WAIT_S, self.request_timeout + ASSEMBLY_GRACE_S))
+        self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
         self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()

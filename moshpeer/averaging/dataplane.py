@@ -14,10 +14,9 @@ MAX_PER_ADDRESS are open from one address; more are closed at once (counted). Ea
 deadline for all its reads. Rejections are logged at most a few per interval (`RateLimitedLog`).
 
 In strict mode (the averager's) a connection for a group this peer is not in is refused at once,
-unless the peer is still matchmaking (it may be about to learn the group; then it waits at most
-`unknown_group_wait_s`): a member that matchmaking left out of a group its mates assembled (hivemind's
-matchmaking can disagree at a deadline) thus makes its mates fail fast, not wait for the handshake
-timeout, even when it is already matchmaking for its next round.
+unless the peer is still matchmaking (it may be about to learn the group): a member that matchmaking
+left out of a group its mates assembled (hivemind's matchmaking can disagree at a deadline) thus
+makes its mates fail fast, not wait for the handshake timeout.
 """
 
 from __future__ import annotations
@@ -39,9 +38,6 @@ logger = logging.getLogger(__name__)
 # session it names to be registered (members finish matchmaking a few milliseconds apart).
 HANDSHAKE_TIMEOUT = 10.0
 MAX_HANDSHAKES = 64
-# A strict plane's shortest wait, while matchmaking, for a group it has not (yet) joined: members learn of their
-# group milliseconds apart, but a loaded machine's event loop can stall for a second or two.
-UNKNOWN_GROUP_WAIT_S = 3.0
 MAX_PER_ADDRESS = 32
 
 
@@ -52,15 +48,10 @@ class DataPlane:
     :param strict: refuse at once a connection for a group that is not open (`open_group`) while no
         matchmaking is in progress (`matchmaking()`); if False (standalone use), an unknown tag waits up to
         HANDSHAKE_TIMEOUT for its session to be registered
-    :param unknown_group_wait_s: strict: how long a connection for a group that is not open waits while
-        matchmaking is in progress, at most. Members learn of their group within a leader's answer time of each
-        other; a connection that waits longer is for a group this peer was left out of, while it already looks
-        for its next one (fast-cycling rounds): refused then, its sender reports this peer absent at once
-        instead of after the whole handshake deadline.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, strict: bool = False,
-                 admit: Optional[Callable[[bytes], None]] = None, unknown_group_wait_s: float = HANDSHAKE_TIMEOUT):
+                 admit: Optional[Callable[[bytes], None]] = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -68,7 +59,7 @@ class DataPlane:
         self._listener.listen(256)
         self.address: Tuple[str, int] = (host, self._listener.getsockname()[1])
         self._sessions: Dict[bytes, object] = {}
-        self.strict, self.unknown_group_wait_s = strict, unknown_group_wait_s
+        self.strict = strict
         self._admit = admit  # a private run's check of a hello's public key (averaging/private.py)
         self._open_groups: Dict[bytes, int] = {}  # wire.tag_group(tag) -> how many holders
         self._matchmaking = 0
@@ -190,11 +181,9 @@ class DataPlane:
                     self._per_address.pop(address, None)
 
     def _wait_for_session(self, tag: bytes, deadline: float):
-        unknown_until = min(deadline, time.monotonic() + self.unknown_group_wait_s)
         with self._cond:
             while tag not in self._sessions:
-                known = not self.strict or wire.tag_group(tag) in self._open_groups
-                remaining = (deadline if known else unknown_until) - time.monotonic()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed or not self._may_still_come(tag):
                     return None
                 self._cond.wait(remaining)

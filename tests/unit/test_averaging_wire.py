@@ -293,24 +293,6 @@ def test_strict_plane_holds_a_connection_while_matchmaking_and_refuses_it_after(
     sock.close()
 
 
-def test_strict_plane_refuses_an_unknown_group_after_its_wait_even_while_still_matchmaking():
-    """A peer left out of a group its mates assembled may already be matchmaking for its next round: its strict
-    data plane holds the group's connection only `unknown_group_wait_s`, not the whole handshake deadline (the
-    mates then report it absent at once). Before, the connection waited while matchmaking lasted, up to 10 s."""
-    outsider = DataPlane(strict=True, unknown_group_wait_s=0.5)
-    tag = wire.allreduce_tag(os.urandom(20), 0)
-    with outsider.matchmaking():
-        sock = socket.create_connection(outsider.address, timeout=10)
-        started = time.monotonic()
-        sock.sendall(handshake.pack_hello(credentials(tag, 1), tag, 0, os.urandom(32)))
-        with pytest.raises(ConnectionError):
-            wire.recv_exactly_by(sock, handshake.REPLY.size, time.monotonic() + 10)
-        assert 0.4 < time.monotonic() - started < 3.0
-        assert outsider.rejected_connections == 1
-    outsider.close()
-    sock.close()
-
-
 def test_unreachable_address_falls_back_to_the_relay_and_stays_exact():
     """Member 1 announces an address that refuses connections (NAT'ed, or a stale port forward): member 0's
     sender falls back to the relay (here: a local socket pair into member 1's data plane, the same interface
