@@ -15,7 +15,8 @@ same harness on the CPU (the default test suite does, with tiny sizes).
    int8_round_vs_gloo = moshpeer's round / gloo's.
 2. Encoding on the data path: a part encoded the way the averager encodes it (`encode_chunks` over
    part_sender.encode_runs: the whole part in one call on a device, a pipeline slice at a time on the CPU),
-   against a device-to-device copy of the same vector (the anchor); encode_vs_copy = encode bandwidth / copy bandwidth for int8 (input bytes per second).
+   against a device-to-device copy of the same vector (the anchor); encode_vs_copy = encode bandwidth / copy
+   bandwidth for int8 (input bytes per second).
    Also: the old chunk-by-chunk `codec.encode` loop (`*_chunkwise_encode_gbps`), backend calls per part (a
    counter) and, on CUDA, syncs_per_part (host syncs `torch.cuda.set_sync_debug_mode("warn")` reports while one
    part is encoded; None on the CPU, where nothing syncs).
@@ -265,7 +266,6 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 20) 
     import moshpeer.compression.quantization as quantization
 
     num_chunks = -(-numel // chunk)
-
     runs = encode_runs(num_chunks, device)
 
     def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (part_sender.py):

@@ -140,7 +140,6 @@ class MemberConnector:
                 if attempt + 1 == RELAY_ATTEMPTS or time.monotonic() >= self.deadline or self.closing():
                     raise
                 logger.debug(f"libp2p stream to member {j} closed after our hello; opening another")
-        return None
 
     def _connect_direct(self, j: int) -> Tuple[Optional[OutboundLink], Optional[BaseException], bool]:
         """-> (the link or None, the last connection error, stopped: the deadline passed or the all-reduce is

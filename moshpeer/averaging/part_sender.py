@@ -160,17 +160,16 @@ class PartSender:
         stride = codec.row_stride(chunk_numel)
         outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
         buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
-        whole_part = []  # on a device: the part's one encoding, made when its first slice is staged
+        # On a device the part is encoded in one call up front (`encode_runs`); its slices are then rows of it.
+        whole_part = self._encode_run(j, codec, runs[0]) if len(runs) < len(slices) and not is_raw(codec) else None
 
         def encode(k: int):  # -> (the encoding or None if raw, its row of chunk slices[k][0], spans, staged bytes)
             chunks = slices[k]
             if is_raw(codec):
                 data, spans = self._vector_run(j, chunks[0], chunks[-1] + 1)
                 return None, 0, spans, outbox.prepare(data)
-            if len(runs) < len(slices):
-                if not whole_part:
-                    whole_part.append(self._encode_run(j, codec, runs[0]))
-                encoded, first = whole_part[0], chunks[0]
+            if whole_part is not None:
+                encoded, first = whole_part, chunks[0]
             else:
                 encoded, first = self._encode_run(j, codec, chunks, out=buffers[k % 2]), 0
                 buffers[k % 2] = encoded.buffer.view(-1)
