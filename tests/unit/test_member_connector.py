@@ -4,13 +4,19 @@ relay that records what it was asked for."""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+from local_group import credentials, identities
 
-from moshpeer.averaging.member_connector import (DIRECT, RELAYED, GroupMember, MemberConnector, connection_paths,
-                                                 peer_closed)
+from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.handshake import PeerRefused
+from moshpeer.averaging.member_connector import (DIRECT, RELAYED, RELAY_ATTEMPTS, GroupMember, MemberConnector,
+                                                 connection_paths, peer_closed)
 
 PEER = b"\x01" * 34
 
@@ -72,6 +78,60 @@ def test_a_passed_deadline_or_closing_tries_no_other_path():
     assert connector(members, relay, deadline_s=-1.0).connect(1) is None
     assert connector(members, relay, closing=lambda: True).connect(1) is None
     assert relay.asked == []
+
+
+class FlakyRelay:
+    """A relay whose first `dying` streams read our hello and close (as a libp2p stream does whose relayed
+    connection is replaced as it opens); the streams after them are member 1 answering the handshake."""
+
+    def __init__(self, tag: bytes, secret: bytes, dying: int):
+        self.tag, self.secret, self.dying, self.opened = tag, secret, dying, 0
+
+    def __call__(self, peer_id: bytes, deadline: float) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        self.opened += 1
+        threading.Thread(target=self._member, args=(theirs, self.opened <= self.dying), daemon=True).start()
+        return ours
+
+    def _member(self, sock: socket.socket, dies: bool) -> None:
+        deadline = time.monotonic() + 10
+        with sock:
+            if dies:
+                wire.recv_exactly_by(sock, handshake.HELLO.size, deadline)
+                return
+            session = SimpleNamespace(credentials=credentials(self.tag, 1), group_size=2, secret=self.secret,
+                                      peer_id_of=lambda i: identities(2)[i].peer_id_bytes)
+            handshake.accept(sock, deadline, lambda tag: session)
+            sock.recv(1)  # hold the stream open until our end closes
+
+
+def relayed_pair(dying: int):
+    """(a connector for member 0 of a 2-group whose member 1 has no address, its FlakyRelay)."""
+    tag, secret = wire.allreduce_tag(os.urandom(20), 0), os.urandom(32)
+    relay = FlakyRelay(tag, secret, dying)
+    members = [GroupMember("", 0, 1.0, identities(2)[0].peer_id_bytes),
+               GroupMember("", 0, 1.0, identities(2)[1].peer_id_bytes)]
+    connector = MemberConnector(members, tag=tag, secret=secret, credentials=credentials(tag, 0),
+                                deadline=time.monotonic() + 10, relay=relay)
+    return connector, relay
+
+
+def test_a_relayed_stream_that_closes_after_our_hello_is_opened_once_more():
+    connector, relay = relayed_pair(dying=1)
+    link = connector.connect(1)
+    try:
+        assert link is not None and link.path == RELAYED and relay.opened == 2
+    finally:
+        link.sock.close()
+
+
+def test_relayed_streams_that_keep_closing_are_a_refusal_after_relay_attempts():
+    connector, relay = relayed_pair(dying=RELAY_ATTEMPTS)
+    with pytest.raises(PeerRefused):
+        connector.connect(1)
+    assert relay.opened == RELAY_ATTEMPTS
+    connector, relay = relayed_pair(dying=RELAY_ATTEMPTS)
+    assert connector.reach(1) is None and relay.opened == RELAY_ATTEMPTS
 
 
 def test_peer_closed_sees_the_other_end_hang_up():
