@@ -251,11 +251,17 @@ class EpochLoop:
         return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
 
     def _stragglers(self, snapshot: ProgressSnapshot) -> float:
-        """For a strategy that counts its own epochs: how long the trainers still computing this epoch need, by
-        their records (round_timing.stragglers_eta_s); 0 for the others, whose epochs end with the swarm's."""
-        if self.host.strategy.epoch_is_over() is None:
+        """How long the trainers still computing this epoch need, by their records (round_timing.stragglers_eta_s):
+        to reach this peer's own count for a strategy that counts its own epochs, else to reach the share of the
+        target batch that every trainer computes (0 once the swarm reached the target): a trainer that ends its
+        share just before a slower mate keeps its group open for it instead of averaging without it."""
+        if self.host.strategy.epoch_is_over() is not None:
+            epoch_samples = self.counters.samples
+        elif snapshot.ready:
             return 0.0
-        return stragglers_eta_s(snapshot.peers, self.counters.epoch, self.counters.samples, self.host.swarm.peer_id)
+        else:
+            epoch_samples = self.share(snapshot)
+        return stragglers_eta_s(snapshot.peers, self.counters.epoch, epoch_samples, self.host.swarm.peer_id)
 
     def _quorum_eta_s(self) -> float:
         """For a strategy with a quorum (DiLoCo's `quorum`): seconds until trainers holding that share of the

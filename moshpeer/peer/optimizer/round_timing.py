@@ -42,10 +42,10 @@ SEARCH_WINDOWS = 2
 # An aux waits in matchmaking this many matchmaking times: it never leads (the trainers' leader decides
 # when the group is complete), and a leader accepts only followers whose window outlasts its own.
 AUX_WINDOW_FACTOR = 10
-# A strategy that counts its own epochs (DiLoCo's H inner steps) ends them when its own steps say so, so the
-# swarm's epoch ends drift apart by more than a window (bench_diloco, 4 peers on 2 cores: up to 2.4 s against a
-# 2 s window), and its rounds split into partial groups and leave the last peer out. Such a round waits for the
-# trainers still computing its epoch, as long as their records say they need, plus one window for the last of
+# Every trainer ends its epoch when its own work is done (its share of the target batch, or DiLoCo's H inner
+# steps), so the swarm's epoch ends drift apart by more than a window (bench_diloco, 4 peers on 2 cores: up to
+# 2.4 s against a 2 s window), and its rounds split into partial groups and leave the last peer out. A round
+# waits for the trainers still computing its epoch, as long as their records say they need, plus one window for the last of
 # them to find the group: at most this many windows (a group still assembles the moment it is full).
 STRAGGLER_WAIT_WINDOWS = 4
 # A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
@@ -182,8 +182,8 @@ def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int
                      now: Optional[float] = None) -> float:
     """Seconds until the slowest other trainer still in `epoch` has computed `epoch_samples` samples toward it,
     by its record (samples so far and rate, advanced by the time since it published: a peer that stopped counts
-    less the longer it is silent); 0 when none is still computing. For strategies that count their own epochs,
-    where every trainer computes the same samples per epoch."""
+    less the longer it is silent); 0 when none is still computing. Every trainer computes the same samples per
+    epoch (its share of the target batch, or a strategy's own count)."""
     now = time.time() if now is None else now
     eta = 0.0
     for record in peers:

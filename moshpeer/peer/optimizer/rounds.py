@@ -27,7 +27,7 @@ class CollaborativeRound:
     dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)
     group_target: int = 0  # the group size this round aimed for (live peers, capped at group_size)
     # How long the round waited for its group to fill, and how much of that was for trainers still computing
-    # this epoch, by their records (a strategy that counts its own epochs; round_timing.stragglers_eta_s).
+    # this epoch, by their records (round_timing.stragglers_eta_s).
     matchmaking_window_s: Optional[float] = None
     stragglers_eta_s: float = 0.0
     swarm_samples: int = 0
