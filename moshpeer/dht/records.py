@@ -31,7 +31,7 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size", "upload_bps", "training"}
+     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at"}
 )
 
 
@@ -76,6 +76,9 @@ class PeerRecord(BaseModel):
     # Samples this peer has processed toward the current collaborative epoch (swarm progress).
     samples_accumulated: _Count = 0
     samples_per_second: _Seconds = 0.0
+    # Unix time `samples_accumulated` was counted, by the owner's clock (0: at `updated_at`). Heartbeats re-publish
+    # the record without counting anything: readers extrapolate a peer's progress from here, not from them.
+    samples_counted_at: _Seconds = 0.0
     # Upload bandwidth in bytes/s the peer measured on its averaging traffic (or declared); 0 = unknown.
     upload_bps: Annotated[float, Field(ge=0.0, le=1e12)] = 0.0
     version: Annotated[str, StringConstraints(max_length=64)]

@@ -102,7 +102,7 @@ class Proc:
         env = {**env, SWARM_TAG: swarm_tag, PROC_TAG: self.tag}
         self.started_at = time.monotonic()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "moshpeer", *self.args],
+            [sys.executable, "-m", "moshpeer", *(["-v"] if os.environ.get("SWARM_VERBOSE") else []), *self.args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -8,7 +8,7 @@ import math
 import pytest
 from test_dht_records import make_record
 
-from moshpeer.dht import Identity
+from moshpeer.dht import MUTABLE_FIELDS, Identity
 from moshpeer.peer.optimizer.progress import SwarmProgress
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 
@@ -90,6 +90,8 @@ def test_far_from_the_epoch_end_a_peer_publishes_once_per_interval_except_a_new_
         # round is on, background reads slow to the longest interval (the round asks for what it needs).
         assert [p["samples_accumulated"] for p in published][-1] == 2
         assert progress.next_interval() == 60.0
+        # Every field a report sets is one a daemon lets its record change, and the count says when it was taken.
+        assert all(set(fields) <= MUTABLE_FIELDS and fields["samples_counted_at"] > 0 for fields in published)
     finally:
         progress.shutdown()
 

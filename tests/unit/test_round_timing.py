@@ -119,6 +119,11 @@ def test_the_slowest_trainer_still_in_the_epoch_sets_the_wait():
     assert stragglers_eta_s(peers, 3, 200, me.peer_id, now=1.0) == 4.0
     assert stragglers_eta_s(peers, 3, 200, me.peer_id, now=10.0) == 0.0
     assert stragglers_eta_s([me, record(1, samples=200)], 3, 200, me.peer_id) == 0.0  # everyone is done
+    # Time since the samples were counted, not since the record was published: a heartbeat re-publishes a stalled
+    # peer's record with the same count, and does not make it look due in full again.
+    stalled = record(2, samples=150, rate=10.0, samples_counted_at=100.0, updated_at=104.0)  # counted 5 s to go
+    assert stragglers_eta_s([me, stalled], 3, 200, me.peer_id, now=104.0) == 1.0
+    assert stragglers_eta_s([me, stalled], 3, 200, me.peer_id, now=106.0) == 0.0
 
 
 def test_a_round_waits_for_stragglers_up_to_a_bound_and_a_budget_keeps_its_own_window():

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
+from hivemind.utils import get_dht_time
+
 from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
@@ -295,7 +297,7 @@ class SwarmProgress:
             if since < self.cadence.min_interval_s or since < self.next_interval():
                 return
         self._last_publish, self._last_published_epoch = now, epoch
-        self._publish(epoch=epoch, samples_accumulated=samples_accumulated,
+        self._publish(epoch=epoch, samples_accumulated=samples_accumulated, samples_counted_at=get_dht_time(),
                       samples_per_second=float(max(samples_per_second, 0.0)), step=step,
                       upload_bps=float(max(upload_bps, 0.0)))
 

@@ -181,7 +181,7 @@ class RoundTiming:
 def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, own_peer_id: str,
                      now: Optional[float] = None) -> float:
     """Seconds until the slowest other trainer still in `epoch` has computed `epoch_samples` samples toward it,
-    by its record (samples so far and rate, advanced by the time since it published: a peer that stopped counts
+    by its record (samples so far and rate, advanced by the time since it counted them: a peer that stopped counts
     less the longer it is silent); 0 when none is still computing. Every trainer computes the same samples per
     epoch (its share of the target batch, or a strategy's own count)."""
     now = time.time() if now is None else now
@@ -196,9 +196,13 @@ def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int
 
 def _seconds_to_go(record: PeerRecord, epoch_samples: int, now: float) -> float:
     """Seconds until a trainer in the epoch (rate > 0) has computed `epoch_samples`, by its record: samples still
-    to compute over its rate, less the time since it published (negative: it should be done by now)."""
+    to compute over its rate, less the time since it counted them (negative: it should be done by now). A
+    heartbeat re-publishes a stalled peer's record with a fresh `updated_at` and the same count: taken from
+    there, a peer stuck in one long micro-batch looked due in full for as long as it stalled, and held the
+    others' round open for it up to STRAGGLER_WAIT_WINDOWS."""
     missing = epoch_samples - record.samples_accumulated
-    return missing / record.samples_per_second - max(0.0, now - record.updated_at)
+    counted_at = record.samples_counted_at or record.updated_at
+    return missing / record.samples_per_second - max(0.0, now - counted_at)
 
 
 def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, own_peer_id: str, own_eta_s: float,
