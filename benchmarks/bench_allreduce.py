@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import resource
 import socket
@@ -105,6 +106,8 @@ def wait_for_exit() -> None:
 def moshpeer_worker(args) -> None:
     import torch  # noqa: F401
 
+    # What a peer logs (rounds, members left out, retries) goes to stderr: discarded unless --worker-logs keeps it.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from moshpeer.averaging import FaultConfig, FaultyLinks, Links, MoshpitAverager
     from moshpeer.dht import start_dht
 
@@ -278,8 +281,16 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
             if node.site is not None and system == "moshpeer":
                 argv += ["--behind-nat"]
             argv = lab.command(rank, argv)
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True, env=env)
+        logs = getattr(args, "worker_logs", None)  # a folder: each worker's stderr (its log) goes to a file there
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+        stderr = open(os.path.join(logs, f"{system}-{rank}.log"), "a") if logs else subprocess.DEVNULL
+        try:
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env=env)
+        finally:
+            if logs:
+                stderr.close()  # the worker holds its own copy
 
     try:
         if system in ("gloo", "bare"):
@@ -368,6 +379,7 @@ def main() -> int:
                              "on top of the communication threads; the same for all systems)")
     parser.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round may take")
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20, help="moshpeer chunk size (fp32 bytes)")
+    parser.add_argument("--worker-logs", default=None, help="a folder for each worker's log (default: discarded)")
     parser.add_argument("--role", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)

@@ -118,7 +118,8 @@ def nat_scenario(args) -> Dict[str, float]:
     peers = len(NAT_SITES)
     settings = SimpleNamespace(peers=peers, numel=numel, rounds=args.nat_rounds, drop=0.0,
                                matchmaking_time=args.matchmaking_time, torch_threads=1, round_timeout=120.0,
-                               chunk_bytes=args.chunk_bytes, partition="equal", declare_bandwidth=False)
+                               chunk_bytes=args.chunk_bytes, partition="equal", declare_bandwidth=False,
+                               worker_logs=args.worker_logs)
     uploads = uploads_of("nat", peers)
     auto = run_in_lab("moshpeer", settings, uploads, "none", **lab_options("nat"))["none"]
     relayed = SimpleNamespace(**{**vars(settings), "rounds": 3, "transport": "libp2p"})
@@ -197,6 +198,7 @@ def main() -> int:
     parser.add_argument("--codecs", default="none,int8,int4-int8,arc-topk:0.01")
     parser.add_argument("--systems", default="moshpeer,hivemind,gloo")
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    parser.add_argument("--worker-logs", default=None, help="a folder for each worker's log (default: discarded)")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--declare-bandwidth", action="store_true",
                         help="moshpeer peers declare the lab's upload rates (default: they measure them)")
@@ -235,7 +237,8 @@ def main() -> int:
         settings = SimpleNamespace(peers=args.peers, numel=numel, rounds=args.rounds, drop=0.0,
                                    matchmaking_time=args.matchmaking_time, torch_threads=1,
                                    round_timeout=slowest_round, chunk_bytes=args.chunk_bytes,
-                                   partition="bandwidth", declare_bandwidth=args.declare_bandwidth)
+                                   partition="bandwidth", declare_bandwidth=args.declare_bandwidth,
+                                   worker_logs=args.worker_logs)
         options = lab_options(scenario)
         results: Dict[str, dict] = {}
         if scenario in RTT_MS and scenario != "rtt100":  # matchmaking and handshakes at this round-trip time

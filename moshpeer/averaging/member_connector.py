@@ -139,7 +139,7 @@ class MemberConnector:
                 # NATs it can be one whose libp2p connection (through a relay) was just replaced: try a fresh one.
                 if attempt + 1 == RELAY_ATTEMPTS or time.monotonic() >= self.deadline or self.closing():
                     raise
-                logger.debug(f"libp2p stream to member {j} closed after our hello; opening another")
+                logger.info(f"libp2p stream to member {j} closed after our hello; opening another")
 
     def _connect_direct(self, j: int) -> Tuple[Optional[OutboundLink], Optional[BaseException], bool]:
         """-> (the link or None, the last connection error, stopped: the deadline passed or the all-reduce is
