@@ -354,9 +354,10 @@ def summarize(rounds: List[List[dict]]) -> Dict[str, float]:
         "cpu_s": statistics.median(statistics.mean(p["cpu_user_s"] + p["cpu_sys_s"] for p in r)
                                    for r in rounds) if "cpu_user_s" in rounds[0][0] else float("nan"),
         "all_ok": all(p["ok"] for r in rounds for p in r),
-        # Rounds in which every peer averaged with the whole group.
+        # Rounds in which every peer averaged with the whole group: its group complete, nobody absent, and nothing
+        # lost (a member that handshook and then broke off mid-round is "departed", not absent).
         "ok_fraction": sum(all(p["ok"] and p.get("group_size", len(r)) == len(r) and not p.get("absent")
-                               for p in r) for r in rounds)
+                               and not p.get("lost_fraction") for p in r) for r in rounds)
         / max(len(rounds), 1),
         "relayed_members": max((p.get("relayed", 0) for r in rounds for p in r), default=0),
         "rounds": len(rounds),
