@@ -45,8 +45,8 @@ AUX_WINDOW_FACTOR = 10
 # Every trainer ends its epoch when its own work is done (its share of the target batch, or DiLoCo's H inner
 # steps), so the swarm's epoch ends drift apart by more than a window (bench_diloco, 4 peers on 2 cores: up to
 # 2.4 s against a 2 s window), and its rounds split into partial groups and leave the last peer out. A round
-# waits for the trainers still computing its epoch, as long as their records say they need, plus one window for the last of
-# them to find the group: at most this many windows (a group still assembles the moment it is full).
+# waits for the trainers still computing its epoch, as long as their records say they need, plus one window for
+# the last of them to find the group: at most this many windows (a group still assembles the moment it is full).
 STRAGGLER_WAIT_WINDOWS = 4
 # A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
 # swarm's records to show that the others finished the round it missed.
