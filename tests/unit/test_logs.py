@@ -108,3 +108,11 @@ def test_what_a_task_raises_while_cancelled_is_one_debug_line():
     output = stream.getvalue()
     assert "Traceback" not in output and output.count("\n") == 1, output
     assert "a cancelled task ended in" in output and "KeyError" in output
+
+
+def test_a_task_that_outlives_the_dht_of_a_stopping_peer_is_one_debug_line():
+    # What multiprocessing's Connection raises once the DHT process's pipe is closed (a SIGTERMed peer shutting down).
+    output = log_failed_task(OSError("handle is closed"), logging.DEBUG)
+    assert "Traceback" not in output and output.count("\n") == 1, output
+    assert "a task outlived this peer's DHT" in output
+    assert "Traceback" in log_failed_task(OSError("another error"), logging.WARNING)  # other OSErrors keep theirs
