@@ -24,6 +24,7 @@ Ends with one JSON line of the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -284,13 +285,11 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
         logs = getattr(args, "worker_logs", None)  # a folder: each worker's stderr (its log) goes to a file there
         if logs:
             os.makedirs(logs, exist_ok=True)
-        stderr = open(os.path.join(logs, f"{system}-{rank}.log"), "a") if logs else subprocess.DEVNULL
-        try:
+        # The worker holds its own copy of the file: ours is closed once it started.
+        with open(os.path.join(logs, f"{system}-{rank}.log"), "a") if logs else \
+                contextlib.nullcontext(subprocess.DEVNULL) as stderr:
             return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                     env=env)
-        finally:
-            if logs:
-                stderr.close()  # the worker holds its own copy
 
     try:
         if system in ("gloo", "bare"):

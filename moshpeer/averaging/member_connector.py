@@ -136,7 +136,8 @@ class MemberConnector:
                 return self._handshake(sock, j, RELAYED)
             except PeerRefused:
                 # A stream that dies before its first byte arrives looks like a refusal; between two peers behind
-                # NATs it can be one whose libp2p connection (through a relay) was just replaced: try a fresh one.
+                # NATs relayed connections are reset within a fraction of a second (cause not found yet:
+                # docs/benchmarks.md, session 19), so a fresh stream is worth one more try.
                 if attempt + 1 == RELAY_ATTEMPTS or time.monotonic() >= self.deadline or self.closing():
                     raise
                 logger.info(f"libp2p stream to member {j} closed after our hello; opening another")

@@ -102,7 +102,8 @@ class FlakyRelay:
             session = SimpleNamespace(credentials=credentials(self.tag, 1), group_size=2, secret=self.secret,
                                       peer_id_of=lambda i: identities(2)[i].peer_id_bytes)
             handshake.accept(sock, deadline, lambda tag: session)
-            sock.recv(1)  # hold the stream open until our end closes
+            sock.settimeout(10)
+            sock.recv(1)  # hold the stream open until our end closes (or 10 s)
 
 
 def relayed_pair(dying: int):
