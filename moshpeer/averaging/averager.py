@@ -54,6 +54,7 @@ from moshpeer.averaging.report import DataPlaneStats, RoundResult
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.pacing import group_links
 from moshpeer.averaging.suspects import SuspectTracker
+from moshpeer.averaging.tcp_relay.role import RelayRole
 from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.kernels import load_kernels
@@ -64,8 +65,6 @@ from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "libp2p")
-PARTITIONS = ("equal", "bandwidth")
 
 
 def check_round_args(min_group_size: int, *, target_group_size: Optional[int], matchmaking_time: Optional[float],
@@ -159,15 +158,8 @@ class MoshpitAverager(ServicerBase):
         swarm_key: Optional[bytes] = None,
         allow_peers: Optional[Sequence[str]] = None,
     ):
-        validate_run_id(run_id)
-        if not tensors:
-            raise UserError("MoshpitAverager needs at least one tensor")
-        if any(not t.is_floating_point() for t in tensors):
-            raise UserError("MoshpitAverager averages floating-point tensors only")
-        if target_group_size < 2 or min_group_size < 2 or min_group_size > target_group_size:
-            raise UserError("need 2 <= min_group_size <= target_group_size")
-        if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
-            raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+        check_settings(run_id, tensors, target_group_size, min_group_size, chunk_bytes, matchmaking_time,
+                       round_timeout, transport, partition)
         self.identity = getattr(dht, "identity", None)
         if self.identity is None:
             raise UserError("MoshpitAverager needs a DHT started by moshpeer.dht.start_dht (its identity signs "
@@ -192,11 +184,7 @@ class MoshpitAverager(ServicerBase):
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.links = links
         self.client_mode = client_mode
-        if transport not in TRANSPORTS:
-            raise UserError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
-        if partition not in PARTITIONS:
-            raise UserError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
         if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
             raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
         self.partition = partition
@@ -212,6 +200,9 @@ class MoshpitAverager(ServicerBase):
         self.error_feedback = error_feedback
 
         self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
+        # Behind NAT: hold a slot on a relay and announce it; public: serve as a relay (tcp_relay/).
+        self._nat = RelayRole(dht, run_id, self._plane, behind_nat=getattr(dht, "behind_nat", False),
+                              serve=transport != "libp2p" and not client_mode, admit=dataplane_check(self.admission))
         self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
@@ -231,6 +222,7 @@ class MoshpitAverager(ServicerBase):
         """Start the background matchmaking loop and wait until it serves requests; UserError if it does not
         within `timeout`, or the error that stopped it."""
         self._loop_thread.start(self._setup, self._teardown, timeout)
+        self._nat.start()
 
     async def _setup(self) -> None:
         # A replica of our own: dht.replicate_p2p() hands every caller in a process the same cached replica,
@@ -265,6 +257,7 @@ class MoshpitAverager(ServicerBase):
         Rounds not started yet are cancelled; a round in flight ends by its deadline."""
         self._rounds.shutdown(wait=False, cancel_futures=True)
         self._loop_thread.stop(timeout=5.0)
+        self._nat.stop()
         self._plane.close()
 
     def __enter__(self) -> "MoshpitAverager":
@@ -297,6 +290,12 @@ class MoshpitAverager(ServicerBase):
     def upload_bandwidth(self) -> Optional[float]:
         """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
         return self._upload.current
+
+    @property
+    def relay_address(self) -> Optional[Tuple[str, int]]:
+        """Behind NAT: the relay through which group mates reach this peer now; None while none holds a slot for
+        it (and always for a public peer)."""
+        return self._nat.relay
 
     def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us over libp2p (also when behind NAT)
         return ("", 0) if self.transport == "libp2p" or getattr(self.dht, "behind_nat", False) else self._plane.address
@@ -394,7 +393,8 @@ class MoshpitAverager(ServicerBase):
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), nonce,
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
-                                    self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s)
+                                    self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
+                                    relay=self._nat.relay)
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
                                         schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
@@ -460,7 +460,7 @@ class MoshpitAverager(ServicerBase):
         links, spread = group_links(self.links, [m.pace_s for m in members], sum(t.numel() for t in tensors),
                                     self.compression, self.chunk_numel)
         dataplane = GroupDataPlane(
-            self._plane, [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes())
+            self._plane, [GroupMember(m.host, m.port, m.weight, peer_id.to_bytes(), m.relay)
                           for m, peer_id in zip(members, group.peer_ids)],
             my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, links,
             loss_budget or 0.0, [m.bandwidth for m in members], self.aggregation, distrusted, scratch=self._scratch,
@@ -479,3 +479,22 @@ class MoshpitAverager(ServicerBase):
         return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,
                                                      distrusted=[peer_ids[i] for i in distrusted],
                                                      upload_paced_s=spread)
+
+
+def check_settings(run_id: str, tensors: Sequence[torch.Tensor], target_group_size: int, min_group_size: int,
+                   chunk_bytes: int, matchmaking_time: float, round_timeout: float, transport: str,
+                   partition: str) -> None:
+    """UserError for the first setting of a `MoshpitAverager` that cannot work."""
+    validate_run_id(run_id)
+    if not tensors:
+        raise UserError("MoshpitAverager needs at least one tensor")
+    if any(not t.is_floating_point() for t in tensors):
+        raise UserError("MoshpitAverager averages floating-point tensors only")
+    if target_group_size < 2 or min_group_size < 2 or min_group_size > target_group_size:
+        raise UserError("need 2 <= min_group_size <= target_group_size")
+    if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
+        raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
+    for name, value, allowed in (("transport", transport, ("auto", "libp2p")),
+                                 ("partition", partition, ("equal", "bandwidth"))):
+        if value not in allowed:
+            raise UserError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

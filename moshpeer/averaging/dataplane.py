@@ -7,7 +7,9 @@ connection to the all-reduce session it names (by tag); anything else (wrong mag
 unknown tag, a wrong identity, bad MAC, impossible indices, silence past the handshake deadline,
 a second connection from the same member) is closed and counted in `rejected_connections`.
 Connections relayed over libp2p streams (see `relay.py`) arrive as local socket pairs through
-`accept_socket` and go through exactly the same handshake.
+`accept_socket` and go through exactly the same handshake, as do circuits through a relay (tcp_relay/).
+Another protocol can share the port (`serve_protocol`: a relay's): a connection that opens with its
+4-byte magic is handed to its handler instead of the handshake.
 
 Resources are bounded: at most MAX_HANDSHAKES connections handshake at once and at most
 MAX_PER_ADDRESS are open from one address; more are closed at once (counted). Each handshake has one
@@ -70,6 +72,7 @@ class DataPlane:
         self._handshaking = 0
         self._per_address: Dict[str, int] = {}
         self._closed = False
+        self._protocols: Dict[bytes, Callable[[socket.socket, object], None]] = {}
         self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
         self._thread.start()
 
@@ -120,6 +123,12 @@ class DataPlane:
             self.rejected_connections += 1
         self._rejection_log.warning(f"data plane: rejected connection from {peer}: {why}")
 
+    def serve_protocol(self, magic: bytes, handler: Callable[[socket.socket, object], None]) -> None:
+        """Hand connections that open with the 4-byte `magic` to `handler(conn, peer)` (on the connection's own
+        thread; it owns and closes `conn`), instead of the handshake."""
+        assert len(magic) == 4 and magic != handshake.HELLO_MAGIC
+        self._protocols[magic] = handler
+
     # -- serving --
 
     def _accept_loop(self) -> None:
@@ -156,13 +165,17 @@ class DataPlane:
 
     def _handle(self, conn: socket.socket, peer, address: str) -> None:
         handshaking = True
+        other_protocol = None
         try:
             wire.tune_socket(conn)
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # one deadline for the whole handshake
             try:
-                session, sender, auth = handshake.accept(
-                    conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
-                session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
+                if self._protocols:
+                    other_protocol = self._protocols.get(wire.peek_exactly(conn, 4, deadline))
+                if other_protocol is None:
+                    session, sender, auth = handshake.accept(
+                        conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
+                    session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
             except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
                 self.count_rejected(str(e) or type(e).__name__, peer)
                 _close(conn)
@@ -170,7 +183,8 @@ class DataPlane:
             with self._lock:
                 self._handshaking -= 1
                 handshaking = False
-            session.serve_inbound(sender, conn, auth)  # returns when the round is over; the session closes conn
+            if other_protocol is None:
+                session.serve_inbound(sender, conn, auth)  # returns when the round is over; the session closes conn
         finally:
             with self._lock:
                 self._handshaking -= handshaking
@@ -179,6 +193,8 @@ class DataPlane:
                     self._per_address[address] = left
                 else:
                     self._per_address.pop(address, None)
+        if other_protocol is not None:  # it bounds its own connections (the relay's slots and circuits)
+            other_protocol(conn, peer)
 
     def _wait_for_session(self, tag: bytes, deadline: float):
         with self._cond:

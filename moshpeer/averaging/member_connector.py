@@ -1,10 +1,12 @@
 """Opening this peer's authenticated connection to one group member: `MemberConnector`.
 
 Direct TCP to the member's announced address, retried CONNECT_RETRIES times; when the member announced no
-address, the direct connection cannot be opened, or the peer sends over libp2p only (`force_relay`), a
-libp2p stream to its peer id (bridged into a local socket pair, see relay.py). On whichever opens, the
-sender's side of the handshake (handshake.py) proves both ends' identities and keys the frames' MACs. The
-result says which path was taken. Which paths to try is a pure decision (`connection_paths`).
+address or the direct connection cannot be opened: a circuit through the relay that holds the member's slot
+(a member behind NAT announces it, see tcp_relay/), then a libp2p stream to its peer id (bridged into a local
+socket pair, see relay.py; the only path when the peer sends over libp2p only, `force_relay`). On whichever
+opens, the sender's side of the handshake (handshake.py) proves both ends' identities and keys the frames'
+MACs, end to end through any relay. The result says which path was taken. Which paths to try is a pure
+decision (`connection_paths`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from moshpeer.averaging import handshake, wire
 from moshpeer.averaging.dataplane import _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
+from moshpeer.averaging.tcp_relay.reservation import open_circuit
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -25,20 +28,21 @@ logger = logging.getLogger(__name__)
 CONNECT_RETRIES = 3
 RELAY_ATTEMPTS = 2  # libp2p streams tried per member when the first one closes after our hello
 CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) address then falls back to libp2p
-DIRECT, RELAYED = "direct", "relayed"
+DIRECT, RELAY, LIBP2P = "direct", "relay", "libp2p"
 
 
 @dataclass(frozen=True)
 class GroupMember:
     """A member as the data plane sees it: where to connect, its averaging weight and libp2p peer id.
 
-    port 0 (or an empty host) = no direct address: reach this member over libp2p only.
+    port 0 (or an empty host) = no direct address: reach this member through its relay or over libp2p.
     """
 
     host: str
     port: int
     weight: float
     peer_id: bytes = b""
+    relay: Optional[Tuple[str, int]] = None  # the relay holding this member's slot (it is behind NAT)
 
     @property
     def has_direct_address(self) -> bool:
@@ -52,7 +56,7 @@ RelayConnect = Callable[[bytes, float], socket.socket]
 @dataclass
 class OutboundLink:
     """Our authenticated connection to one member: the socket, the MACs of our frames on it, and the path
-    it took (DIRECT or RELAYED)."""
+    it took (DIRECT, RELAY or LIBP2P)."""
 
     sock: socket.socket
     auth: FrameAuth
@@ -60,7 +64,7 @@ class OutboundLink:
 
     @property
     def relayed(self) -> bool:
-        return self.path == RELAYED
+        return self.path != DIRECT
 
     def send(self, header: bytes, payload=b"") -> None:
         """One frame; raises OSError / ConnectionError if the connection broke."""
@@ -68,13 +72,15 @@ class OutboundLink:
 
 
 def connection_paths(member: GroupMember, *, has_relay: bool, force_relay: bool) -> Tuple[str, ...]:
-    """The paths to try, in order: direct first when the member has an address and we may use it, then the
-    relay when we have one. () = the member cannot be reached at all."""
+    """The paths to try, in order: direct first when the member has an address and we may use it, then its
+    relay when it announced one, then libp2p when we have it (`has_relay`). () = it cannot be reached at all."""
     paths = []
     if member.has_direct_address and not force_relay:
         paths.append(DIRECT)
+    if member.relay is not None and not force_relay:
+        paths.append(RELAY)
     if has_relay:
-        paths.append(RELAYED)
+        paths.append(LIBP2P)
     return tuple(paths)
 
 
@@ -112,19 +118,27 @@ class MemberConnector:
         return None
 
     def connect(self, j: int) -> Optional[OutboundLink]:
-        """An authenticated connection to member j: direct TCP if possible, else a libp2p stream; None if
-        neither opens. Raises PeerRefused / PeerNotAuthentic when j answers but is not in this round, and
+        """An authenticated connection to member j: direct TCP if possible, else a circuit through its relay,
+        else a libp2p stream; None if none opens. Raises PeerRefused / PeerNotAuthentic when j answers but is not in this round, and
         socket.timeout / OSError / ProtocolError when its handshake fails."""
         member = self.members[j]
         paths = connection_paths(member, has_relay=self.relay is not None, force_relay=self.force_relay)
         if DIRECT in paths:
             link, error, stopped = self._connect_direct(j)
-            if link is not None or stopped or RELAYED not in paths:
+            if link is not None or stopped or len(paths) == 1:
                 return link
             logger.info(f"no direct connection to member {j} at {member.host}:{member.port} ({error}); "
-                        f"sending over libp2p")
-        if RELAYED not in paths:
-            logger.warning(f"member {j} has no direct address and this peer has no libp2p relay")
+                        f"trying {paths[1]}")
+        if RELAY in paths:
+            try:
+                return self._handshake(open_circuit(member.relay, member.peer_id, self.deadline), j, RELAY)
+            except (OSError, ProtocolError) as e:  # PeerRefused is a ConnectionError: the member is not in it
+                if isinstance(e, (PeerRefused, PeerNotAuthentic)) or LIBP2P not in paths:
+                    raise
+                logger.info(f"no circuit to member {j} through relay {member.relay[0]}:{member.relay[1]} "
+                            f"({type(e).__name__}: {e}); sending over libp2p")
+        if LIBP2P not in paths:
+            logger.warning(f"member {j} has no direct address or relay, and this peer has no libp2p stream")
             return None
         for attempt in range(RELAY_ATTEMPTS):
             try:
@@ -133,7 +147,7 @@ class MemberConnector:
                 logger.warning(f"could not open a libp2p stream to member {j}: {type(e).__name__}: {e}")
                 return None
             try:
-                return self._handshake(sock, j, RELAYED)
+                return self._handshake(sock, j, LIBP2P)
             except PeerRefused:
                 # A stream that dies before its first byte arrives looks like a refusal; between two peers behind
                 # NATs relayed connections are reset within a fraction of a second (cause not found yet:

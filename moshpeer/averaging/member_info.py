@@ -1,7 +1,8 @@
 """What each member tells its group in matchmaking, and its validation: `MemberInfo`.
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
-budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over) travels inside matchmaking over libp2p's encrypted
+budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
+holding its slot when it is behind NAT) travels inside matchmaking over libp2p's encrypted
 channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -39,11 +40,12 @@ class MemberInfo:
     # Seconds this member's round budget grants to spreading its upload (pacing.py); the group paces by the
     # smallest, so that every member's deadline has room for it (0: this member does not pace).
     pace_s: float = 0.0
+    relay: Optional[Tuple[str, int]] = None  # behind NAT: the relay through which to reach it (tcp_relay/)
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
-                      tag: bytes = b"", pace_s: float = 0.0) -> bytes:
+                      tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -54,6 +56,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["tag"] = tag
     if pace_s > 0:
         info["pace"] = float(pace_s)
+    if relay is not None:
+        info["relay"] = [relay[0], int(relay[1])]
     return msgpack.packb(info)
 
 
@@ -92,4 +96,10 @@ def parse_member_info(data: bytes) -> MemberInfo:
     pace = info.get("pace", 0.0)
     if not isinstance(pace, (int, float)) or not 0 <= pace <= MAX_PACE_S:
         raise ProtocolError("bad upload pace")
-    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace))
+    relay = info.get("relay")
+    if relay is not None:
+        if not (isinstance(relay, list) and len(relay) == 2 and isinstance(relay[0], str) and 0 < len(relay[0]) <= 255
+                and isinstance(relay[1], int) and 0 < relay[1] < 65536):
+            raise ProtocolError("bad relay address")
+        relay = (relay[0], relay[1])
+    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay)

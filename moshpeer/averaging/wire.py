@@ -115,6 +115,22 @@ def recv_exactly_by(sock: socket.socket, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
+def peek_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """The first `size` bytes waiting on `sock`, left there for the next read, by `deadline` (time.monotonic()).
+    Raises ConnectionError on EOF and socket.timeout past the deadline."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout(f"fewer than {size} bytes arrived by the deadline")
+        sock.settimeout(remaining)
+        data = sock.recv(size, socket.MSG_PEEK | socket.MSG_WAITALL)
+        if not data:
+            raise ConnectionError("connection closed before its first bytes")
+        if len(data) == size:
+            return data
+        time.sleep(0.005)  # a local socket pair may return fewer: wait for the rest
+
+
 def readable_within(sock: socket.socket, seconds: float) -> bool:
     """Do bytes wait on `sock` (or its end come) within `seconds`? (`poll`, not `select`: a peer with many files
     open has descriptors past select's limit of 1024.) A socket another thread closed (the round ended) counts

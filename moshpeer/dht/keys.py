@@ -33,3 +33,9 @@ def peers_key(run_id: str) -> str:
 def averaging_prefix(run_id: str) -> str:
     """Prefix of the run's averaging group keys (`{prefix}.0b{group bits}`); hivemind forbids '.' in it."""
     return f"{run_id.replace('.', '-')}_averaging"
+
+
+def relays_key(run_id: str) -> str:
+    """Key of the run's relay directory: public peers' data-plane relays for peers behind NAT (one signed entry
+    per offering peer, subkey = its public key)."""
+    return f"{run_id}_relays"

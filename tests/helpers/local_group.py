@@ -41,15 +41,19 @@ def credentials(tag: bytes, k: int) -> RoundCredentials:
 
 def run_group(tensors: Sequence[torch.Tensor], *, weights: Optional[Sequence[float]] = None,
               group_id: Optional[bytes] = None, compression: str = "none", deadline_s: float = 30.0,
-              member_kwargs: Callable[[int], dict] = lambda k: {}, **kwargs) -> List[Optional[AllReduceResult]]:
+              member_kwargs: Callable[[int], dict] = lambda k: {}, planes: Optional[Sequence[DataPlane]] = None,
+              reshape: Callable[[List[GroupMember]], List[GroupMember]] = lambda group: group,
+              **kwargs) -> List[Optional[AllReduceResult]]:
     """One `GroupAllReduce` of `tensors` (averaged in place), member k in a thread on a DataPlane of its own.
 
     `kwargs` go to every member's GroupAllReduce (chunk_numel is required), `member_kwargs(k)` to member k's
-    only. A fixed `group_id` replays the same fault decisions (their RNG is seeded by the tag). Returns each
-    member's result; None for a member that did not finish within the deadline plus 30 s.
+    only. A fixed `group_id` replays the same fault decisions (their RNG is seeded by the tag). `planes`: the
+    members' data planes (default: new ones); `reshape` changes the members as announced (e.g. a relay).
+    Returns each member's result; None for a member that did not finish within the deadline plus 30 s.
+    The planes are closed afterwards.
     """
-    planes = [DataPlane() for _ in tensors]
-    group = members([plane.address for plane in planes], weights)
+    planes = list(planes) if planes is not None else [DataPlane() for _ in tensors]
+    group = reshape(members([plane.address for plane in planes], weights))
     tag = wire.allreduce_tag(group_id or os.urandom(20), 0)
     results: List[Optional[AllReduceResult]] = [None] * len(tensors)
 

@@ -15,7 +15,7 @@ from local_group import credentials, identities
 
 from moshpeer.averaging import handshake, wire
 from moshpeer.averaging.handshake import PeerRefused
-from moshpeer.averaging.member_connector import (DIRECT, RELAYED, RELAY_ATTEMPTS, GroupMember, MemberConnector,
+from moshpeer.averaging.member_connector import (DIRECT, LIBP2P, RELAY, RELAY_ATTEMPTS, GroupMember, MemberConnector,
                                                  connection_paths, peer_closed)
 
 PEER = b"\x01" * 34
@@ -29,12 +29,16 @@ def closed_port() -> int:
 
 def test_paths_direct_first_then_relay():
     member = GroupMember("127.0.0.1", 9, 1.0, PEER)
-    assert connection_paths(member, has_relay=True, force_relay=False) == (DIRECT, RELAYED)
+    assert connection_paths(member, has_relay=True, force_relay=False) == (DIRECT, LIBP2P)
     assert connection_paths(member, has_relay=False, force_relay=False) == (DIRECT,)
-    assert connection_paths(member, has_relay=True, force_relay=True) == (RELAYED,)
+    assert connection_paths(member, has_relay=True, force_relay=True) == (LIBP2P,)
     no_address = GroupMember("", 0, 1.0, PEER)
-    assert connection_paths(no_address, has_relay=True, force_relay=False) == (RELAYED,)
+    assert connection_paths(no_address, has_relay=True, force_relay=False) == (LIBP2P,)
     assert connection_paths(no_address, has_relay=False, force_relay=False) == ()
+    behind_nat = GroupMember("", 0, 1.0, PEER, relay=("127.0.0.1", 9))
+    assert connection_paths(behind_nat, has_relay=True, force_relay=False) == (RELAY, LIBP2P)
+    assert connection_paths(behind_nat, has_relay=False, force_relay=False) == (RELAY,)
+    assert connection_paths(behind_nat, has_relay=True, force_relay=True) == (LIBP2P,)
 
 
 def connector(members, relay=None, deadline_s: float = 5.0, **kwargs) -> MemberConnector:
@@ -121,7 +125,7 @@ def test_a_relayed_stream_that_closes_after_our_hello_is_opened_once_more():
     connector, relay = relayed_pair(dying=1)
     link = connector.connect(1)
     try:
-        assert link is not None and link.path == RELAYED and relay.opened == 2
+        assert link is not None and link.path == LIBP2P and relay.opened == 2
     finally:
         link.sock.close()
 

@@ -1,0 +1,51 @@
+"""What a peer does about NAT on its data plane: `RelayRole`.
+
+Behind NAT (`start_dht(behind_nat=True)`) it holds a slot on a relay found in the run's directory, and
+announces that relay to its groups; a public peer serves as a relay and offers itself in the directory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+from moshpeer.averaging.dataplane import DataPlane
+from moshpeer.averaging.tcp_relay import protocol
+from moshpeer.averaging.tcp_relay.directory import RelayPublisher, list_relays
+from moshpeer.averaging.tcp_relay.reservation import RelayReservation
+from moshpeer.averaging.tcp_relay.service import RelayService
+
+
+class RelayRole:
+    """:param behind_nat: hold a slot on some relay (nobody can connect to us directly)
+    :param serve: otherwise, serve as a relay on `plane` and offer it in the directory
+    :param admit: a private run's check of a public key asking for a slot (None: anyone)"""
+
+    def __init__(self, dht, run_id: str, plane: DataPlane, *, behind_nat: bool, serve: bool,
+                 admit: Optional[Callable[[bytes], None]] = None):
+        self.reservation: Optional[RelayReservation] = None
+        self.service: Optional[RelayService] = None
+        self._publisher: Optional[RelayPublisher] = None
+        if behind_nat:
+            self.reservation = RelayReservation(dht.identity, lambda: list_relays(dht, run_id), plane.accept_socket)
+        elif serve:
+            self.service = RelayService(admit)
+            plane.serve_protocol(protocol.MAGIC, self.service.handle)
+            self._publisher = RelayPublisher(dht, run_id, plane.address)
+
+    @property
+    def relay(self) -> Optional[Tuple[str, int]]:
+        """The relay through which peers reach us now (behind NAT, holding a slot); None otherwise."""
+        return self.reservation.relay if self.reservation is not None else None
+
+    def start(self) -> None:
+        for part in (self.reservation, self._publisher):
+            if part is not None:
+                part.start()
+
+    def stop(self) -> None:
+        if self.reservation is not None:
+            self.reservation.stop()
+        if self._publisher is not None:
+            self._publisher.stop()
+        if self.service is not None:
+            self.service.close()

@@ -1,0 +1,107 @@
+"""The data plane's relay for peers behind NAT (moshpeer/averaging/tcp_relay/), in-process on loopback: a
+group averages through it exactly, a slot needs its key, a sender learns at once why a circuit failed, and a
+peer whose relay leaves takes a slot on another."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from local_group import identities, run_group
+
+from moshpeer.averaging import DataPlane
+from moshpeer.averaging.tcp_relay import protocol
+from moshpeer.averaging.tcp_relay.protocol import RelayRefused
+from moshpeer.averaging.tcp_relay.reservation import RelayReservation, open_circuit
+from moshpeer.averaging.tcp_relay.service import RelayService
+
+NUMEL, CHUNK = 300_000, 65_536
+
+
+def relay_plane() -> tuple:
+    plane, service = DataPlane(), RelayService()
+    plane.serve_protocol(protocol.MAGIC, service.handle)
+    return plane, service
+
+
+def hold_slot(identity, relays, plane: DataPlane) -> RelayReservation:
+    reservation = RelayReservation(identity, lambda: list(relays), plane.accept_socket)
+    reservation.start()
+    assert reservation.wait_for_slot(10.0), "no relay took the slot"
+    return reservation
+
+
+def test_a_group_averages_exactly_through_a_relay_and_reports_the_members_it_relayed():
+    """Member 2 is behind NAT: it announces no address, only the relay on member 0's data plane. Members 0 and
+    1 reach it through circuits there; it reaches them directly. The round is exact."""
+    (plane0, service), plane1, plane2 = relay_plane(), DataPlane(), DataPlane()
+    reservation = hold_slot(identities(3)[2], [plane0.address], plane2)
+
+    def behind_nat(group):
+        group[2] = dataclasses.replace(group[2], host="", port=0, relay=plane0.address)
+        return group
+
+    tensors = [torch.randn(NUMEL) for _ in range(3)]
+    exact = sum(tensors) / 3
+    try:
+        results = run_group(tensors, planes=[plane0, plane1, plane2], reshape=behind_nat, chunk_numel=CHUNK)
+    finally:
+        reservation.stop()
+    assert [r.relayed for r in results] == [[2], [2], []]
+    for result in results:
+        assert not result.absent and result.reduce.chunks_lost == 0 and result.gather.chunks_lost == 0
+    for t in tensors:
+        assert torch.allclose(t, exact, rtol=0, atol=1e-6)
+    assert service.circuits_opened == 2 and reservation.circuits_accepted == 2
+    assert service.bytes_relayed > 2 * 4 * NUMEL / 3  # members 0 and 1 sent member 2 its part, and got theirs
+
+
+def test_a_slot_needs_the_key_of_its_peer_id():
+    plane, service = relay_plane()
+    try:
+        sock = socket.create_connection(plane.address)
+        sock.sendall(protocol.opening())
+        challenge = protocol.recv_message(sock, time.monotonic() + 5)["challenge"]
+        honest, thief = identities(2)
+        # The thief sends the honest peer's key with its own signature: no slot, the connection ends.
+        protocol.send_message(sock, op="reserve", key=honest.public_key.to_bytes(),
+                              sig=thief.private_key.sign(protocol.reservation_statement(challenge)))
+        with pytest.raises(ConnectionError):
+            protocol.recv_message(sock, time.monotonic() + 5)
+        assert service.reservations == 0
+    finally:
+        plane.close()
+
+
+def test_a_circuit_to_a_peer_without_a_slot_is_refused_with_the_reason():
+    plane, service = relay_plane()
+    try:
+        with pytest.raises(RelayRefused, match="no slot"):
+            open_circuit(plane.address, identities(1)[0].peer_id_bytes, time.monotonic() + 5)
+        assert service.refused == 1
+    finally:
+        plane.close()
+
+
+def test_a_peer_whose_relay_leaves_takes_a_slot_on_another():
+    (first, first_service), (second, second_service) = relay_plane(), relay_plane()
+    relays = [first.address]
+    behind_nat = DataPlane()
+    reservation = hold_slot(identities(1)[0], relays, behind_nat)
+    try:
+        assert reservation.relay == first.address
+        relays[:] = [second.address]
+        moved = threading.Event()
+        first_service.close()  # the relay leaves: it closes its slots' control connections
+        deadline = time.monotonic() + 15.0
+        while reservation.relay != second.address and time.monotonic() < deadline:
+            moved.wait(0.05)
+        assert reservation.relay == second.address and second_service.reservations == 1
+    finally:
+        reservation.stop()
+        for plane in (first, second, behind_nat):
+            plane.close()
