@@ -40,8 +40,9 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How long a worker may take to import torch + hivemind and start its DHT (minutes on a loaded 2-core machine).
 READY_TIMEOUT_S = 300
-# A worker behind a NAT waits this long, at most, for a relay slot before it says it is ready (p2pd's autorelay
-# reserves one about 3 minutes after start: dht.node.start_dht's behind_nat).
+# A worker behind a NAT waits this long, at most, for a relay slot before it says it is ready (with --transport
+# libp2p, p2pd's autorelay reserves one about 3 minutes after start: dht.node.start_dht's behind_nat; else a relay
+# on the public peer's data plane takes it within seconds, averaging/tcp_relay/).
 RELAY_WAIT_S = 240.0
 sys.path.insert(0, REPO)
 
@@ -115,8 +116,8 @@ def moshpeer_worker(args) -> None:
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
                     behind_nat=args.behind_nat)
     relay_wait = time.monotonic() + RELAY_WAIT_S
-    while args.behind_nat and not dht.relay_maddrs() and time.monotonic() < relay_wait:
-        time.sleep(1.0)  # reachable by peers behind other NATs only once a relay holds a slot for it
+    while args.behind_nat and args.transport == "libp2p" and not dht.relay_maddrs() and time.monotonic() < relay_wait:
+        time.sleep(1.0)  # over libp2p, peers behind other NATs reach it only once a p2pd relay holds a slot for it
     initial = peer_values(args.rank, args.numel)
     errors = ErrorCheck(args.peers, args.numel)
     tensor = initial.clone()
@@ -131,6 +132,9 @@ def moshpeer_worker(args) -> None:
                  for k, codec in enumerate(args.compression.split(","))}
     for averager in averagers.values():
         averager.start()
+    while args.behind_nat and args.transport != "libp2p" and time.monotonic() < relay_wait \
+            and not all(averager.relay_address for averager in averagers.values()):
+        time.sleep(0.2)  # reachable by its group mates once a relay on a public peer's data plane holds its slot
     emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
     sys.stdin.readline()  # "go": every peer is ready (one behind a NAT only once a relay holds a slot for it)
     for codec, averager in averagers.items():

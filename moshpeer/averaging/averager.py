@@ -104,7 +104,7 @@ class MoshpitAverager(ServicerBase):
     :param links: how this peer's chunks reach the wire (`averaging/links.py`): the real transport by default;
         `FaultyLinks(FaultConfig(...))` injects faults into its outgoing chunks (tests, benchmarks, `join --faults`)
     :param host: address of the data-plane listener, announced to group mates
-    :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections)
+    :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections; always behind NAT)
     :param start: start the background loop now (else call `start()`)
     :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_window(
         norm)` at the end of each signal window) or a fixed fraction; None/0 = wait for everything until the
@@ -183,7 +183,7 @@ class MoshpitAverager(ServicerBase):
                                                       min_round_timeout)
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
         self.links = links
-        self.client_mode = client_mode
+        self.client_mode = client_mode or getattr(dht, "behind_nat", False)  # a leader must take others' requests
         self.transport = transport
         if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
             raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")

@@ -19,7 +19,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.budget_stall import allowance_share
 from moshpeer.averaging.dataplane import _close
 from moshpeer.averaging.links import ChunkStream, StreamSpec, WireStream
-from moshpeer.averaging.member_connector import MemberConnector, OutboundLink, peer_closed
+from moshpeer.averaging.member_connector import LIBP2P, MemberConnector, OutboundLink, peer_closed
 from moshpeer.averaging.round_context import DONE, RoundContext
 from moshpeer.averaging.staging import Outbox
 
@@ -79,6 +79,8 @@ class PartSender:
             with self.ctx.cond:
                 if link.relayed:
                     self.ctx.stats.relayed.append(j)
+                if link.path == LIBP2P:
+                    self.ctx.stats.over_libp2p.append(j)
                 if self.ctx.closing:
                     _close(link.sock)
                     return

@@ -51,7 +51,10 @@ class DataPlaneStats:
     # Group indices that were not in the round at all: they refused our authenticated hello (matchmaking
     # disagreed: they never learned of this group), failed to prove the group secret, or were unreachable.
     absent: List[int] = field(default_factory=list)
-    relayed: List[int] = field(default_factory=list)  # members our chunks reached over libp2p streams
+    # Members our chunks reached through a relay: a circuit through a public peer (tcp_relay/), or, in
+    # `over_libp2p` too, a libp2p stream. Every other member that got our chunks, got them directly.
+    relayed: List[int] = field(default_factory=list)
+    over_libp2p: List[int] = field(default_factory=list)
     missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
     rejected_connections: int = 0  # strangers / failed authentication during the round
     rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates
@@ -79,6 +82,7 @@ class DataPlaneStats:
             departed=sorted(set(self.departed) | set(other.departed)),
             absent=sorted(set(self.absent) | set(other.absent)),
             relayed=sorted(set(self.relayed) | set(other.relayed)),
+            over_libp2p=sorted(set(self.over_libp2p) | set(other.over_libp2p)),
             missing_chunks=self.missing_chunks + other.missing_chunks,
             rejected_connections=self.rejected_connections + other.rejected_connections,
             rejected_messages=self.rejected_messages + other.rejected_messages,
@@ -102,7 +106,7 @@ class DataPlaneStats:
 # order its keys always had. The per-index counters are left out: a round's readers get `flagged` by peer id.
 _DATA_FIELDS = ("reduce", "gather", "departed", "absent", "relayed", "missing_chunks", "rejected_connections",
                 "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s", "upload_bps")
-_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few")
+_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p")
 
 
 def _data_fact(name: str) -> property:
@@ -162,6 +166,7 @@ class RoundResult:
     upload_bps = _data_fact("upload_bps")
     nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `distrusted`)
     robust_too_few = _data_fact("robust_too_few")  # (likewise)
+    over_libp2p = _data_fact("over_libp2p")  # (likewise)
 
     @property
     def chunks_lost(self) -> int:

@@ -56,6 +56,7 @@ def main() -> int:
     parser.add_argument("--faults", default="")
     parser.add_argument("--aggregation", default="mean")
     parser.add_argument("--transport", default="auto", help="auto | libp2p (see MoshpitAverager)")
+    parser.add_argument("--behind-nat", action="store_true", help="start_dht(behind_nat=True): hold a relay slot")
     parser.add_argument("--host", default="127.0.0.1", help="address of this peer's DHT and data plane")
     parser.add_argument("--partition", default="equal", help="equal | bandwidth (see MoshpitAverager)")
     parser.add_argument("--bandwidth", type=float, default=None, help="declared upload, bytes/s (default: measured)")
@@ -63,7 +64,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_expected_peer_failures()  # a peer leaving: one line, not hivemind's traceback
 
-    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"])
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+                    behind_nat=args.behind_nat)
     tensor = peer_values(0, args.index, args.numel)
     averager = MoshpitAverager(
         [tensor],
@@ -83,8 +85,11 @@ def main() -> int:
         upload_bandwidth=args.bandwidth,
         aggregation=args.aggregation,
     )
+    relay_wait = time.monotonic() + 60.0
+    while args.behind_nat and averager.relay_address is None and time.monotonic() < relay_wait:
+        time.sleep(0.1)  # its group mates reach it only once a relay holds a slot for it
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    print(json.dumps({"event": "ready", "maddrs": maddrs, "index": args.index, "pid": os.getpid(),
+    print(json.dumps({"event": "ready", "relay": averager.relay_address, "maddrs": maddrs, "index": args.index, "pid": os.getpid(),
                       "data_address": list(averager.data_address)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

@@ -197,13 +197,16 @@ ROUND_FACTS = ("ok", "error", "group_size", "my_index", "lost_fraction", "missin
                "relayed", "rejected_messages", "total_s")
 
 
-def average_once(lab: Netlab, numel: int, tmp_path, *extra: str, rounds: int = 1, relay_ok: bool = False) -> tuple:
+def average_once(lab: Netlab, numel: int, tmp_path, *extra: str, rounds: int = 1, relay_ok: bool = False,
+                 behind_nat=lambda k: False) -> tuple:
     """`rounds` group all-reduces of all peers in `lab`, each of the same values; -> (reports of the last round,
-    or a list of them per round if rounds > 1; max relative error vs the exact mean over all rounds)."""
+    or a list of them per round if rounds > 1; max relative error vs the exact mean over all rounds).
+    `behind_nat(k)`: worker k starts its DHT with behind_nat=True."""
     n = len(lab.nodes)
     with AveragingSwarm(n, "--numel", str(numel), "--target-group-size", str(n), "--min-group-size", str(n),
                         "--matchmaking-time", "3.0", "--round-timeout", "60", *extra,
-                        per_worker_args=lambda k: ["--host", lab.nodes[k].address], wrap=lab.command) as swarm:
+                        per_worker_args=lambda k: ["--host", lab.nodes[k].address] + ["--behind-nat"] * behind_nat(k),
+                        wrap=lab.command) as swarm:
         exact = torch.stack([peer_values(3, k, numel) for k in range(n)]).double().mean(0)
         errors, per_round = [], []
         for _ in range(rounds):
@@ -296,12 +299,14 @@ def test_heterogeneous_uploads_slow_member_owns_less_after_measuring(tmp_path):
 
 @needs_sites
 def test_a_peer_behind_a_symmetric_nat_averages_and_the_report_names_the_path(tmp_path):
-    """Two public peers and one behind a symmetric NAT: nobody can open a connection to the NATed peer, so
-    its group members reach it over libp2p streams on the connections it opened (the relay path), and it
-    reaches them directly. Every round averages exactly, and each report says which members were relayed."""
+    """Two public peers and one behind a symmetric NAT (`start_dht(behind_nat=True)`): nobody can open a
+    connection to the NATed peer, so it holds a slot on a public peer's relay, and its group mates reach it
+    through circuits there; it reaches them directly. Every round averages exactly, and each report says which
+    members were relayed, none of them over libp2p."""
     numel = 200_000
     with Netlab([None] * 3, sites=[None, None, "symmetric"]) as lab:
-        (first, second), err = average_once(lab, numel, tmp_path, rounds=2, relay_ok=True)
+        (first, second), err = average_once(lab, numel, tmp_path, rounds=2, relay_ok=True,
+                                            behind_nat=lambda k: k == 2)
     for reports in (first, second):
         by_peer = {r["my_index"]: r for r in reports}  # reports come in worker order: worker 2 is behind the NAT
         natted = reports[2]["my_index"]
@@ -310,4 +315,5 @@ def test_a_peer_behind_a_symmetric_nat_averages_and_the_report_names_the_path(tm
                 assert report["relayed"] == [], report["relayed"]  # it can open connections to everyone
             else:
                 assert report["relayed"] == [natted], (index, report["relayed"])  # nobody can open one to it
+            assert report["over_libp2p"] == [], report["over_libp2p"]  # the relay on the data plane carried it
     assert err <= 1e-6

@@ -13,7 +13,7 @@ def round_health(rounds: Sequence[Any], recent: int = RECENT_ROUNDS) -> Optional
     """The `round_health` record field from the last `recent` `CollaborativeRound`s (None before the first):
     how many there were, how many averaged with a group, and over those the mean share of chunks lost, the mean
     seconds per round (matchmaking + data plane) and the share of connections to group members that went over
-    the relay (`RoundResult.relayed`: the members our chunks reached over libp2p streams)."""
+    a relay (`RoundResult.relayed`: the members our chunks reached through a relay, ours or libp2p's)."""
     window = list(rounds)[-min(recent, MAX_HEALTH_ROUNDS):]
     if not window:
         return None
