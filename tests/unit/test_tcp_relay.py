@@ -17,6 +17,7 @@ from moshpeer.averaging import DataPlane
 from moshpeer.averaging.tcp_relay import protocol
 from moshpeer.averaging.tcp_relay.protocol import RelayRefused
 from moshpeer.averaging.tcp_relay.reservation import RelayReservation, open_circuit
+from moshpeer.averaging.tcp_relay import service as service_module
 from moshpeer.averaging.tcp_relay.service import RelayService
 
 NUMEL, CHUNK = 300_000, 65_536
@@ -105,3 +106,33 @@ def test_a_peer_whose_relay_leaves_takes_a_slot_on_another():
         reservation.stop()
         for plane in (first, second, behind_nat):
             plane.close()
+
+
+def test_a_peer_that_does_not_answer_its_dial_costs_the_sender_one_bounded_wait(monkeypatch):
+    """A slot holder that ignores its dials (hung, or hostile): the sender is refused once the accept window
+    passes, and an accept that comes later finds no circuit and is closed."""
+    monkeypatch.setattr(service_module, "REQUEST_TIMEOUT", 0.5)
+    plane, service = relay_plane()
+    holder = identities(1)[0]
+    control = socket.create_connection(plane.address)
+    try:
+        control.sendall(protocol.opening())
+        challenge = protocol.recv_message(control, time.monotonic() + 5)["challenge"]
+        protocol.send_message(control, op="reserve", key=holder.public_key.to_bytes(),
+                              sig=holder.private_key.sign(protocol.reservation_statement(challenge)))
+        assert protocol.recv_message(control, time.monotonic() + 5)["ok"] is True
+        started = time.monotonic()
+        with pytest.raises(RelayRefused, match="did not accept"):
+            open_circuit(plane.address, holder.peer_id_bytes, time.monotonic() + 10)
+        assert time.monotonic() - started < 5.0
+        sid = protocol.recv_message(control, time.monotonic() + 5)["sid"]  # the dial it ignored
+        late = socket.create_connection(plane.address)
+        late.sendall(protocol.opening())
+        protocol.recv_message(late, time.monotonic() + 5)
+        protocol.send_message(late, op="accept", sid=sid)
+        late.settimeout(5.0)
+        assert late.recv(1) == b""  # no circuit waits for it: closed
+        late.close()
+    finally:
+        control.close()
+        plane.close()

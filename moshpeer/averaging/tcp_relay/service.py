@@ -153,6 +153,7 @@ class RelayService:
         if why is not None:
             self._refuse(conn, why)
             return
+        spliced = False
         try:
             try:
                 with slot.send_lock:
@@ -160,17 +161,20 @@ class RelayService:
             except OSError:
                 self._refuse(conn, "the peer's slot just closed")
                 return
-            if not pending.accepted.wait(REQUEST_TIMEOUT) or pending.sock is None:
+            if not pending.accepted.wait(REQUEST_TIMEOUT):
                 self._refuse(conn, "the peer did not accept in time")
                 return
             send_message(conn, op="connected", ok=True)
             self.circuits_opened += 1
+            spliced = True
             self._splice(conn, pending.sock)
         finally:
-            with self._lock:
+            with self._lock:  # after this, no accept can attach a socket to the circuit
                 self._pending.pop(sid, None)
                 slot.circuits -= 1
                 self._circuits -= 1
+            if not spliced:
+                _close(pending.sock)  # an accept that came too late, or a sender that left
 
     def _accept(self, conn: socket.socket, sid: bytes) -> None:
         with self._lock:
@@ -183,14 +187,17 @@ class RelayService:
 
     def _splice(self, sender: socket.socket, target: socket.socket) -> None:
         """Copy both ways until one side ends (its copy on a thread of its own); then close both."""
-        for sock in (sender, target):
-            sock.settimeout(IDLE_TIMEOUT)
-            wire.tune_socket(sock)
-        back = threading.Thread(target=self._copy, args=(target, sender), name="moshpeer-relay-copy", daemon=True)
-        back.start()
-        self._copy(sender, target)
-        back.join(IDLE_TIMEOUT)
-        _close(target)  # the sender's socket is closed by `handle`
+        try:
+            for sock in (sender, target):
+                sock.settimeout(IDLE_TIMEOUT)
+                wire.tune_socket(sock)
+            back = threading.Thread(target=self._copy, args=(target, sender), name="moshpeer-relay-copy",
+                                    daemon=True)
+            back.start()
+            self._copy(sender, target)
+            back.join(IDLE_TIMEOUT)
+        finally:
+            _close(target)  # the sender's socket is closed by `handle`
 
     def _copy(self, source: socket.socket, sink: socket.socket) -> None:
         buffer = bytearray(COPY_BYTES)
