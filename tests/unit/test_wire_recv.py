@@ -87,3 +87,22 @@ def test_readable_within_a_socket_closed_by_another_thread_is_its_end_not_an_err
             a.recv(1)
     finally:
         b.close()
+
+
+def test_buffers_are_set_only_where_the_kernel_grants_them():
+    """On a stock kernel (ceilings of 212992 bytes) a set buffer would be capped and lose autotuning: leave both
+    to the kernel; where the ceilings allow SOCKET_BUFFER_BYTES, set both."""
+    stock = {"wmem_max": 212992, "rmem_max": 212992}
+    tuned = {"wmem_max": wire.SOCKET_BUFFER_BYTES, "rmem_max": 8 * wire.SOCKET_BUFFER_BYTES}
+    assert wire.buffer_options(stock.get) == ()
+    assert wire.buffer_options(tuned.get) == (socket.SO_SNDBUF, socket.SO_RCVBUF)
+    assert wire.buffer_options({**tuned, "rmem_max": 212992}.get) == (socket.SO_SNDBUF,)
+
+
+def test_the_peek_leaves_the_bytes_for_the_next_read():
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(b"MP")
+        threading.Timer(0.05, lambda: b.sendall(b"RYrest")).start()
+        assert wire.peek_exactly(a, 4, time.monotonic() + 5) == b"MPRY"
+        assert wire.recv_exactly_by(a, 8, time.monotonic() + 5) == b"MPRYrest"
