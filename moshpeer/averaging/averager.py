@@ -6,8 +6,8 @@ of the DHT's daemon. Both run on a private asyncio loop in a background thread. 
 metadata (member_info.py) travels inside matchmaking over libp2p's encrypted channel; the group secret
 is a hash of the group id and all nonces.
 
-Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; libp2p streams through `StreamRelay`
-for members without a direct path), one or two per round (group_dataplane.py), run in the averager's
+Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; a member behind NAT through the relay that
+holds its slot, tcp_relay/; libp2p streams through `StreamRelay` as the last resort), one or two per round (group_dataplane.py), run in the averager's
 round thread. After every assembled group the key manager shifts an index drawn from an RNG seeded by
 the group id into the group bits, so the next round's group mixes different peers.
 
@@ -64,7 +64,6 @@ from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
-
 
 
 def check_round_args(min_group_size: int, *, target_group_size: Optional[int], matchmaking_time: Optional[float],
@@ -182,9 +181,9 @@ class MoshpitAverager(ServicerBase):
         self.deadlines = DeadlineLearner.for_settings(matchmaking_time, round_timeout, min_matchmaking_time,
                                                       min_round_timeout)
         self.request_timeout = request_timeout if request_timeout is not None else matchmaking_time / 2
-        self.links = links
-        self.client_mode = client_mode or getattr(dht, "behind_nat", False)  # a leader must take others' requests
-        self.transport = transport
+        self.links, self.transport = links, transport
+        self.behind_nat = getattr(dht, "behind_nat", False)  # start_dht(behind_nat=True): a leader takes requests,
+        self.client_mode = client_mode or self.behind_nat  # so a peer nobody can connect to never leads
         if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
             raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
         self.partition = partition
@@ -201,7 +200,7 @@ class MoshpitAverager(ServicerBase):
 
         self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
         # Behind NAT: hold a slot on a relay and announce it; public: serve as a relay (tcp_relay/).
-        self._nat = RelayRole(dht, run_id, self._plane, behind_nat=getattr(dht, "behind_nat", False),
+        self._nat = RelayRole(dht, run_id, self._plane, behind_nat=self.behind_nat,
                               serve=transport != "libp2p" and not client_mode, admit=dataplane_check(self.admission))
         self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
         self._relay: Optional[StreamRelay] = None
@@ -297,8 +296,8 @@ class MoshpitAverager(ServicerBase):
         it (and always for a public peer)."""
         return self._nat.relay
 
-    def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us over libp2p (also when behind NAT)
-        return ("", 0) if self.transport == "libp2p" or getattr(self.dht, "behind_nat", False) else self._plane.address
+    def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us through our relay, or over libp2p
+        return ("", 0) if self.transport == "libp2p" or self.behind_nat else self._plane.address
 
     def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:
         """The fastest recent assembly of a full group of `target_group_size` (default: the averager's), learned

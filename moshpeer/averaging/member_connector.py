@@ -119,8 +119,8 @@ class MemberConnector:
 
     def connect(self, j: int) -> Optional[OutboundLink]:
         """An authenticated connection to member j: direct TCP if possible, else a circuit through its relay,
-        else a libp2p stream; None if none opens. Raises PeerRefused / PeerNotAuthentic when j answers but is not in this round, and
-        socket.timeout / OSError / ProtocolError when its handshake fails."""
+        else a libp2p stream; None if none opens. Raises PeerRefused / PeerNotAuthentic when j answers but is
+        not in this round, and socket.timeout / OSError / ProtocolError when its handshake fails."""
         member = self.members[j]
         paths = connection_paths(member, has_relay=self.relay is not None, force_relay=self.force_relay)
         if DIRECT in paths:
