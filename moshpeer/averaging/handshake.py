@@ -46,10 +46,9 @@ from typing import Callable, NamedTuple, Optional, Tuple
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from hivemind.utils.crypto import RSAPublicKey
 
 from moshpeer.averaging import wire
-from moshpeer.dht.identity import Identity, peer_id_bytes_from_public_key
+from moshpeer.dht.identity import Identity, load_public_key, peer_id_bytes_from_public_key
 from moshpeer.errors import ProtocolError
 from moshpeer.version import PROTOCOL_VERSION
 
@@ -100,10 +99,7 @@ class RoundCredentials:
 def _check_certificate(public_key: bytes, signature: bytes, expected_peer: bytes, group_prefix: bytes, index: int,
                        x25519_public: bytes) -> None:
     """Raise ProtocolError unless `public_key` is member `index`'s (peer id from matchmaking) and signed its key."""
-    try:
-        key = RSAPublicKey.from_bytes(public_key)
-    except Exception:  # cryptography raises several types for malformed keys
-        raise ProtocolError("not an RSA public key") from None
+    key = load_public_key(public_key)
     if not expected_peer or not hmac.compare_digest(peer_id_bytes_from_public_key(key), expected_peer):
         raise ProtocolError(f"identity is not member {index}'s peer id")
     if not key.verify(_certificate(group_prefix, index, x25519_public), signature):

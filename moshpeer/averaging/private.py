@@ -17,10 +17,9 @@ import logging
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.utils.crypto import RSAPublicKey
 
 from moshpeer.dht.admission import Admission
-from moshpeer.dht.identity import peer_id_from_public_key
+from moshpeer.dht.identity import load_public_key, peer_id_from_public_key
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -72,10 +71,7 @@ def dataplane_check(admission: Admission) -> Optional[Callable[[bytes], None]]:
         return None
 
     def check(public_key: bytes) -> None:
-        try:
-            peer_id = peer_id_from_public_key(RSAPublicKey.from_bytes(public_key))
-        except Exception:  # cryptography raises several types for malformed keys
-            raise ProtocolError("not an RSA public key") from None
+        peer_id = peer_id_from_public_key(load_public_key(public_key))
         if admission.excluded(peer_id):
             admission.refuse("dataplane", peer_id)
             raise ProtocolError(f"peer {peer_id[-12:]} is not admitted to this private run")

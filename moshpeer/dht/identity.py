@@ -26,7 +26,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from moshpeer.errors import UserError
+from moshpeer.errors import ProtocolError, UserError
 
 # An identity file holds one 2048-bit key (about 1.2 KB); anything far larger is not one.
 _MAX_IDENTITY_FILE_BYTES = 64 * 1024
@@ -79,6 +79,14 @@ def peer_id_from_owner_key(owner_subkey: bytes) -> Optional[str]:
         return peer_id_from_public_key(RSAPublicKey(parsed))
     except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
+
+
+def load_public_key(data: bytes) -> RSAPublicKey:
+    """A peer's RSA public key from its OpenSSH bytes (as it sends them); ProtocolError if they are not one."""
+    try:
+        return RSAPublicKey.from_bytes(data)
+    except Exception:  # cryptography raises several types for malformed keys
+        raise ProtocolError("not an RSA public key") from None
 
 
 @dataclass(frozen=True)

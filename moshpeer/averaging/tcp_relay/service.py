@@ -17,13 +17,11 @@ import time
 from dataclasses import dataclass, field as dataclass_field
 from typing import Callable, Dict, Optional
 
-from hivemind.utils.crypto import RSAPublicKey
-
 from moshpeer.averaging import wire
 from moshpeer.averaging.tcp_relay import protocol
 from moshpeer.averaging.dataplane import _close
 from moshpeer.averaging.tcp_relay.protocol import field, recv_message, send_message
-from moshpeer.dht.identity import peer_id_bytes_from_public_key
+from moshpeer.dht.identity import load_public_key, peer_id_bytes_from_public_key
 from moshpeer.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -100,10 +98,7 @@ class RelayService:
 
     def _hold_slot(self, conn: socket.socket, request: dict, challenge: bytes, peer) -> None:
         key_bytes, signature = field(request, "key", bytes, 1024), field(request, "sig", bytes, 1024)
-        try:
-            key = RSAPublicKey.from_bytes(key_bytes)
-        except Exception:  # cryptography raises several types for a malformed key
-            raise ProtocolError("not an RSA public key") from None
+        key = load_public_key(key_bytes)
         if not key.verify(protocol.reservation_statement(challenge), signature):
             raise ProtocolError("bad signature on a relay reservation")
         if self._admit is not None:
