@@ -7,9 +7,10 @@ metadata (member_info.py) travels inside matchmaking over libp2p's encrypted cha
 is a hash of the group id and all nonces.
 
 Data plane: `GroupAllReduce` (direct TCP, see allreduce.py; a member behind NAT through the relay that
-holds its slot, tcp_relay/; libp2p streams through `StreamRelay` as the last resort), one or two per round (group_dataplane.py), run in the averager's
-round thread. After every assembled group the key manager shifts an index drawn from an RNG seeded by
-the group id into the group bits, so the next round's group mixes different peers.
+holds its slot, tcp_relay/; libp2p streams through `StreamRelay` as the last resort), one or two per round
+(group_dataplane.py), run in the averager's round thread. After every assembled group the key manager
+shifts an index drawn from an RNG seeded by the group id into the group bits, so the next round's group
+mixes different peers.
 
 Matchmaking talks to hivemind only through `MatchmakingAdapter` (matchmaking_adapter.py, which also
 explains how long a committed peer waits for its group); what members tell each other is member_info.py.

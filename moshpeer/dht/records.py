@@ -45,8 +45,8 @@ class RoundHealth(BaseModel):
     averaged: Annotated[int, Field(ge=0, le=MAX_HEALTH_ROUNDS)]  # of them, with a group
     lost_fraction: Annotated[float, Field(ge=0.0, le=1.0)]  # chunks lost / expected, over the averaged ones
     seconds: _Seconds  # mean seconds per averaged round (matchmaking + data plane)
-    # Of its connections to group members in those rounds, the share that went over libp2p streams because no
-    # direct TCP connection could be opened (NAT, firewall): `moshpeer status` shows the path.
+    # Of its connections to group members in those rounds, the share that went through a relay (ours or libp2p's)
+    # because no direct TCP connection could be opened (NAT, firewall): `moshpeer status` shows the path.
     relayed_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
 
     @model_validator(mode="after")

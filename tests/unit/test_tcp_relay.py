@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from local_group import identities, run_group
 
 from moshpeer.averaging import DataPlane
 from moshpeer.averaging.tcp_relay import protocol
+from moshpeer.averaging.tcp_relay.directory import list_relays
 from moshpeer.averaging.tcp_relay.protocol import RelayRefused
 from moshpeer.averaging.tcp_relay.reservation import RelayReservation, open_circuit
 from moshpeer.averaging.tcp_relay import service as service_module
@@ -96,12 +97,8 @@ def test_a_peer_whose_relay_leaves_takes_a_slot_on_another():
     try:
         assert reservation.relay == first.address
         relays[:] = [second.address]
-        moved = threading.Event()
         first_service.close()  # the relay leaves: it closes its slots' control connections
-        deadline = time.monotonic() + 15.0
-        while reservation.relay != second.address and time.monotonic() < deadline:
-            moved.wait(0.05)
-        assert reservation.relay == second.address and second_service.reservations == 1
+        assert reservation.wait_for_slot(15.0, on=second.address) and second_service.reservations == 1
     finally:
         reservation.stop()
         for plane in (first, second, behind_nat):
@@ -136,3 +133,19 @@ def test_a_peer_that_does_not_answer_its_dial_costs_the_sender_one_bounded_wait(
     finally:
         control.close()
         plane.close()
+
+
+def test_the_relay_directory_keeps_only_well_formed_offers_of_their_owners():
+    """Entries arrive from the network: one naming another peer, a malformed one and our own are dropped."""
+    me, honest, liar = identities(3)
+
+    def offer(owner, **fields):
+        value = {"peer_id": owner.peer_id, "host": "10.0.0.1", "port": 7000, "tag": b"", **fields}
+        return owner.owner_subkey, SimpleNamespace(value=value)
+
+    entries = dict([offer(honest), offer(liar, peer_id=honest.peer_id, port=7001), offer(me, port=7002)])
+    entries[b"not an owner"] = SimpleNamespace(value={"peer_id": "x", "host": "h", "port": 1})
+    found = SimpleNamespace(value=entries)
+    dht = SimpleNamespace(identity=me, admission=None,
+                          get=lambda key, latest, return_future: SimpleNamespace(result=lambda timeout: found))
+    assert list_relays(dht, "run") == [("10.0.0.1", 7000)]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Tuple
+from typing import Annotated, List, Tuple
 
 from hivemind.utils import get_dht_time
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from moshpeer.dht.identity import peer_id_from_owner_key
+from moshpeer.dht.admission import TAG_BYTES
 from moshpeer.dht.keys import relays_key
+from moshpeer.dht.validation import RecordRejected, parse_owned_entry
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,17 @@ def offer_relay(dht, run_id: str, address: Tuple[str, int], *, timeout: float = 
         return False
 
 
+class RelayOffer(BaseModel):
+    """One entry of the relay directory, as it arrives from the network (checked by `parse_owned_entry`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_id: str  # must be the signing owner's (parse_owned_entry)
+    host: Annotated[str, StringConstraints(min_length=1, max_length=255)]
+    port: Annotated[int, Field(gt=0, lt=65536)]
+    tag: Annotated[bytes, Field(max_length=TAG_BYTES)] = b""
+
+
 def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, int]]:
     """The run's relays (host, port), except our own. Malformed or misattributed entries are dropped, and in a
     private run those of peers this node does not admit."""
@@ -44,20 +57,17 @@ def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, in
     admission = getattr(dht, "admission", None)
     relays = []
     for subkey, entry in found.value.items():
-        value = entry.value
-        if not isinstance(value, dict):
+        try:
+            offer = parse_owned_entry(subkey, entry.value, RelayOffer)
+        except RecordRejected as e:
+            logger.debug(f"ignoring a relay offer: {e.reason}")
             continue
-        peer_id, host, port = value.get("peer_id"), value.get("host"), value.get("port")
-        if not (isinstance(peer_id, str) and isinstance(host, str) and 0 < len(host) < 256
-                and isinstance(port, int) and 0 < port < 65536):
+        if offer.peer_id == dht.identity.peer_id:
             continue
-        owner = subkey if isinstance(subkey, bytes) else str(subkey).encode()
-        if peer_id_from_owner_key(owner) != peer_id or peer_id == dht.identity.peer_id:
+        if admission is not None and admission.private and not admission.check("records", offer.peer_id, offer.tag,
+                                                                               once=True):
             continue
-        tag = value.get("tag") if isinstance(value.get("tag"), bytes) else None
-        if admission is not None and admission.private and not admission.check("records", peer_id, tag, once=True):
-            continue
-        relays.append((host, port))
+        relays.append((offer.host, offer.port))
     return sorted(relays)
 
 

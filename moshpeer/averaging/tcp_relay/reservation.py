@@ -72,7 +72,7 @@ class RelayReservation:
                  deliver: Callable[[socket.socket, str], None]):
         self._identity, self._find_relays, self._deliver = identity, find_relays, deliver
         self._stop = threading.Event()
-        self._has_slot = threading.Event()
+        self._changed = threading.Condition()  # notified whenever `relay` changes
         self._relay: Optional[Address] = None
         self._control: Optional[socket.socket] = None
         self.circuits_accepted = 0
@@ -86,9 +86,15 @@ class RelayReservation:
     def start(self) -> None:
         self._thread.start()
 
-    def wait_for_slot(self, timeout: float) -> bool:
-        """True once a relay holds a slot for us, False if none did within `timeout` seconds."""
-        return self._has_slot.wait(timeout)
+    def wait_for_slot(self, timeout: float, on: Optional[Address] = None) -> bool:
+        """True once a relay (`on`, if given) holds a slot for us; False if none did within `timeout` seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._relay is not None and on in (None, self._relay), timeout)
+
+    def _set_relay(self, relay: Optional[Address], control: Optional[socket.socket]) -> None:
+        with self._changed:
+            self._relay, self._control = relay, control
+            self._changed.notify_all()
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,8 +147,7 @@ class RelayReservation:
 
     def _hold(self, relay: Address, control: socket.socket) -> None:
         """Serve the slot's control connection until it is lost or we stop."""
-        self._relay, self._control = relay, control
-        self._has_slot.set()
+        self._set_relay(relay, control)
         logger.info(f"relay {relay[0]}:{relay[1]} holds a slot for this peer (behind NAT)")
         why = "stopped"
         try:
@@ -150,8 +155,7 @@ class RelayReservation:
         except (OSError, ProtocolError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
-            self._has_slot.clear()
-            self._relay, self._control = None, None
+            self._set_relay(None, None)
             _close(control)
         if not self._stop.is_set():
             logger.warning(f"lost the slot on relay {relay[0]}:{relay[1]} ({why}); looking for another")
