@@ -132,9 +132,9 @@ def moshpeer_worker(args) -> None:
                  for k, codec in enumerate(args.compression.split(","))}
     for averager in averagers.values():
         averager.start()
-    while args.behind_nat and args.transport != "libp2p" and time.monotonic() < relay_wait \
-            and not all(averager.relay_address for averager in averagers.values()):
-        time.sleep(0.2)  # reachable by its group mates once a relay on a public peer's data plane holds its slot
+    if args.behind_nat and args.transport != "libp2p":  # its group mates reach it once a relay holds its slot
+        for averager in averagers.values():
+            averager.wait_for_relay(max(relay_wait - time.monotonic(), 0.0))
     emit(event="ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
     sys.stdin.readline()  # "go": every peer is ready (one behind a NAT only once a relay holds a slot for it)
     for codec, averager in averagers.items():

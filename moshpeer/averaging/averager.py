@@ -291,11 +291,10 @@ class MoshpitAverager(ServicerBase):
         """This peer's upload in bytes/s: the declared one, else the measured one; None while unknown."""
         return self._upload.current
 
-    @property
-    def relay_address(self) -> Optional[Tuple[str, int]]:
-        """Behind NAT: the relay through which group mates reach this peer now; None while none holds a slot for
-        it (and always for a public peer)."""
-        return self._nat.relay
+    def wait_for_relay(self, timeout: float = 0.0) -> Optional[Tuple[str, int]]:
+        """Behind NAT: the relay through which group mates reach this peer, waiting up to `timeout` seconds for
+        one to hold a slot for it; None if none does by then (always None for a public peer)."""
+        return self._nat.wait_for_relay(timeout)
 
     def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us through our relay, or over libp2p
         return ("", 0) if self.transport == "libp2p" or self.behind_nat else self._plane.address

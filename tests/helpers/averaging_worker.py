@@ -85,12 +85,10 @@ def main() -> int:
         upload_bandwidth=args.bandwidth,
         aggregation=args.aggregation,
     )
-    relay_wait = time.monotonic() + 60.0
-    while args.behind_nat and averager.relay_address is None and time.monotonic() < relay_wait:
-        time.sleep(0.1)  # its group mates reach it only once a relay holds a slot for it
+    relay = averager.wait_for_relay(60.0 if args.behind_nat else 0.0)  # its mates reach it once a relay holds it
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    print(json.dumps({"event": "ready", "relay": averager.relay_address, "maddrs": maddrs, "index": args.index, "pid": os.getpid(),
-                      "data_address": list(averager.data_address)}), flush=True)
+    print(json.dumps({"event": "ready", "relay": relay, "maddrs": maddrs, "index": args.index,
+                      "pid": os.getpid(), "data_address": list(averager.data_address)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "set":

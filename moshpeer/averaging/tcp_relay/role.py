@@ -37,6 +37,12 @@ class RelayRole:
         """The relay through which peers reach us now (behind NAT, holding a slot); None otherwise."""
         return self.reservation.relay if self.reservation is not None else None
 
+    def wait_for_relay(self, timeout: float) -> Optional[Tuple[str, int]]:
+        """`relay`, waiting up to `timeout` seconds for one to hold our slot (None at once for a public peer)."""
+        if self.reservation is None or not self.reservation.wait_for_slot(timeout):
+            return None
+        return self.reservation.relay
+
     def start(self) -> None:
         for part in (self.reservation, self._publisher):
             if part is not None:
