@@ -22,7 +22,9 @@
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
 honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc (those of
-the arms run; see --arms).
+the arms run; see --arms); detection_rate (of the robust attacked arms' runs, the share in which every honest
+peer distrusted the hostile one within DETECTION_EPOCHS epochs), honest_distrusted (per arm and run: rounds in
+which an honest peer distrusted an honest one).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ INSIDE_RADIUS = "byzantine=-1"
 SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
 ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")
 ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")  # one hostile peer
+ROBUST_ATTACKED_ARMS = ("byzantine_clipped", "inside_radius", "sparse_chunks")  # the arms detection is asked of
+DETECTION_EPOCHS = 20  # issue 26: a hostile peer counts as detected when every honest peer distrusts it by then
 
 
 class ConstantMacs:
@@ -129,20 +133,28 @@ def round_costs(args) -> dict:
 
 
 def flag_counts(events: List[List[dict]], hostile) -> dict:
-    """From one run's event lines: chunks in which an honest peer's contribution was clipped (by any owner), and
-    the rounds (over all owners) in which the hostile peer's contribution still counted (it was not yet weighed
-    at zero: the rounds its pull reached the model)."""
+    """From one run's event lines: chunks in which an honest peer's contribution was clipped (by any owner); the
+    rounds (over all owners) in which the hostile peer's contribution still counted (it was not yet weighed at
+    zero: the rounds its pull reached the model); whether every honest peer distrusted it in a round of an epoch
+    <= DETECTION_EPOCHS (`detected`); and the rounds in which an honest peer distrusted an honest one."""
     hostile_id = None if hostile is None else next(e["peer_id"] for e in events[hostile] if e.get("peer_id"))
-    honest_flagged = hostile_free = 0
+    honest_flagged = hostile_free = honest_distrusted = 0
+    detectors = set()
     for k, peer in enumerate(events):
         for e in peer:
             if e.get("event") != "epoch" or not e.get("ok"):
                 continue
             result = e["round"]  # the RoundResult
             honest_flagged += sum(n for peer_id, n in result["flagged"].items() if peer_id != hostile_id)
-            if hostile_id is not None and k != hostile and hostile_id not in result["distrusted"]:
-                hostile_free += 1
-    return {"honest_flagged": honest_flagged, "hostile_free_rounds": hostile_free}
+            honest_distrusted += sum(1 for peer_id in result["distrusted"] if peer_id != hostile_id)
+            if hostile_id is not None and k != hostile:
+                if hostile_id not in result["distrusted"]:
+                    hostile_free += 1
+                elif e.get("epoch", DETECTION_EPOCHS + 1) <= DETECTION_EPOCHS:
+                    detectors.add(k)
+    detected = hostile is not None and len(detectors) == len(events) - 1
+    return {"honest_flagged": honest_flagged, "hostile_free_rounds": hostile_free, "detected": detected,
+            "honest_distrusted": honest_distrusted}
 
 
 def training(args) -> dict:
@@ -163,8 +175,8 @@ def training(args) -> dict:
         ("sparse_chunks",
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
     ) if arm[0] in args.arms]
-    out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": []}
-           for name, _ in arms}
+    out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": [],
+                  "detected": [], "honest_distrusted": []} for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
     for repeat in range(args.repeats):
@@ -178,7 +190,8 @@ def training(args) -> dict:
             out[name]["peers_finished"].append(len(finals))
             flags = flag_counts(events, hostile if name in ATTACKED_ARMS else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
-            out[name]["hostile_free_rounds"].append(flags["hostile_free_rounds"])
+            for key in ("hostile_free_rounds", "detected", "honest_distrusted"):
+                out[name][key].append(flags[key])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
     for r in out.values():
         done = [a for a in r["accs"] if a is not None]
@@ -225,10 +238,17 @@ def main() -> int:
             f"{name} {r['honest_flagged']}" for name, r in runs.items() if name not in ("honest", "byzantine_mean")))
         print("honest owners' rounds in which the hostile peer still counted, per run: " + "; ".join(
             f"{name} {r['hostile_free_rounds']}" for name, r in runs.items() if name in ATTACKED_ARMS))
+        print("rounds in which an honest peer distrusted an honest one, per run: " + "; ".join(
+            f"{name} {r['honest_distrusted']}" for name, r in runs.items() if name != "honest"))
+        detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
+        if detections:
+            figures["detection_rate"] = sum(detections) / len(detections)
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
                        repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},
-                       hostile_free_rounds={name: r["hostile_free_rounds"] for name, r in runs.items()})
+                       hostile_free_rounds={name: r["hostile_free_rounds"] for name, r in runs.items()},
+                       detected={name: r["detected"] for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS},
+                       honest_distrusted={name: r["honest_distrusted"] for name, r in runs.items()})
     figures.update(numel=args.numel, members=MEMBERS)
     print(json.dumps(figures))
     return 0

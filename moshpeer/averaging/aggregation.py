@@ -28,7 +28,7 @@ contribution simply is not there (no reweighting needed).
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,9 +77,29 @@ def cap_weights(weights: Sequence[float], factor: float = WEIGHT_CAP_FACTOR) -> 
     return [min(float(w), factor * median) for w in weights]
 
 
-def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def alignments(gram: List[List[float]], numel: int, reference: Sequence[bool]) -> List[Optional[float]]:
+    """Per row i of a chunk (its Gram matrix `gram`, rows of `numel` values): z_i = sqrt(numel) cos(x_i, mean of the
+    other rows marked in `reference`), None where that is undefined (no other reference row, or a zero vector).
+
+    The scale: two independent random vectors give z ~ N(0, 1), so z counts standard deviations of chance. Honest
+    members' updates estimate one mean, so their z is positive on average however noisy each chunk is; a member
+    that sends the reverse of its update has a negative one (suspects.py turns that into evidence over rounds)."""
+    n = len(gram)
+    result: List[Optional[float]] = []
+    for i in range(n):
+        others = [j for j in range(n) if j != i and reference[j]]
+        cross = sum(gram[i][j] for j in others)
+        others_sq = sum(gram[j][k] for j in others for k in others)
+        norms = gram[i][i] * others_sq
+        result.append(math.sqrt(numel) * cross / math.sqrt(norms) if others and norms > 0 else None)
+    return result
+
+
+def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0
+                  ) -> Tuple[torch.Tensor, torch.Tensor, List[Optional[float]]]:
     """CenteredClip of the rows of `values` (n x d, fp32; row `own` the owner's own) -> (d values, bool mask of
-    clipped rows; rejected rows, see the module docstring, count as clipped).
+    clipped rows; rejected rows, see the module docstring, count as clipped, each row's `alignments` against the
+    rows that kept a weight).
 
     Starts from the owner's own row: robust aggregation defends an honest owner against its contributors
     (a hostile owner is out of its reach anyway), and it saves a coordinate-wise median. Every iterate is a
@@ -90,7 +110,7 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     """
     n = values.shape[0]
     if n == 1:
-        return values[own].clone(), torch.zeros(1, dtype=torch.bool)
+        return values[own].clone(), torch.zeros(1, dtype=torch.bool), [None]
     # The iteration itself is n x n arithmetic: plain Python floats (float64), a few microseconds, where a
     # torch op per step would cost more than reading the rows.
     gram = (values @ values.T).double().tolist()
@@ -106,9 +126,10 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     # The median over the others only: with the owner's own zero among them, a group of two would never average.
     median = sorted(d for i, d in enumerate(from_own) if i != own)[(n - 2) // 2]  # the lower median
     tau = CLIP_RADIUS_FACTOR * median
+    kept_weights = [float(w) for w in weights.tolist()]
     if math.isfinite(tau) and tau > 0:
         rejected = [d > REJECT_RADIUS_FACTOR * median for d in from_own]
-        kept_weights = [0.0 if out else float(w) for out, w in zip(rejected, weights.tolist())]
+        kept_weights = [0.0 if out else w for out, w in zip(rejected, kept_weights)]
         total = sum(kept_weights)
         shares = [w / total for w in kept_weights] if total > 0 else [0.0] * n
         for _ in range(CLIP_ITERATIONS):
@@ -119,7 +140,8 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     else:
         clipped = [d > 0 for d in distances(beta)]
     coefficients = torch.tensor(beta, dtype=values.dtype, device=values.device)
-    return coefficients @ values, torch.tensor(clipped, dtype=torch.bool)
+    aligned = alignments(gram, values.shape[1], [w > 0 for w in kept_weights])
+    return coefficients @ values, torch.tensor(clipped, dtype=torch.bool), aligned
 
 
 def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -143,11 +165,11 @@ MIN_ROBUST_CONTRIBUTIONS = 3
 
 
 def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float],
-                   own: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                   own: int = 0) -> Tuple[torch.Tensor, torch.Tensor, List[Optional[float]]]:
     """Aggregate the contributions `rows` (n x d; row `own` the owner's) with `mode` ("clipped" or "trimmed") ->
-    (d values, flagged rows)."""
+    (d values, flagged rows, each row's alignment: only "clipped" measures it, from the Gram matrix it has)."""
     if mode == "clipped":
         return centered_clip(rows, torch.tensor(weights, dtype=torch.float32), own)
     if mode == "trimmed":
-        return trimmed_mean(rows)
+        return (*trimmed_mean(rows), [None] * rows.shape[0])
     raise ValueError(f"not a robust aggregation: {mode}")

@@ -201,6 +201,7 @@ class GroupAllReduce:
         stats.staged_bytes, stats.upload_bps = ctx.staging.bytes_copied, upload_bps
         stats.nonfinite_averages, stats.robust_too_few = reducer.nonfinite_averages, reducer.robust_too_few
         stats.flagged_by_index, stats.contributed_by_index = list(reducer.flagged), reducer.contributed()
+        stats.alignment_by_index = list(reducer.alignment)
         return stats
 
     def peer_id_of(self, index: int) -> bytes:

@@ -471,7 +471,8 @@ class MoshpitAverager(ServicerBase):
         self._upload.note(result.upload_bps)
         flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged_by_index) if n}
         if self.aggregation == "clipped":
-            self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index)
+            self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index,
+                                       result.alignment_by_index)
         self.flagged_peers.update(flagged)  # a Counter: adds
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
         part_sizes = dataplane.part_sizes(flat.numel()) or []

@@ -28,6 +28,7 @@ from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, MIN_ROBUST
                                             check_aggregation, robust_combine, weight_cap_factor)
 from moshpeer.averaging.estimator import estimate_chunks_into_own
 from moshpeer.averaging.partition import Partition
+from moshpeer.averaging.suspects import AlignmentRecord
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
@@ -118,6 +119,7 @@ class PartReducer:
         self.finished = bytearray(self.group_size)  # will send no more chunks of our part
         self.departed: List[int] = []
         self.flagged = [0] * self.group_size
+        self.alignment = [AlignmentRecord() for _ in range(self.group_size)]  # "clipped": suspects.py's evidence
         self.nonfinite_averages = 0
         self.robust_too_few = 0  # chunks a robust mode kept our value for: others arrived, fewer than a quorum
 
@@ -373,10 +375,11 @@ class PartReducer:
             own = 0
             stacked = self.contributions[rows, lo:hi]
         weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
-        result, flagged = robust_combine(self.aggregation, stacked, weights, own)
+        result, flagged, aligned = robust_combine(self.aggregation, stacked, weights, own)
         with self._lock:
-            for i, hit in zip(rows, flagged.tolist()):
+            for i, hit, z in zip(rows, flagged.tolist(), aligned):
                 self.flagged[i] += int(hit)
+                self.alignment[i].add(z)
         return result
 
     def _encode_gather_chunk(self, c: int, values: torch.Tensor) -> None:

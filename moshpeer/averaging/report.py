@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
+from moshpeer.averaging.suspects import AlignmentRecord
+
 
 @dataclass
 class PhaseStats:
@@ -34,9 +36,9 @@ class PhaseStats:
         return PhaseStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
-def _sum_by_index(a: List[int], b: List[int]) -> List[int]:
+def _sum_by_index(a: List[Any], b: List[Any]) -> List[Any]:
     longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
-    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+    return [x + shorter[i] if i < len(shorter) else x for i, x in enumerate(longer)]
 
 
 @dataclass
@@ -71,6 +73,8 @@ class DataPlaneStats:
     # and chunks of our part its contribution reached us in (what the first is out of; suspects.py).
     flagged_by_index: List[int] = field(default_factory=list)
     contributed_by_index: List[int] = field(default_factory=list)
+    # Per member index ("clipped" only): its contributions' alignment with the others', suspects.py's evidence.
+    alignment_by_index: List[AlignmentRecord] = field(default_factory=list)
 
     def __add__(self, other: "DataPlaneStats") -> "DataPlaneStats":
         """Two all-reduces of one round, one after the other: counters and times add up, member sets unite,
@@ -95,6 +99,7 @@ class DataPlaneStats:
             robust_too_few=self.robust_too_few + other.robust_too_few,
             flagged_by_index=_sum_by_index(self.flagged_by_index, other.flagged_by_index),
             contributed_by_index=_sum_by_index(self.contributed_by_index, other.contributed_by_index),
+            alignment_by_index=_sum_by_index(self.alignment_by_index, other.alignment_by_index),
         )
 
     @property

@@ -22,6 +22,19 @@ clip radius is two median distances): its score stays far below the threshold. O
 of its chunks for two rounds in a row is distrusted, as before, and the cap bounds what it then costs:
 from the cap, 7 clean rounds clear any peer.
 
+A member that stays inside the clip radius is never clipped: sending the reverse of its update at the honest
+scale biases every round it is in (bench_trust's `inside_radius` arm). The same Gram matrix that CenteredClip
+already computes gives each contribution's alignment with the mean of the others (`aggregation.alignments`,
+z = sqrt(d) cos, in standard deviations of chance). One chunk's z says little: near convergence honest z spread
+~17 around +5 in digits, and 30% of honest chunks fell below -3. So the owner keeps, per peer, decayed sums of
+the z it measured (`AlignmentRecord`) and asks a one-sided t-test: is this peer's mean alignment negative, by
+ALIGNMENT_T_SUSPECT standard errors (the spread pooled over every peer's deviations from its own mean)? An honest
+member's mean is positive (its update and the others' estimate one mean), so this practically never fires on it;
+a reversed one's is negative, and early in training, where honest z is ~+40 and its own ~-40, it is distrusted
+after MIN_ALIGNMENT_CHUNKS chunks. It is cleared when its t rises above ALIGNMENT_T_CLEAR (hysteresis: near
+convergence its t hovers around -2 with a decay of 0.98, and flickering in and out would let it pull half the
+time).
+
 What this cannot do: tell a hostile member from an honest one whose data really differs (a non-IID
 shard far from the others is flagged, then ignored, too), or defend against a hostile owner. Each owner
 decides for its own part, from what it saw itself; nothing here travels over the network.
@@ -30,15 +43,50 @@ decides for its own part, from what it saw itself; nothing here travels over the
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Sequence
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set
 
 DECAY = 0.9
 SUSPECT_SCORE = 1.5
 SCORE_CAP = 2 * SUSPECT_SCORE
 # What the constants above give for a member flagged in every chunk it contributes: 1.0, then 1.9.
 SUSPECT_AFTER_ROUNDS = 2
+# The direction check (module docstring): evidence decays by this per round (a window of ~50 chunk measurements).
+ALIGNMENT_DECAY = 0.98
+ALIGNMENT_T_SUSPECT = -5.0
+ALIGNMENT_T_CLEAR = -2.0
+MIN_ALIGNMENT_CHUNKS = 2.5  # a peer's own decayed count of measured chunks before its mean is judged: three
+MIN_POOLED_DOF = 6.0  # degrees of freedom of the pooled spread before anyone is judged
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AlignmentRecord:
+    """Sums over measured chunks of one member's alignment z (aggregation.alignments): how many, sum, sum of
+    squares. Records of two all-reduces of a round add up; the tracker decays them per round."""
+
+    chunks: float = 0.0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, z: Optional[float]) -> None:
+        if z is not None and math.isfinite(z):
+            self.chunks += 1
+            self.total += z
+            self.squares += z * z
+
+    def __add__(self, other: "AlignmentRecord") -> "AlignmentRecord":
+        return AlignmentRecord(self.chunks + other.chunks, self.total + other.total, self.squares + other.squares)
+
+    def decayed(self, factor: float) -> "AlignmentRecord":
+        return AlignmentRecord(self.chunks * factor, self.total * factor, self.squares * factor)
+
+    @property
+    def deviation_squares(self) -> float:
+        """Sum of squared deviations from this record's own mean."""
+        return max(self.squares - self.total * self.total / self.chunks, 0.0) if self.chunks > 0 else 0.0
 
 
 class SuspectTracker:
@@ -49,16 +97,30 @@ class SuspectTracker:
             raise ValueError(f"need 0 <= decay < 1 and 0 < threshold <= cap; got {decay}, {threshold}, {cap}")
         self.decay, self.threshold, self.cap = decay, threshold, cap
         self._scores: Dict[str, float] = {}
+        self._alignment: Dict[str, AlignmentRecord] = {}
+        self._reversed: Set[str] = set()  # peers the direction check distrusts (kept until their t clears)
 
     def distrusted(self, peer_ids: Sequence[str]) -> List[int]:
         """Group indices (into `peer_ids`) whose contributions this owner should weigh at zero."""
-        return [i for i, peer in enumerate(peer_ids) if self._scores.get(peer, 0.0) >= self.threshold]
+        return [i for i, peer in enumerate(peer_ids)
+                if self._scores.get(peer, 0.0) >= self.threshold or peer in self._reversed]
 
-    def record_round(self, peer_ids: Sequence[str], flagged: Sequence[int], contributed: Sequence[int]) -> List[str]:
-        """Update the scores from one round (per member index: chunks flagged, chunks contributed to our part);
-        -> the peers that became suspects in this round (a WARNING line names each). Members that contributed
-        nothing keep their score (an absence is neither evidence for nor against them)."""
-        became = []
+    def alignment_t(self, peer_id: str) -> Optional[float]:
+        """The direction check's t statistic of the peer's mean alignment (None: not enough evidence yet)."""
+        record = self._alignment.get(peer_id)
+        dof = sum(r.chunks for r in self._alignment.values()) - len(self._alignment)
+        if record is None or record.chunks < MIN_ALIGNMENT_CHUNKS or dof < MIN_POOLED_DOF:
+            return None
+        # Pooled over every peer's deviations from its own mean; at least chance's spread (z ~ N(0, 1)).
+        variance = max(sum(r.deviation_squares for r in self._alignment.values()) / dof, 1.0)
+        return record.total / math.sqrt(record.chunks * variance)
+
+    def record_round(self, peer_ids: Sequence[str], flagged: Sequence[int], contributed: Sequence[int],
+                     alignment: Sequence[AlignmentRecord] = ()) -> List[str]:
+        """Update the scores from one round (per member index: chunks flagged, chunks contributed to our part, the
+        alignment measured in them); -> the peers that became suspects in this round (a WARNING line names each).
+        Members that contributed nothing keep their score (an absence is neither evidence for nor against them)."""
+        became = self._record_alignment(peer_ids, alignment)
         for peer, hits, chunks in zip(peer_ids, flagged, contributed):
             if chunks <= 0:
                 continue
@@ -68,11 +130,33 @@ class SuspectTracker:
                 self._scores.pop(peer, None)
                 continue
             self._scores[peer] = score
-            if before < self.threshold <= score:
+            if before < self.threshold <= score and peer not in became:
                 logger.warning(f"peer {peer[-8:]} is clipped round after round (suspicion score {score:.2f}): its "
                                f"contributions to our parts count for nothing until it behaves for a few rounds")
                 became.append(peer)
         return became
+
+    def _record_alignment(self, peer_ids: Sequence[str], alignment: Sequence[AlignmentRecord]) -> List[str]:
+        for peer in list(self._alignment):
+            self._alignment[peer] = self._alignment[peer].decayed(ALIGNMENT_DECAY)
+            if self._alignment[peer].chunks < 0.05 and peer not in self._reversed:  # forgotten
+                del self._alignment[peer]
+        for peer, record in zip(peer_ids, alignment):
+            if record.chunks > 0:
+                self._alignment[peer] = self._alignment.get(peer, AlignmentRecord()) + record
+        became = []
+        for peer in {p for p, r in zip(peer_ids, alignment) if r.chunks > 0}:
+            t = self.alignment_t(peer)
+            if t is None:
+                continue
+            if peer not in self._reversed and t <= ALIGNMENT_T_SUSPECT:
+                self._reversed.add(peer)
+                logger.warning(f"peer {peer[-8:]} sends contributions opposed to the others' (alignment t {t:.1f}): "
+                               f"they count for nothing until its alignment recovers")
+                became.append(peer)
+            elif peer in self._reversed and t >= ALIGNMENT_T_CLEAR:
+                self._reversed.discard(peer)
+        return sorted(became)
 
     def score(self, peer_id: str) -> float:
         """The peer's suspicion score (0 for a peer never flagged)."""
@@ -82,4 +166,5 @@ class SuspectTracker:
     def suspects(self) -> List[str]:
         """Peers currently weighed at zero."""
         # A copy first: other threads (the progress view) ask while the round thread records.
-        return sorted(peer for peer, score in list(self._scores.items()) if score >= self.threshold)
+        flagged = {peer for peer, score in list(self._scores.items()) if score >= self.threshold}
+        return sorted(flagged | set(self._reversed))

@@ -56,8 +56,8 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
                                           float(wt[torch.from_numpy(others)].sum()))
             else:
                 idx = np.flatnonzero(arrived)
-                value, _ = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
-                                          [w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
+                value, _, _ = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
+                                             [w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
             back = present & (rng.random(n) >= c.chunk_loss)
             back[owner] = True
             result[torch.from_numpy(back), lo:hi] = value
