@@ -85,13 +85,16 @@ def alignments(gram: List[List[float]], numel: int, reference: Sequence[bool]) -
     members' updates estimate one mean, so their z is positive on average however noisy each chunk is; a member
     that sends the reverse of its update has a negative one (suspects.py turns that into evidence over rounds)."""
     n = len(gram)
+    kept = [j for j in range(n) if reference[j]]
+    to_kept = [sum(row[j] for j in kept) for row in gram]  # x_i . (sum of the reference rows)
+    kept_sq = sum(to_kept[j] for j in kept)  # |sum of the reference rows|^2
     result: List[Optional[float]] = []
     for i in range(n):
-        others = [j for j in range(n) if j != i and reference[j]]
-        cross = sum(gram[i][j] for j in others)
-        others_sq = sum(gram[j][k] for j in others for k in others)
+        mine = reference[i]  # then the others' sum is the reference sum less x_i
+        cross = to_kept[i] - gram[i][i] if mine else to_kept[i]
+        others_sq = kept_sq - 2 * to_kept[i] + gram[i][i] if mine else kept_sq
         norms = gram[i][i] * others_sq
-        result.append(math.sqrt(numel) * cross / math.sqrt(norms) if others and norms > 0 else None)
+        result.append(math.sqrt(numel) * cross / math.sqrt(norms) if len(kept) > mine and norms > 1e-30 else None)
     return result
 
 

@@ -444,10 +444,9 @@ class MoshpitAverager(ServicerBase):
     def _average_with_group(self, group: GroupInfo, members: List[MemberInfo], my_index: int,
                             tensors: List[torch.Tensor], deadline: float
                             ) -> Tuple[float, str, DataPlaneStats, Dict[str, Any]]:
-        """Average `tensors` with the group by `deadline`; returns the group's loss budget, phase, the data
-        plane's counters (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (per
-        member peer id, the chunks of our part robust aggregation clipped or trimmed), `distrusted` (members
-        weighed at zero, suspects.py) and `part_sizes`."""
+        """Average `tensors` with the group by `deadline` -> the group's loss budget, phase, the data plane's counters
+        (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (peer id -> chunks of our part
+        clipped or trimmed), `distrusted` (weighed at zero, suspects.py), `part_sizes`, `upload_paced_s`."""
         peer_ids = [str(peer_id) for peer_id in group.peer_ids]
         distrusted = self.suspects.distrusted(peer_ids) if self.aggregation == "clipped" else []
         secret = self.admission.connection_secret(wire.group_secret(group.group_id, [m.nonce for m in members]))
@@ -474,6 +473,7 @@ class MoshpitAverager(ServicerBase):
             self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index,
                                        result.alignment_by_index)
         self.flagged_peers.update(flagged)  # a Counter: adds
+        self._nat.note_round(len(members) - 1, len(set(result.departed) | set(result.absent)))  # behind NAT: relay ok?
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
         part_sizes = dataplane.part_sizes(flat.numel()) or []
         return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,

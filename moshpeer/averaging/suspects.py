@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 DECAY = 0.9
 SUSPECT_SCORE = 1.5
@@ -56,8 +56,8 @@ SUSPECT_AFTER_ROUNDS = 2
 ALIGNMENT_DECAY = 0.98
 ALIGNMENT_T_SUSPECT = -5.0
 ALIGNMENT_T_CLEAR = -2.0
-MIN_ALIGNMENT_CHUNKS = 2.5  # a peer's own decayed count of measured chunks before its mean is judged: three
-MIN_POOLED_DOF = 6.0  # degrees of freedom of the pooled spread before anyone is judged
+MIN_ALIGNMENT_CHUNKS = 1.5  # a peer's own decayed count of measured chunks before its mean is judged: two
+MIN_POOLED_DOF = 3.0  # degrees of freedom of the pooled spread before anyone is judged
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +89,65 @@ class AlignmentRecord:
         return max(self.squares - self.total * self.total / self.chunks, 0.0) if self.chunks > 0 else 0.0
 
 
+class AlignmentEvidence:
+    """One owner's decayed AlignmentRecord per peer, and the t statistic of each peer's mean alignment.
+
+    Decay is lazy (a record is stored with the round it was last updated in), and the pooled spread is kept as
+    running totals, so a round costs O(members) however many peers the owner has met: the simulator's owners
+    meet hundreds."""
+
+    FORGET_CHUNKS = 0.05  # a record decayed below this many chunks is forgotten (swept every SWEEP_ROUNDS)
+    SWEEP_ROUNDS = 64
+
+    def __init__(self, decay: float = ALIGNMENT_DECAY):
+        self.decay = decay
+        self.round = 0
+        self._records: Dict[str, Tuple[int, AlignmentRecord]] = {}  # peer -> (round of the record, record)
+        self._chunks = self._deviations = 0.0  # pooled over the records, as of `round`
+
+    def next_round(self) -> None:
+        self.round += 1
+        self._chunks *= self.decay
+        self._deviations *= self.decay
+        if self.round % self.SWEEP_ROUNDS == 0:
+            for peer in [p for p in self._records if self.current(p).chunks < self.FORGET_CHUNKS]:
+                self._replace(peer, AlignmentRecord())
+                del self._records[peer]
+
+    def current(self, peer: str) -> AlignmentRecord:
+        stamp, record = self._records.get(peer, (self.round, AlignmentRecord()))
+        return record.decayed(self.decay ** (self.round - stamp)) if stamp != self.round else record
+
+    def add(self, peer: str, record: AlignmentRecord) -> None:
+        self._replace(peer, self.current(peer) + record)
+
+    def _replace(self, peer: str, new: AlignmentRecord) -> None:
+        old = self.current(peer)
+        self._chunks += new.chunks - old.chunks
+        self._deviations += new.deviation_squares - old.deviation_squares
+        self._records[peer] = (self.round, new)
+
+    def t(self, peer: str) -> Optional[float]:
+        """The peer's mean alignment in pooled standard errors; None without enough evidence (module docstring)."""
+        record = self.current(peer)
+        dof = self._chunks - len(self._records)  # each peer's own mean takes one
+        if record.chunks < MIN_ALIGNMENT_CHUNKS or dof < MIN_POOLED_DOF:
+            return None
+        variance = max(self._deviations / dof, 1.0)  # at least chance's spread (z ~ N(0, 1))
+        return record.total / math.sqrt(record.chunks * variance)
+
+
 class SuspectTracker:
     """Decaying suspicion scores per peer id, as seen by this peer as a part's owner (see the module docstring)."""
 
-    def __init__(self, decay: float = DECAY, threshold: float = SUSPECT_SCORE, cap: float = SCORE_CAP):
+    def __init__(self, decay: float = DECAY, threshold: float = SUSPECT_SCORE, cap: float = SCORE_CAP,
+                 warn: bool = True):
+        """`warn`: a WARNING line names each new suspect (the simulator's thousands of owners turn it off)."""
         if not (0 <= decay < 1 and 0 < threshold <= cap):
             raise ValueError(f"need 0 <= decay < 1 and 0 < threshold <= cap; got {decay}, {threshold}, {cap}")
-        self.decay, self.threshold, self.cap = decay, threshold, cap
+        self.decay, self.threshold, self.cap, self.warn = decay, threshold, cap, warn
         self._scores: Dict[str, float] = {}
-        self._alignment: Dict[str, AlignmentRecord] = {}
+        self._alignment = AlignmentEvidence()
         self._reversed: Set[str] = set()  # peers the direction check distrusts (kept until their t clears)
 
     def distrusted(self, peer_ids: Sequence[str]) -> List[int]:
@@ -107,13 +157,7 @@ class SuspectTracker:
 
     def alignment_t(self, peer_id: str) -> Optional[float]:
         """The direction check's t statistic of the peer's mean alignment (None: not enough evidence yet)."""
-        record = self._alignment.get(peer_id)
-        dof = sum(r.chunks for r in self._alignment.values()) - len(self._alignment)
-        if record is None or record.chunks < MIN_ALIGNMENT_CHUNKS or dof < MIN_POOLED_DOF:
-            return None
-        # Pooled over every peer's deviations from its own mean; at least chance's spread (z ~ N(0, 1)).
-        variance = max(sum(r.deviation_squares for r in self._alignment.values()) / dof, 1.0)
-        return record.total / math.sqrt(record.chunks * variance)
+        return self._alignment.t(peer_id)
 
     def record_round(self, peer_ids: Sequence[str], flagged: Sequence[int], contributed: Sequence[int],
                      alignment: Sequence[AlignmentRecord] = ()) -> List[str]:
@@ -131,19 +175,16 @@ class SuspectTracker:
                 continue
             self._scores[peer] = score
             if before < self.threshold <= score and peer not in became:
-                logger.warning(f"peer {peer[-8:]} is clipped round after round (suspicion score {score:.2f}): its "
+                self._warn(f"peer {peer[-8:]} is clipped round after round (suspicion score {score:.2f}): its "
                                f"contributions to our parts count for nothing until it behaves for a few rounds")
                 became.append(peer)
         return became
 
     def _record_alignment(self, peer_ids: Sequence[str], alignment: Sequence[AlignmentRecord]) -> List[str]:
-        for peer in list(self._alignment):
-            self._alignment[peer] = self._alignment[peer].decayed(ALIGNMENT_DECAY)
-            if self._alignment[peer].chunks < 0.05 and peer not in self._reversed:  # forgotten
-                del self._alignment[peer]
+        self._alignment.next_round()
         for peer, record in zip(peer_ids, alignment):
             if record.chunks > 0:
-                self._alignment[peer] = self._alignment.get(peer, AlignmentRecord()) + record
+                self._alignment.add(peer, record)
         became = []
         for peer in {p for p, r in zip(peer_ids, alignment) if r.chunks > 0}:
             t = self.alignment_t(peer)
@@ -151,12 +192,16 @@ class SuspectTracker:
                 continue
             if peer not in self._reversed and t <= ALIGNMENT_T_SUSPECT:
                 self._reversed.add(peer)
-                logger.warning(f"peer {peer[-8:]} sends contributions opposed to the others' (alignment t {t:.1f}): "
+                self._warn(f"peer {peer[-8:]} sends contributions opposed to the others' (alignment t {t:.1f}): "
                                f"they count for nothing until its alignment recovers")
                 became.append(peer)
             elif peer in self._reversed and t >= ALIGNMENT_T_CLEAR:
                 self._reversed.discard(peer)
         return sorted(became)
+
+    def _warn(self, message: str) -> None:
+        if self.warn:
+            logger.warning(message)
 
     def score(self, peer_id: str) -> float:
         """The peer's suspicion score (0 for a peer never flagged)."""

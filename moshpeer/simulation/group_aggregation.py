@@ -1,25 +1,31 @@
 """One group's aggregation in the training simulation (`aggregate_group`): each member owns one part of the
 workload vector and aggregates it with the production rules (`estimate_over_sum` for `mean`, `robust_combine` for
-`clipped`/`trimmed`, weights capped by `cap_weights`), chunk by chunk where chunks can be lost."""
+`clipped`/`trimmed` with at least MIN_ROBUST_CONTRIBUTIONS, weights capped by `cap_weights`, and for `clipped` each
+owner's `SuspectTracker`), chunk by chunk where chunks can be lost."""
 
 from __future__ import annotations
+
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
-from moshpeer.averaging.aggregation import cap_weights, robust_combine, weight_cap_factor
+from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS, cap_weights, robust_combine, weight_cap_factor
 from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition
+from moshpeer.averaging.suspects import AlignmentRecord, SuspectTracker
 from moshpeer.simulation.training_config import TrainingConfig
 
 
 def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.ndarray, contributions: torch.Tensor,
-                    weights: np.ndarray, dying: np.ndarray, averaged: torch.Tensor) -> None:
+                    weights: np.ndarray, dying: np.ndarray, averaged: torch.Tensor,
+                    suspects: Optional[Dict[int, SuspectTracker]] = None) -> None:
     """Aggregate the group of `rows` (members that died in the round: `dying`) from what arrived, and write what
     each member got back into `averaged` (a receiver keeps its own value where nothing came back). `rng` draws
-    the chunk losses."""
+    the chunk losses. `suspects`: each peer's SuspectTracker by row, created on demand ("clipped" only)."""
     c = config
     n = rows.size
+    ids = [str(int(row)) for row in rows]
     v = contributions[torch.from_numpy(rows)]
     dim = v.shape[1]
     w = cap_weights(weights[np.arange(n)].tolist(), weight_cap_factor(c.aggregation))
@@ -42,6 +48,13 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
             continue  # its part never comes back: everybody keeps its own value there
         lo_part, hi_part = partition.part_range(owner)
         v[owner, lo_part:hi_part] = own_values[owner, lo_part:hi_part]
+        # "clipped": the owner's production SuspectTracker weighs the members it distrusts at zero, and learns
+        # from what it flagged and measured in this round's chunks of its part.
+        tracker = suspects.setdefault(int(rows[owner]), SuspectTracker(warn=False)) if suspects is not None else None
+        distrusted = set(tracker.distrusted(ids)) - {owner} if tracker is not None else set()
+        owner_w = [0.0 if i in distrusted else weight for i, weight in enumerate(w)]
+        flags, contributed = [0] * n, [0] * n
+        alignment = [AlignmentRecord() for _ in range(n)]
         for chunk in range(partition.num_chunks(owner)):
             lo, hi = partition.chunk_range(owner, chunk)
             arrived = present & (rng.random(n) >= c.chunk_loss)
@@ -54,11 +67,20 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
                 total = (wt * mask) @ v[:, lo:hi]
                 value = estimate_over_sum(v[owner, lo:hi].clone(), w[owner], total, float((wt * mask).sum()),
                                           float(wt[torch.from_numpy(others)].sum()))
+            elif arrived.sum() < MIN_ROBUST_CONTRIBUTIONS:
+                value = v[owner, lo:hi]  # too few to outvote a hostile one: the owner keeps its own value
             else:
                 idx = np.flatnonzero(arrived)
-                value, _, _ = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
-                                             [w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
+                value, flagged, aligned = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
+                                                         [owner_w[i] for i in idx],
+                                                         own=int(np.flatnonzero(idx == owner)[0]))
+                for i, hit, z in zip(idx, flagged.tolist(), aligned):
+                    flags[i] += int(hit)
+                    contributed[i] += 1
+                    alignment[i].add(z)
             back = present & (rng.random(n) >= c.chunk_loss)
             back[owner] = True
             result[torch.from_numpy(back), lo:hi] = value
+        if tracker is not None:
+            tracker.record_round(ids, flags, contributed, alignment)
     averaged[torch.from_numpy(rows)] = result

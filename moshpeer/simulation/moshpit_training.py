@@ -31,8 +31,9 @@
    round it finished, as a peer does).
 4. aggregation per owner part and chunk (`group_aggregation.py`, production `Partition` on the workload's
    dimension): `mean` = the production estimator `estimate_over_sum` over what arrived (with chunk loss),
-   `clipped`/`trimmed` = the production `robust_combine`; declared weights capped by `cap_weights`
-   (`weight_cap_factor(mode)`); lost averaged chunks keep the receiver's own value.
+   `clipped`/`trimmed` = the production `robust_combine`, with `clipped` owners weighing the peers their production
+   `SuspectTracker` distrusts at zero; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
+   averaged chunks keep the receiver's own value.
 5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
    random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
    ready only after its group had formed catches up as production DiLoCo does (`catches_up_after_missed_round`):
@@ -50,7 +51,7 @@ they aggregate honestly (a hostile owner is out of robust aggregation's reach; s
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ import torch
 from moshpeer.averaging import grid
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
+from moshpeer.averaging.suspects import SuspectTracker
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
@@ -101,6 +103,8 @@ class MoshpitTraining:
         self.key_bits = config.resolved_key_bits()
         self.keys = grid.initial_group_keys(n, self.key_bits, s.group_rng)
         self.deadlines: Dict[int, DeadlineLearner] = {}
+        # "clipped": each peer's production SuspectTracker as a part's owner (group_aggregation.py)
+        self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.group_sizes: List[int] = []
@@ -358,7 +362,7 @@ class MoshpitTraining:
             died = members[dying]
             self.lost[died] += ready[dying] - self.clock[died]  # the epoch's compute, not only the round
             self._fail(died, self.fail_at[died])
-        aggregate_group(self.config, self.swarm.loss_rng, rows, contributions, weights, dying, averaged)
+        aggregate_group(self.config, self.swarm.loss_rng, rows, contributions, weights, dying, averaged, self.suspects)
         return ~dying, end
 
     def _apply(self, peers: np.ndarray, done: np.ndarray, averaged: torch.Tensor) -> None:

@@ -105,6 +105,21 @@ def test_clipped_bounds_a_minus_100x_attacker_where_mean_does_not():
     assert not ratios["mean"] < 2.0  # also true for inf / nan
 
 
+def test_sign_flipping_attackers_inside_the_clip_radius_become_suspects_of_the_production_tracker():
+    """-1x from 10% of the peers: each owner's production SuspectTracker distrusts them (here both rules fire: on
+    this convex problem a reversed gradient is also clipped often), no honest peer is distrusted at the end, and the
+    loss stays near the honest run's: 1.046x, where the same run with every tracker's `distrusted` emptied ends at
+    1.184x (and `mean` at 2.57x; session 21)."""
+    base = dict(peers=20, group_size=10, mode="gradients", rounds=80, hostile_fraction=0.1, aggregation="clipped")
+    honest = run_training(_config(**base, hostile_scale=1.0), seed=5).final_loss
+    sim = MoshpitTraining(_config(**base, hostile_scale=-1.0), seed=5)
+    result = sim.run()
+    hostile = {str(int(k)) for k in np.flatnonzero(sim.swarm.hostile)}
+    suspected = {peer for tracker in sim.suspects.values() for peer in tracker.suspects}
+    assert hostile and suspected == hostile
+    assert result.final_loss / honest < 1.1
+
+
 def test_a_member_dying_in_a_round_stalls_its_group_until_the_deadline():
     config = _config(peers=16, rounds=30, inner_steps=50, failure_rate_per_hour=10.0, rejoin_s=60.0)
     sim = MoshpitTraining(config, seed=0)

@@ -1,10 +1,11 @@
 """The data plane's relay for peers behind NAT (moshpeer/averaging/tcp_relay/), in-process on loopback: a
-group averages through it exactly, a slot needs its key, a sender learns at once why a circuit failed, and a
-peer whose relay leaves takes a slot on another."""
+group averages through it exactly, a slot needs its key, a sender learns at once why a circuit failed, a peer
+whose relay leaves takes a slot on another, and one whose relay drops its circuits moves to another."""
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import socket
 import time
 from types import SimpleNamespace
@@ -13,13 +14,16 @@ import pytest
 import torch
 from local_group import identities, run_group
 
-from moshpeer.averaging import DataPlane
+from moshpeer.averaging import DataPlane, wire
 from moshpeer.averaging.tcp_relay import protocol
 from moshpeer.averaging.tcp_relay.directory import list_relays
 from moshpeer.averaging.tcp_relay.protocol import RelayRefused
+from moshpeer.averaging.tcp_relay import role as role_module
 from moshpeer.averaging.tcp_relay.reservation import RelayReservation, open_circuit
+from moshpeer.averaging.tcp_relay.role import SILENT_ROUNDS_TO_MOVE, RelayRole, RelayWatch
 from moshpeer.averaging.tcp_relay import service as service_module
 from moshpeer.averaging.tcp_relay.service import RelayService
+from moshpeer.errors import ProtocolError
 
 NUMEL, CHUNK = 300_000, 65_536
 
@@ -149,3 +153,54 @@ def test_the_relay_directory_keeps_only_well_formed_offers_of_their_owners():
     dht = SimpleNamespace(identity=me, admission=None,
                           get=lambda key, latest, return_future: SimpleNamespace(result=lambda timeout: found))
     assert list_relays(dht, "run") == [("10.0.0.1", 7000)]
+
+
+class CircuitDroppingRelay(RelayService):
+    """A hostile relay: it holds slots and answers their pings, but drops every circuit a sender asks for."""
+
+    def _connect(self, conn: socket.socket, target: bytes) -> None:
+        conn.close()
+
+
+def test_relay_watch_moves_after_silent_rounds_in_a_row_only():
+    watch = RelayWatch(rounds=3)
+    assert [watch.note_round(2, 2), watch.note_round(2, 2), watch.note_round(2, 1)] == [False] * 3  # one got through
+    assert [watch.note_round(2, 2), watch.note_round(0, 0), watch.note_round(2, 2)] == [False] * 3  # alone: no news
+    assert watch.note_round(3, 3) is True and watch.silent == 0  # then it starts over on the next relay
+
+
+def test_a_peer_behind_nat_leaves_a_relay_that_drops_its_circuits_for_another(monkeypatch):
+    """The hostile relay keeps the slot alive, so only the rounds can tell: after SILENT_ROUNDS_TO_MOVE rounds in
+    which no member reached us, the peer takes a slot on the other relay, avoids the hostile one although it is
+    still offered, and a sender's circuit through the new relay reaches it."""
+    hostile_plane, hostile = DataPlane(), CircuitDroppingRelay()
+    hostile_plane.serve_protocol(protocol.MAGIC, hostile.handle)
+    good_plane, good = relay_plane()
+    delivered = queue.Queue()  # the circuits that reached the peer behind NAT
+    behind_nat = SimpleNamespace(accept_socket=lambda sock, label: delivered.put(sock))
+    offered = [hostile_plane.address]
+    monkeypatch.setattr(role_module, "list_relays", lambda dht, run_id: list(offered))
+    identity = identities(1)[0]
+    role = RelayRole(SimpleNamespace(identity=identity), "run", behind_nat, behind_nat=True, serve=False)
+    target = identity.peer_id_bytes
+    role.start()
+    try:
+        assert role.wait_for_relay(10.0) == hostile_plane.address
+        offered.append(good_plane.address)
+        with pytest.raises((ConnectionError, ProtocolError, OSError)):
+            open_circuit(hostile_plane.address, target, time.monotonic() + 5)
+        for _ in range(SILENT_ROUNDS_TO_MOVE - 1):
+            role.note_round(others=2, unheard=2)
+        assert role.relay == hostile_plane.address  # not yet
+        role.note_round(others=2, unheard=2)
+        assert role.reservation.wait_for_slot(15.0, on=good_plane.address)
+        assert good.reservations == 1 and hostile.reservations == 0
+        with open_circuit(good_plane.address, target, time.monotonic() + 5) as sender:
+            sender.sendall(b"through the new relay")
+            with delivered.get(timeout=5) as receiver:
+                receiver.settimeout(5)
+                assert wire.recv_exactly_by(receiver, 21, time.monotonic() + 5) == b"through the new relay"
+    finally:
+        role.stop()
+        for plane in (hostile_plane, good_plane):
+            plane.close()

@@ -12,7 +12,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from moshpeer.averaging import wire
 from moshpeer.averaging.dataplane import _close
@@ -29,6 +29,7 @@ REQUEST_TIMEOUT = 10.0
 PING_S = 15.0  # well inside the relay's CONTROL_TIMEOUT (service.py)
 SILENT_S = 45.0  # a relay that answered nothing this long is gone
 RETRY_S, MAX_RETRY_S = 2.0, 30.0
+AVOID_S = 600.0  # a relay we left for failing us (`move_on`) is tried again only after this, or if no other is left
 
 
 def _open(relay: Address, deadline: float) -> Tuple[socket.socket, bytes]:
@@ -75,6 +76,7 @@ class RelayReservation:
         self._changed = threading.Condition()  # notified whenever `relay` changes
         self._relay: Optional[Address] = None
         self._control: Optional[socket.socket] = None
+        self._avoid: Dict[Address, float] = {}  # relays we moved away from -> until when (time.monotonic())
         self.circuits_accepted = 0
         self._thread = threading.Thread(target=self._run, name="moshpeer-relay-slot", daemon=True)
 
@@ -96,6 +98,17 @@ class RelayReservation:
             self._relay, self._control = relay, control
             self._changed.notify_all()
 
+    def move_on(self, why: str) -> None:
+        """Give up the slot we hold (if any) and take one on another relay: this one holds the slot but fails to
+        carry circuits (`RelayWatch` decides). It is avoided for AVOID_S unless no other relay is offered."""
+        with self._changed:
+            relay, control = self._relay, self._control
+            if relay is None:
+                return
+            self._avoid[relay] = time.monotonic() + AVOID_S
+        logger.warning(f"leaving relay {relay[0]}:{relay[1]}: {why}")
+        _close(control)  # ends `_serve` with an OSError; `_run` then looks for another relay at once
+
     def stop(self) -> None:
         self._stop.set()
         _close(self._control)
@@ -109,7 +122,10 @@ class RelayReservation:
             logger.debug(f"no relay list: {type(e).__name__}: {e}")
             return []
         random.shuffle(relays)  # spread the peers behind NAT over the relays
-        return relays
+        now = time.monotonic()
+        self._avoid = {relay: until for relay, until in self._avoid.items() if until > now}
+        trusted = [relay for relay in relays if relay not in self._avoid]
+        return trusted or relays  # a relay that failed us before is better than none
 
     def _run(self) -> None:
         delay = RETRY_S
@@ -124,9 +140,9 @@ class RelayReservation:
                     continue
                 held_since = time.monotonic()
                 self._hold(relay, control)
-                # A slot held a while was lost by a change (the relay left): look again at once. One lost at once
-                # is a relay that takes slots and drops them: back off as if none took it.
-                delay = 0.0 if time.monotonic() - held_since > MAX_RETRY_S else delay
+                # A slot held a while was lost by a change (the relay left, or we moved on): look again at once. One
+                # lost at once is a relay that takes slots and drops them: back off as if none took it.
+                delay = 0.0 if time.monotonic() - held_since > MAX_RETRY_S or relay in self._avoid else delay
                 break
             self._stop.wait(delay)
             delay = min(max(2 * delay, RETRY_S), MAX_RETRY_S)

@@ -15,6 +15,29 @@ from moshpeer.averaging.tcp_relay.reservation import RelayReservation
 from moshpeer.averaging.tcp_relay.service import RelayService
 
 
+# Rounds in a row in which a peer behind NAT heard from none of its group's other members before it leaves its relay.
+SILENT_ROUNDS_TO_MOVE = 3
+
+
+class RelayWatch:
+    """Whether the relay we hold a slot on carries our circuits: a hostile or broken relay can keep our slot alive
+    (it answers pings) and drop every circuit to us. Then nobody's contribution reaches us, round after round, while
+    our own outbound connections still work. After SILENT_ROUNDS_TO_MOVE such rounds in a row, move to another."""
+
+    def __init__(self, rounds: int = SILENT_ROUNDS_TO_MOVE):
+        self.rounds, self.silent = rounds, 0
+
+    def note_round(self, others: int, unheard: int) -> bool:
+        """One round with `others` other members, `unheard` of which delivered nothing to us -> move now?"""
+        if others <= 0:
+            return False
+        self.silent = self.silent + 1 if unheard >= others else 0
+        if self.silent >= self.rounds:
+            self.silent = 0
+            return True
+        return False
+
+
 class RelayRole:
     """:param behind_nat: hold a slot on some relay (nobody can connect to us directly)
     :param serve: otherwise, serve as a relay on `plane` and offer it in the directory
@@ -23,6 +46,7 @@ class RelayRole:
     def __init__(self, dht, run_id: str, plane: DataPlane, *, behind_nat: bool, serve: bool,
                  admit: Optional[Callable[[bytes], None]] = None):
         self.reservation: Optional[RelayReservation] = None
+        self._watch, self._watched = RelayWatch(), None  # the relay whose record `_watch` keeps
         self.service: Optional[RelayService] = None
         self._publisher: Optional[RelayPublisher] = None
         if behind_nat:
@@ -42,6 +66,18 @@ class RelayRole:
         if self.reservation is None or not self.reservation.wait_for_slot(timeout):
             return None
         return self.reservation.relay
+
+    def note_round(self, others: int, unheard: int) -> None:
+        """Behind NAT: a round with `others` other members, `unheard` of which delivered nothing to us. Leaves the
+        relay after SILENT_ROUNDS_TO_MOVE silent rounds in a row (`RelayWatch`); nothing for a public peer."""
+        relay = self.reservation.relay if self.reservation is not None else None
+        if relay is None:
+            return
+        if relay != self._watched:  # a new relay starts with a clean record
+            self._watch, self._watched = RelayWatch(), relay
+        if self._watch.note_round(others, unheard):
+            self.reservation.move_on(f"none of our groups' members reached us through it in "
+                                     f"{self._watch.rounds} rounds in a row")
 
     def start(self) -> None:
         for part in (self.reservation, self._publisher):
