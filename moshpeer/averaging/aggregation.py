@@ -94,7 +94,7 @@ def alignments(gram: List[List[float]], numel: int, reference: Sequence[bool]) -
         cross = to_kept[i] - gram[i][i] if mine else to_kept[i]
         others_sq = kept_sq - 2 * to_kept[i] + gram[i][i] if mine else kept_sq
         norms = gram[i][i] * others_sq
-        result.append(math.sqrt(numel) * cross / math.sqrt(norms) if len(kept) > mine and norms > 1e-30 else None)
+        result.append(math.sqrt(numel) * cross / math.sqrt(norms) if len(kept) > int(mine) and norms > 1e-30 else None)
     return result
 
 

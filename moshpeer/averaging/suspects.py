@@ -27,11 +27,11 @@ scale biases every round it is in (bench_trust's `inside_radius` arm). The same 
 already computes gives each contribution's alignment with the mean of the others (`aggregation.alignments`,
 z = sqrt(d) cos, in standard deviations of chance). One chunk's z says little: near convergence honest z spread
 ~17 around +5 in digits, and 30% of honest chunks fell below -3. So the owner keeps, per peer, decayed sums of
-the z it measured (`AlignmentRecord`) and asks a one-sided t-test: is this peer's mean alignment negative, by
-ALIGNMENT_T_SUSPECT standard errors (the spread pooled over every peer's deviations from its own mean)? An honest
-member's mean is positive (its update and the others' estimate one mean), so this practically never fires on it;
-a reversed one's is negative, and early in training, where honest z is ~+40 and its own ~-40, it is distrusted
-after MIN_ALIGNMENT_CHUNKS chunks. It is cleared when its t rises above ALIGNMENT_T_CLEAR (hysteresis: near
+the z it measured (`AlignmentRecord`, in `AlignmentEvidence`) and asks a one-sided t-test: is this peer's mean
+alignment negative, by ALIGNMENT_T_SUSPECT standard errors (the spread pooled over every peer's deviations from
+its own mean)? An honest member's mean is positive (its update and the others' estimate one mean), so this
+practically never fires on it; a reversed one's is negative, and early in training, where honest z is ~+40 and
+its own ~-40, it is distrusted after two measurements (MIN_ALIGNMENT_CHUNKS). It is cleared when its t rises above ALIGNMENT_T_CLEAR (hysteresis: near
 convergence its t hovers around -2 with a decay of 0.98, and flickering in and out would let it pull half the
 time).
 
@@ -176,7 +176,7 @@ class SuspectTracker:
             self._scores[peer] = score
             if before < self.threshold <= score and peer not in became:
                 self._warn(f"peer {peer[-8:]} is clipped round after round (suspicion score {score:.2f}): its "
-                               f"contributions to our parts count for nothing until it behaves for a few rounds")
+                           f"contributions to our parts count for nothing until it behaves for a few rounds")
                 became.append(peer)
         return became
 
@@ -193,7 +193,7 @@ class SuspectTracker:
             if peer not in self._reversed and t <= ALIGNMENT_T_SUSPECT:
                 self._reversed.add(peer)
                 self._warn(f"peer {peer[-8:]} sends contributions opposed to the others' (alignment t {t:.1f}): "
-                               f"they count for nothing until its alignment recovers")
+                           f"they count for nothing until its alignment recovers")
                 became.append(peer)
             elif peer in self._reversed and t >= ALIGNMENT_T_CLEAR:
                 self._reversed.discard(peer)

@@ -53,7 +53,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
         tracker = suspects.setdefault(int(rows[owner]), SuspectTracker(warn=False)) if suspects is not None else None
         distrusted = set(tracker.distrusted(ids)) - {owner} if tracker is not None else set()
         owner_w = [0.0 if i in distrusted else weight for i, weight in enumerate(w)]
-        flags, contributed = [0] * n, [0] * n
+        flags, contributed = [0] * n, np.zeros(n, dtype=np.int64)  # per member, as the peer's PartReducer counts
         alignment = [AlignmentRecord() for _ in range(n)]
         for chunk in range(partition.num_chunks(owner)):
             lo, hi = partition.chunk_range(owner, chunk)
@@ -67,20 +67,21 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
                 total = (wt * mask) @ v[:, lo:hi]
                 value = estimate_over_sum(v[owner, lo:hi].clone(), w[owner], total, float((wt * mask).sum()),
                                           float(wt[torch.from_numpy(others)].sum()))
-            elif arrived.sum() < MIN_ROBUST_CONTRIBUTIONS:
-                value = v[owner, lo:hi]  # too few to outvote a hostile one: the owner keeps its own value
             else:
                 idx = np.flatnonzero(arrived)
-                value, flagged, aligned = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
-                                                         [owner_w[i] for i in idx],
-                                                         own=int(np.flatnonzero(idx == owner)[0]))
-                for i, hit, z in zip(idx, flagged.tolist(), aligned):
-                    flags[i] += int(hit)
-                    contributed[i] += 1
-                    alignment[i].add(z)
+                contributed[idx[idx != owner]] += 1
+                if idx.size < MIN_ROBUST_CONTRIBUTIONS:
+                    value = v[owner, lo:hi]  # too few to outvote a hostile one: the owner keeps its own value
+                else:
+                    value, flagged, aligned = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
+                                                             [owner_w[i] for i in idx],
+                                                             own=int(np.flatnonzero(idx == owner)[0]))
+                    for i, hit, z in zip(idx, flagged.tolist(), aligned):
+                        flags[i] += int(hit)
+                        alignment[i].add(z)
             back = present & (rng.random(n) >= c.chunk_loss)
             back[owner] = True
             result[torch.from_numpy(back), lo:hi] = value
         if tracker is not None:
-            tracker.record_round(ids, flags, contributed, alignment)
+            tracker.record_round(ids, flags, contributed.tolist(), alignment)
     averaged[torch.from_numpy(rows)] = result
