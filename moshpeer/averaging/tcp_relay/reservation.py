@@ -173,7 +173,7 @@ class RelayReservation:
         finally:
             self._set_relay(None, None)
             _close(control)
-        if not self._stop.is_set():
+        if not self._stop.is_set() and relay not in self._avoid:  # `move_on` already said why we left
             logger.warning(f"lost the slot on relay {relay[0]}:{relay[1]} ({why}); looking for another")
 
     def _serve(self, relay: Address, control: socket.socket) -> None:
