@@ -77,6 +77,7 @@ class RelayReservation:
         self._relay: Optional[Address] = None
         self._control: Optional[socket.socket] = None
         self._avoid: Dict[Address, float] = {}  # relays we moved away from -> until when (time.monotonic())
+        self._left: Optional[socket.socket] = None  # the control connection `move_on` closed last
         self.circuits_accepted = 0
         self._thread = threading.Thread(target=self._run, name="moshpeer-relay-slot", daemon=True)
 
@@ -106,6 +107,7 @@ class RelayReservation:
             if relay is None:
                 return
             self._avoid[relay] = time.monotonic() + AVOID_S
+            self._left = control
         logger.warning(f"leaving relay {relay[0]}:{relay[1]}: {why}")
         _close(control)  # ends `_serve` with an OSError; `_run` then looks for another relay at once
 
@@ -173,7 +175,7 @@ class RelayReservation:
         finally:
             self._set_relay(None, None)
             _close(control)
-        if not self._stop.is_set() and relay not in self._avoid:  # `move_on` already said why we left
+        if not self._stop.is_set() and control is not self._left:  # `move_on` already said why we left
             logger.warning(f"lost the slot on relay {relay[0]}:{relay[1]} ({why}); looking for another")
 
     def _serve(self, relay: Address, control: socket.socket) -> None:
