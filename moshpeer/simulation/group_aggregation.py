@@ -17,6 +17,14 @@ from moshpeer.averaging.suspects import AlignmentRecord, SuspectTracker
 from moshpeer.simulation.training_config import TrainingConfig
 
 
+def _tracker_of(suspects: Dict[int, SuspectTracker], peer: int) -> SuspectTracker:
+    """The peer's tracker, made on first use (quiet: the simulator's thousands of owners would flood the log)."""
+    tracker = suspects.get(peer)
+    if tracker is None:
+        tracker = suspects[peer] = SuspectTracker(warn=False)
+    return tracker
+
+
 def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.ndarray, contributions: torch.Tensor,
                     weights: np.ndarray, dying: np.ndarray, averaged: torch.Tensor,
                     suspects: Optional[Dict[int, SuspectTracker]] = None) -> None:
@@ -50,7 +58,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
         v[owner, lo_part:hi_part] = own_values[owner, lo_part:hi_part]
         # "clipped": the owner's production SuspectTracker weighs the members it distrusts at zero, and learns
         # from what it flagged and measured in this round's chunks of its part.
-        tracker = suspects.setdefault(int(rows[owner]), SuspectTracker(warn=False)) if suspects is not None else None
+        tracker = None if suspects is None else _tracker_of(suspects, int(rows[owner]))
         distrusted = set(tracker.distrusted(ids)) - {owner} if tracker is not None else set()
         owner_w = [0.0 if i in distrusted else weight for i, weight in enumerate(w)]
         flags, contributed = [0] * n, np.zeros(n, dtype=np.int64)  # per member, as the peer's PartReducer counts
