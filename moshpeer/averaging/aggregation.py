@@ -28,7 +28,7 @@ contribution simply is not there (no reweighting needed).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -98,11 +98,17 @@ def alignments(gram: List[List[float]], numel: int, reference: Sequence[bool]) -
     return result
 
 
-def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0
-                  ) -> Tuple[torch.Tensor, torch.Tensor, List[Optional[float]]]:
-    """CenteredClip of the rows of `values` (n x d, fp32; row `own` the owner's own) -> (d values, bool mask of
-    clipped rows; rejected rows, see the module docstring, count as clipped, each row's `alignments` against the
-    rows that kept a weight).
+class Combined(NamedTuple):
+    """What a robust aggregation made of one chunk's contributions (rows)."""
+
+    values: torch.Tensor  # the aggregate
+    flagged: torch.Tensor  # bool per row: clipped or trimmed (a rejected row counts as clipped too)
+    rejected: List[bool]  # per row: farther than REJECT_RADIUS_FACTOR median distances, weighed at zero from the start
+    alignments: List[Optional[float]]  # per row ("clipped" only): `alignments` against the rows that kept a weight
+
+
+def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> Combined:
+    """CenteredClip of the rows of `values` (n x d, fp32; row `own` the owner's own) -> `Combined`.
 
     Starts from the owner's own row: robust aggregation defends an honest owner against its contributors
     (a hostile owner is out of its reach anyway), and it saves a coordinate-wise median. Every iterate is a
@@ -113,7 +119,7 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0
     """
     n = values.shape[0]
     if n == 1:
-        return values[own].clone(), torch.zeros(1, dtype=torch.bool), [None]
+        return Combined(values[own].clone(), torch.zeros(1, dtype=torch.bool), [False], [None])
     # The iteration itself is n x n arithmetic: plain Python floats (float64), a few microseconds, where a
     # torch op per step would cost more than reading the rows.
     gram = (values @ values.T).double().tolist()
@@ -130,6 +136,7 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0
     median = sorted(d for i, d in enumerate(from_own) if i != own)[(n - 2) // 2]  # the lower median
     tau = CLIP_RADIUS_FACTOR * median
     kept_weights = [float(w) for w in weights.tolist()]
+    rejected = [False] * n
     if math.isfinite(tau) and tau > 0:
         rejected = [d > REJECT_RADIUS_FACTOR * median for d in from_own]
         kept_weights = [0.0 if out else w for out, w in zip(rejected, kept_weights)]
@@ -144,7 +151,7 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0
         clipped = [d > 0 for d in distances(beta)]
     coefficients = torch.tensor(beta, dtype=values.dtype, device=values.device)
     aligned = alignments(gram, values.shape[1], [w > 0 for w in kept_weights])
-    return coefficients @ values, torch.tensor(clipped, dtype=torch.bool), aligned
+    return Combined(coefficients @ values, torch.tensor(clipped, dtype=torch.bool), rejected, aligned)
 
 
 def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +174,13 @@ def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 MIN_ROBUST_CONTRIBUTIONS = 3
 
 
-def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float],
-                   own: int = 0) -> Tuple[torch.Tensor, torch.Tensor, List[Optional[float]]]:
-    """Aggregate the contributions `rows` (n x d; row `own` the owner's) with `mode` ("clipped" or "trimmed") ->
-    (d values, flagged rows, each row's alignment: only "clipped" measures it, from the Gram matrix it has)."""
+def robust_combine(mode: str, rows: torch.Tensor, weights: Sequence[float], own: int = 0) -> Combined:
+    """Aggregate the contributions `rows` (n x d; row `own` the owner's) with `mode` ("clipped" or "trimmed").
+    Only "clipped" rejects rows and measures alignments (from the Gram matrix it has). Raises ValueError for
+    another mode."""
     if mode == "clipped":
         return centered_clip(rows, torch.tensor(weights, dtype=torch.float32), own)
     if mode == "trimmed":
-        return (*trimmed_mean(rows), [None] * rows.shape[0])
+        n = rows.shape[0]
+        return Combined(*trimmed_mean(rows), [False] * n, [None] * n)
     raise ValueError(f"not a robust aggregation: {mode}")

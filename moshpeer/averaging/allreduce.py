@@ -200,8 +200,7 @@ class GroupAllReduce:
         stats.rejected_connections = self.plane.rejected_connections - rejected_before
         stats.staged_bytes, stats.upload_bps = ctx.staging.bytes_copied, upload_bps
         stats.nonfinite_averages, stats.robust_too_few = reducer.nonfinite_averages, reducer.robust_too_few
-        stats.flagged_by_index, stats.contributed_by_index = list(reducer.flagged), reducer.contributed()
-        stats.alignment_by_index = list(reducer.alignment)
+        stats.evidence_by_index = reducer.evidence()
         return stats
 
     def peer_id_of(self, index: int) -> bytes:

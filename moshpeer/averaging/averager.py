@@ -468,10 +468,9 @@ class MoshpitAverager(ServicerBase):
             result = dataplane.average(flat, self.error_feedback)
             write_back()
         self._upload.note(result.upload_bps)
-        flagged = {peer_ids[i]: n for i, n in enumerate(result.flagged_by_index) if n}
+        flagged = {peer_ids[i]: e.flagged for i, e in enumerate(result.evidence_by_index) if e.flagged}
         if self.aggregation == "clipped":
-            self.suspects.record_round(peer_ids, result.flagged_by_index, result.contributed_by_index,
-                                       result.alignment_by_index)
+            self.suspects.record_round(peer_ids, result.evidence_by_index)
         self.flagged_peers.update(flagged)  # a Counter: adds
         self._nat.note_round(len(members) - 1, len(set(result.departed) | set(result.absent)))  # behind NAT: relay ok?
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)

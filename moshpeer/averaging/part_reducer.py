@@ -28,7 +28,7 @@ from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, MIN_ROBUST
                                             check_aggregation, robust_combine, weight_cap_factor)
 from moshpeer.averaging.estimator import estimate_chunks_into_own
 from moshpeer.averaging.partition import Partition
-from moshpeer.averaging.suspects import AlignmentRecord
+from moshpeer.averaging.suspects import AlignmentRecord, MemberEvidence
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
@@ -118,8 +118,7 @@ class PartReducer:
         self.sent_any = bytearray(self.group_size)  # delivered at least one valid chunk
         self.finished = bytearray(self.group_size)  # will send no more chunks of our part
         self.departed: List[int] = []
-        self.flagged = [0] * self.group_size
-        self.alignment = [AlignmentRecord() for _ in range(self.group_size)]  # "clipped": suspects.py's evidence
+        self._evidence = [MemberEvidence() for _ in range(self.group_size)]  # robust modes: suspects.py's input
         self.nonfinite_averages = 0
         self.robust_too_few = 0  # chunks a robust mode kept our value for: others arrived, fewer than a quorum
 
@@ -375,12 +374,11 @@ class PartReducer:
             own = 0
             stacked = self.contributions[rows, lo:hi]
         weights = [0.0 if i in self.distrusted else self.weights[i] for i in rows]
-        result, flagged, aligned = robust_combine(self.aggregation, stacked, weights, own)
+        combined = robust_combine(self.aggregation, stacked, weights, own)
         with self._lock:
-            for i, hit, z in zip(rows, flagged.tolist(), aligned):
-                self.flagged[i] += int(hit)
-                self.alignment[i].add(z)
-        return result
+            for i, flagged, rejected, z in zip(rows, combined.flagged.tolist(), combined.rejected, combined.alignments):
+                self._evidence[i].note(flagged, rejected, z)
+        return combined.values
 
     def _encode_gather_chunk(self, c: int, values: torch.Tensor) -> None:
         """Encode final chunk c for the all-gather and replace our values by the decoded ones."""
@@ -400,6 +398,12 @@ class PartReducer:
     def contributed(self) -> List[int]:
         """Per member index: the chunks of our part its contribution reached us in."""
         return [sum(arrived[i] for arrived in self.arrived_from) for i in range(self.group_size)]
+
+    def evidence(self) -> List[MemberEvidence]:
+        """Per member index: what robust aggregation saw of its contributions so far (a copy)."""
+        with self._lock:
+            return [MemberEvidence(contributed, e.flagged, e.rejected, e.alignment + AlignmentRecord())
+                    for contributed, e in zip(self.contributed(), self._evidence)]
 
 
 class GatherReceipts:

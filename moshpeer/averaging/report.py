@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from moshpeer.averaging.suspects import AlignmentRecord
+from moshpeer.averaging.suspects import MemberEvidence
 
 
 @dataclass
@@ -69,12 +69,8 @@ class DataPlaneStats:
     # chunks of our part a robust mode ("clipped", "trimmed") kept our own value for: fewer than
     # aggregation.MIN_ROBUST_CONTRIBUTIONS contributions, ours included, to outvote a hostile one
     robust_too_few: int = 0
-    # Per member index: chunks of our part in which robust aggregation clipped or trimmed its contribution,
-    # and chunks of our part its contribution reached us in (what the first is out of; suspects.py).
-    flagged_by_index: List[int] = field(default_factory=list)
-    contributed_by_index: List[int] = field(default_factory=list)
-    # Per member index ("clipped" only): its contributions' alignment with the others', suspects.py's evidence.
-    alignment_by_index: List[AlignmentRecord] = field(default_factory=list)
+    # Per member index: what robust aggregation saw of its contributions to our part (suspects.py's evidence).
+    evidence_by_index: List[MemberEvidence] = field(default_factory=list)
 
     def __add__(self, other: "DataPlaneStats") -> "DataPlaneStats":
         """Two all-reduces of one round, one after the other: counters and times add up, member sets unite,
@@ -97,9 +93,7 @@ class DataPlaneStats:
             upload_bps=max(uploads) if uploads else None,
             nonfinite_averages=self.nonfinite_averages + other.nonfinite_averages,
             robust_too_few=self.robust_too_few + other.robust_too_few,
-            flagged_by_index=_sum_by_index(self.flagged_by_index, other.flagged_by_index),
-            contributed_by_index=_sum_by_index(self.contributed_by_index, other.contributed_by_index),
-            alignment_by_index=_sum_by_index(self.alignment_by_index, other.alignment_by_index),
+            evidence_by_index=_sum_by_index(self.evidence_by_index, other.evidence_by_index),
         )
 
     @property

@@ -5,9 +5,10 @@ member that always sends the same far-away value pulls the result by about tau /
 same direction (with 1 hostile of 4 members the result settles ~tau/3 from the honest mean). Over a
 training run that steady pull costs accuracy. A part's owner therefore keeps, per peer id, a suspicion
 score: each round the peer contributed to the owner's part, the score decays by `DECAY` and gains the
-fraction of those chunks in which the peer was flagged (clipped or rejected),
+fraction of those chunks in which the peer was flagged (clipped or rejected), a rejected chunk counting
+REJECTED_EVIDENCE times,
 
-    score = min(DECAY * score + flagged / contributed, SCORE_CAP)
+    score = min(DECAY * score + (flagged + (REJECTED_EVIDENCE - 1) * rejected) / contributed, SCORE_CAP)
 
 and while the score is at least `SUSPECT_SCORE` the owner's CenteredClip weighs the peer's contributions
 at zero. They are still received, checked and flagged, so a peer that behaves again clears itself.
@@ -21,6 +22,15 @@ suspect (a quarter of the chunks: after 9 rounds), a member flagged in every chu
 clip radius is two median distances): its score stays far below the threshold. One clipped in four fifths
 of its chunks for two rounds in a row is distrusted, as before, and the cap bounds what it then costs:
 from the cap, 7 clean rounds clear any peer.
+
+A rejected chunk is stronger evidence than a clipped one. Clipping starts at two median distances from the
+owner's value, where chance reaches an honest member a few times in a run; rejection at ten
+(aggregation.REJECT_RADIUS_FACTOR), where no honest member's contribution lies. So a round in which all of a
+member's chunks were rejected puts it at the cap at once (REJECTED_EVIDENCE = SCORE_CAP): one that sends -100x in
+a quarter of its chunks, one chunk per part, is distrusted after its first such round, for the 7 clean rounds the
+decay takes to clear it, not only after a lucky streak of such rounds (bench_trust's `sparse_chunks` arm: with
+rejections counted as clips, every honest owner distrusted it by epoch 20 in 5 of 10 runs). A rejected quarter of
+a member's chunks adds 0.75 a round.
 
 A member that stays inside the clip radius is never clipped: sending the reverse of its update at the honest
 scale biases every round it is in (bench_trust's `inside_radius` arm). The same Gram matrix that CenteredClip
@@ -44,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 DECAY = 0.9
@@ -52,6 +62,7 @@ SUSPECT_SCORE = 1.5
 SCORE_CAP = 2 * SUSPECT_SCORE
 # What the constants above give for a member flagged in every chunk it contributes: 1.0, then 1.9.
 SUSPECT_AFTER_ROUNDS = 2
+REJECTED_EVIDENCE = SCORE_CAP  # a rejected chunk counts this many flagged ones (module docstring)
 # The direction check (module docstring): evidence decays by this per round (a window of ~50 chunk measurements).
 ALIGNMENT_DECAY = 0.98
 ALIGNMENT_T_SUSPECT = -5.0
@@ -87,6 +98,36 @@ class AlignmentRecord:
     def deviation_squares(self) -> float:
         """Sum of squared deviations from this record's own mean."""
         return max(self.squares - self.total * self.total / self.chunks, 0.0) if self.chunks > 0 else 0.0
+
+
+@dataclass
+class MemberEvidence:
+    """What an owner saw of one member's contributions to its part in one all-reduce, or in a round's all-reduces
+    added up with `+`: the SuspectTracker's input."""
+
+    contributed: int = 0  # chunks of our part its contribution reached us in
+    flagged: int = 0  # of those, chunks in which robust aggregation clipped, trimmed or rejected it
+    rejected: int = 0  # of the flagged, chunks in which it was rejected (weighed at zero from the start)
+    alignment: AlignmentRecord = field(default_factory=AlignmentRecord)  # "clipped" only: the direction check's
+
+    def note(self, flagged: bool, rejected: bool, z: Optional[float]) -> None:
+        """One chunk's verdict on this member (`aggregation.Combined`'s row)."""
+        self.flagged += int(flagged)
+        self.rejected += int(rejected)
+        self.alignment.add(z)
+
+    def __add__(self, other: "MemberEvidence") -> "MemberEvidence":
+        return MemberEvidence(self.contributed + other.contributed, self.flagged + other.flagged,
+                              self.rejected + other.rejected, self.alignment + other.alignment)
+
+    @property
+    def suspicion(self) -> float:
+        """What this round adds to the member's suspicion score (module docstring); 0 when it contributed nothing."""
+        if self.contributed <= 0:
+            return 0.0
+        flagged = min(self.flagged, self.contributed)
+        rejected = min(self.rejected, flagged)
+        return (flagged + (REJECTED_EVIDENCE - 1) * rejected) / self.contributed
 
 
 class AlignmentEvidence:
@@ -159,17 +200,16 @@ class SuspectTracker:
         """The direction check's t statistic of the peer's mean alignment (None: not enough evidence yet)."""
         return self._alignment.t(peer_id)
 
-    def record_round(self, peer_ids: Sequence[str], flagged: Sequence[int], contributed: Sequence[int],
-                     alignment: Sequence[AlignmentRecord] = ()) -> List[str]:
-        """Update the scores from one round (per member index: chunks flagged, chunks contributed to our part, the
-        alignment measured in them); -> the peers that became suspects in this round (a WARNING line names each).
-        Members that contributed nothing keep their score (an absence is neither evidence for nor against them)."""
-        became = self._record_alignment(peer_ids, alignment)
-        for peer, hits, chunks in zip(peer_ids, flagged, contributed):
-            if chunks <= 0:
+    def record_round(self, peer_ids: Sequence[str], evidence: Sequence[MemberEvidence]) -> List[str]:
+        """Update the scores from one round (`evidence` per member index, as the peer's PartReducer counted it);
+        -> the peers that became suspects in this round (a WARNING line names each). Members that contributed
+        nothing keep their score (an absence is neither evidence for nor against them)."""
+        became = self._record_alignment(peer_ids, [e.alignment for e in evidence])
+        for peer, seen in zip(peer_ids, evidence):
+            if seen.contributed <= 0:
                 continue
             before = self._scores.get(peer, 0.0)
-            score = min(self.decay * before + min(hits, chunks) / chunks, self.cap)
+            score = min(self.decay * before + seen.suspicion, self.cap)
             if score < 0.01:  # forgotten: keeps the table to the peers that were flagged lately
                 self._scores.pop(peer, None)
                 continue

@@ -13,7 +13,7 @@ import torch
 from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS, cap_weights, robust_combine, weight_cap_factor
 from moshpeer.averaging.estimator import estimate_over_sum
 from moshpeer.averaging.partition import Partition
-from moshpeer.averaging.suspects import AlignmentRecord, SuspectTracker
+from moshpeer.averaging.suspects import MemberEvidence, SuspectTracker
 from moshpeer.simulation.training_config import TrainingConfig
 
 
@@ -61,8 +61,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
         tracker = None if suspects is None else _tracker_of(suspects, int(rows[owner]))
         distrusted = set(tracker.distrusted(ids)) - {owner} if tracker is not None else set()
         owner_w = [0.0 if i in distrusted else weight for i, weight in enumerate(w)]
-        flags, contributed = [0] * n, np.zeros(n, dtype=np.int64)  # per member, as the peer's PartReducer counts
-        alignment = [AlignmentRecord() for _ in range(n)]
+        evidence = [MemberEvidence() for _ in range(n)]  # per member, as the peer's PartReducer counts it
         for chunk in range(partition.num_chunks(owner)):
             lo, hi = partition.chunk_range(owner, chunk)
             arrived = present & (rng.random(n) >= c.chunk_loss)
@@ -77,19 +76,20 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
                                           float(wt[torch.from_numpy(others)].sum()))
             else:
                 idx = np.flatnonzero(arrived)
-                contributed[idx[idx != owner]] += 1
+                for i in idx[idx != owner]:
+                    evidence[i].contributed += 1
                 if idx.size < MIN_ROBUST_CONTRIBUTIONS:
                     value = v[owner, lo:hi]  # too few to outvote a hostile one: the owner keeps its own value
                 else:
-                    value, flagged, aligned = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
-                                                             [owner_w[i] for i in idx],
-                                                             own=int(np.flatnonzero(idx == owner)[0]))
-                    for i, hit, z in zip(idx, flagged.tolist(), aligned):
-                        flags[i] += int(hit)
-                        alignment[i].add(z)
+                    combined = robust_combine(c.aggregation, v[torch.from_numpy(idx), lo:hi],
+                                              [owner_w[i] for i in idx], own=int(np.flatnonzero(idx == owner)[0]))
+                    value = combined.values
+                    for i, flagged, rejected, z in zip(idx, combined.flagged.tolist(), combined.rejected,
+                                                       combined.alignments):
+                        evidence[i].note(flagged, rejected, z)
             back = present & (rng.random(n) >= c.chunk_loss)
             back[owner] = True
             result[torch.from_numpy(back), lo:hi] = value
         if tracker is not None:
-            tracker.record_round(ids, flags, contributed.tolist(), alignment)
+            tracker.record_round(ids, evidence)
     averaged[torch.from_numpy(rows)] = result

@@ -17,7 +17,8 @@ from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllRedu
 from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.aggregation import (CLIP_ITERATIONS, CLIP_RADIUS_FACTOR, REJECT_RADIUS_FACTOR, cap_weights,
                                             centered_clip, trimmed_mean)
-from moshpeer.averaging.suspects import SUSPECT_AFTER_ROUNDS, SUSPECT_SCORE, SuspectTracker
+from moshpeer.averaging.suspects import (SCORE_CAP, SUSPECT_AFTER_ROUNDS, SUSPECT_SCORE, MemberEvidence,
+                                        SuspectTracker)
 from moshpeer.compression import get_compression
 from moshpeer.errors import UserError
 
@@ -59,7 +60,7 @@ def test_centered_clip_and_trimmed_mean_resist_one_outlier_and_are_exact_without
         assert (aggregate - honest.mean(0)).norm() < 1.5 * honest.std(0).norm()  # the outlier moved it little
         assert flagged.tolist() == [False, False, False, True]
     clean = torch.cat([honest, torch.randn(1, 1000, generator=g)])
-    value, flagged, _ = centered_clip(clean, torch.ones(4))
+    value, flagged, *_ = centered_clip(clean, torch.ones(4))
     assert torch.allclose(value, clean.mean(0), atol=1e-5) and not flagged.any()  # no honest member clipped
 
 
@@ -88,7 +89,7 @@ def test_centered_clip_on_the_gram_matrix_matches_the_iteration_on_vectors():
     rows = buffer[:, 500:2500]
     weights = torch.tensor([1.0, 1.0, 2.0, 0.0, 1.0])
     for own in (0, 2, 4):
-        value, flagged, _ = centered_clip(rows, weights, own)
+        value, flagged, *_ = centered_clip(rows, weights, own)
         expected, expected_flagged = _centered_clip_in_value_space(rows, weights, own)
         assert torch.allclose(value.double(), expected, atol=1e-4), own
         assert flagged.tolist() == expected_flagged.tolist() and flagged[1], own
@@ -101,10 +102,10 @@ def test_centered_clip_rejects_a_far_contribution_outright_and_averages_a_group_
     g = torch.Generator().manual_seed(3)
     honest = 1.0 + 0.1 * torch.randn(3, 1000, generator=g)
     rows = torch.cat([honest, -100.0 * honest[:1]])
-    value, flagged, _ = centered_clip(rows, torch.ones(4))
+    value, flagged, *_ = centered_clip(rows, torch.ones(4))
     assert torch.allclose(value, honest.mean(0), atol=1e-5)
     assert flagged.tolist() == [False, False, False, True]
-    value, flagged, _ = centered_clip(honest[:2], torch.ones(2), own=1)
+    value, flagged, *_ = centered_clip(honest[:2], torch.ones(2), own=1)
     assert torch.allclose(value, honest[:2].mean(0), atol=1e-5) and not flagged.any()
 
 
@@ -124,7 +125,7 @@ def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
         for v in values[:3]:
             assert float((v - honest_mean).abs().mean()) < 0.3, mode
         for k in range(3):  # owners of honest parts flagged member 3 in every chunk of their part
-            flagged = results[k].flagged_by_index
+            flagged = [e.flagged for e in results[k].evidence_by_index]
             assert flagged[3] == NUMEL // N // CHUNK and sum(flagged[:3]) == 0, mode
 
 
@@ -141,27 +142,34 @@ def test_a_distrusted_member_weighs_nothing_in_centered_clip_but_is_still_flagge
     for k in range(3):
         bias, before = float((values[k] - honest_mean).abs().mean()), float((pulled[k] - honest_mean).abs().mean())
         assert bias < 0.02 < before, (bias, before)
-        assert results[k].flagged_by_index[3] == results[k].contributed_by_index[3] == NUMEL // N // CHUNK
+        evidence = results[k].evidence_by_index[3]
+        assert evidence.flagged == evidence.contributed == NUMEL // N // CHUNK and evidence.rejected == 0
+
+
+def seen(flagged, contributed, rejected=None):
+    """Per member: MemberEvidence of chunks flagged (of which `rejected`, default none) out of those contributed."""
+    rejected = rejected or [0] * len(flagged)
+    return [MemberEvidence(c, f, r) for f, c, r in zip(flagged, contributed, rejected)]
 
 
 def test_a_member_clipped_in_every_chunk_is_a_suspect_from_its_second_round_and_clean_rounds_clear_it():
     tracker = SuspectTracker()
     peers = ["me", "honest", "hostile"]
-    assert tracker.record_round(peers, [0, 1, 4], [0, 4, 4]) == []  # one chunk of four: chance, not a pattern
+    assert tracker.record_round(peers, seen([0, 1, 4], [0, 4, 4])) == []  # one chunk of four: chance, not a pattern
     assert SUSPECT_AFTER_ROUNDS == 2
-    assert tracker.record_round(peers, [0, 0, 4], [0, 4, 4]) == ["hostile"]
+    assert tracker.record_round(peers, seen([0, 0, 4], [0, 4, 4])) == ["hostile"]
     assert tracker.distrusted(["hostile", "me"]) == [0] and tracker.suspects == ["hostile"]
-    tracker.record_round(peers, [0, 0, 0], [0, 4, 0])  # absent from our part: its score stands
+    tracker.record_round(peers, seen([0, 0, 0], [0, 4, 0]))  # absent from our part: its score stands
     assert tracker.suspects == ["hostile"]
     clean_rounds = 0
     while tracker.suspects:
-        tracker.record_round(peers, [0, 0, 0], [0, 4, 4])
+        tracker.record_round(peers, seen([0, 0, 0], [0, 4, 4]))
         clean_rounds += 1
     assert clean_rounds == 3 and tracker.score("honest") < 0.25  # 1.9 -> 1.71 -> 1.54 -> 1.39
     for _ in range(50):  # however long an attack lasted, the cap bounds the clean rounds that clear it
-        tracker.record_round(peers, [0, 0, 4], [0, 4, 4])
+        tracker.record_round(peers, seen([0, 0, 4], [0, 4, 4]))
     assert tracker.score("hostile") == 3.0
-    assert [tracker.record_round(peers, [0, 0, 0], [0, 4, 4]) or tracker.suspects for _ in range(7)][-1] == []
+    assert [tracker.record_round(peers, seen([0, 0, 0], [0, 4, 4])) or tracker.suspects for _ in range(7)][-1] == []
 
 
 @pytest.mark.parametrize("pattern, rounds_to_suspect", [
@@ -171,9 +179,26 @@ def test_a_member_clipped_in_every_chunk_is_a_suspect_from_its_second_round_and_
 def test_members_that_attack_part_of_the_time_become_suspects(pattern, rounds_to_suspect):
     """Issue 26: a streak of flagged rounds, cleared by one clean round, never caught these two."""
     tracker, peers, chunks = SuspectTracker(), ["hostile"], 100
-    became = [tracker.record_round(peers, [round(pattern[k % len(pattern)] * chunks)], [chunks]) for k in range(20)]
+    became = [tracker.record_round(peers, seen([round(pattern[k % len(pattern)] * chunks)], [chunks]))
+              for k in range(20)]
     assert [k + 1 for k, names in enumerate(became) if names][:1] == [rounds_to_suspect]
     assert tracker.suspects == ["hostile"]
+
+
+def test_one_rejected_chunk_weighs_like_a_whole_part_of_clipped_ones():
+    """Issue 26's sparse attacker: -100x in a quarter of its chunks, one chunk per part, so most rounds it sends
+    nothing wrong. Counted as a clip, a rejection took a streak of hostile rounds to make a suspect; counted as
+    the strong evidence it is (no honest value lies 10 median distances out), its first one puts the member at
+    the cap, and it stays distrusted until the 7th clean round."""
+    tracker, peers = SuspectTracker(), ["hostile"]
+    assert tracker.record_round(peers, seen([1], [1], rejected=[1])) == ["hostile"]
+    assert tracker.score("hostile") == SCORE_CAP
+    assert [bool(tracker.record_round(peers, seen([0], [1])) or tracker.suspects) for _ in range(8)] == \
+        [True] * 6 + [False] * 2  # 3.0 -> 2.7 -> ... -> 1.59, then 1.43: the 7th clean round clears it
+    # Rejected in a quarter of many chunks: 0.75 a round, a suspect in its third round (clipped only: its ninth).
+    tracker = SuspectTracker()
+    assert [bool(tracker.record_round(peers, seen([25], [100], rejected=[25]))) for _ in range(3)] == \
+        [False, False, True]
 
 
 def test_an_honest_member_clipped_by_chance_is_never_a_suspect():
@@ -182,7 +207,7 @@ def test_an_honest_member_clipped_by_chance_is_never_a_suspect():
     tracker, generator = SuspectTracker(), torch.Generator().manual_seed(0)
     for _ in range(200):
         hits = int((torch.rand(40, generator=generator) < 0.10).sum())
-        assert tracker.record_round(["honest"], [hits], [40]) == []
+        assert tracker.record_round(["honest"], seen([hits], [40])) == []
     assert tracker.score("honest") < SUSPECT_SCORE
 
 

@@ -13,7 +13,8 @@ from local_group import run_group
 from moshpeer.averaging import FaultConfig, FaultyLinks
 from moshpeer.averaging.aggregation import alignments, centered_clip
 from moshpeer.averaging.links import PLAIN_LINKS
-from moshpeer.averaging.suspects import ALIGNMENT_T_SUSPECT, AlignmentEvidence, AlignmentRecord, SuspectTracker
+from moshpeer.averaging.suspects import (ALIGNMENT_T_SUSPECT, AlignmentEvidence, AlignmentRecord, MemberEvidence,
+                                        SuspectTracker)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,14 +36,14 @@ def one_round(tracker: SuspectTracker, rows: torch.Tensor, chunks: int = 1):
     rows per chunk, what became a suspect)."""
     distrusted = tracker.distrusted(PEERS)
     weights = torch.tensor([0.0 if i in distrusted else 1.0 for i in range(4)])
-    records = [AlignmentRecord() for _ in PEERS]
+    evidence = [MemberEvidence(contributed=chunks) for _ in PEERS]
     clipped = []
     for piece in rows.chunk(chunks, dim=1):
-        _, flagged, aligned = centered_clip(piece, weights, own=0)
+        _, flagged, _, aligned = centered_clip(piece, weights, own=0)
         clipped.append(flagged.tolist())
-        for record, z in zip(records, aligned):
-            record.add(z)
-    return clipped, tracker.record_round(PEERS, [0] * 4, [chunks] * 4, records)
+        for seen, z in zip(evidence, aligned):
+            seen.alignment.add(z)  # the flags are left out: this checks the direction check alone
+    return clipped, tracker.record_round(PEERS, evidence)
 
 
 def test_alignment_is_root_d_times_the_cosine_with_the_others_mean_and_chance_gives_a_standard_normal():
@@ -113,7 +114,7 @@ def test_the_data_plane_reports_each_members_alignment_in_a_clipped_round():
     results = run_group(tensors, weights=[1.0] * 4, chunk_numel=256, deadline_s=20.0, aggregation="clipped",
                         member_kwargs=lambda k: {"links": FaultyLinks(faults[k]) if faults[k] else PLAIN_LINKS})
     for owner in range(3):
-        records = results[owner].alignment_by_index
+        records = [e.alignment for e in results[owner].evidence_by_index]
         assert [r.chunks for r in records] == [4] * 4  # each member's 4 chunks of this owner's part
         assert records[3].total / records[3].chunks < -3
         # The honest ones' reference holds the reverser: it cancels one honest member's signal, so theirs is lower.

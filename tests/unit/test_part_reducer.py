@@ -147,9 +147,11 @@ def test_robust_aggregation_flags_an_outlier_and_stays_near_the_honest_mean(mode
         for chunk in range(2):
             deliver(r, values, member, chunk)
     assert r.finalize_ready() == [0, 1]
-    assert r.flagged[3] == 2  # in both chunks
+    evidence = r.evidence()
+    assert evidence[3].flagged == 2  # in both chunks
     if mode == "clipped":  # (a trimmed mean also trims the lowest honest value: here always the owner's)
-        assert r.flagged[:3] == [0, 0, 0]
+        assert [e.flagged for e in evidence[:3]] == [0, 0, 0]
+        assert evidence[3].rejected == 2  # 1000 away: far past the rejection radius
     honest = weighted_mean(values, (0, 1, 2), [1.0] * N, r, 0)
     assert float((owner_chunk(r, 0) - honest).abs().max()) < 1.0
 
@@ -173,7 +175,7 @@ def test_robust_modes_keep_the_owners_value_below_three_contributions(mode):
     deliver(r, values, 2, 0)  # a third contribution: aggregated, the outlier flagged
     r.member_finished(1)
     r.finalize_ready((0,))
-    assert r.robust_too_few == 0 and r.flagged[3] == 1
+    assert r.robust_too_few == 0 and r.evidence()[3].flagged == 1
     start, end = r.partition.chunk_range(0, 0)  # within the honest values (a trimmed mean of 3 is the median)
     assert bool((owner_chunk(r, 0) >= values[0][start:end] - 1e-6).all())
     assert bool((owner_chunk(r, 0) <= values[2][start:end] + 1e-6).all())

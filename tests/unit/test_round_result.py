@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from moshpeer.averaging.report import DataPlaneStats, PhaseStats, RoundResult
+from moshpeer.averaging.suspects import MemberEvidence
 
 # The keys of `RoundResult.to_dict()` before the data plane's stats were embedded, in their order (plus
 # `robust_too_few`, added after `nonfinite_averages` in session 10, and `upload_paced_s`, in session 16).
@@ -25,8 +26,8 @@ def stats(k: int) -> DataPlaneStats:
         gather=PhaseStats(chunks_expected=2, chunks_lost=k, bytes_received=5 * k, seconds=0.5),
         departed=[k], absent=[2], relayed=[k, 3], missing_chunks=[(k, 0)], rejected_connections=k,
         rejected_messages=1, staged_bytes=100, reduce_scatter_s=1.0, all_gather_s=0.5, total_s=1.5,
-        upload_bps=None if k == 1 else 1e6 * k, nonfinite_averages=k, robust_too_few=k, flagged_by_index=[0, k, 0],
-        contributed_by_index=[0, 2, 2])
+        upload_bps=None if k == 1 else 1e6 * k, nonfinite_averages=k, robust_too_few=k,
+        evidence_by_index=[MemberEvidence(), MemberEvidence(2, k, k - 1), MemberEvidence(2)])
 
 
 def test_two_allreduces_add_up():
@@ -39,7 +40,7 @@ def test_two_allreduces_add_up():
     assert (total.rejected_connections, total.rejected_messages, total.staged_bytes) == (3, 2, 200)
     assert (total.reduce_scatter_s, total.all_gather_s, total.total_s) == (2.0, 1.0, 3.0)
     assert total.upload_bps == 2e6 and total.nonfinite_averages == 3 and total.robust_too_few == 3
-    assert total.flagged_by_index == [0, 3, 0] and total.contributed_by_index == [0, 4, 4]
+    assert total.evidence_by_index == [MemberEvidence(), MemberEvidence(4, 3, 1), MemberEvidence(4)]
     assert sum([stats(1)], DataPlaneStats()) == stats(1)  # adding to nothing changes nothing
 
 
