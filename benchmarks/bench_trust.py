@@ -24,7 +24,8 @@ Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_
 honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc (those of
 the arms run; see --arms); detection_rate (of the robust attacked arms' runs, the share in which every honest
 peer distrusted the hostile one within DETECTION_EPOCHS epochs), honest_distrusted (per arm and run: rounds in
-which an honest peer distrusted an honest one).
+which an honest peer distrusted an honest one), robust_too_few (per arm and run: chunks a robust owner kept its own
+value for) and group_sizes (per arm and run: rounds per group size, over all peers).
 """
 
 from __future__ import annotations
@@ -138,13 +139,16 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
     zero: the rounds its pull reached the model); whether every honest peer distrusted it in a round of an epoch
     <= DETECTION_EPOCHS (`detected`); and the rounds in which an honest peer distrusted an honest one."""
     hostile_id = None if hostile is None else next(e["peer_id"] for e in events[hostile] if e.get("peer_id"))
-    honest_flagged = hostile_free = honest_distrusted = 0
+    honest_flagged = hostile_free = honest_distrusted = robust_too_few = 0
+    group_sizes: dict = {}
     detectors = set()
     for k, peer in enumerate(events):
         for e in peer:
             if e.get("event") != "epoch" or not e.get("ok"):
                 continue
             result = e["round"]  # the RoundResult
+            robust_too_few += result.get("robust_too_few", 0)
+            group_sizes[result["group_size"]] = group_sizes.get(result["group_size"], 0) + 1
             honest_flagged += sum(n for peer_id, n in result["flagged"].items() if peer_id != hostile_id)
             honest_distrusted += sum(1 for peer_id in result["distrusted"] if peer_id != hostile_id)
             if hostile_id is not None and k != hostile:
@@ -154,7 +158,7 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
                     detectors.add(k)
     detected = hostile is not None and len(detectors) == len(events) - 1
     return {"honest_flagged": honest_flagged, "hostile_free_rounds": hostile_free, "detected": detected,
-            "honest_distrusted": honest_distrusted}
+            "honest_distrusted": honest_distrusted, "robust_too_few": robust_too_few, "group_sizes": group_sizes}
 
 
 def training(args) -> dict:
@@ -176,7 +180,8 @@ def training(args) -> dict:
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": [],
-                  "detected": [], "honest_distrusted": []} for name, _ in arms}
+                  "detected": [], "honest_distrusted": [], "robust_too_few": [], "group_sizes": []}
+           for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
     for repeat in range(args.repeats):
@@ -190,7 +195,7 @@ def training(args) -> dict:
             out[name]["peers_finished"].append(len(finals))
             flags = flag_counts(events, hostile if name in ATTACKED_ARMS else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
-            for key in ("hostile_free_rounds", "detected", "honest_distrusted"):
+            for key in ("hostile_free_rounds", "detected", "honest_distrusted", "robust_too_few", "group_sizes"):
                 out[name][key].append(flags[key])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
     for r in out.values():
@@ -240,6 +245,9 @@ def main() -> int:
             f"{name} {r['hostile_free_rounds']}" for name, r in runs.items() if name in ATTACKED_ARMS))
         print("rounds in which an honest peer distrusted an honest one, per run: " + "; ".join(
             f"{name} {r['honest_distrusted']}" for name, r in runs.items() if name != "honest"))
+        print("chunks a robust owner kept its own value for (too few contributions), per run: " + "; ".join(
+            f"{name} {r['robust_too_few']}" for name, r in runs.items()))
+        print("rounds per group size, per run: " + "; ".join(f"{name} {r['group_sizes']}" for name, r in runs.items()))
         detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
         if detections:
             figures["detection_rate"] = sum(detections) / len(detections)
@@ -248,7 +256,9 @@ def main() -> int:
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},
                        hostile_free_rounds={name: r["hostile_free_rounds"] for name, r in runs.items()},
                        detected={name: r["detected"] for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS},
-                       honest_distrusted={name: r["honest_distrusted"] for name, r in runs.items()})
+                       honest_distrusted={name: r["honest_distrusted"] for name, r in runs.items()},
+                       robust_too_few={name: r["robust_too_few"] for name, r in runs.items()},
+                       group_sizes={name: r["group_sizes"] for name, r in runs.items()})
     figures.update(numel=args.numel, members=MEMBERS)
     print(json.dumps(figures))
     return 0
