@@ -2,11 +2,13 @@
 
     sudo python benchmarks/bench_wan.py [--peers 4] [--size 64] [--hetero-size 16] [--rounds 2]
         [--scenarios 100mbit,1gbit,hetero] [--codecs none,int8,int4-int8,arc-topk:0.01]
-        [--systems moshpeer,hivemind,gloo] [--declare-bandwidth]
+        [--systems moshpeer,hivemind,gloo] [--declare-bandwidth] [--tcp-congestion cubic]
 
 Every scenario builds a `moshpeer.testing.netlab` lab: one network namespace per peer behind a router
 namespace, each peer's upload shaped with tbf, with netlab's own delay line for round-trip times and site
-routers for NAT (no loss; the fault injector is not used here). The workers are bench_allreduce.py's,
+routers for NAT (no loss; the fault injector is not used here). Every peer's TCP runs `--tcp-congestion`: CUBIC,
+stock Linux's default, unless told otherwise (this machine's kernel may default to BBR, which does worse here with
+several flows per uplink: netlab/tcp.py). The workers are bench_allreduce.py's,
 started inside the namespaces, so every system moves its bytes over the same links. Scenarios:
 
 - `100mbit`, `1gbit`: every peer uploads at that rate (`--size` MB of fp32 per peer);
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_allreduce import READY_TIMEOUT_S, _read_json, run_system, summarize  # noqa: E402
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds  # noqa: E402
 from moshpeer.testing import netlab  # noqa: E402
+from moshpeer.testing.netlab import tcp as netlab_tcp  # noqa: E402
 
 SLOW_MBIT, FAST_MBIT = 10.0, 100.0
 # Scenarios with latency, NAT or both (the others are a rate, or "hetero"): what each lab adds to uniform links.
@@ -95,6 +98,11 @@ def bounds(size_bytes: float, uploads_mbit: List[float], numel: int) -> Dict[str
             "equal_split_s": reduce_allgather_seconds(size_bytes, bws, equal)}
 
 
+def congestion(args) -> Optional[str]:
+    """netlab's tcp_congestion for `--tcp-congestion` (None: this kernel's default)."""
+    return None if args.tcp_congestion == "kernel" else args.tcp_congestion
+
+
 def run_in_lab(system: str, settings, uploads: List[float], codecs: str, **options) -> Dict[str, dict]:
     """One system in a fresh lab (`options`: netlab.Netlab's rtt, sites, ...): {name: summary + link bytes per
     peer per round}."""
@@ -124,9 +132,10 @@ def nat_scenario(args) -> Dict[str, float]:
                                chunk_bytes=args.chunk_bytes, partition="equal", declare_bandwidth=False,
                                worker_logs=args.worker_logs)
     uploads = uploads_of("nat", peers)
-    auto = run_in_lab("moshpeer", settings, uploads, "none", **lab_options("nat"))["none"]
+    options = {**lab_options("nat"), "tcp_congestion": congestion(args)}
+    auto = run_in_lab("moshpeer", settings, uploads, "none", **options)["none"]
     over_libp2p = SimpleNamespace(**{**vars(settings), "rounds": 3, "transport": "libp2p"})
-    forced = run_in_lab("moshpeer", over_libp2p, uploads, "none", **lab_options("nat"))["none"]
+    forced = run_in_lab("moshpeer", over_libp2p, uploads, "none", **options)["none"]
     relay_mbps = auto["bytes_sent"] * 8 / auto["seconds"] / 1e6
     print(f"  nat: {auto['ok_fraction']:.2f} of {args.nat_rounds} rounds averaged with all {peers} peers "
           f"(up to {auto['relayed_members']} members relayed per peer), {relay_mbps:.0f} Mbit/s per peer; every "
@@ -168,7 +177,7 @@ def join_scenario(args) -> Dict[str, float]:
     floats = int(args.join_size * 1e6 / 4)
     uploads = [None] + [JOIN_DONOR_MBIT] * JOIN_DONORS
     run = "bench-join"
-    with netlab.Netlab(uploads, rtt=JOIN_RTT_MS) as lab:
+    with netlab.Netlab(uploads, rtt=JOIN_RTT_MS, tcp_congestion=congestion(args)) as lab:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         newcomer = lab.popen(0, [sys.executable, "-c", NEWCOMER, lab.nodes[0].address, run, str(JOIN_DONORS)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -204,6 +213,9 @@ def main() -> int:
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
     parser.add_argument("--worker-logs", default=None, help="a folder for each worker's log (default: discarded)")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
+    parser.add_argument("--tcp-congestion", default="cubic",
+                        help="the TCP congestion control every peer runs: cubic (default: stock Linux's, what a "
+                             "volunteer's machine runs), bbr, ..., or 'kernel' for this kernel's default")
     parser.add_argument("--declare-bandwidth", action="store_true",
                         help="moshpeer peers declare the lab's upload rates (default: they measure them)")
     args = parser.parse_args()
@@ -220,11 +232,15 @@ def main() -> int:
         if not known:
             print(f"unknown scenario {scenario!r} ({', '.join(SCENARIOS)} or any rate)", file=sys.stderr)
             return 2
+    if args.tcp_congestion != "kernel" and args.tcp_congestion not in netlab_tcp.available():
+        print(f"--tcp-congestion: this kernel has no {args.tcp_congestion!r} (available: "
+              f"{', '.join(netlab_tcp.available())}, or 'kernel')", file=sys.stderr)
+        return 2
     systems = args.systems.split(",")
 
     rows = []  # (scenario, name, summary, bound)
     figures: Dict[str, Optional[float]] = {"peers": args.peers, "size_mb": args.size, "hetero_size_mb": args.hetero_size,
-                                           "load_at_start": os.getloadavg()[0]}
+                                           "tcp_congestion": args.tcp_congestion, "load_at_start": os.getloadavg()[0]}
     for scenario in scenarios:
         if scenario == "nat":
             figures.update(nat_scenario(args))
@@ -243,7 +259,7 @@ def main() -> int:
                                    round_timeout=slowest_round, chunk_bytes=args.chunk_bytes,
                                    partition="bandwidth", declare_bandwidth=args.declare_bandwidth,
                                    worker_logs=args.worker_logs)
-        options = lab_options(scenario)
+        options = {**lab_options(scenario), "tcp_congestion": congestion(args)}
         results: Dict[str, dict] = {}
         if scenario in RTT_MS and scenario != "rtt100":  # matchmaking and handshakes at this round-trip time
             summary = run_in_lab("moshpeer", settings, uploads, "none", **options)["none"]
@@ -295,7 +311,7 @@ def main() -> int:
                 figures["hetero_equal_split_s"] = equal_s
 
     figures["load_at_end"] = os.getloadavg()[0]
-    print(f"\n{args.peers} peers on netlab links (tbf upload shaping, no added latency or loss); median of "
+    print(f"\n{args.peers} peers on netlab links (tbf upload shaping, {args.tcp_congestion} TCP, no added loss); median of "
           f"{args.rounds} rounds, slowest peer per round; load average {figures['load_at_start']:.1f} at the start, "
           f"{figures['load_at_end']:.1f} at the end")
     print(f"{'scenario':<9}{'system':<30}{'round s':>9}{'bound s':>9}{'util':>7}{'MB sent/peer':>14}"

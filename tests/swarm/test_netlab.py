@@ -178,6 +178,20 @@ def test_shaped_private_links_and_teardown():
     assert not lab_names(lab.lab_id)
 
 
+def test_peers_run_the_congestion_control_asked_for_and_the_host_list_is_put_back():
+    """A namespace may only choose an allowed algorithm: the lab allows it while it is up, then puts the host's
+    list back."""
+    allowed = netlab.tcp.SYSCTL / "tcp_allowed_congestion_control"
+    before = allowed.read_text()
+    name = next((n for n in ("cubic", "reno") if n in netlab.tcp.available()), None)
+    if name is None:
+        pytest.skip("neither cubic nor reno in this kernel")
+    with Netlab([None, None], tcp_congestion=name) as lab:
+        chosen = lab.run(1, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], capture_output=True, text=True)
+        assert chosen.stdout.strip() == name
+    assert allowed.read_text() == before
+
+
 def test_leftovers_of_a_killed_owner_are_cleaned_up():
     features = "rtt='20ms', cpu_shares=0.5" if netlab.unavailable(delays=True, cpu_budgets=True) is None else ""
     code = ("import os, subprocess; from moshpeer.testing.netlab import Netlab; "

@@ -59,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--cpu", default=None, help="CPU budget per peer in cores (0.3, 30%%), one or one per peer")
         p.add_argument("--subnet", default=None, help="private /24 to use (default: a free one of "
                        f"{', '.join(SUBNET_CANDIDATES)})")
+        p.add_argument("--tcp", default=None, help="TCP congestion control every peer runs, e.g. cubic (stock "
+                       "Linux's; default: this kernel's). `up` leaves it on the host's allowed list")
 
     lab_args(sub.add_parser("up", help="build a lab that stays until `down`; prints it as JSON"))
     sub.add_parser("down", help="delete the labs made by `up`")
@@ -78,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise NetlabError(f"--peers must be within 1..{MAX_PEERS}")
             lab = Netlab(parse_rates(args.rate, args.peers), downloads=args.download, rtt=args.rtt,
                          jitter=args.jitter, sites=args.sites, cpu_shares=args.cpu, subnet=args.subnet,
-                         persistent=args.cmd == "up")
+                         persistent=args.cmd == "up", tcp_congestion=args.tcp)
             if args.cmd == "up":
                 print(json.dumps(describe(lab.up())))
                 return 0

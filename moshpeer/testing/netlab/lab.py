@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from moshpeer.testing.netlab import cpu, delay, nat
+from moshpeer.testing.netlab import cpu, delay, nat, tcp
 from moshpeer.testing.netlab.commands import COMMAND_TIMEOUT_S, NetlabError, in_netns, run, run_json, sysctl
 from moshpeer.testing.netlab.spec import (RateSpec, parse_ms, parse_rate, parse_share, parse_site, per_peer,
                                           site_kind)
@@ -278,13 +278,15 @@ class Netlab:
     :param sites: per peer, None for a public address, or a site label ("cone", "symmetric-b", "firewall-x":
         spec.SITE_KINDS; peers with the same label share one site router)
     :param cpu_shares: cores each peer's processes may use (e.g. 0.3; None = unlimited)
+    :param tcp_congestion: the TCP congestion control every peer runs (e.g. "cubic", stock Linux's; None = this
+        kernel's default; see tcp.py)
     :param persistent: owned by no process (the `up` command): no atexit teardown, removed by `netlab down`
     :raises NetlabError: a bad value (one line), here or from `up()`
     """
 
     def __init__(self, uploads: Sequence[RateSpec], *, downloads: PerPeer = None, rtt: PerPeer = None,
                  jitter: PerPeer = None, sites: PerPeer = None, cpu_shares: PerPeer = None,
-                 subnet: Optional[str] = None, persistent: bool = False):
+                 subnet: Optional[str] = None, persistent: bool = False, tcp_congestion: Optional[str] = None):
         if not 1 <= len(uploads) <= MAX_PEERS:
             raise NetlabError(f"netlab: 1 to {MAX_PEERS} peers, got {len(uploads)}")
         n = len(uploads)
@@ -296,6 +298,8 @@ class Netlab:
         self.cpu_shares = per_peer(cpu_shares, n, parse_share, "cpu")
         self.subnet_spec = subnet
         self.persistent = persistent
+        self.tcp_congestion = tcp_congestion
+        self._congestion_allowed = False
         owner = PERSISTENT_OWNER if persistent else os.getpid()
         with _live_lock:
             seq = _SEQ_CHARS[_sequence[0] % len(_SEQ_CHARS)]
@@ -328,6 +332,9 @@ class Netlab:
                 _live_labs[id(self)] = self
         self._up = True
         try:
+            if self.tcp_congestion is not None:
+                tcp.allow(self.tcp_congestion)
+                self._congestion_allowed = True
             self._build(public, labels)
         except BaseException:
             self.down()
@@ -397,7 +404,8 @@ class Netlab:
             if str(site["private"]) not in reachable:
                 reachable.append(str(site["private"]))
         self._wire(upper, f"p{k}", upper_gateway, netns, IFNAME, address, reachable)
-        run(in_netns(netns, ["sysctl", "-q", f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}"]))
+        sysctl(netns, f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}",
+               *([f"net.ipv4.tcp_congestion_control={self.tcp_congestion}"] if self.tcp_congestion else []))
         upload, download, rtt, jitter = self.uploads[k], self.downloads[k], self.rtts[k], self.jitters[k]
         shaped = IFNAME
         if rtt or jitter:
@@ -436,6 +444,9 @@ class Netlab:
             cpu.remove(group)
         self._namespaces.clear()
         self._cgroups.clear()
+        if self._congestion_allowed:
+            self._congestion_allowed = False
+            tcp.release(self.tcp_congestion)
 
     def __enter__(self) -> "Netlab":
         return self.up()
