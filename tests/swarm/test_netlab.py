@@ -22,6 +22,8 @@ from moshpeer.testing.netlab import Netlab
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netlab.unavailable()))]
+# Stock Linux's congestion control, what the simulator's fair links stand for (this kernel may default to BBR).
+STOCK_TCP = "cubic" if "cubic" in netlab.tcp.available() else None
 needs_delays = pytest.mark.skipif(netlab.unavailable(delays=True) is not None,
                                   reason=str(netlab.unavailable(delays=True)))
 needs_sites = pytest.mark.skipif(netlab.unavailable(sites=True) is not None,
@@ -285,7 +287,7 @@ def test_simulated_round_time_matches_real_peers_on_shaped_links(tmp_path, peers
     `pipelined_chunk_numel`): 3 peers 1.19x, 8 peers 1.25-1.27x, 16 peers 1.21x; with one 1 MB chunk per part,
     as before that rule, 8 peers took 1.45-1.60x. The bound leaves room for a loaded machine."""
     numel, upload = 2_000_000, 20e6 / 8
-    with Netlab([upload * 8 / 1e6] * peers) as lab:
+    with Netlab([upload * 8 / 1e6] * peers, tcp_congestion=STOCK_TCP) as lab:
         reports, err = average_once(lab, numel, tmp_path)
     real_s, simulated_s = group_round_s(reports), simulated_round_s(numel, [upload] * peers)
     print(f"{peers} peers: real round {real_s:.2f} s, simulated {simulated_s:.2f} s, ratio {real_s / simulated_s:.3f}")

@@ -183,7 +183,11 @@ def test_critical_budget_resends_beyond_it_without_stalling():
     critical, _ = _round(loss_budget=0.05, faults=FaultConfig(**BURSTS, seed=seed), group_id=group_id)
     slowest_baseline = max(r.total_s for r in baseline)
     slowest_critical = max(r.total_s for r in critical)
-    assert slowest_critical < slowest_baseline / 2, (slowest_critical, slowest_baseline)
+    # The same bursts on the same links: the baseline's extra time is what its later chunks waited behind resends
+    # (retransmission timeouts slept in turn): 3.5 s against 1.6 s beside two busy loops on 2 cores, six runs. The
+    # ratio asked before (< 1/2) left 8% of margin, and failed once under `-n 2`; the waiting does not scale
+    # with the machine's load.
+    assert slowest_baseline - slowest_critical > 1.0, (slowest_critical, slowest_baseline)
     dropped = lost = 0
     for r in critical:
         for phase in (r.reduce, r.gather):

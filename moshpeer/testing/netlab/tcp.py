@@ -22,8 +22,11 @@ _added: Dict[str, list] = {}  # name -> [labs using it, the allowed list before 
 
 
 def available(sysctl: Path = SYSCTL) -> List[str]:
-    """The congestion controls this kernel has (loaded)."""
-    return (sysctl / "tcp_available_congestion_control").read_text().split()
+    """The congestion controls this kernel has (loaded); none where it does not say (not Linux)."""
+    try:
+        return (sysctl / "tcp_available_congestion_control").read_text().split()
+    except OSError:
+        return []
 
 
 def allow(name: str, sysctl: Path = SYSCTL) -> None:
