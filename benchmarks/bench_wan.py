@@ -311,7 +311,8 @@ def main() -> int:
                 figures["hetero_equal_split_s"] = equal_s
 
     figures["load_at_end"] = os.getloadavg()[0]
-    print(f"\n{args.peers} peers on netlab links (tbf upload shaping, {args.tcp_congestion} TCP, no added loss); median of "
+    print(f"\n{args.peers} peers on netlab links (tbf upload shaping, {args.tcp_congestion} TCP, no added loss); "
+          f"median of "
           f"{args.rounds} rounds, slowest peer per round; load average {figures['load_at_start']:.1f} at the start, "
           f"{figures['load_at_end']:.1f} at the end")
     print(f"{'scenario':<9}{'system':<30}{'round s':>9}{'bound s':>9}{'util':>7}{'MB sent/peer':>14}"

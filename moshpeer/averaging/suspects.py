@@ -27,10 +27,10 @@ A rejected chunk is stronger evidence than a clipped one. Clipping starts at two
 owner's value, where chance reaches an honest member a few times in a run; rejection at ten
 (aggregation.REJECT_RADIUS_FACTOR), where no honest member's contribution lies. So a round in which all of a
 member's chunks were rejected puts it at the cap at once (REJECTED_EVIDENCE = SCORE_CAP): one that sends -100x in
-a quarter of its chunks, one chunk per part, is distrusted after its first such round, for the 7 clean rounds the
-decay takes to clear it, not only after a lucky streak of such rounds (bench_trust's `sparse_chunks` arm: with
-rejections counted as clips, every honest owner distrusted it by epoch 20 in 5 of 10 runs). A rejected quarter of
-a member's chunks adds 0.75 a round.
+a quarter of its chunks, one chunk per part, is distrusted after its first such round until the decay clears it
+(the 7th clean round), not only after a lucky streak of such rounds. In bench_trust's `sparse_chunks` arm every
+honest owner distrusted it by epoch 20 in 10 of 10 runs (5 of 10 with rejections counted as clips). A rejected
+quarter of a member's chunks adds 0.75 a round.
 
 A member that stays inside the clip radius is never clipped: sending the reverse of its update at the honest
 scale biases every round it is in (bench_trust's `inside_radius` arm). The same Gram matrix that CenteredClip
