@@ -232,9 +232,11 @@ def main() -> int:
         if not known:
             print(f"unknown scenario {scenario!r} ({', '.join(SCENARIOS)} or any rate)", file=sys.stderr)
             return 2
-    if args.tcp_congestion != "kernel" and args.tcp_congestion not in netlab_tcp.available():
-        print(f"--tcp-congestion: this kernel has no {args.tcp_congestion!r} (available: "
-              f"{', '.join(netlab_tcp.available())}, or 'kernel')", file=sys.stderr)
+    try:
+        if args.tcp_congestion != "kernel":
+            netlab_tcp.check_available(args.tcp_congestion)
+    except netlab.NetlabError as e:
+        print(f"--tcp-congestion: {e} (or 'kernel')", file=sys.stderr)
         return 2
     systems = args.systems.split(",")
 

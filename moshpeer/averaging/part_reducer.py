@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Iterable, List, Optional, Sequence
 
 import torch
@@ -28,7 +28,7 @@ from moshpeer.averaging.aggregation import (DEFAULT_MAX_BUFFER_BYTES, MIN_ROBUST
                                             check_aggregation, robust_combine, weight_cap_factor)
 from moshpeer.averaging.estimator import estimate_chunks_into_own
 from moshpeer.averaging.partition import Partition
-from moshpeer.averaging.suspects import AlignmentRecord, MemberEvidence
+from moshpeer.averaging.suspects import MemberEvidence
 from moshpeer.compression.codec import Codec, NoCompression, all_finite
 from moshpeer.errors import ProtocolError
 
@@ -402,7 +402,7 @@ class PartReducer:
     def evidence(self) -> List[MemberEvidence]:
         """Per member index: what robust aggregation saw of its contributions so far (a copy)."""
         with self._lock:
-            return [MemberEvidence(contributed, e.flagged, e.rejected, e.alignment + AlignmentRecord())
+            return [replace(e, contributed=contributed, alignment=replace(e.alignment))
                     for contributed, e in zip(self.contributed(), self._evidence)]
 
 

@@ -62,6 +62,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
         distrusted = set(tracker.distrusted(ids)) - {owner} if tracker is not None else set()
         owner_w = [0.0 if i in distrusted else weight for i, weight in enumerate(w)]
         evidence = [MemberEvidence() for _ in range(n)]  # per member, as the peer's PartReducer counts it
+        contributed = np.zeros(n, dtype=np.int64)
         for chunk in range(partition.num_chunks(owner)):
             lo, hi = partition.chunk_range(owner, chunk)
             arrived = present & (rng.random(n) >= c.chunk_loss)
@@ -76,8 +77,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
                                           float(wt[torch.from_numpy(others)].sum()))
             else:
                 idx = np.flatnonzero(arrived)
-                for i in idx[idx != owner]:
-                    evidence[i].contributed += 1
+                contributed[idx[idx != owner]] += 1
                 if idx.size < MIN_ROBUST_CONTRIBUTIONS:
                     value = v[owner, lo:hi]  # too few to outvote a hostile one: the owner keeps its own value
                 else:
@@ -91,5 +91,7 @@ def aggregate_group(config: TrainingConfig, rng: np.random.Generator, rows: np.n
             back[owner] = True
             result[torch.from_numpy(back), lo:hi] = value
         if tracker is not None:
+            for seen, chunks in zip(evidence, contributed.tolist()):
+                seen.contributed = chunks
             tracker.record_round(ids, evidence)
     averaged[torch.from_numpy(rows)] = result

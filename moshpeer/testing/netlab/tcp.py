@@ -29,11 +29,16 @@ def available(sysctl: Path = SYSCTL) -> List[str]:
         return []
 
 
-def allow(name: str, sysctl: Path = SYSCTL) -> None:
-    """Make `name` choosable in namespaces; NetlabError (one line) if this kernel does not have it."""
+def check_available(name: str, sysctl: Path = SYSCTL) -> None:
+    """NetlabError (one line) unless this kernel has the congestion control `name`."""
     if name not in available(sysctl):
         raise NetlabError(f"netlab: this kernel has no TCP congestion control {name!r} "
                           f"(available: {', '.join(available(sysctl))})")
+
+
+def allow(name: str, sysctl: Path = SYSCTL) -> None:
+    """Make `name` choosable in namespaces; NetlabError (one line) if this kernel does not have it."""
+    check_available(name, sysctl)
     with _lock:
         if name in _added:
             _added[name][0] += 1
