@@ -446,7 +446,7 @@ class MoshpitAverager(ServicerBase):
                             ) -> Tuple[float, str, DataPlaneStats, Dict[str, Any]]:
         """Average `tensors` with the group by `deadline` -> the group's loss budget, phase, the data plane's counters
         (summed over the round's all-reduces) and more `RoundResult` fields: `flagged` (peer id -> chunks of our part
-        clipped or trimmed), `distrusted` (weighed at zero, suspects.py), `part_sizes`, `upload_paced_s`."""
+        clipped or trimmed), `distrusted` (weighed at zero), `contributors`, `part_sizes`, `upload_paced_s`."""
         peer_ids = [str(peer_id) for peer_id in group.peer_ids]
         distrusted = self.suspects.distrusted(peer_ids) if self.aggregation == "clipped" else []
         secret = self.admission.connection_secret(wire.group_secret(group.group_id, [m.nonce for m in members]))
@@ -475,7 +475,8 @@ class MoshpitAverager(ServicerBase):
         self._nat.note_round(len(members) - 1, len(set(result.departed) | set(result.absent)))  # behind NAT: relay ok?
         log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
         part_sizes = dataplane.part_sizes(flat.numel()) or []
-        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes,
+        contributors = [peer_ids[i] for i, e in enumerate(result.evidence_by_index) if e.contributed and i != my_index]
+        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes, contributors=contributors,
                                                      distrusted=[peer_ids[i] for i in distrusted],
                                                      upload_paced_s=spread)
 

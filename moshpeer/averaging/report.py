@@ -149,6 +149,8 @@ class RoundResult:
     flagged: Dict[str, int] = field(default_factory=dict)
     # Peer ids whose contributions our "clipped" aggregation weighed at zero in this round (suspects.py).
     distrusted: List[str] = field(default_factory=list)
+    # Peer ids (not ours) whose contributions to our part reached us: the members we saw average (witnesses.py).
+    contributors: List[str] = field(default_factory=list)
 
     reduce = _data_fact("reduce")
     gather = _data_fact("gather")
@@ -163,7 +165,7 @@ class RoundResult:
     all_gather_s = _data_fact("all_gather_s")
     total_s = _data_fact("total_s")
     upload_bps = _data_fact("upload_bps")
-    nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `distrusted`)
+    nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `contributors`)
     robust_too_few = _data_fact("robust_too_few")  # (likewise)
     over_libp2p = _data_fact("over_libp2p")  # (likewise)
 

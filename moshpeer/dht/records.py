@@ -22,6 +22,8 @@ MAX_GRID_COORD = 1 << 16
 MAX_GROUP_BITS = 64
 MAX_FLAGGED_PEERS = 16
 MAX_HEALTH_ROUNDS = 1000
+MAX_WITNESSED = 64
+WITNESS_TAG_BYTES = 8
 
 _PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58
 _Address = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ADDRESS_CHARS)]
@@ -31,7 +33,8 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at"}
+     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at",
+     "witnessed"}
 )
 
 
@@ -95,6 +98,10 @@ class PeerRecord(BaseModel):
     # What a training peer says about its recent rounds (None: a bootstrap node, or no round yet), and the
     # samples the run gathers per collaborative epoch (0: unknown): `moshpeer status` shows both.
     round_health: Optional[RoundHealth] = None
+    # Trainers whose contributions reached this peer in its recent rounds, as short tags (witnesses.py): the
+    # evidence by which the peers that averaged with this one count the samples of the peers it names.
+    witnessed: List[Annotated[bytes, Field(min_length=WITNESS_TAG_BYTES, max_length=WITNESS_TAG_BYTES)]] = Field(
+        default_factory=list, max_length=MAX_WITNESSED)
     target_batch_size: _Count = 0
     # In a run with a swarm key: proof that this peer holds it (admission.py; b"" in open runs).
     member_tag: Annotated[bytes, Field(max_length=64)] = b""

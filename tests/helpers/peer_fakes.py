@@ -103,6 +103,7 @@ class FakeProgress:
     def __init__(self) -> None:
         self.view = swarm_view()
         self.reports: List[Dict[str, Any]] = []
+        self.rounds_noted: List[Any] = []  # (epoch, contributors) of each round that averaged
 
     def snapshot(self) -> ProgressSnapshot:
         return self.view
@@ -119,6 +120,9 @@ class FakeProgress:
 
     def report(self, **fields: Any) -> None:
         self.reports.append(fields)
+
+    def note_round(self, epoch: int, contributors: Any) -> None:
+        self.rounds_noted.append((epoch, list(contributors)))
 
 
 class FakeSwarm:

@@ -42,11 +42,13 @@ def test_a_lone_peer_steps_on_its_sample_weighted_mean_gradient():
 def test_a_group_round_applies_the_groups_average_gradient():
     host = gradients_host(lr=0.1)
     host.averager.average = lambda tensors: [t.fill_(5.0) for t in tensors]  # the group's mean gradient
-    host.averager.queue(RoundResult(ok=True, group_size=2, matchmaking_s=0.05, averaged=("gradients",)))
+    host.averager.queue(RoundResult(ok=True, group_size=2, matchmaking_s=0.05, averaged=("gradients",),
+                                    contributors=["QmOther"]))
     before = snapshot_params(host)
     host.backward(1.0)
     record = host.epochs.account(32)  # two trainers: this peer's share is 32 of 64
     assert record.ok and record.error is None and record.group_size == 2 and record.group_target == 2
+    assert host.swarm.progress.rounds_noted == [(0, ["QmOther"])]  # its samples count from now on (witnesses.py)
     call = host.averager.calls[0]
     assert call["weight"] == 32.0 and call["averaged"] == ("gradients",) and call["wait"] is False
     assert call["matchmaking_time"] == host.timing.matchmaking_window() == 1.0 and call["timeout"] == 2.0

@@ -10,12 +10,13 @@ from moshpeer.averaging.report import DataPlaneStats, PhaseStats, RoundResult
 from moshpeer.averaging.suspects import MemberEvidence
 
 # The keys of `RoundResult.to_dict()` before the data plane's stats were embedded, in their order (plus
-# `robust_too_few`, added after `nonfinite_averages` in session 10, and `upload_paced_s`, in session 16).
+# `robust_too_few`, added after `nonfinite_averages` in session 10, `upload_paced_s`, in session 16, and
+# `contributors`, in session 23).
 KEYS = ["ok", "averaged", "group_id", "group_size", "my_index", "group_bits", "coordinates", "weight", "matchmaking_s",
         "compression", "error", "loss_budget", "loss_phase", "matchmaking_window_s", "round_deadline_s",
         "data_deadline_s", "upload_paced_s", "reduce", "gather", "departed", "absent", "relayed", "missing_chunks",
         "rejected_connections", "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s",
-        "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "nonfinite_averages", "robust_too_few", "over_libp2p",
+        "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "contributors", "nonfinite_averages", "robust_too_few", "over_libp2p",
         "chunks_lost",
         "lost_fraction", "bytes_sent", "bytes_received"]
 

@@ -352,6 +352,7 @@ class EpochLoop:
         strategy = self.host.strategy
         ok = result is not None and result.ok
         if ok:
+            self.host.swarm.progress.note_round(facts["epoch"], result.contributors)
             spread = strategy.apply_averaged(plan)
         elif update is not None:
             spread = strategy.apply_update(plan, update)

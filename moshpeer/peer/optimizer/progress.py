@@ -18,6 +18,8 @@ dictionary. From those records each peer derives the same view:
 - the swarm's progress is the sum of `samples_accumulated` over trainers at that epoch, which
   the optimizer compares with `target_batch_size`; with robust aggregation, the trainers this peer's
   averager weighs at zero (suspects) are left out of that sum: their samples never reach the model;
+- a trainer's samples count only once this peer, or a peer it averaged with, saw it average
+  (`TrainerWitnesses`, witnesses.py): a record that claims samples and never averages ends no epoch;
 - each other trainer's count is believed only up to what it could have computed since this peer saw the
   epoch begin, at a few times the swarm's median witnessed rate (`SampleCredit`, sample_credit.py): a peer
   claiming the target at every refresh cannot end every epoch at once; the refused samples are counted
@@ -53,6 +55,7 @@ from hivemind.utils import get_dht_time
 from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
+from moshpeer.peer.optimizer.witnesses import TrainerWitnesses
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +270,7 @@ class SwarmProgress:
         self._records: Tuple[PeerRecord, ...] = ()
         self._credit = EpochCredit()
         self._samples = SampleCredit()
+        self._witnesses = TrainerWitnesses()
         self._uncounted: Callable[[], Collection[str]] = tuple
         self._lock = threading.Lock()
         self._fetched = threading.Condition(self._lock)
@@ -297,9 +301,17 @@ class SwarmProgress:
             if since < self.cadence.min_interval_s or since < self.next_interval():
                 return
         self._last_publish, self._last_published_epoch = now, epoch
+        with self._lock:
+            witnessed = self._witnesses.tags(epoch)
         self._publish(epoch=epoch, samples_accumulated=samples_accumulated, samples_counted_at=get_dht_time(),
                       samples_per_second=float(max(samples_per_second, 0.0)), step=step,
-                      upload_bps=float(max(upload_bps, 0.0)))
+                      upload_bps=float(max(upload_bps, 0.0)), witnessed=witnessed)
+
+    def note_round(self, epoch: int, contributors: Collection[str]) -> None:
+        """This peer's round of `epoch` averaged with `contributors` (`RoundResult.contributors`): their samples,
+        and those of the trainers they witnessed, count from now on (witnesses.py)."""
+        with self._lock:
+            self._witnesses.note_round(epoch, contributors)
 
     def count_samples_except(self, peers: Callable[[], Collection[str]]) -> None:
         """From now on, every view leaves out the samples of the trainers `peers()` names (asked at each
@@ -311,11 +323,12 @@ class SwarmProgress:
 
     def snapshot(self) -> ProgressSnapshot:
         """The latest view (DHT records from the last refresh, this peer's own numbers live)."""
+        own = self._own_record()
         with self._lock:
             records, last, capped = self._records, self._credit.swarm_epoch, self._samples.capped
-        return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
-                         now=time.monotonic(), max_epoch=last, uncounted=frozenset(self._uncounted()),
-                         capped=capped)
+            unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
+        return summarize(records, own=own, target_batch_size=self.target_batch_size, now=time.monotonic(),
+                         max_epoch=last, uncounted=unwitnessed | frozenset(self._uncounted()), capped=capped)
 
     @property
     def swarm_epoch_reached(self) -> int:

@@ -1,0 +1,85 @@
+"""Whose samples count: trainers that some peer this one averaged with saw average (issue 26: `sample_liar`).
+
+A record's sample count is a claim. `SampleCredit` (sample_credit.py) bounds each claim by what a fast trainer
+could have computed since the epoch began, but a trainer that never averages still counts as up to 4 median
+trainers: with 4 honest peers, a liar claiming the target at every refresh would end every epoch in about half
+its time, and its samples never reach the model. So a trainer's samples count toward the target only when
+this peer has evidence that it takes part in the averaging:
+
+- **witnessed**: its contribution to the part this peer owns reached this peer in one of its rounds of the
+  last WINDOW_EPOCHS epochs (`RoundResult.contributors`: it came through the authenticated data plane, under
+  the member's own key, so nobody can claim it for another peer);
+- **vouched for**: a peer witnessed that way names it among the trainers it witnessed itself (the record's
+  `witnessed` list, short tags of peer ids). One hop only: a record's list holds what its owner witnessed, never
+  what it was told, so a liar that never averages needs a peer that averages with this one to vouch for it.
+  One hop is what a large swarm needs: a group of g shows a peer g - 1 others per round, and their lists
+  cover about (g - 1)^2 more.
+
+This peer counts its own samples, always. While it has witnessed nobody within the window (the run's first
+epoch, a newcomer, a peer whose rounds all failed), it cannot tell and counts every trainer, as before: a liar
+can then shorten such epochs within `SampleCredit`'s bound, and the first round it is not part of ends that.
+
+What it costs honest peers: a newcomer's samples count from its first round on (its first epoch's samples
+still reach the model through the round; only the epoch's end waits for the others' samples). A record carries
+up to MAX_WITNESSED tags of TAG_BYTES (about 650 bytes), the most recently witnessed first.
+
+This module decides; progress.py feeds it rounds and records and applies the result (no I/O here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, FrozenSet, Iterable, List, Sequence
+
+from moshpeer.dht import PeerRecord
+from moshpeer.dht.records import MAX_WITNESSED, WITNESS_TAG_BYTES
+
+# A witness counts for this many epochs after the round it was seen in: long enough for Moshpit's rotating
+# groups to show a peer most of the swarm (directly or one hop away), short enough that a peer that stops
+# averaging stops counting soon after.
+WINDOW_EPOCHS = 8
+MAX_TRACKED = 4096  # peers remembered (the most recently witnessed kept)
+
+
+def witness_tag(peer_id: str) -> bytes:
+    """The short name a record uses for a witnessed peer (collisions cost an attacker ~2^64 identities)."""
+    return hashlib.blake2b(peer_id.encode(), digest_size=WITNESS_TAG_BYTES, person=b"moshpeer-witness").digest()
+
+
+class TrainerWitnesses:
+    """Which trainers this peer has seen average, and which of the others' samples it counts (module docstring).
+
+    Deterministic: the epochs are parameters, there is no clock.
+    """
+
+    def __init__(self, window_epochs: int = WINDOW_EPOCHS, max_tracked: int = MAX_TRACKED):
+        self.window_epochs, self.max_tracked = window_epochs, max_tracked
+        self._last_seen: Dict[str, int] = {}  # peer id -> epoch of the last round its contribution reached us
+
+    def note_round(self, epoch: int, contributors: Iterable[str]) -> None:
+        """The peers whose contributions reached this peer in its round of `epoch`."""
+        for peer_id in contributors:
+            self._last_seen[peer_id] = max(epoch, self._last_seen.get(peer_id, epoch))
+        if len(self._last_seen) > self.max_tracked:
+            recent = sorted(self._last_seen.items(), key=lambda kv: -kv[1])[:self.max_tracked]
+            self._last_seen = dict(recent)
+
+    def witnessed(self, epoch: int) -> List[str]:
+        """Peer ids witnessed within the window before `epoch`, the most recent first."""
+        live = [(seen, peer_id) for peer_id, seen in self._last_seen.items() if seen > epoch - self.window_epochs]
+        return [peer_id for _, peer_id in sorted(live, reverse=True)]
+
+    def tags(self, epoch: int) -> List[bytes]:
+        """What this peer's record says it witnessed (`PeerRecord.witnessed`)."""
+        return [witness_tag(peer_id) for peer_id in self.witnessed(epoch)[:MAX_WITNESSED]]
+
+    def uncounted(self, records: Sequence[PeerRecord], *, own_peer_id: str, epoch: int) -> FrozenSet[str]:
+        """The trainers among `records` whose samples this peer does not count at `epoch`: neither witnessed
+        nor vouched for by a witnessed peer. Empty while this peer has witnessed nobody within the window."""
+        direct = set(self.witnessed(epoch))
+        if not direct:
+            return frozenset()
+        vouched = {tag for r in records if r.peer_id in direct for tag in r.witnessed}
+        return frozenset(r.peer_id for r in records
+                         if r.role == "trainer" and r.peer_id != own_peer_id and r.peer_id not in direct
+                         and witness_tag(r.peer_id) not in vouched)
