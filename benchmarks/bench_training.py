@@ -237,8 +237,12 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
 
 
 def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str,
-                 extra_args: Optional[Callable[[int], List[str]]] = None) -> dict:
-    """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults)."""
+                 extra_args: Optional[Callable[[int], List[str]]] = None,
+                 companions: Optional[Callable[[str, List[str]], List[List[str]]]] = None) -> dict:
+    """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults);
+    `companions(run_id, bootstrap maddrs)` gives the argv of more processes to start on loopback once every peer
+    has started training (e.g. bench_trust's sample liar, which joins a running swarm; each prints a "ready"
+    JSON line)."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     where = getattr(args, "placement", None) or Placement()
@@ -267,6 +271,12 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 "join", run_id, where.maddr(node), "--initial-peers", *maddrs, "--role", "aux",
                 "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
                 "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time))), e))
+        for argv in companions(run_id, maddrs) if companions is not None else []:
+            if not all(peer.wait_event("started", args.timeout) for peer in peers):
+                break  # a peer that never started: the run's figures say so
+            children.append(Child(argv, e))
+            if children[-1].wait_event("ready", 60) is None:
+                raise RuntimeError(f"{' '.join(argv[1:3])} did not start: {children[-1].stderr_tail()}")
         for peer in peers:
             peer.wait_event("done", args.timeout)
         return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")

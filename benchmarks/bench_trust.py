@@ -14,15 +14,19 @@
    the same with `--aggregation clipped` on every peer; the control, all honest with `clipped` (what the
    robust aggregation costs when nobody attacks); and `inside_radius`, a hostile peer inside the rules
    (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`), and `sparse_chunks`
-   (`--faults byzantine=-100,chunks=0.25`: -100x in one chunk of four, under `clipped`). Final test accuracy of the
+   (`--faults byzantine=-100,chunks=0.25`: -100x in one chunk of four, under `clipped`); `sample_liar`, the 4 honest
+   peers and a fifth process, started once they train, that claims the whole target batch at the swarm's epoch at
+   every refresh and never averages (moshpeer/testing/sample_liar.py); `leader_pair`, every peer under `clipped` and the hostile one with
+   `--group-size 2`: when it leads, it starts its group as soon as one peer joined. Final test accuracy of the
    honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
    counted.
 
     python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
-honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc (those of
-the arms run; see --arms); detection_rate (of the robust attacked arms' runs, the share in which every honest
+honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc,
+sample_liar_acc, leader_pair_acc (those of the arms run; see --arms); sample_liar_epochs_ratio (collaborative epochs
+per second with the liar / in the honest arm, from the mean seconds per epoch over the runs); detection_rate (of the robust attacked arms' runs, the share in which every honest
 peer distrusted the hostile one within DETECTION_EPOCHS epochs), honest_distrusted (per arm and run: rounds in
 which an honest peer distrusted an honest one), robust_too_few (per arm and run: chunks a robust owner kept its own
 value for) and group_sizes (per arm and run: rounds per group size, over all peers).
@@ -59,8 +63,10 @@ HOSTILE = "byzantine=-100,weight=1e6"
 INSIDE_RADIUS = "byzantine=-1"
 # The audit's sparse attack: -100x in one chunk of four, too few chunks for the suspect rule's "half of them".
 SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
-ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")
-ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks")  # one hostile peer
+ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks",
+        "sample_liar", "leader_pair")
+# One of the 4 peers is hostile (the sample liar is a fifth process, not one of them).
+ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks", "leader_pair")
 ROBUST_ATTACKED_ARMS = ("byzantine_clipped", "inside_radius", "sparse_chunks")  # the arms detection is asked of
 DETECTION_EPOCHS = 20  # issue 26: a hostile peer counts as detected when every honest peer distrusts it by then
 
@@ -178,18 +184,22 @@ def training(args) -> dict:
          lambda i: ["--aggregation", "clipped"] + (["--faults", INSIDE_RADIUS] if i == hostile else [])),
         ("sparse_chunks",
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
+        ("sample_liar", None),
+        ("leader_pair", lambda i: ["--aggregation", "clipped"] + (["--group-size", "2"] if i == hostile else [])),
     ) if arm[0] in args.arms]
-    out = {name: {"accs": [], "peers_finished": [], "train_s": [], "honest_flagged": [], "hostile_free_rounds": [],
-                  "detected": [], "honest_distrusted": [], "robust_too_few": [], "group_sizes": []}
+    out = {name: {"accs": [], "peers_finished": [], "train_s": [], "step_s": [], "honest_flagged": [],
+                  "hostile_free_rounds": [], "detected": [], "honest_distrusted": [], "robust_too_few": [],
+                  "group_sizes": []}
            for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
     for repeat in range(args.repeats):
         for name, extra in arms:
             tag = f"{name.replace('_', '-')}-{repeat}"
-            summary = bench_training.run_moshpeer(run_args, straggler=None, budget=None, tag=tag, extra_args=extra)
+            summary = bench_training.run_moshpeer(run_args, straggler=None, budget=None, tag=tag, extra_args=extra,
+                                                  companions=sample_liar if name == "sample_liar" else None)
             events = bench_training.ALL_EVENTS[f"moshpeer-{tag}"]
-            finals = [e["metrics"]["accuracy"] for k, peer in enumerate(events) if name == "honest" or k != hostile
+            finals = [e["metrics"]["accuracy"] for k, peer in enumerate(events) if name not in ATTACKED_ARMS or k != hostile
                       for e in peer if e.get("event") == "done"]
             out[name]["accs"].append(sum(finals) / len(finals) if finals else None)
             out[name]["peers_finished"].append(len(finals))
@@ -198,10 +208,21 @@ def training(args) -> dict:
             for key in ("hostile_free_rounds", "detected", "honest_distrusted", "robust_too_few", "group_sizes"):
                 out[name][key].append(flags[key])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
+            out[name]["step_s"].append(summary["mean_step_s"])
     for r in out.values():
         done = [a for a in r["accs"] if a is not None]
         r["acc"] = sum(done) / len(done) if done else None
+        steps = [s for s in r["step_s"] if s]
+        r["mean_step_s"] = sum(steps) / len(steps) if steps else None
     return out
+
+
+def sample_liar(run_id: str, maddrs: List[str]) -> List[List[str]]:
+    """The sample_liar arm's fifth process: it claims the target batch at the swarm's epoch at every refresh."""
+    import bench_training
+
+    return [[sys.executable, "-m", "moshpeer.testing.sample_liar", "--run-id", run_id, "--initial-peers", *maddrs,
+             "--target-batch-size", str(bench_training.GLOBAL_BATCH)]]
 
 
 def main() -> int:
@@ -248,9 +269,13 @@ def main() -> int:
         print("chunks a robust owner kept its own value for (too few contributions), per run: " + "; ".join(
             f"{name} {r['robust_too_few']}" for name, r in runs.items()))
         print("rounds per group size, per run: " + "; ".join(f"{name} {r['group_sizes']}" for name, r in runs.items()))
+        print("seconds per collaborative epoch, per run: " + "; ".join(
+            f"{name} {' '.join(f'{s:.2f}' if s else '-' for s in r['step_s'])}" for name, r in runs.items()))
         detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
         if detections:
             figures["detection_rate"] = sum(detections) / len(detections)
+        if "sample_liar" in runs and "honest" in runs and runs["sample_liar"]["mean_step_s"]:
+            figures["sample_liar_epochs_ratio"] = runs["honest"]["mean_step_s"] / runs["sample_liar"]["mean_step_s"]
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,
                        repeats=args.repeats, accs={name: r["accs"] for name, r in runs.items()},
                        honest_flagged={name: r["honest_flagged"] for name, r in runs.items()},
@@ -258,7 +283,8 @@ def main() -> int:
                        detected={name: r["detected"] for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS},
                        honest_distrusted={name: r["honest_distrusted"] for name, r in runs.items()},
                        robust_too_few={name: r["robust_too_few"] for name, r in runs.items()},
-                       group_sizes={name: r["group_sizes"] for name, r in runs.items()})
+                       group_sizes={name: r["group_sizes"] for name, r in runs.items()},
+                       step_s={name: r["step_s"] for name, r in runs.items()})
     figures.update(numel=args.numel, members=MEMBERS)
     print(json.dumps(figures))
     return 0

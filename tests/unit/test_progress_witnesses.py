@@ -98,6 +98,30 @@ def test_a_vouch_counts_only_from_a_peer_the_reader_witnessed():
     assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=10) == {peer_id(LIAR), peer_id(LIAR + 1)}
 
 
+def test_fake_records_outnumbering_the_honest_ones_do_not_raise_the_epoch():
+    """Four fresh identities claim ever higher epochs against three honest trainers at epoch 10. Without witnesses
+    (main before this change) they are the upper median and raise the reader's view by about 10 epochs per
+    second; once the reader has averaged with the honest peers, the fakes' epochs do not count."""
+    def view_after(witnesses: Optional[TrainerWitnesses], seconds: float) -> int:
+        credit = EpochCredit()
+        now, view = 0.0, None
+        while now < seconds:
+            now += REFRESH_S
+            records = [trainer(k, 10, 0) for k in (0, 1, 2)]
+            records += [trainer(100 + k, 10 + int(20 * now), 0) for k in range(4)]
+            unwitnessed = (witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=10) if witnesses is not None
+                           else frozenset())
+            credited = credit.apply(records, peer_id(0), now=now, uncorroborated=unwitnessed)
+            view = summarize(credited, own=records[0], target_batch_size=TARGET, now=now,
+                             max_epoch=credit.swarm_epoch, uncounted=unwitnessed)
+        return view.global_epoch
+
+    assert view_after(None, 5.0) >= 10 + 40  # the attack: about 10 epochs per second
+    witnesses = TrainerWitnesses()
+    witnesses.note_round(9, [peer_id(1), peer_id(2)])
+    assert view_after(witnesses, 5.0) == 10
+
+
 def test_a_reader_that_witnessed_nobody_counts_everyone():
     """The run's first epoch, a newcomer: no evidence either way, so every trainer counts (SampleCredit bounds)."""
     witnesses = TrainerWitnesses()

@@ -4,8 +4,8 @@ Every peer publishes its own progress in its signed peer record (`epoch`, `sampl
 for that epoch, `samples_per_second`) and reads everyone else's from the run's membership
 dictionary. From those records each peer derives the same view:
 
-- the collaborative epoch is a robust statistic of the other live trainers' epochs, their upper
-  median, or this peer's own epoch if that is higher (a peer that is behind it must catch up by
+- the collaborative epoch is a robust statistic of the other live trainers' epochs (those this peer counts,
+  below), their upper median, or this peer's own epoch if that is higher (a peer that is behind it must catch up by
   downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
   however far they claim to be ahead, and a minority of laggards cannot hold it back;
 - claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
@@ -143,10 +143,13 @@ class EpochCredit:
         self.reached = 0  # the highest epoch the swarm is known to have reached, also after its trainers left
 
     def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None,
-              now: Optional[float] = None) -> Tuple[PeerRecord, ...]:
-        """`records` with each epoch capped at what is plausible; remembers the caps for the next call."""
+              now: Optional[float] = None, uncorroborated: Collection[str] = ()) -> Tuple[PeerRecord, ...]:
+        """`records` with each epoch capped at what is plausible; remembers the caps for the next call. The
+        records of `uncorroborated` peers (nobody this peer averaged with saw them average: witnesses.py) do not
+        move the swarm epoch."""
         now = time.monotonic() if now is None else now
-        sources = [r for r in _epoch_sources(records, own_peer_id) if r.peer_id != own_peer_id]
+        corroborated = [r for r in records if r.peer_id not in uncorroborated]
+        sources = [r for r in _epoch_sources(corroborated, own_peer_id) if r.peer_id != own_peer_id]
         if not sources:
             # Nobody else's claim yet (a newcomer whose DHT has not found the swarm): no anchor. Anchoring on
             # this peer's own epoch 0 would then let its view of a swarm at epoch 200 rise one step per refresh.
@@ -200,16 +203,17 @@ def summarize(
     capped: Mapping[str, int] = MappingProxyType({}),
 ) -> ProgressSnapshot:
     """The swarm view from (credited) peer records; `own` (this peer's live local record) replaces its DHT
-    copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh); the samples and
-    speed of the trainers in `uncounted` (peer ids whose contributions this peer's averaging discards) are
-    left out of the epoch's progress (never this peer's own); `capped` says how many samples of each peer's
+    copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh); the samples,
+    speed and epochs of the trainers in `uncounted` (peer ids whose contributions this peer's averaging discards,
+    or that nobody it averaged with saw average) are left out of the epoch's progress (never this peer's own); `capped` says how many samples of each peer's
     claim `SampleCredit` refused (reported as `samples_capped`, already taken out of the records)."""
     by_id = {record.peer_id: record for record in records}
     if own is not None:
         by_id[own.peer_id] = own
     trainers = [r for r in by_id.values() if r.role == "trainer"]
     aux = [r for r in by_id.values() if r.role == "aux"]
-    epoch_sources = _epoch_sources(list(by_id.values()), own.peer_id if own is not None else None)
+    epoch_sources = _epoch_sources([r for r in by_id.values() if r.peer_id not in uncounted],
+                                   own.peer_id if own is not None else None)
     global_epoch = robust_epoch([r.epoch for r in epoch_sources]) if epoch_sources else 0
     if max_epoch is not None:
         global_epoch = min(global_epoch, max_epoch)
@@ -402,7 +406,8 @@ class SwarmProgress:
             self._last_fetch = now
             if complete:
                 records = tuple(r for r in listed if not r.leaving)
-                credited = self._credit.apply(records, own.peer_id, now=now)
+                unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
+                credited = self._credit.apply(records, own.peer_id, now=now, uncorroborated=unwitnessed)
                 self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch,
                                                     now=now)
                 self._credit.note_departures([r for r in listed if r.leaving])

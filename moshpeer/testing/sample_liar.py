@@ -1,0 +1,79 @@
+"""A peer that lies about its progress (issue 26's `sample_liar`), for benchmarks and tests.
+
+It joins a run's DHT with an identity of its own and, every REFRESH_S, publishes a signed trainer record that
+claims the whole target batch at the swarm's epoch (the upper median of the live trainers' epochs) and a huge
+speed. It never trains and never averages: its samples would reach no model. It uses the product's own record
+and DHT code, so what the honest peers read is exactly what a hostile peer could publish.
+
+    python -m moshpeer.testing.sample_liar --run-id RUN --initial-peers MADDR [MADDR ...] --target-batch-size N
+
+Prints one JSON line, {"event": "ready", "peer_id": ...}, once its first record is out, then runs until it is
+killed (SIGTERM or SIGINT end it at the next refresh). Exit code 2 for a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from moshpeer.dht import list_peers, start_dht
+from moshpeer.errors import UserError
+from moshpeer.peer.optimizer.progress import robust_epoch
+from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
+
+REFRESH_S = 0.5  # as often as an honest peer near its epoch's end reads and publishes
+CLAIMED_RATE = 1e6  # samples per second it says it computes
+EXPIRATION_S = 10.0
+
+
+def swarm_epoch(dht, run_id: str, own_peer_id: str) -> int:
+    """The epoch honest readers compute: the upper median of the other live trainers' epochs (0 when none)."""
+    epochs = [r.epoch for r in list_peers(dht, run_id, timeout=2.0)
+              if r.role == "trainer" and r.peer_id != own_peer_id]
+    return robust_epoch(epochs) if epochs else 0
+
+
+def lie(run_id: str, initial_peers, target_batch_size: int, host: str, stop: threading.Event) -> None:
+    """Publish the lie every REFRESH_S until `stop` is set."""
+    dht = start_dht(initial_peers=initial_peers, run_ids=[run_id], host_maddrs=[f"/ip4/{host}/tcp/0"])
+    try:
+        record = fresh_record(dht, "trainer").updated(training=True, target_batch_size=target_batch_size,
+                                                       samples_per_second=CLAIMED_RATE)
+        publisher = RecordPublisher(dht, run_id, record, expiration=EXPIRATION_S)
+        announced = False
+        while not stop.is_set():
+            epoch = swarm_epoch(dht, run_id, record.peer_id)
+            publisher.update(epoch=epoch, samples_accumulated=target_batch_size)
+            if publisher.publish(timeout=2.0) and not announced:
+                print(json.dumps({"event": "ready", "peer_id": record.peer_id}), flush=True)
+                announced = True
+            stop.wait(REFRESH_S)
+    finally:
+        dht.shutdown()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moshpeer.testing.sample_liar", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--target-batch-size", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address its DHT node listens on")
+    args = parser.parse_args(argv)
+    if args.target_batch_size <= 0:
+        parser.error("--target-batch-size must be positive")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        lie(args.run_id, args.initial_peers, args.target_batch_size, args.host, stop)
+    except UserError as e:
+        print(f"sample_liar: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
