@@ -38,7 +38,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -238,11 +238,13 @@ def summarize(peers: List[Child], target: float, time_key: str, name: str = "") 
 
 def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: str,
                  extra_args: Optional[Callable[[int], List[str]]] = None,
-                 companions: Optional[Callable[[str, List[str]], List[List[str]]]] = None) -> dict:
+                 companions: Optional[Callable[[str, List[str]], List[Tuple[List[str], str]]]] = None) -> dict:
     """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults);
-    `companions(run_id, bootstrap maddrs)` gives the argv of more processes to start on loopback once every peer
-    has started training (e.g. bench_trust's sample liar, which joins a running swarm; each prints a "ready"
-    JSON line)."""
+    `companions(run_id, bootstrap maddrs)` gives more processes, (argv, event), to start on loopback once every
+    peer has started training, one after the other, each once the one before printed its `event` (e.g.
+    bench_trust's sample liar, which joins a running swarm; a companion whose event is "started" trains, and the
+    run waits for its "done" too); their events are kept in
+    ALL_EVENTS["moshpeer-<tag>-companions"]."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     where = getattr(args, "placement", None) or Placement()
@@ -271,14 +273,20 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 "join", run_id, where.maddr(node), "--initial-peers", *maddrs, "--role", "aux",
                 "--group-size", str(args.group_size or args.peers), "--min-peers", str(args.peers),
                 "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time))), e))
-        for argv in companions(run_id, maddrs) if companions is not None else []:
+        extras = []
+        for argv, event in companions(run_id, maddrs) if companions is not None else []:
             if not all(peer.wait_event("started", args.timeout) for peer in peers):
                 break  # a peer that never started: the run's figures say so
-            children.append(Child(argv, e))
-            if children[-1].wait_event("ready", 60) is None:
-                raise RuntimeError(f"{' '.join(argv[1:3])} did not start: {children[-1].stderr_tail()}")
+            extras.append(Child(argv, e))
+            children.append(extras[-1])
+            if extras[-1].wait_event(event, args.timeout) is None:
+                raise RuntimeError(f"{' '.join(argv[1:4])} did not start: {extras[-1].stderr_tail()}")
         for peer in peers:
             peer.wait_event("done", args.timeout)
+        for extra in extras:  # a companion that trains (its event was "started") ends with the peers
+            if extra.wait_event("started", 0) is not None:
+                extra.wait_event("done", 60)
+        ALL_EVENTS[f"moshpeer-{tag}-companions"] = [child.events for child in extras]
         return summarize(peers, args.target, "train_time", f"moshpeer-{tag}")
     finally:
         for child in children:

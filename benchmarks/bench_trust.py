@@ -16,8 +16,10 @@
    (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`), and `sparse_chunks`
    (`--faults byzantine=-100,chunks=0.25`: -100x in one chunk of four, under `clipped`); `sample_liar`, the 4 honest
    peers and a fifth process, started once they train, that claims the whole target batch at the swarm's epoch at
-   every refresh and never averages (moshpeer/testing/sample_liar.py); `leader_pair`, every peer under `clipped` and the hostile one with
-   `--group-size 2`: when it leads, it starts its group as soon as one peer joined. Final test accuracy of the
+   every refresh and never averages (moshpeer/adversaries/sample_liar.py); `leader_pair`, every peer under `clipped` and the hostile one with
+   `--group-size 2`: when it leads, it starts its group as soon as one peer joined; `sybil_state`, the 4 honest peers,
+   then (once they train) two Sybil donors serving one forged state (moshpeer/adversaries/forged_donors.py), then a
+   fifth peer that joins and downloads the swarm's state. Final test accuracy of the
    honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
    counted.
 
@@ -25,7 +27,8 @@
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
 honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc,
-sample_liar_acc, leader_pair_acc (those of the arms run; see --arms); sample_liar_epochs_ratio (collaborative epochs
+sample_liar_acc, leader_pair_acc, sybil_state_acc (those of the arms run; see --arms); sybil_state_adopted (1 if
+the newcomer loaded a Sybil's state in any run) and sybil_state_newcomer_accs; sample_liar_epochs_ratio (collaborative epochs
 per second with the liar / in the honest arm, from the mean seconds per epoch over the runs); detection_rate (of the robust attacked arms' runs, the share in which every honest
 peer distrusted the hostile one within DETECTION_EPOCHS epochs), honest_distrusted (per arm and run: rounds in
 which an honest peer distrusted an honest one), robust_too_few (per arm and run: chunks a robust owner kept its own
@@ -43,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import List
+from typing import List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -64,7 +67,7 @@ INSIDE_RADIUS = "byzantine=-1"
 # The audit's sparse attack: -100x in one chunk of four, too few chunks for the suspect rule's "half of them".
 SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
 ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks",
-        "sample_liar", "leader_pair")
+        "sample_liar", "leader_pair", "sybil_state")
 # One of the 4 peers is hostile (the sample liar is a fifth process, not one of them).
 ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks", "leader_pair")
 ROBUST_ATTACKED_ARMS = ("byzantine_clipped", "inside_radius", "sparse_chunks")  # the arms detection is asked of
@@ -185,19 +188,26 @@ def training(args) -> dict:
         ("sparse_chunks",
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
         ("sample_liar", None),
+        ("sybil_state", None),
         ("leader_pair", lambda i: ["--aggregation", "clipped"] + (["--group-size", "2"] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "step_s": [], "honest_flagged": [],
                   "hostile_free_rounds": [], "detected": [], "honest_distrusted": [], "robust_too_few": [],
-                  "group_sizes": []}
+                  "group_sizes": [], "adopted": [], "newcomer_accs": []}
            for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
     for repeat in range(args.repeats):
         for name, extra in arms:
             tag = f"{name.replace('_', '-')}-{repeat}"
+            companions = {"sample_liar": sample_liar,
+                          "sybil_state": lambda run_id, maddrs: sybil_state(run_args, run_id, maddrs)}.get(name)
             summary = bench_training.run_moshpeer(run_args, straggler=None, budget=None, tag=tag, extra_args=extra,
-                                                  companions=sample_liar if name == "sample_liar" else None)
+                                                  companions=companions)
+            if name == "sybil_state":
+                adopted, newcomer_acc = sybil_adoptions(bench_training.ALL_EVENTS[f"moshpeer-{tag}-companions"])
+                out[name]["adopted"].append(adopted)
+                out[name]["newcomer_accs"].append(newcomer_acc)
             events = bench_training.ALL_EVENTS[f"moshpeer-{tag}"]
             finals = [e["metrics"]["accuracy"] for k, peer in enumerate(events) if name not in ATTACKED_ARMS or k != hostile
                       for e in peer if e.get("event") == "done"]
@@ -217,12 +227,36 @@ def training(args) -> dict:
     return out
 
 
-def sample_liar(run_id: str, maddrs: List[str]) -> List[List[str]]:
+def sample_liar(run_id: str, maddrs: List[str]) -> List[Tuple[List[str], str]]:
     """The sample_liar arm's fifth process: it claims the target batch at the swarm's epoch at every refresh."""
     import bench_training
 
-    return [[sys.executable, "-m", "moshpeer.testing.sample_liar", "--run-id", run_id, "--initial-peers", *maddrs,
-             "--target-batch-size", str(bench_training.GLOBAL_BATCH)]]
+    return [([sys.executable, "-m", "moshpeer.adversaries.sample_liar", "--run-id", run_id, "--initial-peers", *maddrs,
+              "--target-batch-size", str(bench_training.GLOBAL_BATCH)], "ready")]
+
+
+def sybil_state(run_args, run_id: str, maddrs: List[str]) -> List[Tuple[List[str], str]]:
+    """The sybil_state arm's companions: two Sybil donors serving one forged state (moshpeer/adversaries/forged_donors.py),
+    then a newcomer (a fifth `moshpeer join`) that downloads the swarm's state when it starts."""
+    import bench_training
+
+    newcomer = bench_training.moshpeer_argv(
+        "join", run_id, bench_training.LOOPBACK, "--initial-peers", *maddrs, "--group-size", str(MEMBERS),
+        "--max-epochs", str(run_args.epochs), "--eval-every", "1", "--target-batch-size", str(bench_training.GLOBAL_BATCH),
+        "--batch-size", str(bench_training.MICRO_BATCH), "--matchmaking-time", str(run_args.matchmaking_time),
+        "--seed", str(MEMBERS))
+    return [([sys.executable, "-m", "moshpeer.adversaries.forged_donors", "--run-id", run_id, "--initial-peers", *maddrs,
+              "--count", "2"], "ready"), (newcomer, "started")]
+
+
+def sybil_adoptions(companions: List[List[dict]]) -> Tuple[int, Optional[float]]:
+    """From the sybil_state arm's companion events: 1 if the newcomer loaded a state from a Sybil donor (at its start
+    or in a later catch-up), else 0; and the newcomer's final accuracy (None if it did not finish)."""
+    sybils = set(next((e["peer_ids"] for e in companions[0] if e.get("event") == "ready"), []))
+    newcomer = companions[1] if len(companions) > 1 else []
+    donors = {e.get("donor") for e in newcomer if e.get("event") == "state_loaded"}
+    done = next((e for e in newcomer if e.get("event") == "done"), None)
+    return int(bool(donors & sybils)), (done["metrics"]["accuracy"] if done else None)
 
 
 def main() -> int:
@@ -274,6 +308,11 @@ def main() -> int:
         detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
         if detections:
             figures["detection_rate"] = sum(detections) / len(detections)
+        if "sybil_state" in runs:
+            print(f"sybil_state: newcomer adopted a Sybil state in {runs['sybil_state']['adopted']}, its final "
+                  f"accuracy {runs['sybil_state']['newcomer_accs']}")
+            figures.update(sybil_state_adopted=max(runs["sybil_state"]["adopted"], default=None),
+                           sybil_state_newcomer_accs=runs["sybil_state"]["newcomer_accs"])
         if "sample_liar" in runs and "honest" in runs and runs["sample_liar"]["mean_step_s"]:
             figures["sample_liar_epochs_ratio"] = runs["honest"]["mean_step_s"] / runs["sample_liar"]["mean_step_s"]
         figures.update({f"{name}_acc": r["acc"] for name, r in runs.items()}, epochs=args.epochs,

@@ -239,8 +239,8 @@ class MoshpitAverager(ServicerBase):
         self._matchmaking = MatchmakingAdapter(
             self._p2p, self._schema_hash, self.dht, servicer_type=MoshpitAverager, prefix=self.prefix,
             target_group_size=self.target_group_size, min_group_size=self.min_group_size,
-            matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout,
-            client_mode=self.client_mode, initial_group_bits=self._initial_bits, admission=self.admission)
+            matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout, client_mode=self.client_mode,
+            initial_group_bits=self._initial_bits, admission=self.admission, aggregation=self.aggregation)
 
     async def _teardown(self) -> None:
         if self._relay is not None:

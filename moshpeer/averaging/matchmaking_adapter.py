@@ -19,6 +19,14 @@ followers, or a join request in flight); an uncommitted peer stops at the search
 matchmaking still disagree (an event loop stalled past the grace), the data plane makes it fast and
 visible: the left-out peer refuses the group's connections at once (strict `DataPlane`), its mates
 report it in `RoundResult.absent`, and the left-out peer's result says it gave up while committed.
+
+Groups too small to average. In a robust mode ("clipped", "trimmed") a part that fewer than
+MIN_ROBUST_CONTRIBUTIONS members reach keeps its owner's value (aggregation.py), so a group of two averages
+nothing. hivemind's leader alone decides when its group begins: a hostile leader that starts as soon as one
+follower joined keeps that follower out of the honest peers' group every time it leads (issue 26,
+`leader_pair`; a digits run lost 4 points of accuracy that way). A robust follower therefore leaves a group
+smaller than that, unless the round's target is smaller still, and asks the next leader, like after any
+refusal; a robust leader does not start one at its timeout either. The hostile leader then averages with nobody.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
+from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS
 from moshpeer.averaging.deadline import RoundDeadline
 from moshpeer.averaging.member_info import parse_member_info
 from moshpeer.averaging.private import admits_follower, filter_leaders
@@ -111,18 +120,39 @@ class MatchmakingAdapter:
 
     :param admission: a private run's policy (`moshpeer.dht.admission`): leaders it excludes are hidden
     :param request_timeout: the configured matchmaking request timeout (a round may use a shorter one)
+    :param aggregation: the averager's; a robust one joins no group too small to average (module docstring)
     The other parameters are hivemind's.
     """
 
     def __init__(self, p2p, schema: bytes, dht, *, servicer_type: type, prefix: str, target_group_size: int,
                  min_group_size: int, matchmaking_time: float, request_timeout: float, client_mode: bool,
-                 initial_group_bits: str, admission):
+                 initial_group_bits: str, admission, aggregation: str = "mean"):
         self.request_timeout, self._admission = request_timeout, admission
+        self._min_group_size = min_group_size
+        self._min_useful = MIN_ROBUST_CONTRIBUTIONS if aggregation != "mean" else 2
+        self.groups_left = 0  # groups a leader started with too few members to average, that this peer left
         self._mm = Matchmaking(p2p, schema, dht, servicer_type=servicer_type, prefix=prefix,
                                target_group_size=target_group_size, min_group_size=min_group_size,
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
         filter_leaders(self._mm.group_key_manager, admission)
+        self._follower_assemble_group = self._mm.follower_assemble_group
+        self._mm.follower_assemble_group = self._assemble_as_follower
+
+    def _smallest_useful_group(self) -> int:
+        """The fewest members a group of this round may have for this peer to join it (module docstring)."""
+        return min(self._min_useful, self._mm.target_group_size)
+
+    async def _assemble_as_follower(self, leader, message: averaging_pb2.MessageFromLeader) -> Optional[GroupInfo]:
+        """hivemind's `follower_assemble_group`, or None (hivemind then asks the next leader) for a group too
+        small to average in a robust mode."""
+        size = len(message.ordered_peer_ids)
+        if size < self._smallest_useful_group():
+            self.groups_left += 1
+            logger.info(f"leaving the group of {size} that {str(leader)[-8:]} started: a robust round needs "
+                        f"{self._min_useful} members to average anything; asking the next leader")
+            return None
+        return await self._follower_assemble_group(leader, message)
 
     @property
     def group_bits(self) -> str:
@@ -181,6 +211,7 @@ class MatchmakingAdapter:
         mm = self._mm
         mm.schema_hash = request.schema_hash
         mm.target_group_size = request.target_group_size
+        mm.min_group_size = max(self._min_group_size, self._smallest_useful_group())  # a leader's timeout
         mm.min_matchmaking_time = request.matchmaking_time
         mm.potential_leaders.target_group_size = request.target_group_size
         mm.potential_leaders.min_matchmaking_time = request.matchmaking_time

@@ -121,6 +121,9 @@ class FakeProgress:
     def report(self, **fields: Any) -> None:
         self.reports.append(fields)
 
+    def corroborated_peers(self) -> None:
+        return None  # witnessed nobody: every donor may be asked
+
     def note_round(self, epoch: int, contributors: Any) -> None:
         self.rounds_noted.append((epoch, list(contributors)))
 

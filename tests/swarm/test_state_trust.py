@@ -206,6 +206,20 @@ def test_two_donors_signing_one_forgery_do_not_outvote_an_honest_one(dht_node):
         assert servers[2][1].identity.peer_id in str(refused.value)  # compared with the honest donor's state
 
 
+def test_a_peer_that_saw_the_honest_donor_average_adopts_its_state_beside_two_sybils(dht_node):
+    """The same two Sybils and one honest donor, for a peer that has averaged once (witnesses.py): it asks only the
+    donor it saw average, so the Sybils can neither outvote nor contradict it, and it adopts the honest state
+    (main set everything aside here, and the newcomer trained on without a state)."""
+    honest = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
+    forged = {"w": honest["w"] * -3.0}
+    with _donors(dht_node, ((5, forged), (5, forged), (5, honest))) as (maddrs, servers):
+        newcomer = _newcomer_seeing(dht_node, maddrs, 3)
+        witnessed = frozenset({servers[2][1].identity.peer_id})
+        downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False, prefer=witnessed)
+        assert torch.equal(downloaded.state["model"]["w"], honest["w"]) and downloaded.epoch == 5
+        assert servers[0][0].served == 0 and servers[1][0].served == 0  # the Sybils were never asked
+
+
 def test_factored_optimizer_state_is_accepted():
     """Adafactor keeps row and column factors (the parameter's shape reduced to 1 along one dimension): an
     honest donor's state of such an optimizer passes, a factor of a foreign shape does not."""

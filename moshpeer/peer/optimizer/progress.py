@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -333,6 +333,13 @@ class SwarmProgress:
             unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
         return summarize(records, own=own, target_batch_size=self.target_batch_size, now=time.monotonic(),
                          max_epoch=last, uncounted=unwitnessed | frozenset(self._uncounted()), capped=capped)
+
+    def corroborated_peers(self) -> Optional[FrozenSet[str]]:
+        """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
+        them average); None while it has witnessed nobody. A state download asks them first."""
+        own = self._own_record()
+        with self._lock:
+            return self._witnesses.corroborated(self._records, own.epoch)
 
     @property
     def swarm_epoch_reached(self) -> int:

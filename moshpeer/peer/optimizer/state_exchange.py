@@ -178,6 +178,7 @@ class StateExchange:
         max_bytes = STATE_SIZE_FACTOR * len(self.serialized_state()[1]) + (1 << 20)
         try:
             downloaded = download_state(self.dht, self.run_id, exclude=(self.dht.identity.peer_id,),
+                                        prefer=self.host.swarm.progress.corroborated_peers(),
                                         min_epoch=min_epoch, max_epoch=max_epoch, max_bytes=max_bytes,
                                         timeout=self.download_timeout, show_progress=self.show_progress,
                                         # A donor may move on one epoch between its offer and its manifest.

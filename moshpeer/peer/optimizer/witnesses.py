@@ -29,7 +29,7 @@ This module decides; progress.py feeds it rounds and records and applies the res
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, FrozenSet, Iterable, List, Sequence
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 from moshpeer.dht import PeerRecord
 from moshpeer.dht.records import MAX_WITNESSED, WITNESS_TAG_BYTES
@@ -73,13 +73,20 @@ class TrainerWitnesses:
         """What this peer's record says it witnessed (`PeerRecord.witnessed`)."""
         return [witness_tag(peer_id) for peer_id in self.witnessed(epoch)[:MAX_WITNESSED]]
 
-    def uncounted(self, records: Sequence[PeerRecord], *, own_peer_id: str, epoch: int) -> FrozenSet[str]:
-        """The trainers among `records` whose samples this peer does not count at `epoch`: neither witnessed
-        nor vouched for by a witnessed peer. Empty while this peer has witnessed nobody within the window."""
-        direct = set(self.witnessed(epoch))
+    def corroborated(self, records: Sequence[PeerRecord], epoch: int) -> Optional[FrozenSet[str]]:
+        """The peers this peer has evidence for at `epoch`: witnessed, or named by the record of a witnessed peer
+        among `records`. None while it has witnessed nobody within the window (it cannot tell)."""
+        direct = frozenset(self.witnessed(epoch))
         if not direct:
-            return frozenset()
+            return None
         vouched = {tag for r in records if r.peer_id in direct for tag in r.witnessed}
+        return direct | {r.peer_id for r in records if witness_tag(r.peer_id) in vouched}
+
+    def uncounted(self, records: Sequence[PeerRecord], *, own_peer_id: str, epoch: int) -> FrozenSet[str]:
+        """The trainers among `records` whose samples this peer does not count at `epoch`: not `corroborated`.
+        Empty while this peer has witnessed nobody within the window."""
+        corroborated = self.corroborated(records, epoch)
+        if corroborated is None:
+            return frozenset()
         return frozenset(r.peer_id for r in records
-                         if r.role == "trainer" and r.peer_id != own_peer_id and r.peer_id not in direct
-                         and witness_tag(r.peer_id) not in vouched)
+                         if r.role == "trainer" and r.peer_id != own_peer_id and r.peer_id not in corroborated)

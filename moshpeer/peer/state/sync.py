@@ -43,7 +43,7 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 import msgpack
 from hivemind.utils import get_dht_time
@@ -357,6 +357,7 @@ def download_state(
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
     show_progress: bool = True,
     validate: Optional[Callable[[Dict[str, Any]], None]] = None,
+    prefer: Optional[Collection[str]] = None,
 ) -> DownloadedState:
     """Download a verified state from the most advanced donor, trying the next one on failure.
 
@@ -373,6 +374,8 @@ def download_state(
         swarm's robust progress view does not confirm)
     :param max_bytes: refuse a state larger than this (set it near this peer's own state size)
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
+    :param prefer: peers this peer saw average (witnesses.py): while one of them offers a state in range, no other
+        donor is asked, so Sybil donors that never average cannot contradict or outvote them
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
         set aside, or every donor on offer is past `max_epoch` (at once)
     """
@@ -390,6 +393,8 @@ def download_state(
             logger.debug(f"listing state offers failed: {e}")
             on_offer = []
         listed = [o for o in on_offer if o.epoch >= min_epoch and (max_epoch is None or o.epoch <= max_epoch)]
+        if prefer is not None and any(o.peer_id in prefer for o in listed):
+            listed = [o for o in listed if o.peer_id in prefer]
         if on_offer and candidate is None and all(max_epoch is not None and o.epoch > max_epoch for o in on_offer):
             # Every donor is past what the swarm view confirms, and donors never go back: waiting cannot help.
             # The caller trains on and asks again with a fresher view.

@@ -5,7 +5,7 @@ claims the whole target batch at the swarm's epoch (the upper median of the live
 speed. It never trains and never averages: its samples would reach no model. It uses the product's own record
 and DHT code, so what the honest peers read is exactly what a hostile peer could publish.
 
-    python -m moshpeer.testing.sample_liar --run-id RUN --initial-peers MADDR [MADDR ...] --target-batch-size N
+    python -m moshpeer.adversaries.sample_liar --run-id RUN --initial-peers MADDR [MADDR ...] --target-batch-size N
 
 Prints one JSON line, {"event": "ready", "peer_id": ...}, once its first record is out, then runs until it is
 killed (SIGTERM or SIGINT end it at the next refresh). Exit code 2 for a bad argument.
@@ -56,7 +56,7 @@ def lie(run_id: str, initial_peers, target_batch_size: int, host: str, stop: thr
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moshpeer.testing.sample_liar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moshpeer.adversaries.sample_liar", description=__doc__.splitlines()[0])
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--target-batch-size", type=int, required=True)
