@@ -240,10 +240,10 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                  extra_args: Optional[Callable[[int], List[str]]] = None,
                  companions: Optional[Callable[[str, List[str]], List[Tuple[List[str], str]]]] = None) -> dict:
     """One moshpeer run; `extra_args(i)` adds flags to peer i's `moshpeer join` (e.g. bench_trust's faults);
-    `companions(run_id, bootstrap maddrs)` gives more processes, (argv, event), to start on loopback once every
-    peer has started training, one after the other, each once the one before printed its `event` (e.g.
-    bench_trust's sample liar, which joins a running swarm; a companion whose event is "started" trains, and the
-    run waits for its "done" too); their events are kept in
+    `companions(run_id, bootstrap maddrs)` gives more processes, (argv, event), to start on loopback once the
+    peers are launched, one after the other, each once the one before printed its `event` (e.g. bench_trust's
+    Sybil donors, then a newcomer; a companion whose event is "started" trains, and the run waits for its "done"
+    too); their events are kept in
     ALL_EVENTS["moshpeer-<tag>-companions"]."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
@@ -275,8 +275,6 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                 "--max-epochs", str(args.epochs), "--matchmaking-time", str(args.matchmaking_time))), e))
         extras = []
         for argv, event in companions(run_id, maddrs) if companions is not None else []:
-            if not all(peer.wait_event("started", args.timeout) for peer in peers):
-                break  # a peer that never started: the run's figures say so
             extras.append(Child(argv, e))
             children.append(extras[-1])
             if extras[-1].wait_event(event, args.timeout) is None:

@@ -15,11 +15,12 @@
    robust aggregation costs when nobody attacks); and `inside_radius`, a hostile peer inside the rules
    (`--faults byzantine=-1`: its gradient negated at its own scale, under `clipped`), and `sparse_chunks`
    (`--faults byzantine=-100,chunks=0.25`: -100x in one chunk of four, under `clipped`); `sample_liar`, the 4 honest
-   peers and a fifth process, started once they train, that claims the whole target batch at the swarm's epoch at
-   every refresh and never averages (moshpeer/adversaries/sample_liar.py); `leader_pair`, every peer under `clipped` and the hostile one with
-   `--group-size 2`: when it leads, it starts its group as soon as one peer joined; `sybil_state`, the 4 honest peers,
-   then (once they train) two Sybil donors serving one forged state (moshpeer/adversaries/forged_donors.py), then a
-   fifth peer that joins and downloads the swarm's state. Final test accuracy of the
+   peers and a fifth process that, from the swarm's epoch 1 on, claims the whole target batch at the swarm's epoch
+   at every refresh and never averages (moshpeer/adversaries/sample_liar.py); `leader_pair`, every peer under
+   `clipped` and the hostile one with `--group-size 2`: when it leads, it starts its group as soon as one peer
+   joined; `sybil_state`, the 4 honest peers (group size 5), two Sybil donors serving one state forged from the
+   first one the swarm offers (moshpeer/adversaries/forged_donors.py), then a fifth peer that joins and downloads
+   the swarm's state. Final test accuracy of the
    honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
    counted.
 
@@ -146,9 +147,10 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
     """From one run's event lines: chunks in which an honest peer's contribution was clipped (by any owner); the
     rounds (over all owners) in which the hostile peer's contribution still counted (it was not yet weighed at
     zero: the rounds its pull reached the model); whether every honest peer distrusted it in a round of an epoch
-    <= DETECTION_EPOCHS (`detected`); and the rounds in which an honest peer distrusted an honest one."""
+    <= DETECTION_EPOCHS (`detected`); the rounds in which an honest peer distrusted an honest one; and the rounds in
+    which an honest peer averaged in a group of two (`honest_pairs`)."""
     hostile_id = None if hostile is None else next(e["peer_id"] for e in events[hostile] if e.get("peer_id"))
-    honest_flagged = hostile_free = honest_distrusted = robust_too_few = 0
+    honest_flagged = hostile_free = honest_distrusted = robust_too_few = honest_pairs = 0
     group_sizes: dict = {}
     detectors = set()
     for k, peer in enumerate(events):
@@ -158,6 +160,7 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
             result = e["round"]  # the RoundResult
             robust_too_few += result.get("robust_too_few", 0)
             group_sizes[result["group_size"]] = group_sizes.get(result["group_size"], 0) + 1
+            honest_pairs += result["group_size"] == 2 and k != hostile
             honest_flagged += sum(n for peer_id, n in result["flagged"].items() if peer_id != hostile_id)
             honest_distrusted += sum(1 for peer_id in result["distrusted"] if peer_id != hostile_id)
             if hostile_id is not None and k != hostile:
@@ -167,7 +170,8 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
                     detectors.add(k)
     detected = hostile is not None and len(detectors) == len(events) - 1
     return {"honest_flagged": honest_flagged, "hostile_free_rounds": hostile_free, "detected": detected,
-            "honest_distrusted": honest_distrusted, "robust_too_few": robust_too_few, "group_sizes": group_sizes}
+            "honest_distrusted": honest_distrusted, "robust_too_few": robust_too_few, "group_sizes": group_sizes,
+            "honest_pairs": honest_pairs}
 
 
 def training(args) -> dict:
@@ -188,12 +192,12 @@ def training(args) -> dict:
         ("sparse_chunks",
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
         ("sample_liar", None),
-        ("sybil_state", None),
+        ("sybil_state", lambda i: ["--group-size", str(MEMBERS + 1)]),  # the newcomer averages with all four
         ("leader_pair", lambda i: ["--aggregation", "clipped"] + (["--group-size", "2"] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "step_s": [], "honest_flagged": [],
                   "hostile_free_rounds": [], "detected": [], "honest_distrusted": [], "robust_too_few": [],
-                  "group_sizes": [], "adopted": [], "newcomer_accs": []}
+                  "group_sizes": [], "honest_pairs": [], "adopted": [], "newcomer_accs": []}
            for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
@@ -215,7 +219,8 @@ def training(args) -> dict:
             out[name]["peers_finished"].append(len(finals))
             flags = flag_counts(events, hostile if name in ATTACKED_ARMS else None)
             out[name]["honest_flagged"].append(flags["honest_flagged"])
-            for key in ("hostile_free_rounds", "detected", "honest_distrusted", "robust_too_few", "group_sizes"):
+            for key in ("hostile_free_rounds", "detected", "honest_distrusted", "robust_too_few", "group_sizes",
+                        "honest_pairs"):
                 out[name][key].append(flags[key])
             out[name]["train_s"].append(summary["train_s"] or 0.0)
             out[name]["step_s"].append(summary["mean_step_s"])
@@ -232,7 +237,7 @@ def sample_liar(run_id: str, maddrs: List[str]) -> List[Tuple[List[str], str]]:
     import bench_training
 
     return [([sys.executable, "-m", "moshpeer.adversaries.sample_liar", "--run-id", run_id, "--initial-peers", *maddrs,
-              "--target-batch-size", str(bench_training.GLOBAL_BATCH)], "ready")]
+              "--target-batch-size", str(bench_training.GLOBAL_BATCH), "--from-epoch", "1"], "ready")]
 
 
 def sybil_state(run_args, run_id: str, maddrs: List[str]) -> List[Tuple[List[str], str]]:
@@ -241,7 +246,7 @@ def sybil_state(run_args, run_id: str, maddrs: List[str]) -> List[Tuple[List[str
     import bench_training
 
     newcomer = bench_training.moshpeer_argv(
-        "join", run_id, bench_training.LOOPBACK, "--initial-peers", *maddrs, "--group-size", str(MEMBERS),
+        "join", run_id, bench_training.LOOPBACK, "--initial-peers", *maddrs, "--group-size", str(MEMBERS + 1),
         "--max-epochs", str(run_args.epochs), "--eval-every", "1", "--target-batch-size", str(bench_training.GLOBAL_BATCH),
         "--batch-size", str(bench_training.MICRO_BATCH), "--matchmaking-time", str(run_args.matchmaking_time),
         "--seed", str(MEMBERS))
@@ -303,6 +308,8 @@ def main() -> int:
         print("chunks a robust owner kept its own value for (too few contributions), per run: " + "; ".join(
             f"{name} {r['robust_too_few']}" for name, r in runs.items()))
         print("rounds per group size, per run: " + "; ".join(f"{name} {r['group_sizes']}" for name, r in runs.items()))
+        print("rounds an honest peer averaged in a group of two, per run: " + "; ".join(
+            f"{name} {r['honest_pairs']}" for name, r in runs.items()))
         print("seconds per collaborative epoch, per run: " + "; ".join(
             f"{name} {' '.join(f'{s:.2f}' if s else '-' for s in r['step_s'])}" for name, r in runs.items()))
         detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
@@ -323,7 +330,8 @@ def main() -> int:
                        honest_distrusted={name: r["honest_distrusted"] for name, r in runs.items()},
                        robust_too_few={name: r["robust_too_few"] for name, r in runs.items()},
                        group_sizes={name: r["group_sizes"] for name, r in runs.items()},
-                       step_s={name: r["step_s"] for name, r in runs.items()})
+                       step_s={name: r["step_s"] for name, r in runs.items()},
+                       honest_pairs={name: r["honest_pairs"] for name, r in runs.items()})
     figures.update(numel=args.numel, members=MEMBERS)
     print(json.dumps(figures))
     return 0
