@@ -26,7 +26,9 @@ nothing. hivemind's leader alone decides when its group begins: a hostile leader
 follower joined keeps that follower out of the honest peers' group every time it leads (issue 26,
 `leader_pair`; a digits run lost 4 points of accuracy that way). A robust follower therefore leaves a group
 smaller than that, unless the round's target is smaller still, and asks the next leader, like after any
-refusal; a robust leader does not start one at its timeout either. The hostile leader then averages with nobody.
+refusal; a robust leader does not start one at its timeout either. It then skips that leader's group-key
+entries for AVOID_LEADER_S (an honest robust leader never starts such a group): from its next round on it does
+not even ask it, and the hostile peer can only join honest groups as a follower.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -62,6 +64,10 @@ COMMITMENT_POLL_S = 0.02
 # A join request we could only accept after this fraction of request_timeout is refused (see `join_group`):
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
+# How long a robust follower skips a leader that started a group too small to average (module docstring), and
+# how many such leaders it remembers (the oldest forgotten first: identities are cheap).
+AVOID_LEADER_S = 600.0
+MAX_AVOIDED_LEADERS = 1024
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -136,6 +142,8 @@ class MatchmakingAdapter:
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
         filter_leaders(self._mm.group_key_manager, admission)
+        self._avoided: Dict[str, float] = {}  # leader peer id -> time.monotonic() until which it is skipped
+        self._skip_avoided_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
 
@@ -145,14 +153,35 @@ class MatchmakingAdapter:
 
     async def _assemble_as_follower(self, leader, message: averaging_pb2.MessageFromLeader) -> Optional[GroupInfo]:
         """hivemind's `follower_assemble_group`, or None (hivemind then asks the next leader) for a group too
-        small to average in a robust mode."""
+        small to average in a robust mode, or larger than this peer's configured group size (hivemind's key
+        manager places a peer among that many buckets, and fails on a larger group)."""
         size = len(message.ordered_peer_ids)
+        if size > self._mm.group_key_manager.target_group_size:
+            logger.info(f"leaving the group of {size} that {str(leader)[-8:]} started: larger than this peer's "
+                        f"group size {self._mm.group_key_manager.target_group_size}; asking the next leader")
+            return None
         if size < self._smallest_useful_group():
             self.groups_left += 1
+            self._avoided.pop(str(leader), None)
+            self._avoided[str(leader)] = time.monotonic() + AVOID_LEADER_S
+            while len(self._avoided) > MAX_AVOIDED_LEADERS:
+                self._avoided.pop(next(iter(self._avoided)))
             logger.info(f"leaving the group of {size} that {str(leader)[-8:]} started: a robust round needs "
-                        f"{self._min_useful} members to average anything; asking the next leader")
+                        f"{self._min_useful} members to average anything; asking the next leader, and not "
+                        f"this one for {AVOID_LEADER_S:g} s")
             return None
         return await self._follower_assemble_group(leader, message)
+
+    def _skip_avoided_leaders(self, key_manager) -> None:
+        """Make hivemind's key manager hide the group-key entries of the leaders this peer avoids."""
+        get_averagers = key_manager.get_averagers
+
+        async def unavoided_averagers(group_key, only_active: bool) -> List[Tuple[object, float]]:
+            found = await get_averagers(group_key, only_active)
+            now = time.monotonic()
+            return [(peer, expiration) for peer, expiration in found if self._avoided.get(str(peer), 0.0) <= now]
+
+        key_manager.get_averagers = unavoided_averagers
 
     @property
     def group_bits(self) -> str:

@@ -5,8 +5,8 @@ for that epoch, `samples_per_second`) and reads everyone else's from the run's m
 dictionary. From those records each peer derives the same view:
 
 - the collaborative epoch is a robust statistic of the other live trainers' epochs (those this peer counts,
-  below), their upper median, or this peer's own epoch if that is higher (a peer that is behind it must catch up by
-  downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
+  below), their upper median, or this peer's own epoch if that is higher (a peer that is behind it must catch
+  up by downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
   however far they claim to be ahead, and a minority of laggards cannot hold it back;
 - claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
@@ -205,8 +205,9 @@ def summarize(
     """The swarm view from (credited) peer records; `own` (this peer's live local record) replaces its DHT
     copy; `max_epoch` caps the swarm epoch (`EpochCredit.swarm_epoch`: one step per refresh); the samples,
     speed and epochs of the trainers in `uncounted` (peer ids whose contributions this peer's averaging discards,
-    or that nobody it averaged with saw average) are left out of the epoch's progress (never this peer's own); `capped` says how many samples of each peer's
-    claim `SampleCredit` refused (reported as `samples_capped`, already taken out of the records)."""
+    or that nobody it averaged with saw average) are left out of the epoch's progress (never this peer's own);
+    `capped` says how many samples of each peer's claim `SampleCredit` refused (reported as `samples_capped`,
+    already taken out of the records)."""
     by_id = {record.peer_id: record for record in records}
     if own is not None:
         by_id[own.peer_id] = own
@@ -275,6 +276,7 @@ class SwarmProgress:
         self._credit = EpochCredit()
         self._samples = SampleCredit()
         self._witnesses = TrainerWitnesses()
+        self._unwitnessed: FrozenSet[str] = frozenset()  # of the records read last (at each read and round)
         self._uncounted: Callable[[], Collection[str]] = tuple
         self._lock = threading.Lock()
         self._fetched = threading.Condition(self._lock)
@@ -314,8 +316,10 @@ class SwarmProgress:
     def note_round(self, epoch: int, contributors: Collection[str]) -> None:
         """This peer's round of `epoch` averaged with `contributors` (`RoundResult.contributors`): their samples,
         and those of the trainers they witnessed, count from now on (witnesses.py)."""
+        own = self._own_record()
         with self._lock:
             self._witnesses.note_round(epoch, contributors)
+            self._unwitnessed = self._witnesses.uncounted(self._records, own_peer_id=own.peer_id, epoch=own.epoch)
 
     def count_samples_except(self, peers: Callable[[], Collection[str]]) -> None:
         """From now on, every view leaves out the samples of the trainers `peers()` names (asked at each
@@ -327,12 +331,12 @@ class SwarmProgress:
 
     def snapshot(self) -> ProgressSnapshot:
         """The latest view (DHT records from the last refresh, this peer's own numbers live)."""
-        own = self._own_record()
         with self._lock:
             records, last, capped = self._records, self._credit.swarm_epoch, self._samples.capped
-            unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
-        return summarize(records, own=own, target_batch_size=self.target_batch_size, now=time.monotonic(),
-                         max_epoch=last, uncounted=unwitnessed | frozenset(self._uncounted()), capped=capped)
+            unwitnessed = self._unwitnessed
+        return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
+                         now=time.monotonic(), max_epoch=last, uncounted=unwitnessed | frozenset(self._uncounted()),
+                         capped=capped)
 
     def corroborated_peers(self) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
@@ -413,8 +417,8 @@ class SwarmProgress:
             self._last_fetch = now
             if complete:
                 records = tuple(r for r in listed if not r.leaving)
-                unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
-                credited = self._credit.apply(records, own.peer_id, now=now, uncorroborated=unwitnessed)
+                self._unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
+                credited = self._credit.apply(records, own.peer_id, now=now, uncorroborated=self._unwitnessed)
                 self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch,
                                                     now=now)
                 self._credit.note_departures([r for r in listed if r.leaving])
