@@ -251,7 +251,8 @@ class MatchmakingAdapter:
 
     async def join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
                          ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: refused if a private run does not admit it; else hivemind's
+        """Another peer asks us to lead its group: refused if a private run does not admit it, or if its configured
+        group size is below this round's target (it could not take part in a larger group); else hivemind's
         matchmaking decides, except for a late acceptance.
 
         hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
@@ -261,10 +262,18 @@ class MatchmakingAdapter:
         NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
         drops it from our followers. `arrived`: when the request reached us (time.monotonic())."""
         try:
-            tag = parse_member_info(request.gather).tag
+            info = parse_member_info(request.gather)
+            tag, group_size = info.tag, info.group_size
         except ProtocolError:
-            tag = None
+            tag, group_size = None, 0
         if not admits_follower(self._admission, str(context.remote_id), tag):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        if 0 < group_size < self._mm.target_group_size:
+            # Its key manager could not place it in the group we aim for: it would leave it, absent, and its part
+            # of the vector would go unaveraged (a peer configured with --group-size 2 among peers of 4).
+            logger.debug(f"refusing a follower whose group size {group_size} is below this round's target "
+                         f"{self._mm.target_group_size}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         responses = self._mm.rpc_join_group(request, context)

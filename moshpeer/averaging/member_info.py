@@ -2,7 +2,7 @@
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
-holding its slot when it is behind NAT) travels inside matchmaking over libp2p's encrypted
+holding its slot when it is behind NAT, its configured group size) travels inside matchmaking over libp2p's encrypted
 channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -22,6 +22,7 @@ MAX_GATHERED_BYTES = 1024  # one member's matchmaking metadata; anything larger 
 NONCE_BYTES = 16
 MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
 MAX_PACE_S = 3600.0  # a member announcing a longer upload spread is rejected
+MAX_GROUP_SIZE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,15 @@ class MemberInfo:
     # smallest, so that every member's deadline has room for it (0: this member does not pace).
     pace_s: float = 0.0
     relay: Optional[Tuple[str, int]] = None  # behind NAT: the relay through which to reach it (tcp_relay/)
+    # Its configured group size (hivemind's key manager places it among that many buckets and fails on a larger
+    # group, so a leader aiming higher refuses it); 0: not said.
+    group_size: int = 0
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
-                      tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None) -> bytes:
+                      tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
+                      group_size: int = 0) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -58,6 +63,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["pace"] = float(pace_s)
     if relay is not None:
         info["relay"] = [relay[0], int(relay[1])]
+    if group_size > 0:
+        info["gs"] = int(group_size)
     return msgpack.packb(info)
 
 
@@ -102,4 +109,8 @@ def parse_member_info(data: bytes) -> MemberInfo:
                 and isinstance(relay[1], int) and 0 < relay[1] < 65536):
             raise ProtocolError("bad relay address")
         relay = (relay[0], relay[1])
-    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay)
+    group_size = info.get("gs", 0)
+    if not isinstance(group_size, int) or not 0 <= group_size <= MAX_GROUP_SIZE:
+        raise ProtocolError("bad group size")
+    return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay,
+                      group_size)

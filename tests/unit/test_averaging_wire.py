@@ -337,3 +337,19 @@ def test_unreachable_address_falls_back_to_the_relay_and_stays_exact():
         assert torch.allclose(t, exact, rtol=0, atol=1e-6)
     for plane in planes:
         plane.close()
+
+
+def test_member_info_carries_the_configured_group_size_and_checks_it():
+    import msgpack
+
+    from moshpeer.averaging.member_info import pack_member_info, parse_member_info
+    from moshpeer.errors import ProtocolError
+
+    packed = pack_member_info("127.0.0.1", 4000, 1.0, b"n" * 16, group_size=4)
+    assert parse_member_info(packed).group_size == 4
+    assert parse_member_info(pack_member_info("127.0.0.1", 4000, 1.0, b"n" * 16)).group_size == 0  # not said
+    for bad in (-1, 1 << 20, "4", 2.5):
+        info = msgpack.unpackb(packed)
+        info["gs"] = bad
+        with pytest.raises(ProtocolError, match="group size"):
+            parse_member_info(msgpack.packb(info))
