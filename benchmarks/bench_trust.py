@@ -9,7 +9,7 @@
    the handshake and every other step stay the same. `mac_overhead` = 1 - median(round without MACs) /
    median(round with MACs), the share of the round the MACs cost; `mac_cpu_overhead` is the same ratio of
    the process's CPU seconds per round (less sensitive to other load on the machine).
-2. Training: 4 `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
+2. Training: 4 (`--peers`) `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
    (`--faults byzantine=-100,weight=1e6`: it sends -100x its gradient and claims weight 1e6) with `mean`;
    the same with `--aggregation clipped` on every peer; the control, all honest with `clipped` (what the
    robust aggregation costs when nobody attacks); and `inside_radius`, a hostile peer inside the rules
@@ -177,9 +177,9 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
 def training(args) -> dict:
     import bench_training
 
-    run_args = SimpleNamespace(peers=MEMBERS, group_size=MEMBERS, aux=0, epochs=args.epochs, target=args.target,
+    run_args = SimpleNamespace(peers=args.peers, group_size=args.peers, aux=0, epochs=args.epochs, target=args.target,
                                matchmaking_time=args.matchmaking_time, timeout=args.timeout)
-    hostile = MEMBERS - 1
+    hostile = args.peers - 1
 
     arms = [arm for arm in (
         ("honest", None),
@@ -192,7 +192,7 @@ def training(args) -> dict:
         ("sparse_chunks",
          lambda i: ["--aggregation", "clipped"] + (["--faults", SPARSE_CHUNKS] if i == hostile else [])),
         ("sample_liar", None),
-        ("sybil_state", lambda i: ["--group-size", str(MEMBERS + 1)]),  # the newcomer averages with all four
+        ("sybil_state", lambda i: ["--group-size", str(args.peers + 1)]),  # the newcomer averages with all of them
         ("leader_pair", lambda i: ["--aggregation", "clipped"] + (["--group-size", "2"] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "step_s": [], "honest_flagged": [],
@@ -246,10 +246,10 @@ def sybil_state(run_args, run_id: str, maddrs: List[str]) -> List[Tuple[List[str
     import bench_training
 
     newcomer = bench_training.moshpeer_argv(
-        "join", run_id, bench_training.LOOPBACK, "--initial-peers", *maddrs, "--group-size", str(MEMBERS + 1),
+        "join", run_id, bench_training.LOOPBACK, "--initial-peers", *maddrs, "--group-size", str(run_args.peers + 1),
         "--max-epochs", str(run_args.epochs), "--eval-every", "1", "--target-batch-size", str(bench_training.GLOBAL_BATCH),
         "--batch-size", str(bench_training.MICRO_BATCH), "--matchmaking-time", str(run_args.matchmaking_time),
-        "--seed", str(MEMBERS))
+        "--seed", str(run_args.peers))
     return [([sys.executable, "-m", "moshpeer.adversaries.forged_donors", "--run-id", run_id, "--initial-peers", *maddrs,
               "--count", "2"], "ready"), (newcomer, "started")]
 
@@ -274,6 +274,8 @@ def main() -> int:
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=400.0, help="per training run")
     parser.add_argument("--repeats", type=int, default=1, help="training runs per arm (mean accuracy reported)")
+    parser.add_argument("--peers", type=int, default=MEMBERS,
+                        help="training peers per run (the hostile one, in the arms that have one, is the last)")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS),
                         help=f"comma-separated training arms (default: all of {','.join(ARMS)})")
@@ -293,7 +295,7 @@ def main() -> int:
     figures = {k: v for k, v in costs.items() if k != "round_times"}
     if not args.skip_training:
         runs = training(args)
-        print(f"\n{'digits, 4 peers':<22}{'mean acc':>10}  {'per run':<30}{'peers':>8}{'train (s)':>20}")
+        print(f"\n{f'digits, {args.peers} peers':<22}{'mean acc':>10}  {'per run':<30}{'peers':>8}{'train (s)':>20}")
         for name, r in runs.items():
             acc = f"{r['acc']:.4f}" if r["acc"] is not None else "-"
             each = " ".join(f"{a:.4f}" if a is not None else "-" for a in r["accs"])
@@ -332,7 +334,7 @@ def main() -> int:
                        group_sizes={name: r["group_sizes"] for name, r in runs.items()},
                        step_s={name: r["step_s"] for name, r in runs.items()},
                        honest_pairs={name: r["honest_pairs"] for name, r in runs.items()})
-    figures.update(numel=args.numel, members=MEMBERS)
+    figures.update(numel=args.numel, members=MEMBERS, peers=args.peers)
     print(json.dumps(figures))
     return 0
 
