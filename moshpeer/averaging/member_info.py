@@ -2,8 +2,8 @@
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
-holding its slot when it is behind NAT, its configured group size) travels inside matchmaking over libp2p's encrypted
-channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
+holding its slot when it is behind NAT, its configured group size) travels inside matchmaking over libp2p's
+encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
 from __future__ import annotations

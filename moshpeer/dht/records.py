@@ -33,8 +33,7 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at",
-     "witnessed"}
+     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at", "witnessed"}
 )
 
 

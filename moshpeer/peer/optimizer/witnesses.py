@@ -21,7 +21,7 @@ can then shorten such epochs within `SampleCredit`'s bound, and the first round 
 
 What it costs honest peers: a newcomer's samples count from its first round on (its first epoch's samples
 still reach the model through the round; only the epoch's end waits for the others' samples). A record carries
-up to MAX_WITNESSED tags of TAG_BYTES (about 650 bytes), the most recently witnessed first.
+up to MAX_WITNESSED tags of WITNESS_TAG_BYTES (about 650 bytes), the most recently witnessed first.
 
 This module decides; progress.py feeds it rounds and records and applies the result (no I/O here).
 """
