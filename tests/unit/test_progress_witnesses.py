@@ -10,7 +10,7 @@ from moshpeer.dht import PeerRecord
 from moshpeer.dht.records import MAX_WITNESSED
 from moshpeer.peer.optimizer.progress import EpochCredit, summarize
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
-from moshpeer.peer.optimizer.witnesses import WINDOW_EPOCHS, TrainerWitnesses, witness_tag
+from moshpeer.peer.optimizer.witnesses import MIN_ROUNDS, WINDOW_EPOCHS, TrainerWitnesses, witness_tag
 
 REFRESH_S = 0.5
 RATE = 10.0  # samples per second of every honest trainer
@@ -26,6 +26,12 @@ def trainer(k: int, epoch: int, samples: int, rate: float = RATE, witnessed=()) 
     return PeerRecord(peer_id=peer_id(k), role="trainer", epoch=epoch, samples_accumulated=samples,
                       samples_per_second=rate, version="test", protocol=4, started_at=0.0, updated_at=0.0,
                       witnessed=[witness_tag(peer_id(j)) for j in witnessed])
+
+
+def averaged_twice(witnesses: TrainerWitnesses, peer_ids) -> None:
+    """The reader's rounds of epochs 8 and 9 reached it from `peer_ids` (MIN_ROUNDS rounds: its evidence counts)."""
+    for epoch in range(10 - MIN_ROUNDS, 10):
+        witnesses.note_round(epoch, peer_ids)
 
 
 def epoch_seconds(witnesses: Optional[TrainerWitnesses], honest: List[int], *, liars=(LIAR,),
@@ -64,13 +70,13 @@ def test_a_liar_that_never_averages_ends_no_epoch():
     honest_epoch = TARGET / (RATE * (len(honest) + 1))
     assert epoch_seconds(None, honest) < 0.8 * honest_epoch  # the attack as SampleCredit alone leaves it
     witnesses = TrainerWitnesses()
-    witnesses.note_round(9, [peer_id(k) for k in honest])
+    averaged_twice(witnesses, [peer_id(k) for k in honest])
     assert epoch_seconds(witnesses, honest) == honest_epoch
 
 
 def test_a_hundred_fake_trainers_do_not_shrink_the_honest_share():
     witnesses = TrainerWitnesses()
-    witnesses.note_round(9, [peer_id(1)])
+    averaged_twice(witnesses, [peer_id(1)])
     fakes = [trainer(100 + k, 10, 0) for k in range(100)]
     records = [trainer(0, 10, 0), trainer(1, 10, 0), *fakes]
     uncounted = witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=10)
@@ -82,7 +88,7 @@ def test_a_trainer_counts_when_a_peer_the_reader_averaged_with_vouches_for_it():
     """The reader averaged with peer 1 only; peer 1 averaged with peers 2 and 3 and says so: all four count,
     and the epoch ends when the honest samples reach the target."""
     witnesses = TrainerWitnesses()
-    witnesses.note_round(9, [peer_id(1)])
+    averaged_twice(witnesses, [peer_id(1)])
     honest_epoch = TARGET / (RATE * 4)
     assert epoch_seconds(witnesses, [1, 2, 3], vouches={1: [0, 2, 3]}) == honest_epoch
     # Without the vouch, peers 2 and 3 wait for their first round with the reader: the epoch takes twice as long.
@@ -92,7 +98,7 @@ def test_a_trainer_counts_when_a_peer_the_reader_averaged_with_vouches_for_it():
 def test_a_vouch_counts_only_from_a_peer_the_reader_witnessed():
     """The liar names its fellow liar; nobody the reader averaged with does: neither counts."""
     witnesses = TrainerWitnesses()
-    witnesses.note_round(9, [peer_id(1), peer_id(2), peer_id(3)])
+    averaged_twice(witnesses, [peer_id(1), peer_id(2), peer_id(3)])
     records = [trainer(0, 10, 0), trainer(1, 10, 0), trainer(LIAR, 10, TARGET, witnessed=[LIAR + 1]),
                trainer(LIAR + 1, 10, TARGET, witnessed=[LIAR])]
     assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=10) == {peer_id(LIAR), peer_id(LIAR + 1)}
@@ -118,7 +124,7 @@ def test_fake_records_outnumbering_the_honest_ones_do_not_raise_the_epoch():
 
     assert view_after(None, 5.0) >= 10 + 40  # the attack: about 10 epochs per second
     witnesses = TrainerWitnesses()
-    witnesses.note_round(9, [peer_id(1), peer_id(2)])
+    averaged_twice(witnesses, [peer_id(1), peer_id(2)])
     assert view_after(witnesses, 5.0) == 10
 
 
@@ -129,9 +135,26 @@ def test_a_reader_that_witnessed_nobody_counts_everyone():
     assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=0) == frozenset()
 
 
+def test_one_round_is_not_evidence_enough_in_a_large_swarm():
+    """200 trainers in groups of 16. After its first round the reader and its 15 mates know only that group: counted
+    on that, its epochs would last 12 times too long. So it counts everyone until a second round, along another
+    grid axis, whose mates name their first groups: then every trainer of a 16 x 16 grid is counted."""
+    grid = [[16 * row + col for col in range(16)] for row in range(16)]  # peer k sits at (row k // 16, column k % 16)
+    records = [trainer(k, 1, 0, witnessed=[j for j in grid[k // 16] if j != k]) for k in range(200)]
+    witnesses = TrainerWitnesses()
+    witnesses.note_round(0, [peer_id(k) for k in grid[0][1:]])  # the reader, peer 0, averaged with its row
+    assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=1) == frozenset()
+    column = [row[0] for row in grid[1:] if row[0] < 200]  # then with its column, whose records name their rows
+    witnesses.note_round(1, [peer_id(k) for k in column])
+    assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=2) == frozenset()
+    records.append(trainer(LIAR + 1000, 2, TARGET))  # a record nobody witnessed
+    assert witnesses.uncounted(records, own_peer_id=peer_id(0), epoch=2) == {peer_id(LIAR + 1000)}
+
+
 def test_a_witness_lapses_after_the_window():
     witnesses = TrainerWitnesses()
     witnesses.note_round(10, [peer_id(1)])
+    witnesses.note_round(10 + WINDOW_EPOCHS - 2, [peer_id(2)])
     witnesses.note_round(10 + WINDOW_EPOCHS - 1, [peer_id(2)])
     assert witnesses.witnessed(10 + WINDOW_EPOCHS - 1) == [peer_id(2), peer_id(1)]  # the most recent first
     assert witnesses.witnessed(10 + WINDOW_EPOCHS) == [peer_id(2)]

@@ -340,7 +340,7 @@ class SwarmProgress:
 
     def corroborated_peers(self) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
-        them average); None while it has witnessed nobody. A state download asks them first."""
+        them average); None while it cannot tell yet (witnesses.py). A state download asks them first."""
         own = self._own_record()
         with self._lock:
             return self._witnesses.corroborated(self._records, own.epoch)

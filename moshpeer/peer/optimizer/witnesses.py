@@ -15,9 +15,14 @@ this peer has evidence that it takes part in the averaging:
   One hop is what a large swarm needs: a group of g shows a peer g - 1 others per round, and their lists
   cover about (g - 1)^2 more.
 
-This peer counts its own samples, always. While it has witnessed nobody within the window (the run's first
-epoch, a newcomer, a peer whose rounds all failed), it cannot tell and counts every trainer, as before: a liar
-can then shorten such epochs within `SampleCredit`'s bound, and the first round it is not part of ends that.
+This peer counts its own samples, always. Until it has witnessed averaging in rounds of MIN_ROUNDS epochs within
+the window (the run's first epochs, a newcomer, a peer whose rounds all failed), it cannot tell and counts every
+trainer, as before: a liar can then shorten such epochs within `SampleCredit`'s bound. Why two rounds: after its
+first round, a peer and the peers it witnessed know the same group, so one hop adds nobody and it would count
+only g of the swarm's trainers (in a swarm of 200 with groups of 16, epochs 12 times too long). Moshpit's next
+round groups it along another grid axis: its new mates' records name their first groups, about g^2 peers in all,
+the whole of a two-axis grid. A swarm beyond g^2 is counted in full a round or two later (records name up to
+MAX_WITNESSED peers of the last WINDOW_EPOCHS epochs); until then its epochs last longer, never shorter.
 
 What it costs honest peers: a newcomer's samples count from its first round on (its first epoch's samples
 still reach the model through the round; only the epoch's end waits for the others' samples). A record carries
@@ -39,6 +44,7 @@ from moshpeer.dht.records import MAX_WITNESSED, WITNESS_TAG_BYTES
 # averaging stops counting soon after.
 WINDOW_EPOCHS = 8
 MAX_TRACKED = 4096  # peers remembered (the most recently witnessed kept)
+MIN_ROUNDS = 2  # rounds (distinct epochs within the window) before the evidence is used (module docstring)
 
 
 def witness_tag(peer_id: str) -> bytes:
@@ -55,9 +61,13 @@ class TrainerWitnesses:
     def __init__(self, window_epochs: int = WINDOW_EPOCHS, max_tracked: int = MAX_TRACKED):
         self.window_epochs, self.max_tracked = window_epochs, max_tracked
         self._last_seen: Dict[str, int] = {}  # peer id -> epoch of the last round its contribution reached us
+        self._round_epochs: List[int] = []  # the epochs of its last rounds that someone contributed to
 
     def note_round(self, epoch: int, contributors: Iterable[str]) -> None:
         """The peers whose contributions reached this peer in its round of `epoch`."""
+        contributors = list(contributors)
+        if contributors and epoch not in self._round_epochs:
+            self._round_epochs = sorted(self._round_epochs + [epoch])[-MIN_ROUNDS:]
         for peer_id in contributors:
             self._last_seen[peer_id] = max(epoch, self._last_seen.get(peer_id, epoch))
         if len(self._last_seen) > self.max_tracked:
@@ -75,16 +85,17 @@ class TrainerWitnesses:
 
     def corroborated(self, records: Sequence[PeerRecord], epoch: int) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for at `epoch`: witnessed, or named by the record of a witnessed peer
-        among `records`. None while it has witnessed nobody within the window (it cannot tell)."""
-        direct = frozenset(self.witnessed(epoch))
-        if not direct:
+        among `records`. None until it has witnessed rounds of MIN_ROUNDS epochs within the window (it cannot
+        tell yet)."""
+        if sum(seen > epoch - self.window_epochs for seen in self._round_epochs) < MIN_ROUNDS:
             return None
+        direct = frozenset(self.witnessed(epoch))
         vouched = {tag for r in records if r.peer_id in direct for tag in r.witnessed}
         return direct | {r.peer_id for r in records if witness_tag(r.peer_id) in vouched}
 
     def uncounted(self, records: Sequence[PeerRecord], *, own_peer_id: str, epoch: int) -> FrozenSet[str]:
         """The trainers among `records` whose samples this peer does not count at `epoch`: not `corroborated`.
-        Empty while this peer has witnessed nobody within the window."""
+        Empty while `corroborated` cannot tell."""
         corroborated = self.corroborated(records, epoch)
         if corroborated is None:
             return frozenset()
