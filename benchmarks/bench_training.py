@@ -243,8 +243,7 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
     `companions(run_id, bootstrap maddrs)` gives more processes, (argv, event), to start on loopback once the
     peers are launched, one after the other, each once the one before printed its `event` (e.g. bench_trust's
     Sybil donors, then a newcomer; a companion whose event is "started" trains, and the run waits for its "done"
-    too); their events are kept in
-    ALL_EVENTS["moshpeer-<tag>-companions"]."""
+    too); their events are kept in ALL_EVENTS["moshpeer-<tag>-companions"]."""
     e = env()
     run_id = f"bench-{tag}-{os.getpid()}"
     where = getattr(args, "placement", None) or Placement()
