@@ -188,9 +188,18 @@ def short_peer_id(peer_id: str) -> str:
 
 
 def peer_as_json(peer: PeerRecord, now: float) -> Dict[str, Any]:
-    # Binary fields (a private run's membership tag) as hex: JSON has no bytes.
-    wire = {key: value.hex() if isinstance(value, bytes) else value for key, value in peer.to_wire().items()}
+    # Binary fields (a private run's membership tag, the witnessed peers' tags) as hex: JSON has no bytes.
+    wire = {key: _hex(value) for key, value in peer.to_wire().items()}
     return {**wire, "last_seen_s": round(max(0.0, now - peer.updated_at), 3)}
+
+
+def _hex(value: Any) -> Any:
+    """`value` with bytes, also inside a list, as hex strings."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list):
+        return [_hex(item) for item in value]
+    return value
 
 
 def build_table(run_id: str, peers: List[PeerRecord], now: float):
