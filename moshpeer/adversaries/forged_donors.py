@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from typing import Dict, Tuple
 
+from moshpeer.adversaries.process import run_until_signalled, swarm_epoch
 from moshpeer.dht import start_dht
 from moshpeer.errors import UserError
-from moshpeer.peer.state.framing import deserialize_state, serialize_state
+from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import StateDownloadFailed, StateServer, download_state
-from moshpeer.adversaries.sample_liar import swarm_epoch
 
 FORGE_SCALE = -3.0
 REFRESH_S = 0.5
@@ -59,7 +58,7 @@ def forge(run_id: str, initial_peers, count: int, host: str, stop: threading.Eve
             honest = download_state(nodes[0], run_id, exclude=own, timeout=60.0, show_progress=False)
         except StateDownloadFailed as e:
             raise UserError(f"no state to forge: {e}") from e
-        forged = ForgedState(deserialize_state(serialize_state(honest.state)))
+        forged = ForgedState(honest.state)
         servers = [StateServer(forged, run_id=run_id, identity=node.identity, host=host) for node in nodes]
         announced = False
         while not stop.is_set():
@@ -86,15 +85,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error("--count must be at least 1")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        forge(args.run_id, args.initial_peers, args.count, args.host, stop)
-    except UserError as e:
-        print(f"forged_donors: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_until_signalled("forged_donors",
+                               lambda stop: forge(args.run_id, args.initial_peers, args.count, args.host, stop))
 
 
 if __name__ == "__main__":

@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 
-from moshpeer.dht import list_peers, start_dht
-from moshpeer.errors import UserError
-from moshpeer.peer.optimizer.progress import robust_epoch
+from moshpeer.adversaries.process import run_until_signalled, swarm_epoch
+from moshpeer.dht import start_dht
 from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
 
 REFRESH_S = 0.5  # as often as an honest peer near its epoch's end reads and publishes
 CLAIMED_RATE = 1e6  # samples per second it says it computes
 EXPIRATION_S = 10.0
-
-
-def swarm_epoch(dht, run_id: str, own_peer_id: str) -> int:
-    """The epoch honest readers compute: the upper median of the other live trainers' epochs (0 when none)."""
-    epochs = [r.epoch for r in list_peers(dht, run_id, timeout=2.0)
-              if r.role == "trainer" and r.peer_id != own_peer_id]
-    return robust_epoch(epochs) if epochs else 0
 
 
 def lie(run_id: str, initial_peers, target_batch_size: int, host: str, stop: threading.Event,
@@ -67,15 +58,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.target_batch_size <= 0:
         parser.error("--target-batch-size must be positive")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        lie(args.run_id, args.initial_peers, args.target_batch_size, args.host, stop, args.from_epoch)
-    except UserError as e:
-        print(f"sample_liar: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_until_signalled("sample_liar", lambda stop: lie(args.run_id, args.initial_peers,
+                                                               args.target_batch_size, args.host, stop,
+                                                               args.from_epoch))
 
 
 if __name__ == "__main__":

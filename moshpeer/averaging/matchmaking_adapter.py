@@ -51,7 +51,7 @@ from hivemind.utils.asyncio import cancel_and_wait
 from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS
 from moshpeer.averaging.deadline import RoundDeadline
 from moshpeer.averaging.member_info import parse_member_info
-from moshpeer.averaging.private import admits_follower, filter_leaders
+from moshpeer.averaging.private import admits_follower, excluded_leader
 from moshpeer.errors import ProtocolError, UserError
 from moshpeer.version import PROTOCOL_VERSION
 
@@ -136,14 +136,12 @@ class MatchmakingAdapter:
         self.request_timeout, self._admission = request_timeout, admission
         self._min_group_size = min_group_size
         self._min_useful = MIN_ROBUST_CONTRIBUTIONS if aggregation != "mean" else 2
-        self.groups_left = 0  # groups a leader started with too few members to average, that this peer left
         self._mm = Matchmaking(p2p, schema, dht, servicer_type=servicer_type, prefix=prefix,
                                target_group_size=target_group_size, min_group_size=min_group_size,
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
-        filter_leaders(self._mm.group_key_manager, admission)
         self._avoided: Dict[str, float] = {}  # leader peer id -> time.monotonic() until which it is skipped
-        self._skip_avoided_leaders(self._mm.group_key_manager)
+        self._hide_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
 
@@ -161,7 +159,6 @@ class MatchmakingAdapter:
                         f"group size {self._mm.group_key_manager.target_group_size}; asking the next leader")
             return None
         if size < self._smallest_useful_group():
-            self.groups_left += 1
             self._avoided.pop(str(leader), None)
             self._avoided[str(leader)] = time.monotonic() + AVOID_LEADER_S
             while len(self._avoided) > MAX_AVOIDED_LEADERS:
@@ -172,16 +169,18 @@ class MatchmakingAdapter:
             return None
         return await self._follower_assemble_group(leader, message)
 
-    def _skip_avoided_leaders(self, key_manager) -> None:
-        """Make hivemind's key manager hide the group-key entries of the leaders this peer avoids."""
+    def _hide_leaders(self, key_manager) -> None:
+        """Make hivemind's key manager hide the group-key entries of the leaders this peer skips: those a private
+        run excludes (private.py) and those whose pair it left (module docstring)."""
         get_averagers = key_manager.get_averagers
 
-        async def unavoided_averagers(group_key, only_active: bool) -> List[Tuple[object, float]]:
+        async def leaders_to_ask(group_key, only_active: bool) -> List[Tuple[object, float]]:
             found = await get_averagers(group_key, only_active)
             now = time.monotonic()
-            return [(peer, expiration) for peer, expiration in found if self._avoided.get(str(peer), 0.0) <= now]
+            return [(peer, expiration) for peer, expiration in found
+                    if self._avoided.get(str(peer), 0.0) <= now and not excluded_leader(self._admission, str(peer))]
 
-        key_manager.get_averagers = unavoided_averagers
+        key_manager.get_averagers = leaders_to_ask
 
     @property
     def group_bits(self) -> str:

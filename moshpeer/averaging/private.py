@@ -4,7 +4,7 @@ The policy is the DHT node's `Admission` (moshpeer/dht/admission.py); this modul
 averager's three doors (refusals counted there, at "matchmaking" and "dataplane"):
 - a join request whose sender (libp2p-authenticated `remote_id`) is not admitted is refused
   (`admits_follower`: allow-list, and the swarm-key tag in its gathered metadata);
-- a peer looking for a leader skips leaders that are not admitted (`filter_leaders`: not on the
+- a peer looking for a leader skips leaders that are not admitted (`excluded_leader`: not on the
   allow-list, or known to lack the swarm key), and leaves an assembled group with a member that is not
   admitted (`outsider_in_group`: every member's tag is checked, the leader's included);
 - the data plane refuses a hello signed by a key it excludes (`dataplane_check`), and with a swarm key
@@ -14,9 +14,7 @@ averager's three doors (refusals counted there, at "matchmaking" and "dataplane"
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
-
-from hivemind.averaging.key_manager import GroupKeyManager
+from typing import Callable, Optional, Sequence
 
 from moshpeer.dht.admission import Admission
 from moshpeer.dht.identity import load_public_key, peer_id_from_public_key
@@ -30,25 +28,13 @@ def admits_follower(admission: Admission, peer_id: str, tag: Optional[bytes]) ->
     return not admission.private or admission.check("matchmaking", peer_id, tag)
 
 
-def filter_leaders(key_manager: GroupKeyManager, admission: Admission) -> None:
-    """Make `key_manager` (hivemind's, owned by our Matchmaking) hide the group-key entries of leaders we exclude:
-    not on the allow-list, or refused before (with a swarm key, a leader's tag is checked once the group is
-    assembled: a peer's first entry cannot be judged by its id alone)."""
-    if not admission.private:
-        return
-    get_averagers = key_manager.get_averagers
-
-    async def admitted_averagers(group_key, only_active: bool) -> List[Tuple[object, float]]:
-        found = await get_averagers(group_key, only_active)
-        return [(peer, expiration) for peer, expiration in found
-                if not _excluded_leader(admission, str(peer))]
-
-    key_manager.get_averagers = admitted_averagers
-
-
-def _excluded_leader(admission: Admission, peer_id: str) -> bool:
-    if admission.excluded(peer_id):
-        admission.refuse("matchmaking", peer_id, once=True)  # the same entry is read at every refresh
+def excluded_leader(admission: Admission, peer_id: str) -> bool:
+    """Should a peer looking for a leader skip `peer_id`'s group-key entry? Yes if we exclude it: not on the
+    allow-list, or refused before (with a swarm key, a leader's tag is checked once the group is assembled: a
+    peer's first entry cannot be judged by its id alone). Counted once per peer (the entry is read at every
+    refresh)."""
+    if admission.private and admission.excluded(peer_id):
+        admission.refuse("matchmaking", peer_id, once=True)
         return True
     return False
 
