@@ -4,7 +4,8 @@ One process runs `--count` identities, each with a DHT node and a state server o
 downloads the swarm's state once (as a newcomer would), forges it (every model tensor times FORGE_SCALE:
 plausible in shape, norm and format, wrong in direction) and serves the very same forged bytes from every
 identity, always at the swarm's current epoch (the upper median of the live trainers' epochs), re-advertised
-every REFRESH_S. It never trains and never averages.
+every REFRESH_S. Each identity also publishes a trainer record at that epoch naming the others as witnessed (what a
+newcomer's choice of donors reads, witnesses.py). It never trains and never averages.
 
     python -m moshpeer.adversaries.forged_donors --run-id RUN --initial-peers MADDR [MADDR ...] [--count 2]
 
@@ -23,6 +24,8 @@ from typing import Dict, Tuple
 from moshpeer.adversaries.process import run_until_signalled, swarm_epoch
 from moshpeer.dht import start_dht
 from moshpeer.errors import UserError
+from moshpeer.peer.optimizer.witnesses import witness_tag
+from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import StateDownloadFailed, StateServer, download_state
 
@@ -60,10 +63,16 @@ def forge(run_id: str, initial_peers, count: int, host: str, stop: threading.Eve
             raise UserError(f"no state to forge: {e}") from e
         forged = ForgedState(honest.state)
         servers = [StateServer(forged, run_id=run_id, identity=node.identity, host=host) for node in nodes]
+        publishers = [RecordPublisher(node, run_id, fresh_record(node, "trainer").updated(
+            training=True, witnessed=[witness_tag(other) for other in own if other != node.identity.peer_id]),
+            expiration=10.0) for node in nodes]
         announced = False
         while not stop.is_set():
-            forged.epoch = max(forged.epoch, swarm_epoch(nodes[0], run_id, own[0]))
+            forged.epoch = max(forged.epoch, swarm_epoch(nodes[0], run_id, own))
             advertised = [server.advertise(node, forged.epoch) for server, node in zip(servers, nodes)]
+            for publisher in publishers:
+                publisher.update(epoch=forged.epoch)
+                publisher.publish_quietly()
             if all(advertised) and not announced:
                 print(json.dumps({"event": "ready", "peer_ids": list(own)}), flush=True)
                 announced = True

@@ -5,17 +5,17 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Collection
 
 from moshpeer.dht import list_peers
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.progress import robust_epoch
 
 
-def swarm_epoch(dht, run_id: str, own_peer_id: str) -> int:
+def swarm_epoch(dht, run_id: str, own_peer_ids: Collection[str]) -> int:
     """The epoch honest readers compute: the upper median of the other live trainers' epochs (0 when none)."""
     epochs = [r.epoch for r in list_peers(dht, run_id, timeout=2.0)
-              if r.role == "trainer" and r.peer_id != own_peer_id]
+              if r.role == "trainer" and r.peer_id not in own_peer_ids]
     return robust_epoch(epochs) if epochs else 0
 
 

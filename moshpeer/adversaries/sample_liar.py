@@ -38,7 +38,7 @@ def lie(run_id: str, initial_peers, target_batch_size: int, host: str, stop: thr
         publisher = RecordPublisher(dht, run_id, record, expiration=EXPIRATION_S)
         print(json.dumps({"event": "ready", "peer_id": record.peer_id}), flush=True)
         while not stop.is_set():
-            epoch = swarm_epoch(dht, run_id, record.peer_id)
+            epoch = swarm_epoch(dht, run_id, (record.peer_id,))
             if epoch >= from_epoch:
                 publisher.update(epoch=epoch, samples_accumulated=target_batch_size)
                 publisher.publish(timeout=2.0)

@@ -98,7 +98,7 @@ def parse_member_info(data: bytes) -> MemberInfo:
     if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
         raise ProtocolError("bad bandwidth")
     tag = info.get("tag", b"")
-    if not isinstance(tag, bytes) or len(tag) > private_runs.TAG_BYTES:
+    if not isinstance(tag, bytes) or len(tag) > private_runs.MAX_PROOF_BYTES:
         raise ProtocolError("bad membership tag")
     pace = info.get("pace", 0.0)
     if not isinstance(pace, (int, float)) or not 0 <= pace <= MAX_PACE_S:

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, NoReturn
+from typing import TYPE_CHECKING, Any, Dict, List, NoReturn, Optional
 
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, maddrs_for_port
 from moshpeer.errors import UserError
@@ -115,16 +115,42 @@ def add_private_run_arguments(parser: argparse.ArgumentParser) -> None:
                        "e.g. made with `openssl rand -hex 32 > FILE`)")
     group.add_argument("--allow-peers", metavar="FILE",
                        help="admit only the peer ids listed in FILE (one per line, # comments)")
+    group.add_argument("--run-owner", metavar="PEER_ID",
+                       help="admit only peers with a credential this peer id signed (`moshpeer member issue`)")
+    group.add_argument("--credential", metavar="FILE", help="this peer's credential from the run owner")
+    group.add_argument("--revoked", metavar="FILE",
+                       help="the run owner's revocation list (`moshpeer member revoke`), re-read when it changes")
 
 
-def admission_from_args(args: argparse.Namespace):
-    """The `Admission` of --swarm-key / --allow-peers (UserError for a bad file), None for an open run."""
+def admission_from_args(args: argparse.Namespace, *, member: bool = True):
+    """The `Admission` of the private-run flags (UserError for a bad file or a missing credential), None for an open
+    run. `member`: this node takes part (a member of a run with an owner needs --credential, unless it is the
+    owner: its --identity is the owner's key); `moshpeer status` only reads."""
     key, allowed = getattr(args, "swarm_key", None), getattr(args, "allow_peers", None)
-    if key is None and allowed is None:
+    owner, credential = getattr(args, "run_owner", None), getattr(args, "credential", None)
+    revoked = getattr(args, "revoked", None)
+    if key is None and allowed is None and owner is None and credential is None and revoked is None:
         return None
     from moshpeer.dht import Admission
 
-    return Admission.from_files(key, allowed)
+    admission = Admission.from_files(key, allowed, owner=owner, credential_path=credential, revoked_path=revoked)
+    if member and owner is not None and credential is None and _identity_peer_id(args) != owner:
+        raise UserError("--run-owner needs this peer's --credential FILE (`moshpeer member issue` by the owner), "
+                        "or the owner's --identity")
+    return admission
+
+
+def _identity_peer_id(args: argparse.Namespace) -> Optional[str]:
+    """The peer id of an existing --identity file, None without one (a bad file is the DHT start's to report)."""
+    path = getattr(args, "identity", None)
+    if path is None or not os.path.exists(path):
+        return None
+    from moshpeer.dht import Identity
+
+    try:
+        return Identity.load(path).peer_id
+    except (UserError, ValueError, OSError):
+        return None
 
 
 def add_metrics_argument(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 It takes part in the DHT like any peer (stores records, relays), publishes a `bootstrap` record
 in its run, prints its multiaddrs and a ready-to-paste `moshpeer join ...` line, and runs until
-SIGINT or SIGTERM.
+SIGINT or SIGTERM. In a private run it carries the run's proof in its record; the run owner's node
+(`--identity` of the owner, `--run-owner`, `--revoked FILE`) passes the owner's revocation list on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from moshpeer.cli.common import (
     add_membership_arguments,
     add_metrics_argument,
     add_network_arguments,
+    add_private_run_arguments,
     add_run_id_argument,
     announce_ready,
     check_flags,
@@ -38,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_initial_peers_argument(parser)
     add_network_arguments(parser)
     add_membership_arguments(parser)
+    add_private_run_arguments(parser)
     add_metrics_argument(parser)
     parser.set_defaults(run=run)
 

@@ -16,7 +16,7 @@ from moshpeer.errors import UserError
 from moshpeer.version import __version__
 
 # Subcommand modules under moshpeer.cli, in the order `moshpeer --help` lists them.
-COMMANDS = ("dht", "join", "status", "checkpoint", "demo", "plot", "simulate")
+COMMANDS = ("dht", "join", "status", "checkpoint", "member", "demo", "plot", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--count needs --watch and a positive number of refreshes")
     from moshpeer.dht.node import start_dht
 
-    admission = admission_from_args(args)  # before the DHT starts: a bad key file is one line, exit 2
+    admission = admission_from_args(args, member=False)  # before the DHT starts: a bad key file is one line, exit 2
     dht = start_dht(
         initial_peers=args.initial_peers,
         # Same listen addresses as a peer: libp2p reuses its listening ports to dial out, so a

@@ -167,13 +167,13 @@ class Identity:
             raise UserError(f"cannot create identity file {path}: directory {directory} does not exist")
         identity = cls.generate()
         try:
-            _write_private_file(path, identity.to_file_bytes())
+            write_private_file(path, identity.to_file_bytes())
         except OSError as e:
             raise UserError(f"cannot write identity file {path}: {e.strerror}") from None
         return cls(identity.private_key, path=path)
 
 
-def _write_private_file(path: str, data: bytes) -> None:
+def write_private_file(path: str, data: bytes) -> None:
     """Write `data` to `path` atomically (temp file, fsync, rename), mode 0600."""
     directory = os.path.dirname(path)
     fd, tmp_path = tempfile.mkstemp(prefix=".identity-", dir=directory)

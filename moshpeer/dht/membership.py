@@ -34,8 +34,10 @@ def publish_record(
     if record.peer_id != dht.identity.peer_id:
         raise ValueError(f"record is about {record.peer_id}, but this DHT's identity is {dht.identity.peer_id}")
     admission = getattr(dht, "admission", None)
-    if admission is not None and admission.tag(record.peer_id) != record.member_tag:
-        record = record.model_copy(update={"member_tag": admission.tag(record.peer_id)})  # a private run's proof
+    if admission is not None and admission.private:  # a private run's proof, and the owner's revocations passed on
+        admission.reload_revoked_file()
+        record = record.model_copy(update={"member_tag": admission.tag(record.peer_id),
+                                           "revocations": admission.revocations})
     future = dht.store(
         peers_key(run_id),
         record.to_wire(),
@@ -75,7 +77,8 @@ def list_peers(
 
     Entries that fail validation are dropped (everything from the network is untrusted), as are
     leaving peers and peers of another protocol generation unless asked for, and in a private run the
-    records of peers this node does not admit (`dht.admission`, counted at "records").
+    records of peers this node does not admit (`dht.admission`, counted at "records"). In a run with an owner, the
+    newest revocation list any record carries is adopted first, so a revoked peer's own record is dropped too.
     """
     future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
@@ -86,15 +89,20 @@ def list_peers(
         return []
     now = get_dht_time()
     admission = getattr(dht, "admission", None)
-    records = []
+    parsed = []
     for subkey, entry in found.value.items():
         try:
             record = parse_owned_entry(subkey, entry.value, PeerRecord)
         except RecordRejected as e:
             logger.debug(f"ignoring an invalid peer record in run {run_id!r}: {e.reason}")
             continue
-        if entry.expiration_time <= now:
-            continue
+        if entry.expiration_time > now:
+            parsed.append(record)
+    if admission is not None and admission.owner is not None:
+        for record in parsed:
+            admission.note_revocations(record.revocations)
+    records = []
+    for record in parsed:
         if record.leaving and not include_leaving:
             continue
         if record.protocol != PROTOCOL_VERSION and not any_protocol:

@@ -61,6 +61,8 @@ class SwarmDHT(hivemind.DHT):
 
     def __init__(self, *args, identity: Identity, admission: Optional[Admission] = None, behind_nat: bool = False,
                  **kwargs):
+        admission = admission if admission is not None else Admission()
+        admission.bind(identity.peer_id)  # first: a refused credential is one line, before any process starts
         if behind_nat:  # p2pd: autorelay on, and private reachability at once rather than after AutoNAT's probes
             kwargs = {"use_auto_relay": True, "force_reachability": "private", **kwargs}
         super().__init__(*args, **kwargs)
@@ -69,8 +71,7 @@ class SwarmDHT(hivemind.DHT):
         # that members reach it over libp2p streams at once instead of after timed-out TCP attempts.
         self.behind_nat = behind_nat
         # Who this node admits (private runs); read in this (the main) process by every layer above.
-        self.admission = admission if admission is not None else Admission()
-        self.admission.own_peer_id = identity.peer_id
+        self.admission = admission
         self._creator_pid = os.getpid()
         self._identity_lock = None  # the open lock file of a persistent identity (start_dht), closed by kill()
 

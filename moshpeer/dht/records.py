@@ -11,6 +11,8 @@ from typing import Annotated, Any, Dict, List, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from moshpeer.dht.credentials import MAX_CREDENTIAL_BYTES, MAX_REVOCATIONS_BYTES
+
 Role = Literal["trainer", "aux", "bootstrap"]
 ROLES = ("trainer", "aux", "bootstrap")
 
@@ -102,8 +104,11 @@ class PeerRecord(BaseModel):
     witnessed: List[Annotated[bytes, Field(min_length=WITNESS_TAG_BYTES, max_length=WITNESS_TAG_BYTES)]] = Field(
         default_factory=list, max_length=MAX_WITNESSED)
     target_batch_size: _Count = 0
-    # In a run with a swarm key: proof that this peer holds it (admission.py; b"" in open runs).
-    member_tag: Annotated[bytes, Field(max_length=64)] = b""
+    # In a private run: proof that this peer is a member, a swarm-key tag or the run owner's credential
+    # (admission.py; b"" in open runs). In a run with an owner, the newest revocation list this peer knows: every
+    # member passes it on (credentials.py).
+    member_tag: Annotated[bytes, Field(max_length=MAX_CREDENTIAL_BYTES)] = b""
+    revocations: Annotated[bytes, Field(max_length=MAX_REVOCATIONS_BYTES)] = b""
 
     @classmethod
     def from_wire(cls, value: Any) -> "PeerRecord":

@@ -1,6 +1,8 @@
-"""Private runs (issue 14): `--swarm-key` / `--allow-peers` admit only known peers. Two members and an outsider run
-`moshpeer join` in one run; the members refuse the outsider's records, its matchmaking, its data-plane hello
-and its state request (each counted in their epoch lines), ignore its state offer, and still train together."""
+"""Private runs (issue 14): `--swarm-key` / `--allow-peers` / `--run-owner` admit only known peers. Two members and
+an outsider run `moshpeer join` in one run; the members refuse the outsider's records, its matchmaking, its data-plane
+hello and its state request (each counted in their epoch lines), ignore its state offer, and still train together.
+With a run owner (issue 26) the outsider holds a valid credential that the owner revoked: the revocation list
+reaches the members only through the owner's bootstrap node's record."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import psutil
 import pytest
 
 from moshpeer.averaging import handshake, wire
-from moshpeer.dht import Admission, Identity
+from moshpeer.dht import Admission, Identity, credentials
 from moshpeer.errors import UserError
 from moshpeer.peer.state import sync as state_sync
 from swarm import Proc, ProcessFailed
@@ -52,15 +54,17 @@ def _send_hello(proc: Proc, identity: Identity) -> None:
                 pass
 
 
-def _private_swarm(swarm, dht_node, run: str, keys: Dict[str, tuple], member_flags: List[str],
-                   outsider_flags: List[str], admission: Admission) -> None:
-    """Members "a" and "b" (`member_flags`) and outsider "c" (`outsider_flags`); `keys`: name -> (identity, file);
-    `admission`: the members' policy, as this test process reads it."""
-    boot = swarm.bootstrap(run, "--heartbeat", "1")
-    (a_id, a_key), (b_id, b_key), (c_id, c_key) = keys["a"], keys["b"], keys["c"]
+def _private_swarm(swarm, dht_node, run: str, keys: Dict[str, tuple], member_flags: Dict[str, List[str]],
+                   outsider_flags: List[str], admission: Admission, boot_flags: Sequence[str] = (),
+                   status_flags: Optional[List[str]] = None) -> None:
+    """Members "a" and "b" (`member_flags` by name) and outsider "c" (`outsider_flags`); `keys`: name -> (identity,
+    file); `admission`: the members' policy, as this test process reads it; `boot_flags`: the bootstrap node's
+    (with `--identity` of "owner" in `keys`, it is the run owner's node, which the members admit)."""
+    boot = swarm.bootstrap(run, "--heartbeat", "1", *boot_flags)
+    (a_id, _), (b_id, _), (c_id, c_key) = keys["a"], keys["b"], keys["c"]
     member_ids = {a_id.peer_id, b_id.peer_id}
-    members = [start_trainers(swarm, 1, run, boot.maddrs, "--identity", key, *member_flags, *TRAINING)[0]
-               for key in (a_key, b_key)]
+    members = [start_trainers(swarm, 1, run, boot.maddrs, "--identity", keys[name][1], *member_flags[name],
+                              *TRAINING)[0] for name in "ab"]
     (outsider,) = start_trainers(swarm, 1, run, boot.maddrs, "--identity", c_key, *outsider_flags, *TRAINING)
     try:
         for member in members:
@@ -76,11 +80,12 @@ def _private_swarm(swarm, dht_node, run: str, keys: Dict[str, tuple], member_fla
 
     # `moshpeer status` with the members' flags shows the members only; without them, every record.
     listed = {}
-    for flags in (member_flags, []):
+    for flags in (member_flags["a"] if status_flags is None else status_flags, []):
         shown = swarm.run("status", "--initial-peers", *boot.maddrs, "--run-id", run, "--json", *flags)
         assert shown.returncode == 0, shown.stderr
         listed[bool(flags)] = {peer["peer_id"] for peer in json.loads(shown.stdout)["peers"]}
-    assert listed[True] == member_ids
+    owner_node = {boot.peer_id} if "owner" in keys else set()
+    assert listed[True] == member_ids | owner_node
     assert listed[False] >= member_ids | {c_id.peer_id, boot.peer_id}
 
     # The outsider's data-plane hello and state request are refused and counted.
@@ -114,8 +119,8 @@ def test_swarm_key_admits_only_peers_holding_it(swarm, dht_node, tmp_path):
     key.write_text("0123456789abcdef0123456789abcdef\n")
     wrong.write_text("fedcba9876543210fedcba9876543210\n")
     keys = {name: _identity(tmp_path, name) for name in "abc"}
-    _private_swarm(swarm, dht_node, "private-key", keys, ["--swarm-key", str(key)], [],
-                   Admission.from_files(str(key)))
+    flags = ["--swarm-key", str(key)]
+    _private_swarm(swarm, dht_node, "private-key", keys, {"a": flags, "b": flags}, [], Admission.from_files(str(key)))
     # A peer holding another key is no member either: its tag does not verify under ours.
     outsider = Admission.from_files(str(wrong))
     assert not Admission.from_files(str(key)).admits(keys["c"][0].peer_id, outsider.tag(keys["c"][0].peer_id))
@@ -126,8 +131,28 @@ def test_allow_list_admits_only_listed_peers(swarm, dht_node, tmp_path):
     keys = {name: _identity(tmp_path, name) for name in "abc"}
     allowed = tmp_path / "allowed.txt"
     allowed.write_text("# members\n" + "".join(f"{keys[name][0].peer_id}  # {name}\n" for name in "ab"))
-    _private_swarm(swarm, dht_node, "private-list", keys, ["--allow-peers", str(allowed)], [],
+    flags = ["--allow-peers", str(allowed)]
+    _private_swarm(swarm, dht_node, "private-list", keys, {"a": flags, "b": flags}, [],
                    Admission.from_files(None, str(allowed)))
+
+
+@pytest.mark.swarm
+def test_run_owner_credentials_admit_members_and_a_revoked_one_is_refused(swarm, dht_node, tmp_path):
+    keys = {name: _identity(tmp_path, name) for name in ("owner", "a", "b", "c")}
+    owner = keys["owner"][0].peer_id
+    issued = {}
+    for name in "abc":
+        issued[name] = tmp_path / f"{name}.cred"
+        swarm_ran = swarm.run("member", "issue", "--owner-identity", keys["owner"][1], "--peer-id",
+                              keys[name][0].peer_id, "--out", str(issued[name]))
+        assert swarm_ran.returncode == 0, swarm_ran.stderr
+    revoked = tmp_path / "revoked.list"
+    revoked.write_bytes(credentials.issue_revocations(keys["owner"][0], [keys["c"][0].peer_id], time.time()))
+    flags = {name: ["--run-owner", owner, "--credential", str(issued[name])] for name in "ab"}
+    _private_swarm(swarm, dht_node, "private-owner", keys, flags, ["--run-owner", owner, "--credential",
+                   str(issued["c"])], Admission.from_files(owner=owner, revoked_path=str(revoked)),
+                   boot_flags=["--identity", keys["owner"][1], "--run-owner", owner, "--revoked", str(revoked)],
+                   status_flags=["--run-owner", owner])
 
 
 def test_admission_files_and_tags(tmp_path):

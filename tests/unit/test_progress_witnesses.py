@@ -171,3 +171,27 @@ def test_memory_and_the_published_list_are_bounded():
     tags.note_round(0, [peer_id(k) for k in range(MAX_WITNESSED + 10)])
     record = trainer(0, 0, 0).updated(witnessed=tags.tags(0))  # the record's schema takes what is published
     assert len(record.witnessed) == MAX_WITNESSED
+
+
+def test_a_newcomer_prefers_the_largest_group_that_names_each_other_over_a_sybil_clique():
+    """Issue 26's open case: a newcomer that has averaged with nobody took a Sybil pair's state at an epoch no honest
+    donor held. Now it asks first the largest group of peers whose records name each other: honest peers name only
+    peers whose contributions reached them, so Sybils that never averaged with them form their own, smaller group."""
+    honest = [1, 2, 3, 4]
+    sybils = [7, 8]
+    records = [trainer(k, 10, 0, witnessed=[j for j in honest if j != k]) for k in honest]
+    # The Sybils name each other and claim every honest peer, who never name them back.
+    records += [trainer(k, 11, 0, witnessed=[j for j in sybils + honest if j != k]) for k in sybils]
+    newcomer = TrainerWitnesses()
+    assert newcomer.corroborated(records, 10) is None  # no rounds of its own
+    assert newcomer.evidence(records, 10) == {peer_id(k) for k in honest}
+
+    # As many Sybils as honest trainers: no evidence either way (the old rules decide); none named: no evidence.
+    four_sybils = [7, 8, 9, 10]
+    tied = records[:4] + [trainer(k, 11, 0, witnessed=[j for j in four_sybils if j != k]) for k in four_sybils]
+    assert newcomer.evidence(tied, 10) is None
+    assert newcomer.evidence([trainer(k, 10, 0) for k in honest], 10) is None
+
+    # Once the peer has rounds of its own, its own witnesses decide.
+    averaged_twice(newcomer, [peer_id(1)])
+    assert newcomer.evidence(records, 10) == {peer_id(k) for k in honest}

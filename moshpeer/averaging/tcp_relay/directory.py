@@ -14,7 +14,7 @@ from typing import Annotated, List, Tuple
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from moshpeer.dht.admission import TAG_BYTES
+from moshpeer.dht.admission import MAX_PROOF_BYTES
 from moshpeer.dht.keys import relays_key
 from moshpeer.dht.validation import RecordRejected, parse_owned_entry
 
@@ -45,7 +45,7 @@ class RelayOffer(BaseModel):
     peer_id: str  # must be the signing owner's (parse_owned_entry)
     host: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     port: Annotated[int, Field(gt=0, lt=65536)]
-    tag: Annotated[bytes, Field(max_length=TAG_BYTES)] = b""
+    tag: Annotated[bytes, Field(max_length=MAX_PROOF_BYTES)] = b""
 
 
 def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, int]]:

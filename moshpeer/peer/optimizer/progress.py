@@ -340,10 +340,11 @@ class SwarmProgress:
 
     def corroborated_peers(self) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
-        them average); None while it cannot tell yet (witnesses.py). A state download asks them first."""
+        them average), or before it has any, the largest group of peers whose records name each other; None while
+        neither can tell (witnesses.py). A state download asks them first."""
         own = self._own_record()
         with self._lock:
-            return self._witnesses.corroborated(self._records, own.epoch)
+            return self._witnesses.evidence(self._records, own.epoch)
 
     @property
     def swarm_epoch_reached(self) -> int:

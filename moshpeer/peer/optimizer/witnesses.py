@@ -28,6 +28,13 @@ What it costs honest peers: a newcomer's samples count from its first round on (
 still reach the model through the round; only the epoch's end waits for the others' samples). A record carries
 up to MAX_WITNESSED tags of WITNESS_TAG_BYTES (about 650 bytes), the most recently witnessed first.
 
+A peer with no rounds of its own (a newcomer choosing a state donor) has no witnesses yet, but the records still
+show who averaged with whom: `largest_witnessing_group` joins two peers when each names the other (one peer's
+claim alone is not enough: a Sybil can name anyone, but an honest peer names only those whose contributions
+reached it), and takes the largest group so joined. Sybils that never average with honest peers form their own
+group; they win only with more identities than the honest trainers that averaged within the window (a tie
+counts as no evidence). That is the bound of an open swarm where identities cost one key each.
+
 This module decides; progress.py feeds it rounds and records and applies the result (no I/O here).
 """
 
@@ -93,6 +100,12 @@ class TrainerWitnesses:
         vouched = {tag for r in records if r.peer_id in direct for tag in r.witnessed}
         return direct | {r.peer_id for r in records if witness_tag(r.peer_id) in vouched}
 
+    def evidence(self, records: Sequence[PeerRecord], epoch: int) -> Optional[FrozenSet[str]]:
+        """`corroborated` once this peer has witnessed enough rounds; before, `largest_witnessing_group` of the
+        records; None when neither can tell. What a state download asks first."""
+        found = self.corroborated(records, epoch)
+        return found if found is not None else largest_witnessing_group(records)
+
     def uncounted(self, records: Sequence[PeerRecord], *, own_peer_id: str, epoch: int) -> FrozenSet[str]:
         """The trainers among `records` whose samples this peer does not count at `epoch`: not `corroborated`.
         Empty while `corroborated` cannot tell."""
@@ -101,3 +114,32 @@ class TrainerWitnesses:
             return frozenset()
         return frozenset(r.peer_id for r in records
                          if r.role == "trainer" and r.peer_id != own_peer_id and r.peer_id not in corroborated)
+
+
+def largest_witnessing_group(records: Sequence[PeerRecord]) -> Optional[FrozenSet[str]]:
+    """The largest group of peers among `records` joined by mutual witnessing (each names the other), or None when
+    no two peers name each other or two groups tie for the largest (module docstring)."""
+    by_tag = {witness_tag(r.peer_id): r.peer_id for r in records}
+    named = {r.peer_id: {by_tag[tag] for tag in r.witnessed if tag in by_tag} for r in records}
+    neighbours: Dict[str, List[str]] = {peer_id: [] for peer_id in named}
+    for peer_id, others in named.items():
+        for other in others:
+            if other != peer_id and peer_id in named.get(other, ()):
+                neighbours[peer_id].append(other)
+    groups: List[FrozenSet[str]] = []
+    seen: set = set()
+    for start in neighbours:
+        if start in seen or not neighbours[start]:
+            continue
+        group, frontier = {start}, [start]
+        while frontier:
+            for other in neighbours[frontier.pop()]:
+                if other not in group:
+                    group.add(other)
+                    frontier.append(other)
+        seen |= group
+        groups.append(frozenset(group))
+    sizes = sorted((len(group) for group in groups), reverse=True)
+    if not sizes or (len(sizes) > 1 and sizes[0] == sizes[1]):
+        return None
+    return max(groups, key=len)

@@ -374,7 +374,7 @@ def download_state(
         swarm's robust progress view does not confirm)
     :param max_bytes: refuse a state larger than this (set it near this peer's own state size)
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
-    :param prefer: peers this peer has seen average (witnesses.py): while one offers a state in range, no other
+    :param prefer: peers with evidence that they average (witnesses.py): while one offers a state in range, no other
         donor is asked, so Sybil donors that never average cannot contradict or outvote them
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
         set aside, or every donor on offer is past `max_epoch` (at once)
