@@ -137,15 +137,17 @@ class Admission:
                 raise UserError(f"--allow-peers {allow_peers_path}: the file names no peer id")
         credential = None if credential_path is None else _read(credential_path, "--credential",
                                                                 credentials.MAX_CREDENTIAL_BYTES)
+        revoked_at = None if revoked_path is None else _mtime(revoked_path)  # before reading: a rewrite is seen
         revocations = None if revoked_path is None else _read(revoked_path, "--revoked",
                                                               credentials.MAX_REVOCATIONS_BYTES)
         try:
             admission = cls(key, allowed, owner=owner, credential=credential, revocations=revocations)
         except UserError as e:
-            named = swarm_key_path or revoked_path or credential_path
+            named = f"--swarm-key {swarm_key_path}" if swarm_key_path else f"--revoked {revoked_path}" \
+                if revoked_path else None
             raise UserError(f"{named}: {e}" if named else str(e)) from None
         if revoked_path is not None:
-            admission._revoked_file = (revoked_path, _mtime(revoked_path))
+            admission._revoked_file = (revoked_path, revoked_at)
         return admission
 
     @property

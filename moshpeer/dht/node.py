@@ -61,8 +61,6 @@ class SwarmDHT(hivemind.DHT):
 
     def __init__(self, *args, identity: Identity, admission: Optional[Admission] = None, behind_nat: bool = False,
                  **kwargs):
-        admission = admission if admission is not None else Admission()
-        admission.bind(identity.peer_id)  # first: a refused credential is one line, before any process starts
         if behind_nat:  # p2pd: autorelay on, and private reachability at once rather than after AutoNAT's probes
             kwargs = {"use_auto_relay": True, "force_reachability": "private", **kwargs}
         super().__init__(*args, **kwargs)
@@ -71,7 +69,8 @@ class SwarmDHT(hivemind.DHT):
         # that members reach it over libp2p streams at once instead of after timed-out TCP attempts.
         self.behind_nat = behind_nat
         # Who this node admits (private runs); read in this (the main) process by every layer above.
-        self.admission = admission
+        self.admission = admission if admission is not None else Admission()
+        self.admission.bind(identity.peer_id)
         self._creator_pid = os.getpid()
         self._identity_lock = None  # the open lock file of a persistent identity (start_dht), closed by kill()
 
@@ -213,6 +212,8 @@ def start_dht(
     persistent = identity_path is not None
     if identity is None:
         identity = Identity.load_or_create(identity_path) if persistent else Identity.generate()
+    if admission is not None:
+        admission.bind(identity.peer_id)  # a refused credential is one line, before anything starts
     identity_lock = _lock_identity(identity.path) if identity.path is not None else None
     try:
         return _start_dht_node(identity, identity_lock, persistent, initial_peers=initial_peers,

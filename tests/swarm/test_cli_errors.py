@@ -36,6 +36,7 @@ class Case:
 
 
 JOIN = ("--no-train", "--host-maddrs", LOOPBACK, "--run-id", "r")
+OWNER = "QmQcurcx1N9FP1ArMGC92egg4NvProCFdKWVdvK7G3eyNk"  # any peer id: the run owner of the credential cases
 CASES = {
     "malformed multiaddr": Case(
         "join",
@@ -126,6 +127,14 @@ CASES = {
     "preemption notice in a missing directory": Case(
         "join", lambda c: ("--run-id", "r", "--preemption-notice", str(c.tmp / "nope" / "notice")),
         lambda c: "does not exist",
+    ),
+    "run owner without a credential": Case(
+        "join", lambda c: ("--run-id", "r", "--run-owner", OWNER), lambda c: "--run-owner needs this peer's --credential"
+    ),
+    "a credential that is not one": Case(
+        "join", lambda c: ("--run-id", "r", "--host-maddrs", LOOPBACK, "--run-owner", OWNER, "--credential",
+                           str(c.garbage_key)),
+        lambda c: "--credential is not a valid credential for this peer",
     ),
     "demo with an unknown codec": Case(
         "demo", lambda c: ("--compression", "bogus", "--out", str(c.tmp / "demo")),

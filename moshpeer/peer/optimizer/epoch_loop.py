@@ -190,9 +190,11 @@ class EpochLoop:
 
     def group_target(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This round's group size: `group_size`, or the number of live peers (trainers and aux) when the swarm
-        is smaller, so a small swarm does not wait the whole matchmaking time for members that do not exist."""
+        is smaller, so a small swarm does not wait the whole matchmaking time for members that do not exist.
+        Trainers count once this peer has evidence that they average (witnesses.py): records of trainers that
+        never do (Sybils, issue 26) would make every round wait out its window for them."""
         snapshot = snapshot or self.host.swarm.progress.snapshot()
-        live = snapshot.num_trainers + snapshot.num_aux
+        live = snapshot.contributing_trainers + snapshot.num_aux
         return max(self.host.averager.min_group_size, min(self.group_size, live))
 
     # ---- the end of an epoch ------------------------------------------------------------------
