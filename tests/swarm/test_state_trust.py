@@ -178,6 +178,7 @@ def test_cross_check_prefers_an_epoch_two_donors_hold(dht_node):
         downloaded = download_state(newcomer, RUN, timeout=30, show_progress=False)
         assert torch.equal(downloaded.state["model"]["w"], honest["w"]) and downloaded.epoch == 5
         assert downloaded.donor != servers[0][1].identity.peer_id and downloaded.failed_donors == []
+        assert downloaded.confirmation == "same bytes"  # the two honest donors signed identical states
         assert servers[0][0].served == 0  # the forger's state was never downloaded
 
 
@@ -218,6 +219,7 @@ def test_a_peer_that_saw_the_honest_donor_average_adopts_its_state_beside_two_sy
         downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False, prefer=witnessed)
         assert torch.equal(downloaded.state["model"]["w"], honest["w"]) and downloaded.epoch == 5
         assert servers[0][0].served == 0 and servers[1][0].served == 0  # the Sybils were never asked
+        assert downloaded.confirmation == "unconfirmed"  # and the event line says the state is a lone donor's
 
 
 def test_factored_optimizer_state_is_accepted():

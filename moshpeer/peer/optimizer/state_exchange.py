@@ -190,7 +190,7 @@ class StateExchange:
             self.load_collaborative_state(downloaded.state)
         self.downloads.append(downloaded)
         logger.info(f"caught up: epoch {downloaded.epoch} from {downloaded.donor[-8:]} "
-                    f"({downloaded.nbytes} bytes in {downloaded.seconds:.2f} s)")
+                    f"({downloaded.nbytes} bytes in {downloaded.seconds:.2f} s, {downloaded.confirmation})")
         return downloaded
 
     def fetch_updates(self, epoch: int) -> Iterator[Dict[str, Any]]:

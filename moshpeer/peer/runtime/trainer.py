@@ -181,6 +181,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             emit({"event": "state_loaded", "epoch": downloaded.epoch, "donor": downloaded.donor,
                   "sha256": downloaded.sha256, "bytes": downloaded.nbytes, "seconds": round(downloaded.seconds, 3),
                   "params_digest": params_digest(model), "failed_donors": [d for d, _ in downloaded.failed_donors],
+                  "confirmation": downloaded.confirmation,
                   "time": round(time.monotonic() - started, 3)})
             if peer_metrics is not None:
                 peer_metrics.observe_state_download(seconds=downloaded.seconds, nbytes=downloaded.nbytes,

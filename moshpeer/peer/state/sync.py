@@ -12,7 +12,7 @@ download is cross-checked: two donors' states must agree on a sample of paramete
 Wire protocol (version 3), every message framed as a 4-byte big-endian length + body:
   client -> server  msgpack {"op": "get_state", "protocol": 3, "run_id": str, "challenge": 32 random bytes,
                              "public_key": the client's, "signature": over the run id and challenge,
-                             "tag": its membership tag in a run with a swarm key}
+                             "tag": its membership proof in a private run}
   server -> client  msgpack {"ok": true, "epoch": int, "total_bytes": int, "sha256": hex, "chunk_bytes": int,
                              "public_key": OpenSSH RSA key, "signature": over the challenge and those fields}
                     then raw chunks, each framed, each at most chunk_bytes, summing to total_bytes
@@ -24,13 +24,12 @@ malicious donor cannot run code here. The receive loop enforces one deadline for
 download (every recv gets the time left), and memory grows only as bytes arrive (never from the
 announced size), up to `max_bytes`.
 
-In a private run (`dht.admission`, moshpeer/dht/admission.py) a donor serves only clients whose signed
-request names an admitted peer, and a downloader ignores offers of peers it does not admit (an offer
-carries the donor's membership tag); both refusals are counted at "state".
+In a private run (`dht.admission`, moshpeer/dht/admission.py) a donor serves only clients whose signed request names
+an admitted peer, and a downloader ignores offers of peers it does not admit (an offer carries the donor's
+membership proof); both refusals are counted at "state".
 
-Why TCP and not a libp2p stream: the transfer is bulk, one-shot and pull-based; a plain socket is
-simpler to bound in time and to throttle for tests. Peers behind NAT cannot donate (they do not
-advertise), but they can still download.
+Why TCP and not a libp2p stream: the transfer is bulk, one-shot and pull-based; a plain socket is simpler to bound
+in time and to throttle for tests. Peers behind NAT cannot donate (they do not advertise), but can download.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 import msgpack
@@ -256,6 +255,9 @@ class DownloadedState:
     seconds: float
     failed_donors: List[Tuple[str, str]]  # (peer id, why) of donors that failed or were set aside
     donors: Tuple[str, ...] = ()  # every donor that served pieces of this state
+    # "cross-checked" (another donor's state agreed), "same bytes" (donors signed these bytes, none at that epoch
+    # offered other ones) or "unconfirmed" (nobody to compare it with).
+    confirmation: str = "unconfirmed"
 
 
 class StateDownloadFailed(Exception):
@@ -407,8 +409,8 @@ def download_state(
             confirming = ([o for o in offers if o.epoch == candidate.epoch]
                           or [o for o in offers if abs(o.epoch - candidate.epoch) <= 1])
             if not confirming:
-                logger.info(f"no second donor near epoch {candidate.epoch} to cross-check "
-                            f"{candidate.donor[-8:]}'s state; taking it as validated")
+                logger.warning(f"no second donor near epoch {candidate.epoch} to cross-check "
+                               f"{candidate.donor[-8:]}'s state; taking it unconfirmed, as validated")
                 return candidate
             offers = confirming
         if not offers and listed:
@@ -454,15 +456,14 @@ def download_state(
             # Donors signed the very same bytes and no other donor at that epoch offers something else. With a
             # dissenter, identical signatures prove nothing (identities are cheap: two Sybils sign one forgery):
             # the state is compared with the dissenter's like any other candidate.
-            return downloaded
+            return replace(downloaded, confirmation="same bytes")
         if candidate is None:
             candidate = downloaded
             continue
         disagree = disagreeing_tensors(candidate.state.get("model", {}), state.get("model", {}))
         if not disagree:
             best = candidate if candidate.epoch >= downloaded.epoch else downloaded
-            best.seconds = time.monotonic() - started
-            return best
+            return replace(best, seconds=time.monotonic() - started, confirmation="cross-checked")
         reason = f"states of {candidate.donor[-8:]} and {offer.peer_id[-8:]} disagree on {disagree[:3]}"
         logger.warning(f"state cross-check failed: {reason}; trying other donors")
         failed.extend([(candidate.donor, reason), (offer.peer_id, reason)])
@@ -476,8 +477,7 @@ class _progress_bar:
 
     def __init__(self, enabled: bool, offer: StateOffer, donors: int = 1):
         self.enabled, self.offer, self.donors = enabled, offer, donors
-        self._progress = None
-        self._task = None
+        self._progress, self._task = None, None
 
     def __enter__(self) -> Callable[[int, int], None]:
         if self.enabled:
