@@ -17,8 +17,6 @@ import os
 import time
 
 from moshpeer.cli.common import positive_float
-from moshpeer.dht import credentials
-from moshpeer.dht.identity import Identity, write_private_file
 from moshpeer.errors import UserError
 
 DEFAULT_DAYS = 30.0
@@ -49,6 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not at the top: building the parsers must not import hivemind or torch (a bad flag fails at once).
+    from moshpeer.dht import credentials
+    from moshpeer.dht.identity import Identity
+
     if args.action == "id":
         print(Identity.load_or_create(args.identity).peer_id)
         return 0
@@ -82,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(path: str, data: bytes) -> None:
+    from moshpeer.dht.identity import write_private_file
+
     path = os.path.abspath(os.path.expanduser(path))
     try:
         write_private_file(path, data)

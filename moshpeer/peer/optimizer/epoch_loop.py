@@ -191,10 +191,12 @@ class EpochLoop:
     def group_target(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This round's group size: `group_size`, or the number of live peers (trainers and aux) when the swarm
         is smaller, so a small swarm does not wait the whole matchmaking time for members that do not exist.
-        Trainers count once this peer has evidence that they average (witnesses.py): records of trainers that
-        never do (Sybils, issue 26) would make every round wait out its window for them."""
+        Trainers count once this peer has evidence that they average (witnesses.py), and one more without it: a
+        newcomer is seen averaging only once a group takes it in, but records of trainers that never average
+        (Sybils, issue 26) would make every round wait out its window for them."""
         snapshot = snapshot or self.host.swarm.progress.snapshot()
-        live = snapshot.contributing_trainers + snapshot.num_aux
+        unproven = snapshot.num_trainers - snapshot.contributing_trainers
+        live = snapshot.contributing_trainers + min(unproven, 1) + snapshot.num_aux
         return max(self.host.averager.min_group_size, min(self.group_size, live))
 
     # ---- the end of an epoch ------------------------------------------------------------------
