@@ -94,8 +94,9 @@ class Admission:
         self.own_peer_id: Optional[str] = None  # always admitted (set by the DHT node that uses this policy)
         self._lock = threading.Lock()
         self._proven: Dict[str, float] = {}  # peer id -> until when its checked proof holds (UNIX seconds)
-        # Credentials already checked, good (-> not_after) or bad (-> None): a signature check takes ~1 ms, and the
-        # same records and requests come back at every refresh. Bounded like the refusals.
+        # Credentials (peer id, digest) and revocation lists ("revocations", digest) already checked, good (-> not_after,
+        # issued_at) or bad (-> None): a signature check takes ~1 ms, and the same records and requests come back at
+        # every refresh. Bounded like the refusals.
         self._verified: "OrderedDict[Tuple[str, bytes], Optional[float]]" = OrderedDict()
         self._revocations: Optional[credentials.Revocations] = None
         self._revoked_file: Optional[Tuple[str, float]] = None  # --revoked FILE and its mtime when last read
@@ -265,10 +266,15 @@ class Admission:
         holds: the peers it names are refused from now on. True if `blob` is a valid list, adopted or not."""
         if self.owner is None or not blob:
             return False
+        key = ("revocations", hashlib.blake2b(blob, digest_size=16).digest())
         with self._lock:
             if self._revocations is not None and blob == self._revocations.blob:
                 return True
+            if key in self._verified:  # checked before (a record carrying an older or a forged list, every refresh)
+                return self._verified[key] is not None
         parsed = credentials.parse_revocations(blob, self.owner)
+        with self._lock:
+            _remember(self._verified, key, None if parsed is None else parsed.issued_at)
         if parsed is None:
             return False
         with self._lock:

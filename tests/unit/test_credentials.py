@@ -72,6 +72,14 @@ def test_each_credential_is_verified_once(people, monkeypatch):
         assert gate.check("records", people.bob.peer_id, bobs, once=True)
         assert not gate.check("records", people.mallory.peer_id, forged, once=True)
     assert len(calls) == 2
+    parsed = []
+    parse = credentials.parse_revocations
+    monkeypatch.setattr(credentials, "parse_revocations", lambda *args: parsed.append(args) or parse(*args))
+    newer = credentials.issue_revocations(people.owner, [people.mallory.peer_id], NOW + 2)
+    older = credentials.issue_revocations(people.owner, [], NOW + 1)
+    for _ in range(5):  # a record carrying an older list, read at every refresh
+        assert gate.note_revocations(newer) and gate.note_revocations(older) and gate.revocations == newer
+    assert len(parsed) == 2
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "junk", "empty", "not_a_pair"])
