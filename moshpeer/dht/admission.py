@@ -50,7 +50,6 @@ MAX_ALLOWED_PEERS = 100_000
 MAX_REMEMBERED_REFUSALS = 4096  # refused peer ids kept for `known_outsider` and once-only counting
 TAG_BYTES = 16
 MAX_PROOF_BYTES = credentials.MAX_CREDENTIAL_BYTES  # a proof on the wire: a swarm-key tag or a credential
-_PEER_ID = credentials.PEER_ID
 
 
 class Admission:
@@ -77,13 +76,13 @@ class Admission:
         self.allowed: Optional[FrozenSet[str]] = None
         if allowed is not None:
             self.allowed = frozenset(allowed)
-            bad = [peer for peer in self.allowed if not _PEER_ID.match(peer)]
+            bad = [peer for peer in self.allowed if not credentials.PEER_ID.match(peer)]
             if bad:
                 raise UserError(f"not a peer id: {bad[0]!r:.80}")
             if not self.allowed:
                 raise UserError("the allow-list names no peer")
         if owner is not None:
-            if not _PEER_ID.match(owner):
+            if not credentials.PEER_ID.match(owner):
                 raise UserError(f"the run owner {owner!r:.80} is not a peer id")
             if swarm_key is not None or allowed is not None:
                 raise UserError("a run with an owner admits members by their credentials: give no swarm key or "
@@ -132,7 +131,7 @@ class Admission:
             allowed = [line.split("#", 1)[0].strip() for line in lines]
             allowed = [peer for peer in allowed if peer]
             for peer in allowed:
-                if not _PEER_ID.match(peer):
+                if not credentials.PEER_ID.match(peer):
                     raise UserError(f"--allow-peers {allow_peers_path}: {peer!r:.80} is not a peer id")
             if not allowed:
                 raise UserError(f"--allow-peers {allow_peers_path}: the file names no peer id")

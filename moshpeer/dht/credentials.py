@@ -41,7 +41,7 @@ REVOCATIONS_KIND = "moshpeer-revocations-1"
 MAX_CREDENTIAL_BYTES = 2048
 MAX_REVOKED_PEERS = 128  # ~6 KB of peer ids; credentials expire, so an owner drops the ones past their not_after
 MAX_REVOCATIONS_BYTES = 8192
-PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")  # base58 libp2p peer ids, as in PeerRecord
+PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")  # base58 libp2p peer ids (PeerRecord's too)
 
 
 @dataclass(frozen=True)

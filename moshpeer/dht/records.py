@@ -11,7 +11,7 @@ from typing import Annotated, Any, Dict, List, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from moshpeer.dht.credentials import MAX_CREDENTIAL_BYTES, MAX_REVOCATIONS_BYTES
+from moshpeer.dht.credentials import MAX_CREDENTIAL_BYTES, MAX_REVOCATIONS_BYTES, PEER_ID
 
 Role = Literal["trainer", "aux", "bootstrap"]
 ROLES = ("trainer", "aux", "bootstrap")
@@ -27,7 +27,7 @@ MAX_HEALTH_ROUNDS = 1000
 MAX_WITNESSED = 64
 WITNESS_TAG_BYTES = 8
 
-_PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58
+_PeerIdStr = Annotated[str, StringConstraints(pattern=PEER_ID.pattern)]  # base58
 _Address = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ADDRESS_CHARS)]
 _Count = Annotated[int, Field(ge=0, le=2**62)]
 _Seconds = Annotated[float, Field(ge=0.0)]

@@ -139,7 +139,7 @@ def largest_witnessing_group(records: Sequence[PeerRecord]) -> Optional[FrozenSe
                     frontier.append(other)
         seen |= group
         groups.append(frozenset(group))
-    sizes = sorted((len(group) for group in groups), reverse=True)
-    if not sizes or (len(sizes) > 1 and sizes[0] == sizes[1]):
+    groups.sort(key=len, reverse=True)
+    if not groups or (len(groups) > 1 and len(groups[0]) == len(groups[1])):
         return None
-    return max(groups, key=len)
+    return groups[0]
