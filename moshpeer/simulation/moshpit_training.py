@@ -83,7 +83,7 @@ class MoshpitTraining:
         self.swarm = s = Swarm(config, seed)
         self.config = config
         n = config.peers
-        self.x = s.start.repeat(n, 1)  # each peer's model (diloco: θ_local between rounds = θ_outer)
+        self.x = s.problem.start.repeat(n, 1)  # each peer's model (diloco: θ_local between rounds = θ_outer)
         self.outer = (OuterState([self.x], parse_outer_optimizer(config.outer_optimizer))
                       if config.mode == "diloco" else None)
         self.clock = np.zeros(n)
@@ -110,7 +110,7 @@ class MoshpitTraining:
         self.group_sizes: List[int] = []
         self.alone = 0
         self.participations = 0
-        self.initial_loss = s.loss(self.x[torch.from_numpy(s.honest)])
+        self.initial_loss = s.problem.loss(self.x[torch.from_numpy(s.honest)])
         self.curve: List[Tuple[float, float]] = [(0.0, self.initial_loss)]
         self.mm_s = matchmaking_seconds(n, 1.0)  # x the slowest member's RTT
 
@@ -247,29 +247,29 @@ class MoshpitTraining:
         live_honest = np.flatnonzero((self.down_until <= self.clock) & s.honest)
         if live_honest.size:
             t = float(np.median(self.clock[self.down_until <= self.clock]))
-            self.curve.append((t, s.loss(self.x[torch.from_numpy(live_honest)])))
+            self.curve.append((t, s.problem.loss(self.x[torch.from_numpy(live_honest)])))
 
     def _compute(self, peers: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The round's local work of `peers` -> (its honest contribution, what it sends, its declared weight)."""
         s, c = self.swarm, self.config
         rows = torch.from_numpy(peers)
         x = self.x[rows]
-        centers = s.centers[rows]
+        problem = s.problem
         lr = c.workload.lr
         if c.mode == "diloco":
             local = x.clone()
             for _ in range(c.inner_steps):
-                local.sub_(s.gradients(local, centers), alpha=lr)
+                local.sub_(problem.gradients(local, peers), alpha=lr)
             self.x[rows] = local
             contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
             if c.outer_params_every and self.round % c.outer_params_every == 0:
                 contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
         elif c.mode == "gradients":
-            contribution = s.gradients(x, centers)
+            contribution = problem.gradients(x, peers)
             if self.round % DEFAULT_PARAMS_EVERY == 0:  # GradientsStrategy's parameter rounds
                 contribution = torch.cat([contribution, x], dim=1)
         else:
-            x = x - lr * s.gradients(x, centers)
+            x = x - lr * problem.gradients(x, peers)
             self.x[rows] = x
             contribution = x.clone()
         weights = np.full(peers.size, float(c.workload.batch * c.steps_per_round()))
@@ -332,7 +332,7 @@ class MoshpitTraining:
             self.saturated += int(self.control.saturates(ups, self.live_peers).sum())
             ups, downs = (self.control.data_share(ups, self.live_peers),
                           self.control.data_share(downs, self.live_peers))
-        numel = c.model_params * (2 if contributions.shape[1] > c.workload.dim else 1)
+        numel = c.model_params * (2 if contributions.shape[1] > self.swarm.problem.dim else 1)
         if c.partition == "bandwidth":
             sizes = bandwidth_part_sizes(numel, ups.tolist())
         else:
@@ -374,14 +374,14 @@ class MoshpitTraining:
         rows = torch.from_numpy(ok)
         got = averaged[torch.from_numpy(np.flatnonzero(done))]
         if c.mode == "diloco":
-            dim = c.workload.dim
+            dim = self.swarm.problem.dim
             delta = torch.zeros_like(self.x)
             delta[rows] = got[:, :dim]
             if got.shape[1] > dim:  # outer_params_every: adopt the group's θ_outer, then step from it
                 self.outer.anchor[0][rows] = got[:, dim:]
             self._outer_step(rows, delta)
         elif c.mode == "gradients":
-            dim = c.workload.dim
+            dim = self.swarm.problem.dim
             self.x[rows] = self.x[rows] - c.workload.lr * got[:, :dim]
             if got.shape[1] > dim:
                 self.x[rows] = got[:, dim:] - c.workload.lr * got[:, :dim]
@@ -423,15 +423,15 @@ class MoshpitTraining:
         up_s = float((self.clock - self.down_s).sum())
         live_honest = np.flatnonzero(~still_away & s.honest)
         models = self.x[torch.from_numpy(live_honest)]
-        final = s.loss(models) if live_honest.size else float("nan")
+        final = s.problem.loss(models) if live_honest.size else float("nan")
         return TrainingResult(
             system=f"moshpit-{c.mode}", config=config_dict(c), rounds=self.round, sim_seconds=end,
             goodput=float(self.useful.sum() / up_s) if up_s > 0 else 0.0, useful_s=float(self.useful.sum()),
             up_s=up_s, lost_s=float(self.lost.sum()), wait_s=float(self.wait.sum()), comm_s=float(self.comm.sum()),
-            stalls=self.stalls, failures=self.failures, final_loss=final, loss_floor=s.loss_floor(),
+            stalls=self.stalls, failures=self.failures, final_loss=final, loss_floor=s.problem.loss_floor(),
             initial_loss=self.initial_loss, bytes_per_peer=float(self.sent.mean()),
             dht_bytes_per_peer=float(self.dht_sent.mean()),
             dht_saturated_fraction=self.saturated / max(sum(self.group_sizes), 1),
-            final_spread=s.spread(models) if live_honest.size else float("nan"),
+            final_spread=s.problem.spread(models) if live_honest.size else float("nan"),
             mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
             alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups, curve=self.curve)

@@ -8,7 +8,6 @@ import math
 from typing import Optional
 
 import numpy as np
-import torch
 
 from moshpeer.simulation.swarm import HOUR, Swarm
 from moshpeer.simulation.time_model import ring_allreduce_seconds
@@ -53,7 +52,7 @@ class SyncTraining:
         s, c = self.swarm, self.config
         w = c.workload
         n = c.peers
-        x = s.start.clone()
+        x = s.problem.start.clone()
         ckpt_x, ckpt_step, ckpt_useful = x.clone(), 0, 0.0
         t = 0.0
         fail_at = s.next_failure(np.zeros(n))
@@ -65,7 +64,7 @@ class SyncTraining:
         stalls = failures = 0
         step = 0
         sent = 0.0
-        curve = [(0.0, s.loss(x[None]))]
+        curve = [(0.0, s.problem.loss(x[None]))]
         while step < steps and t < max_seconds:
             peers = np.flatnonzero(member)
             if peers.size == 0:
@@ -93,13 +92,9 @@ class SyncTraining:
                 back_at[first] = math.inf if gone else f + s.fail_rng.exponential(c.rejoin_s)
                 fail_at[first] = math.inf
                 x, step = ckpt_x.clone(), ckpt_step
-                curve.append((t, s.loss(x[None])))
+                curve.append((t, s.problem.loss(x[None])))
                 continue
-            # The mean of the members' minibatch gradients, drawn directly (same distribution, O(dim)).
-            center = s.centers[torch.from_numpy(peers)].mean(dim=0)
-            noise = torch.randn(w.dim, generator=s.noise_gen).mul_(w.noise / math.sqrt(w.batch * peers.size))
-            g = (x - center).mul_(s.curvature).add_(noise)
-            x = x - w.lr * g
+            x = x - w.lr * s.problem.mean_gradient(x, peers)
             step += 1
             t += step_s
             useful += float(compute.sum())
@@ -116,15 +111,15 @@ class SyncTraining:
                     member[returning] = True
                     fail_at[returning] = s.next_failure(back_at[returning])
             if step % self.checkpoint_every == 0 or step % 25 == 0:
-                curve.append((t, s.loss(x[None])))
+                curve.append((t, s.problem.loss(x[None])))
         still = ~member
         away_total = away + np.where(still, t - np.minimum(away_since, t), 0.0)
         up_s = float(n * t - away_total.sum())
-        final = s.loss(x[None])
+        final = s.problem.loss(x[None])
         return TrainingResult(
             system="sync", config=dict(config_dict(c), checkpoint_every=self.checkpoint_every,
                                        checkpoint_s=self.checkpoint_s, timeout_s=self.timeout_s,
                                        restart_s=self.restart_s),
             rounds=step, sim_seconds=t, goodput=useful / up_s if up_s > 0 else 0.0, useful_s=useful, up_s=up_s,
             lost_s=lost, wait_s=wait, comm_s=comm, stalls=stalls, failures=failures, final_loss=final,
-            loss_floor=s.loss_floor(), initial_loss=curve[0][1], bytes_per_peer=sent / n, curve=curve)
+            loss_floor=s.problem.loss_floor(), initial_loss=curve[0][1], bytes_per_peer=sent / n, curve=curve)

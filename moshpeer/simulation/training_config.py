@@ -1,11 +1,5 @@
-"""The training level's inputs: the run's configuration (`TrainingConfig`) and its convex problem (`Workload`).
-
-**Workload.** A convex problem: least squares in its population form. Peer i's loss is
-f_i(x) = 1/2 (x - c_i)^T D (x - c_i), D diagonal with eigenvalues log-spaced in [1/condition, 1], c_i = c* + a
-per-peer offset (non-IID shards, `heterogeneity`); a minibatch of B samples gives the gradient D (x - c_i) plus
-N(0, noise^2 / B) per coordinate. The swarm's loss is the mean of the f_i over the honest peers, evaluated at
-each honest peer's own model and averaged (so disagreement between peers costs loss); its minimum is
-`Swarm.loss_floor()` (swarm.py: the spread of the c_i), reported with every figure.
+"""The training level's inputs: the run's configuration (`TrainingConfig`) and what it trains (`Workload`: the
+problem's kind and knobs; the problems themselves are in problems.py).
 """
 
 from __future__ import annotations
@@ -20,23 +14,42 @@ from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
 MODES = ("gradients", "parameters", "diloco")
+KINDS = ("quadratic", "mlp")
+# Per kind: the inner SGD learning rate and the noise (quadratic: of a gradient; mlp: of a label) when not given.
+DEFAULT_LR = {"quadratic": 0.003, "mlp": 0.1}
+DEFAULT_NOISE = {"quadratic": 1.0, "mlp": 0.1}
 PARTITIONS = ("bandwidth", "equal")
 
 
 @dataclass
 class Workload:
-    """The convex problem (see the module docstring). `check()` raises ValueError naming the first bad field."""
+    """What the swarm trains (problems.py): `kind` quadratic (convex; `dim` values, `condition`) or mlp (a tanh
+    network learning a teacher; `dim` inputs, `hidden` units). `heterogeneity` makes the shards non-IID, `noise`
+    is a gradient's (quadratic) or a label's (mlp) noise; `lr` and `noise` default per kind (DEFAULT_LR,
+    DEFAULT_NOISE). `check()` raises ValueError naming the first bad field."""
 
+    kind: str = "quadratic"
     dim: int = 256
     condition: float = 10.0
+    hidden: int = 32
     heterogeneity: float = 0.3
-    noise: float = 1.0
+    noise: Optional[float] = None
     batch: int = 32
-    lr: float = 0.003
+    lr: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.lr is None:
+            self.lr = DEFAULT_LR.get(self.kind, DEFAULT_LR["quadratic"])
+        if self.noise is None:
+            self.noise = DEFAULT_NOISE.get(self.kind, DEFAULT_NOISE["quadratic"])
 
     def check(self) -> "Workload":
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.dim < 1:
             raise ValueError(f"dim must be >= 1, got {self.dim}")
+        if self.hidden < 1:
+            raise ValueError(f"hidden must be >= 1, got {self.hidden}")
         if not self.condition >= 1:
             raise ValueError(f"condition must be >= 1, got {self.condition}")
         for name in ("heterogeneity", "noise"):
@@ -45,8 +58,12 @@ class Workload:
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
         if not 0 < self.lr <= 1:
-            raise ValueError(f"lr must be in (0, 1] (the largest eigenvalue is 1), got {self.lr}")
+            raise ValueError(f"lr must be in (0, 1], got {self.lr}")
         return self
+
+    def parameters(self) -> int:
+        """Values of one model of this workload (the vector the peers average)."""
+        return self.dim if self.kind == "quadratic" else self.hidden * self.dim + 2 * self.hidden + 1
 
 
 @dataclass
@@ -56,7 +73,7 @@ class TrainingConfig:
     Links are per peer: the value given, times a lognormal factor of sd `link_spread` (0 = all equal); compute
     speeds likewise with `speed_spread`. Times in seconds, bandwidths in bytes/s, failure rate per peer per hour.
 
-    :param model_params: values of the model the time model moves (the workload's `dim` is what the math
+    :param model_params: values of the model the time model moves (the workload's parameters are what the math
         trains: a small stand-in; bytes and round times are those of a model of `model_params` values)
     :param bytes_per_value: wire bytes per value (4 = fp32, 2 = fp16, 1 = int8)
     :param inner_steps: H (diloco); gradients and parameters rounds are one step
