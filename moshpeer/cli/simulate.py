@@ -2,7 +2,7 @@
 
 --level averaging (default) runs `moshpeer.simulation.run_cell` (restarts of one configuration), prints a table
 of the mean error per round and the rounds needed to reach each --eps, and ends with one JSON line.
---level training runs `moshpeer.simulation.training` (a swarm training a convex problem on a simulated clock,
+--level training runs `moshpeer.simulation.training` (a swarm training a problem on a simulated clock,
 optionally with the synchronous baseline and a failure-rate sweep), prints loss against simulated time and
 ends with one JSON line. See docs/simulation.md for what is simulated and what is production code.
 
@@ -99,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "the same number of peers (a full grid when N = G^M)")
     parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=argparse.SUPPRESS, metavar="D",
                         help="values per peer (default: 1 = scalars, as in the Moshpit paper; with --level training: "
-                        "the dimension of the convex problem, default 64)")
+                        "the quadratic's dimension or the mlp's inputs, default 64)")
     parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=argparse.SUPPRESS, metavar="R",
                         help="round cap; a run that never reaches an eps counts as R rounds (default: 50, as the "
                         "paper caps; with --level training: the rounds to train, default 200)")
@@ -126,7 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print only the final JSON line (no table)")
     parser.add_argument("--level", choices=("averaging", "training"), default="averaging",
                         help="averaging: vectors and rounds to eps (the knobs above); training: a swarm training a "
-                        "convex problem on a simulated clock (the knobs below; --peers, --group-size, "
+                        "problem (--workload) on a simulated clock (the knobs below; --peers, --group-size, "
                         "--min-group-size, --grid-bits, --dim, --rounds, --chunk-loss, --chunk-numel and --seed apply "
                         "too; --rounds defaults to 200 there, --dim to 64, --peers to 1000)")
     add_training_arguments(parser.add_argument_group("training level (--level training)"))
@@ -176,7 +176,12 @@ TRAINING_KNOBS = (
     ("--speed", "speed", _positive_float, 16.0, "X", "compute speed per peer, samples/s"),
     ("--speed-spread", "speed_spread", _nonnegative_float, 0.0, "S", "sd of a lognormal factor on each peer's speed"),
     ("--batch", "batch", _int_at_least(1, 1 << 20), 32, "B", "samples per step (per peer)"),
-    ("--lr", "lr", _positive_float, 0.003, "LR", "(inner) SGD learning rate, at most 1"),
+    ("--workload", "workload", str, "quadratic", "W", "quadratic: the convex problem (--dim values; its loss floor "
+     "has a closed form) | mlp: a tanh network of --hidden units learning a teacher network from noisy labels "
+     "(--dim inputs; non-convex; docs/simulation.md)"),
+    ("--hidden", "hidden", _int_at_least(1, 4096), 32, "U", "mlp: hidden units"),
+    ("--lr", "lr", _positive_float, None, "LR", "(inner) SGD learning rate, at most 1 (default: 0.003 quadratic, "
+     "0.1 mlp)"),
     ("--heterogeneity", "heterogeneity", _nonnegative_float, 0.3, "H",
      "sd of each peer's optimum around the common one (non-IID shards)"),
     ("--failures-per-hour", "failures_per_hour", _nonnegative_float, 0.0, "F",
@@ -304,8 +309,8 @@ def run_training_level(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # a vectorized step is small: threads only add contention on a shared machine
     peers = args.peers
     try:
-        workload = Workload(dim=args.dim, heterogeneity=knobs["heterogeneity"],
-                            batch=knobs["batch"], lr=knobs["lr"])
+        workload = Workload(kind=knobs["workload"], dim=args.dim, hidden=knobs["hidden"],
+                            heterogeneity=knobs["heterogeneity"], batch=knobs["batch"], lr=knobs["lr"])
         config = TrainingConfig(
             peers=peers, mode=knobs["mode"], rounds=args.rounds,
             inner_steps=knobs["inner_steps"], outer_optimizer=knobs["outer_optimizer"],
@@ -324,8 +329,8 @@ def run_training_level(args: argparse.Namespace) -> int:
         ).check()
     except ValueError as e:
         raise UserError(str(e)) from None
-    if config.peers * workload.dim > MAX_VALUES:
-        raise UserError(f"--peers x --dim = {config.peers * workload.dim} values is more than this command holds")
+    if config.peers * workload.parameters() > MAX_VALUES:
+        raise UserError(f"--peers x the model's {workload.parameters()} values is more than this command holds")
     started = time.perf_counter()
     result = run_training(config, seed=args.seed)
     results = [result]

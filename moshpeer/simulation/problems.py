@@ -133,12 +133,21 @@ class TeacherMLP:
         return torch.matmul(hidden, w2[:, :, None]).squeeze(-1).add_(b2[:, None]), hidden
 
     def gradients(self, x: torch.Tensor, peers: np.ndarray) -> torch.Tensor:
+        return self.batch_gradients(x, *self.minibatches(peers))
+
+    def minibatches(self, peers: np.ndarray):
+        """One minibatch per peer: inputs (k, B, dim) from its shifted distribution, noisy teacher labels (k, B)."""
         w = self.workload
-        k, batch = x.shape[0], w.batch
+        k, batch = len(peers), w.batch
         inputs = torch.randn((k, batch, self.inputs), generator=self.noise_gen).add_(
             self.shifts[torch.from_numpy(peers)][:, None, :])
         labels = self.forward(self.teacher[None], inputs.view(1, k * batch, self.inputs))[0].view(k, batch)
-        labels.add_(torch.randn((k, batch), generator=self.noise_gen), alpha=w.noise)
+        return inputs, labels.add_(torch.randn((k, batch), generator=self.noise_gen), alpha=w.noise)
+
+    def batch_gradients(self, x: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Gradients of 1/2 mean (f(inputs) - labels)^2 for each row of `x` on its row of the batch (backprop by
+        hand: one batched product per layer)."""
+        k, batch = labels.shape
         out, hidden = self.forward(x, inputs)
         residual = out.sub_(labels).div_(batch)  # d(1/2 mean (f - y)^2) / d f
         _, _, w2, _ = self._split(x)

@@ -6,10 +6,10 @@ The training math runs for real, vectorized over peers (one row of a matrix per 
 
 The level's modules, each re-exported here (the entry points `run_training` and `run_sync` live here):
 
-- `training_config.py`: `TrainingConfig` (one run) and `Workload` (the convex problem), `MODES`, `PARTITIONS`;
+- `training_config.py`: `TrainingConfig` (one run) and `Workload` (what it trains; the problems are in `problems.py`), `MODES`, `PARTITIONS`;
 - `time_model.py`: the network time model (`group_round_seconds`, `matchmaking_seconds`,
   `ring_allreduce_seconds`);
-- `swarm.py`: `Swarm`, the per-peer properties and the workload's data (one seed gives one swarm);
+- `swarm.py`: `Swarm`, the per-peer properties and the problem (one seed gives one swarm);
 - `moshpit_training.py`: `MoshpitTraining`, the swarm training with Moshpit groups (the modes, one round,
   hostile peers);
 - `sync_training.py`: `SyncTraining`, the synchronous data-parallel baseline;

@@ -45,7 +45,7 @@ class Workload:
 
     def check(self) -> "Workload":
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise ValueError(f"workload kind must be one of {KINDS}, got {self.kind!r}")
         if self.dim < 1:
             raise ValueError(f"dim must be >= 1, got {self.dim}")
         if self.hidden < 1:
