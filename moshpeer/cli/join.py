@@ -73,14 +73,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+def _int_from(lowest: int, words: str):
+    """An argparse type: an integer >= `lowest` (`words` says so in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {words}")
+        return value
+    return parse
+
+
+_positive_int = _int_from(1, "positive")
+_nonnegative_int = _int_from(0, "0 or more")
 
 
 def _share(text: str) -> float:
@@ -130,6 +137,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diloco-fragments", type=_positive_int, metavar="F",
                        help="diloco: Streaming DiLoCo, F fragments of the parameters; an epoch of H/F inner steps "
                        "averages one of them, so a round sends 1/F of the bytes (F divides H; default: 1)")
+    group.add_argument("--diloco-outer-every", type=_nonnegative_int, metavar="K",
+                       help="diloco: every K-th round of a fragment also averages θ_outer, so that peers of different "
+                       "groups do not drift apart (1/K more bytes; 0: never; default: 4)")
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
@@ -284,7 +294,7 @@ def strategy_from_args(args: argparse.Namespace):
 
         return make_strategy("diloco", inner_steps=args.inner_steps, overlap=args.diloco_overlap or None,
                              fragments=args.diloco_fragments, pace=args.diloco_pace or None,
-                             quorum=args.diloco_quorum,
+                             quorum=args.diloco_quorum, outer_params_every=args.diloco_outer_every,
                              outer_optimizer=parse_outer_optimizer(args.outer_optimizer) if args.outer_optimizer else None)
     return make_strategy(args.averaging)
 
@@ -301,7 +311,9 @@ def trainer_config_from_args(args: argparse.Namespace):
                                               ("--diloco-overlap", args.diloco_overlap),
                                               ("--diloco-fragments", args.diloco_fragments),
                                               ("--diloco-pace", args.diloco_pace),
-                                              ("--diloco-quorum", args.diloco_quorum)) if value]
+                                              ("--diloco-quorum", args.diloco_quorum),
+                                              ("--diloco-outer-every", args.diloco_outer_every is not None))
+                    if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
     settings = loss_budget_settings_from_args(args)

@@ -160,8 +160,8 @@ TRAINING_KNOBS = (
     ("--inner-steps", "inner_steps", _int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
     ("--outer-optimizer", "outer_optimizer", str, "nesterov:lr=0.7,momentum=0.9", "SPEC",
      "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.strategies.diloco_outer)"),
-    ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 0, "K",
-     "diloco, NOT production behaviour: every K rounds the group also averages θ_outer (0 = never, as production)"),
+    ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 4, "K",
+     "diloco: every K-th round the group also averages θ_outer (production's --diloco-outer-every; 0 = never)"),
     ("--aggregation", "aggregation", str, "mean", "A", "mean | clipped | trimmed (moshpeer.averaging.aggregation)"),
     ("--partition", "partition", str, "bandwidth", "P", "bandwidth: part sizes by uplink (production "
      "bandwidth_part_sizes); equal: equal parts"),

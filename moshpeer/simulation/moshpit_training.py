@@ -7,7 +7,8 @@
 - `parameters`: one local SGD step, then the parameters are averaged in the group.
 - `diloco`: H inner SGD steps, then the pseudo-gradient Δ = θ_outer - θ_local is averaged in the group and the
   production `OuterState` (SGD, Nesterov, lr 0.7, momentum 0.9: `OuterOptimizer()`) takes the outer step, on
-  all peers' rows at once. A peer with no group steps on its own Δ (`DiLoCoStrategy.apply_alone`).
+  all peers' rows at once; every `outer_params_every`-th round the group averages θ_outer too and its members adopt
+  it first (production `carries_outer_params`). A peer with no group steps on its own Δ (`DiLoCoStrategy.apply_alone`).
 
 **One round** (`MoshpitTraining.step`), for the peers up at its start:
 
@@ -60,6 +61,7 @@ from moshpeer.averaging import grid
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
 from moshpeer.averaging.suspects import SuspectTracker
+from moshpeer.peer.strategies.diloco import carries_outer_params
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
@@ -262,7 +264,7 @@ class MoshpitTraining:
                 local.sub_(problem.gradients(local, peers), alpha=lr)
             self.x[rows] = local
             contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
-            if c.outer_params_every and self.round % c.outer_params_every == 0:
+            if carries_outer_params(self.round, 1, c.outer_params_every):
                 contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
         elif c.mode == "gradients":
             contribution = problem.gradients(x, peers)

@@ -11,6 +11,7 @@ from typing import Optional
 from moshpeer.averaging import grid
 from moshpeer.averaging.aggregation import AGGREGATIONS
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
+from moshpeer.peer.strategies.diloco import DEFAULT_OUTER_PARAMS_EVERY
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
 
 MODES = ("gradients", "parameters", "diloco")
@@ -77,9 +78,9 @@ class TrainingConfig:
         trains: a small stand-in; bytes and round times are those of a model of `model_params` values)
     :param bytes_per_value: wire bytes per value (4 = fp32, 2 = fp16, 1 = int8)
     :param inner_steps: H (diloco); gradients and parameters rounds are one step
-    :param outer_params_every: diloco, NOT production behaviour (a proposal the simulator can evaluate): every K
-        rounds the group also averages θ_outer and its members adopt the average before the outer step, as
-        `GradientsStrategy` does with parameters; 0 (default) = never, as `DiLoCoStrategy` does
+    :param outer_params_every: diloco: every K-th round the group also averages θ_outer and its members adopt the
+        average before the outer step (production `DiLoCoStrategy(outer_params_every=K)`, default 4, and its
+        `carries_outer_params`); 0 = never, as `DiLoCoStrategy` did before it had them
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
     :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
@@ -96,7 +97,7 @@ class TrainingConfig:
     rounds: int = 200
     inner_steps: int = 50
     outer_optimizer: str = "nesterov:lr=0.7,momentum=0.9"
-    outer_params_every: int = 0
+    outer_params_every: int = DEFAULT_OUTER_PARAMS_EVERY
     group_size: int = 16
     min_group_size: int = 2
     key_bits: Optional[int] = None

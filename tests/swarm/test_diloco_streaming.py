@@ -105,9 +105,10 @@ def test_three_overlapped_diloco_peers_average_in_every_round(swarm, tmp_path):
         # member sent its 4 chunks (2 contributions, 2 averaged parts) spread over it, not at once.
         paced = [(r["round"]["upload_paced_s"], r["round"]["total_s"]) for r in rounds]
         assert all(spread >= 1.0 and total >= spread / 2 for spread, total in paced), paced
-        # Only Δ travels: in a group of 3 each member sends (3 - 1) / 3 of it twice (reduce and gather)
-        # with bandwidth-sized parts, so at most all of it twice, plus headers.
-        assert all(0 < r["bytes_sent"] <= 2 * 4 * numel + 8192 for r in rounds), [r["bytes_sent"] for r in rounds]
+        # Δ travels (and θ_outer in every 4th round): in a group of 3 each member sends (3 - 1) / 3 of each
+        # tensor twice (reduce and gather) with bandwidth-sized parts, so at most all of it twice, plus headers.
+        assert all(0 < r["bytes_sent"] <= 2 * 4 * numel * len(r["averaged"]) + 8192 for r in rounds), \
+            [(r["bytes_sent"], r["averaged"]) for r in rounds]
         for r in rounds:
             group_ids.setdefault(r["round_epoch"], set()).add(r["round"]["group_id"])
         losses = [e["loss"] for e in epochs]
@@ -174,10 +175,14 @@ def test_diloco_fragments_average_one_fragment_per_round_across_peers(swarm, tmp
         # Fragment 0 is digits' first two parameters (8320 of 26122 values), fragment 1 the rest: the cut
         # falls on a parameter boundary, so a round carries 0.32x or 0.68x of Δ, not exactly half.
         # In a pair each member sends the other's part of Δ and then its own averaged part: together the
-        # pair sends the fragment twice (4 bytes a value), plus headers; never the whole model's Δ.
+        # pair sends the fragment twice (4 bytes a value), plus headers; never the whole model's Δ. Each
+        # fragment's first round carries its θ_outer too (outer_params_every), as a second tensor of that size.
+        tensors = len(a["averaged"])
+        assert tensors == (2 if a["round_epoch"] < FRAGMENTS else 1), (a["round_epoch"], a["averaged"])
         sent = a["bytes_sent"] + b["bytes_sent"]
-        assert 2 * 4 * numel <= sent <= 2 * 4 * numel + 8192, (a["round_epoch"], sent, numel, fragment_numel)
-        assert sent < 2 * 4 * sum(sizes)  # measured: 66720 and 142576 bytes against 208976 for all of Δ
+        assert 2 * 4 * numel * tensors <= sent <= 2 * 4 * numel * tensors + 8192, \
+            (a["round_epoch"], sent, numel, fragment_numel)
+        assert sent < 2 * 4 * sum(sizes) * tensors  # measured: 66720 and 142576 bytes against 208976 for all of Δ
     for record in done:
         assert record["epochs"] == FRAGMENT_EPOCHS and record["reason"] == "max_epochs"
         assert record["rounds_ok"] == record["rounds"] and record["downloads"] == 0, record

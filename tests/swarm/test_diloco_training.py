@@ -62,9 +62,11 @@ def run_diloco_pair(swarm, run: str, seeds) -> tuple:
             [(e["samples"], e["ok"], e["error"]) for e in peer_epochs]
     both_ok = [a["ok"] and b["ok"] for a, b in zip(*epochs)]
     assert sum(both_ok) >= OUTER_STEPS - 2, both_ok
-    # Only Δ travels: one value per parameter per round.
+    # Δ travels, one value per parameter per round, and θ_outer too in every 4th round (outer_params_every).
     numel = sum(p.numel() for p in load_task("digits").model.parameters())
-    assert all(e["bytes_sent"] <= 4 * numel + 4096 for e in epochs[0] if e["ok"])
+    assert all(e["bytes_sent"] <= 4 * numel * len(e["averaged"]) + 4096 for e in epochs[0] if e["ok"])
+    assert all(e["averaged"] == ["pseudo_gradient"] + (["outer_parameters"] if e["round_epoch"] % 4 == 0 else [])
+               for e in epochs[0] if e["ok"]), [(e["round_epoch"], e["averaged"]) for e in epochs[0]]
     if all(both_ok):  # the same Δ̄ and the same outer step on both: identical parameters
         assert done[0]["params_digest"] == done[1]["params_digest"]
     for summary in done:

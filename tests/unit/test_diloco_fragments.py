@@ -119,7 +119,8 @@ def test_each_epoch_averages_the_fragment_of_its_epoch_only(overlap):
     host = host_of(DiLoCoStrategy(inner_steps=6, fragments=3, overlap=overlap))
     assert host.strategy.settings()["fragments"] == 3
     micro_batches(host, 2 * 6)  # 6 epochs of H/F = 2 inner steps
-    assert averaged_numels(host) == [16, 16, 14] * 2
+    # Each fragment's first round carries its θ_outer too (outer_params_every 4): twice its values.
+    assert averaged_numels(host) == [32, 32, 28] + [16, 16, 14]
     # After its H inner steps each fragment took two outer steps.
     assert [part.outer.outer_steps for part in host.strategy.parts] == ([2, 2, 2] if not overlap else [2, 2, 1])
 
@@ -147,7 +148,7 @@ def test_one_fragment_is_plain_diloco():
         outer.pseudo_gradient(reference.params, delta)
         outer.apply(delta, reference.params)
     assert all(torch.equal(p, q) for p, q in zip(host.params, reference.params))
-    assert averaged_numels(host) == [sum(SIZES)] * 4
+    assert averaged_numels(host) == [2 * sum(SIZES)] + [sum(SIZES)] * 3  # θ_outer too in the 1st (and 5th...)
     state = host.strategy.state_dict()
     assert state["fragments"] == 1 and state["outer"]["outer_steps"] == 4  # the format of earlier versions
     older = {key: value for key, value in state.items() if key != "fragments"}

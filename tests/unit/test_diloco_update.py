@@ -24,7 +24,7 @@ def member_and_latecomer(compression: str = "none", **diloco) -> tuple:
     nothing), the latecomer's finds no group while the swarm moved on. Each takes one epoch of inner steps."""
     diloco.setdefault("inner_steps", 1)
     member, late = (FakeHost(DiLoCoStrategy(**diloco), compression=compression) for _ in range(2))
-    member.averager.average = lambda tensors: [t.mul_(0.5) for t in tensors]
+    member.averager.average = lambda tensors: tensors[0].mul_(0.5)  # θ_outer, if it travels, is the mate's too
     member.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
     late.averager.queue(RoundResult(ok=False, error="no group"))
     late.swarm.moved_on, late.donor_state = True, object()

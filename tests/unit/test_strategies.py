@@ -134,7 +134,7 @@ def test_diloco_counts_inner_steps_and_averages_the_pseudo_gradient():
             p.sub_(0.5)  # the inner steps moved θ_local by -0.5
     strategy.on_micro_batch(8)
     assert strategy.epoch_is_over() is True
-    plan = strategy.plan_round(0, swarm_view())
+    plan = strategy.plan_round(1, swarm_view())  # epoch 0 would carry θ_outer too (outer_params_every)
     assert plan.averages == ("pseudo_gradient",) and strategy.steps_this_epoch == 0
     assert all(torch.allclose(d, torch.full_like(d, 0.5)) for d in strategy.delta)  # Δ = θ_outer − θ_local
     for d in strategy.delta:
@@ -169,7 +169,58 @@ def test_diloco_state_round_trips_and_rejects_another_setting():
     assert host.strategy.settings()["inner_steps"] == 4
 
 
-@pytest.mark.parametrize("kwargs", [{"inner_steps": 0}, {"inner_steps": True}, {"outer_optimizer": "sgd"}])
+def test_diloco_rounds_carry_theta_outer_every_k_and_members_adopt_its_mean():
+    plain_sgd = OuterOptimizer("sgd", 1.0, 0.0)
+    a, b = (FakeHost(DiLoCoStrategy(inner_steps=1, outer_optimizer=plain_sgd, outer_params_every=2)) for _ in range(2))
+    for anchor in b.strategy.parts[0].outer.anchor:
+        anchor.add_(1.0)  # b's θ_outer drifted from a's (another group applied other Δ̄s)
+    plans = [host.strategy.plan_round(0, swarm_view()) for host in (a, b)]
+    assert all(plan.averages == ("pseudo_gradient", "outer_parameters") for plan in plans)
+    flat_a = torch.cat([x.reshape(-1) for x in a.strategy.parts[0].outer.anchor])
+    assert torch.equal(plans[0].tensors[1], flat_a)
+    for i in range(2):  # the group's all-reduce
+        mean = (plans[0].tensors[i] + plans[1].tensors[i]) / 2
+        for plan in plans:
+            plan.tensors[i].copy_(mean)
+    spreads = [host.strategy.apply_averaged(plan) for host, plan in zip((a, b), plans)]
+    assert all(spread is not None and spread > 0 for spread in spreads)
+    for x, y in zip(a.params, b.params):
+        assert torch.allclose(x, y)  # one θ_outer again, and both restart from it
+    for host in (a, b):
+        assert host.strategy.plan_round(1, swarm_view()).averages == ("pseudo_gradient",)
+    assert a.strategy.settings()["outer_params_every"] == 2
+
+
+def test_diloco_fragments_carry_their_own_slice_of_theta_outer():
+    host = FakeHost(DiLoCoStrategy(inner_steps=2, fragments=2, outer_params_every=3))
+    strategy = host.strategy
+    outer_epochs = [epoch for epoch in range(12) if len(strategy.plan_round(epoch, swarm_view()).tensors) == 2]
+    assert outer_epochs == [0, 1, 6, 7]  # each fragment's 1st and 4th round
+    plan = strategy.plan_round(7, swarm_view())
+    part = strategy.parts[1]
+    assert plan.tensors[1].numel() == part.buffer.numel()
+    assert torch.equal(plan.tensors[1], torch.cat([x.reshape(-1) for x in part.outer.anchor]))
+
+
+def test_diloco_auto_adopts_a_lossy_theta_outer_only_when_groups_drift_apart():
+    host = FakeHost(DiLoCoStrategy(inner_steps=1), compression="int8", group_size=4)
+    host.strategy.plan_round(0, swarm_view(trainers=4))
+    assert host.strategy.adopt_outer is False  # one group holds the whole swarm: codec noise for nothing
+    host.strategy.plan_round(0, swarm_view(trainers=5))
+    assert host.strategy.adopt_outer is True
+
+
+@pytest.mark.parametrize("options", [{"outer_params_every": 0}, {"average_outer": False}])
+def test_diloco_never_averages_theta_outer_when_told_or_with_error_feedback(options):
+    for host in (FakeHost(DiLoCoStrategy(inner_steps=1, **options)),
+                 FakeHost(DiLoCoStrategy(inner_steps=1), error_feedback=object())):
+        assert host.strategy.plan_round(0, swarm_view()).averages == ("pseudo_gradient",)
+        assert host.strategy.outer_copy is None and host.strategy.settings()["outer_params_every"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"inner_steps": 0}, {"inner_steps": True}, {"outer_optimizer": "sgd"},
+                                    {"outer_params_every": -1}, {"outer_params_every": True},
+                                    {"average_outer": "sometimes"}])
 def test_diloco_rejects_bad_options(kwargs):
     with pytest.raises(UserError):
         DiLoCoStrategy(**kwargs)

@@ -32,19 +32,29 @@ inner steps and the round of epoch e averages fragment e mod F only (the epoch i
 member of a round averages the same fragment, and a newcomer's downloaded epoch says which comes next):
 each fragment still syncs every H inner steps, and a round carries 1/F of the bytes. F=1 is plain DiLoCo.
 
-Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice). State (checkpoints,
+outer_params_every=K (default 4): every K-th round of a fragment also averages its θ_outer, and the members adopt
+the group's mean before the outer step. Averaging Δ alone never contracts a difference between two peers' θ_outer:
+each applies its group's Δ̄ to its own copy, so with more trainers than one group holds the copies drift apart (on
+a small network in `moshpeer simulate --workload mlp`, far enough that the loss rises again; docs/training.md).
+The epoch alone decides which rounds carry θ_outer, so every member of a round averages the same tensors; it costs
+1/K more bytes. average_outer="auto" adopts a lossy codec's θ_outer average only when the swarm has more trainers
+than a group holds (else the codec's noise would go into the weights for nothing), as gradients mode does with
+parameters; error feedback averages Δ only (its estimate is meaningful for Δ alone).
+
+Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice), and a θ_outer copy of the same
+layout for the rounds that carry it. State (checkpoints,
 downloads): per fragment θ_outer, the outer optimizer's state (momentum), the outer step count and the
 pending θ_sent; the inner steps taken in the current epoch and the fragment count.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.strategies.diloco_fragments import Fragment, make_fragments
 from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterOptimizerFactory, describe_outer_optimizer
 from moshpeer.peer.strategies.diloco_update import OuterUpdate
@@ -54,6 +64,15 @@ if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depe
     from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
 DEFAULT_INNER_STEPS = 50
+# Every 4th round of a fragment carries θ_outer too: 25% more bytes. In the simulator (1,000 peers in groups of 16,
+# the convex problem) it brings the loss from 2.2x the optimum to 1.13x; every round gains only 1.131x (docs/simulation.md).
+DEFAULT_OUTER_PARAMS_EVERY = 4
+
+
+def carries_outer_params(epoch: int, fragments: int, every: int) -> bool:
+    """Does the round of `epoch` carry θ_outer? Every `every`-th round of each fragment (never for every <= 0).
+    The epoch alone decides, so every member of a round averages the same tensors (the simulator calls it too)."""
+    return every > 0 and (epoch // fragments) % every == 0
 
 
 class DiLoCoStrategy(AveragingStrategy):
@@ -71,6 +90,11 @@ class DiLoCoStrategy(AveragingStrategy):
         has fewer than F parameter tensors or error feedback is on (it averages every value every round)
     :param quorum: end an epoch early once trainers holding this share of the swarm's compute rate have ended
         theirs (see the module docstring); 0 (default): after H/F inner steps only. UserError outside [0, 1]
+    :param outer_params_every: K: every K-th round of a fragment also averages θ_outer (module docstring); 0:
+        never. UserError unless a non-negative integer
+    :param average_outer: True: adopt the group's θ_outer in those rounds; "auto" (default): the same, except
+        that with a lossy codec only when the swarm has more trainers than `group_size`; False: never average
+        θ_outer (as outer_params_every=0). UserError otherwise
     """
 
     name = "diloco"
@@ -79,7 +103,8 @@ class DiLoCoStrategy(AveragingStrategy):
     rejoins_by_update = True  # ... but the group's Δ̄ (one round's bytes) does it as well, when a member has it
 
     def __init__(self, inner_steps: int = DEFAULT_INNER_STEPS, outer_optimizer: Optional[OuterOptimizerFactory] = None,
-                 overlap: bool = False, fragments: int = 1, pace: bool = False, quorum: float = 0.0):
+                 overlap: bool = False, fragments: int = 1, pace: bool = False, quorum: float = 0.0,
+                 outer_params_every: int = DEFAULT_OUTER_PARAMS_EVERY, average_outer: Union[bool, str] = "auto"):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise UserError(f"inner_steps must be a positive integer, got {inner_steps!r}")
         if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
@@ -99,6 +124,12 @@ class DiLoCoStrategy(AveragingStrategy):
         if isinstance(quorum, bool) or not isinstance(quorum, (int, float)) or not 0 <= quorum <= 1:
             raise UserError(f"quorum must be a share of the swarm's compute in [0, 1], got {quorum!r}")
         self.quorum = float(quorum)
+        if isinstance(outer_params_every, bool) or not isinstance(outer_params_every, int) or outer_params_every < 0:
+            raise UserError(f"outer_params_every must be a number of rounds >= 0, got {outer_params_every!r}")
+        if average_outer not in ("auto", True, False):
+            raise UserError(f"average_outer must be 'auto', True or False, got {average_outer!r}")
+        self.outer_params_every, self.average_outer = outer_params_every, average_outer
+        self.adopt_outer = False  # whether the last planned round's θ_outer average is adopted
         self.steps_this_epoch = 0
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
         self.planned_epoch = -1  # the epoch of the last plan
@@ -112,6 +143,10 @@ class DiLoCoStrategy(AveragingStrategy):
         self.buffer, self.delta = flat_buffer_views(host.params, 1)
         self.parts: List[Fragment] = make_fragments(host.params, self.buffer, self.delta, self.fragments,
                                                     self.outer_optimizer)
+        # θ_outer copies, laid out as the Δ buffer (a fragment's copy is the same slice of it).
+        self.with_outer = (host.error_feedback is None and self.average_outer is not False
+                           and self.outer_params_every > 0)
+        self.outer_copy = torch.zeros_like(self.buffer) if self.with_outer else None
 
     def on_micro_batch(self, batch_size: int) -> None:
         self.steps_this_epoch += 1
@@ -137,7 +172,37 @@ class DiLoCoStrategy(AveragingStrategy):
             part.outer.send(part.params, part.delta)
         else:
             part.outer.pseudo_gradient(part.params, part.delta)
-        return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned, epoch=epoch)
+        self.adopt_outer = False
+        if not self._outer_round(epoch):
+            return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned,
+                             epoch=epoch)
+        copy = self._outer_copy(part)
+        torch.cat([a.reshape(-1) for a in part.outer.anchor], out=copy)
+        self.adopt_outer = self.average_outer is True or self.host.compression == "none" or \
+            swarm.num_trainers > self.host.group_size
+        return RoundPlan(tensors=(part.buffer, copy), averages=("pseudo_gradient", "outer_parameters"),
+                         fragment=self.planned, epoch=epoch)
+
+    def _outer_round(self, epoch: int) -> bool:
+        return self.with_outer and carries_outer_params(epoch, self.fragments, self.outer_params_every)
+
+    def _outer_copy(self, part: Fragment) -> torch.Tensor:
+        """`part`'s slice of the θ_outer copy (the slice its Δ has in the Δ buffer)."""
+        start = part.buffer.storage_offset() - self.buffer.storage_offset()
+        return self.outer_copy[start:start + part.buffer.numel()]
+
+    @torch.no_grad()
+    def _adopt_outer(self, part: Fragment) -> float:
+        """θ_outer <- the group's mean (this round's copy); -> how far this peer's θ_outer was from it."""
+        averaged, offset = [], 0
+        copy = self._outer_copy(part)
+        for anchor in part.outer.anchor:
+            averaged.append(copy[offset:offset + anchor.numel()].view_as(anchor))
+            offset += anchor.numel()
+        spread = param_spread(part.outer.anchor, averaged)
+        for anchor, mean in zip(part.outer.anchor, averaged):
+            anchor.copy_(mean)
+        return spread
 
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
@@ -145,8 +210,11 @@ class DiLoCoStrategy(AveragingStrategy):
         self.kept[plan.fragment] = OuterUpdate.encode(part.buffer, epoch=plan.epoch, fragment=plan.fragment,
                                                       outer_steps=part.outer.outer_steps,
                                                       compression=self.host.compression)
+        # With overlap the previous epoch's plan: the epoch loop resolves a round before it plans the next, so
+        # adopt_outer is still that plan's.
+        spread = self._adopt_outer(part) if "outer_parameters" in plan.averages and self.adopt_outer else None
         self._outer_step(part, part.delta)
-        return None  # every member restarts from its θ_outer: there is no parameter spread to report
+        return spread  # how far θ_outer was from the group's (rounds that adopt it), else None
 
     def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
         """The Δ̄ this peer applied in its successful round of `epoch` (`OuterUpdate.to_state()`), while it is
@@ -215,6 +283,7 @@ class DiLoCoStrategy(AveragingStrategy):
         """What the join event line and every round result show of this strategy."""
         return {"inner_steps": self.inner_steps, "outer_optimizer": describe_outer_optimizer(self.outer_optimizer),
                 "overlap": self.overlap, "pace": self.paces_uploads, "fragments": self.fragments, "quorum": self.quorum,
+                "outer_params_every": self.outer_params_every if self.with_outer else 0,
                 "delta_codec": self.host.compression}
 
     def state_dict(self) -> Dict[str, Any]:
