@@ -20,7 +20,9 @@ Parts:
    where the baseline's goodput is <= 30% (0.04 failures per peer per hour); the same without failures
    (loss_ratio_failures); 10% hostile peers sending -100x with mean / clipped / trimmed aggregation
    (byz10_*_loss_ratio); the hostile fraction at which clipped stops keeping the loss within 2%
-   (--training-rounds rounds each, fewer with --quick); a second swarm on internet links as context.
+   (--training-rounds rounds each, fewer with --quick); DiLoCo averaging Δ only (outer_params_every=0) against
+   production's θ_outer rounds; the same swarm training a small network (--workload mlp); a second swarm on
+   internet links as context.
 6. the control plane (moshpeer.simulation.control_plane): each peer's progress traffic in the DHT at the
    production cadence for 4 to 10,000 peers (dht_rate_*_bps), and the 1,000-peer DiLoCo swarm on home links
    (20 Mbit/s, 50 ms, equal peers, no failures) with and without it (goodput_1k_diloco_home, goodput_1k_diloco_home_no_dht).
@@ -203,17 +205,35 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
         diloco_1k_final_spread=round(clean.final_spread, 5), sync_1k_final_loss=round(sync.final_loss, 5),
         diloco_1k_bytes_per_peer=round(failing.bytes_per_peer), sync_1k_bytes_per_peer=round(sync.bytes_per_peer),
     )
-    # Not production: DiLoCo whose groups also average θ_outer every 4 rounds (outer_params_every; see
-    # docs/simulation.md): the disagreement between peers' θ_outer that production DiLoCo leaves behind.
-    outer4 = run_training(TrainingConfig(**base, outer_params_every=4,
+    # DiLoCo averaging Δ only (outer_params_every=0, production before its θ_outer rounds): the disagreement between
+    # peers' θ_outer those rounds remove (docs/simulation.md).
+    outer0 = run_training(TrainingConfig(**base, outer_params_every=0,
                                          failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
-    line("diloco + θ_outer every 4, failures", outer4)
-    outer4_clean = run_training(TrainingConfig(**base, outer_params_every=4), seed=0)
-    line("diloco + θ_outer every 4, no failures", outer4_clean)
-    figures.update(goodput_1k_diloco_outer4=round(outer4.goodput, 4),
-                   loss_ratio_failures_outer4=_ratio(outer4.final_loss, outer4_clean.final_loss),
-                   diloco_1k_outer4_final_loss=round(outer4_clean.final_loss, 5),
-                   diloco_1k_outer4_final_spread=round(outer4_clean.final_spread, 5))
+    line("diloco, Δ only, failures", outer0)
+    outer0_clean = run_training(TrainingConfig(**base, outer_params_every=0), seed=0)
+    line("diloco, Δ only, no failures", outer0_clean)
+    figures.update(goodput_1k_diloco_outer0=round(outer0.goodput, 4),
+                   loss_ratio_failures_outer0=_ratio(outer0.final_loss, outer0_clean.final_loss),
+                   diloco_1k_outer0_final_loss=round(outer0_clean.final_loss, 5),
+                   diloco_1k_outer0_final_spread=round(outer0_clean.final_spread, 5))
+    # The same swarm training a small network (--workload mlp: 2,113 parameters learning a teacher), production
+    # DiLoCo with and without failures, and averaging Δ only.
+    mlp = dict(base, workload=Workload(kind="mlp", dim=64, hidden=32))
+    started = time.perf_counter()
+    mlp_failing = run_training(TrainingConfig(**mlp, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
+    figures["mlp_1k_200_rounds_wall_s"] = round(time.perf_counter() - started, 1)
+    line(f"mlp diloco, {TRAINING_FAILURES_PER_HOUR}/peer/h", mlp_failing)
+    mlp_clean = run_training(TrainingConfig(**mlp), seed=0)
+    line("mlp diloco, no failures", mlp_clean)
+    mlp_outer0 = run_training(TrainingConfig(**mlp, outer_params_every=0), seed=0)
+    line("mlp diloco, Δ only, no failures", mlp_outer0)
+    figures.update(goodput_1k_mlp_diloco=round(mlp_failing.goodput, 4),
+                   loss_ratio_failures_mlp=_ratio(mlp_failing.final_loss, mlp_clean.final_loss),
+                   mlp_1k_initial_loss=round(mlp_clean.initial_loss, 5), mlp_1k_loss_floor=round(mlp_clean.loss_floor, 5),
+                   mlp_1k_final_loss=round(mlp_clean.final_loss, 5),
+                   mlp_1k_outer0_final_loss=round(mlp_outer0.final_loss, 5),
+                   mlp_1k_final_spread=round(mlp_clean.final_spread, 5),
+                   mlp_1k_outer0_final_spread=round(mlp_outer0.final_spread, 5))
     # The same swarm on internet links (100 Mbit/s, 50 ms, speeds and links +-10%): context, not a floor.
     internet = dict(base, uplink=12.5e6, downlink=12.5e6, rtt_s=0.05, link_spread=0.1, speed_spread=0.1)
     net = run_training(TrainingConfig(**internet, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
