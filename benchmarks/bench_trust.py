@@ -174,6 +174,11 @@ def flag_counts(events: List[List[dict]], hostile) -> dict:
             "honest_pairs": honest_pairs}
 
 
+# The sybil_state arm's swarm trains at least this many epochs: on 2 cores the newcomer (a fifth interpreter, started
+# once the Sybil donors are up) took longer to start than 25 epochs of digits, and found only the Sybils (session 24).
+SYBIL_STATE_EPOCHS = 75
+
+
 def training(args) -> dict:
     import bench_training
 
@@ -204,9 +209,12 @@ def training(args) -> dict:
     for repeat in range(args.repeats):
         for name, extra in arms:
             tag = f"{name.replace('_', '-')}-{repeat}"
+            arm_args = run_args
+            if name == "sybil_state":  # the newcomer must still find the honest donors when it has started
+                arm_args = SimpleNamespace(**{**vars(run_args), "epochs": max(run_args.epochs, SYBIL_STATE_EPOCHS)})
             companions = {"sample_liar": sample_liar,
-                          "sybil_state": lambda run_id, maddrs: sybil_state(run_args, run_id, maddrs)}.get(name)
-            summary = bench_training.run_moshpeer(run_args, straggler=None, budget=None, tag=tag, extra_args=extra,
+                          "sybil_state": lambda run_id, maddrs: sybil_state(arm_args, run_id, maddrs)}.get(name)
+            summary = bench_training.run_moshpeer(arm_args, straggler=None, budget=None, tag=tag, extra_args=extra,
                                                   companions=companions)
             if name == "sybil_state":
                 adopted, newcomer_acc = sybil_adoptions(bench_training.ALL_EVENTS[f"moshpeer-{tag}-companions"])
@@ -320,7 +328,8 @@ def main() -> int:
         if "sybil_state" in runs:
             print(f"sybil_state: newcomer adopted a Sybil state in {runs['sybil_state']['adopted']}, its final "
                   f"accuracy {runs['sybil_state']['newcomer_accs']}")
-            figures.update(sybil_state_adopted=max(runs["sybil_state"]["adopted"], default=None),
+            figures.update(sybil_state_epochs=max(args.epochs, SYBIL_STATE_EPOCHS),
+                           sybil_state_adopted=max(runs["sybil_state"]["adopted"], default=None),
                            sybil_state_newcomer_accs=runs["sybil_state"]["newcomer_accs"])
         if "sample_liar" in runs and "honest" in runs and runs["sample_liar"]["mean_step_s"]:
             figures["sample_liar_epochs_ratio"] = runs["honest"]["mean_step_s"] / runs["sample_liar"]["mean_step_s"]
