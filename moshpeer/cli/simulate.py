@@ -192,6 +192,9 @@ TRAINING_KNOBS = (
     ("--hostile-scale", "hostile_scale", _finite_float, -100.0, "K",
      "a hostile peer sends K x its contribution (-100 scaled, -1 sign flip)"),
     ("--hostile-weight", "hostile_weight", _positive_float, 1.0, "W", "a hostile peer declares W x its weight"),
+    ("--hostile-replay", "hostile_replay", _int_at_least(0, 1 << 20), 0, "R",
+     "a hostile peer sends the contribution it computed R of its rounds earlier (stale work; with --hostile-scale 1 "
+     "that alone); 0 = its current one"),
     ("--matchmaking-window", "matchmaking_window_s", _positive_float, 30.0, "S",
      "how long the first ready member of a group waits for the others, s"),
     ("--round-timeout", "round_timeout_s", _positive_float, 120.0, "S",
@@ -323,6 +326,7 @@ def run_training_level(args: argparse.Namespace) -> int:
             rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"], chunk_loss=args.chunk_loss,
             chunk_numel=args.chunk_numel, hostile_fraction=knobs["hostile_fraction"],
             hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],
+            hostile_replay=knobs["hostile_replay"],
             matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
             min_round_timeout_s=min(5.0, knobs["round_timeout_s"]),
             progress_budget_bps=knobs["progress_budget_kbps"] * 1000, workload=workload,

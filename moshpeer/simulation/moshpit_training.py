@@ -46,13 +46,16 @@ waits and averages; that traffic is counted (`dht_bytes_per_peer`) and takes its
 group round's members.
 
 **Hostile peers** (a fixed random subset): they train honestly but send `hostile_scale` x their contribution
-(-100 = the issue's scaled attack, -1 = sign flip) and declare `hostile_weight` x their true weight. As owners
-they aggregate honestly (a hostile owner is out of robust aggregation's reach; see aggregation.py).
+(-100 = the issue's scaled attack, -1 = sign flip) and declare `hostile_weight` x their true weight; with
+`hostile_replay` R they send, in place of this round's contribution, the one they computed R rounds (of their
+own) earlier: stale work from an old epoch, inside any clip radius, replayed round after round. As owners they
+aggregate honestly (a hostile owner is out of robust aggregation's reach; see aggregation.py).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -107,6 +110,7 @@ class MoshpitTraining:
         self.deadlines: Dict[int, DeadlineLearner] = {}
         # "clipped": each peer's production SuspectTracker as a part's owner (group_aggregation.py)
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
+        self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.group_sizes: List[int] = []
@@ -279,10 +283,21 @@ class MoshpitTraining:
         sent = contribution
         if hostile.any():
             sent = contribution.clone()
+            if c.hostile_replay:
+                self._replay(peers, hostile, contribution, sent)
             h = torch.from_numpy(hostile)
             sent[h] *= c.hostile_scale
             weights[hostile] *= c.hostile_weight
         return contribution, sent, weights
+
+    def _replay(self, peers: np.ndarray, hostile: np.ndarray, contribution: torch.Tensor, sent: torch.Tensor) -> None:
+        """Hostile rows of `sent` <- the contribution that peer computed `hostile_replay` of its rounds ago (its
+        oldest until it has that many). Only the model-sized part is stale: an appended parameter copy stays."""
+        dim = self.swarm.problem.dim
+        for row in np.flatnonzero(hostile):
+            history = self.replays.setdefault(int(peers[row]), deque(maxlen=self.config.hostile_replay + 1))
+            history.append(contribution[row, :dim].clone())
+            sent[row, :dim] = history[0]
 
     def _window(self, grouping: grid.Grouping, ready_of: np.ndarray) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
         """The matchmaking window: a group forms from the largest set of its members whose ready times lie within

@@ -81,6 +81,8 @@ class TrainingConfig:
     :param outer_params_every: diloco: every K-th round the group also averages θ_outer and its members adopt the
         average before the outer step (production `DiLoCoStrategy(outer_params_every=K)`, default 4, and its
         `carries_outer_params`); 0 = never, as `DiLoCoStrategy` did before it had them
+    :param hostile_replay: R > 0: a hostile peer sends the contribution it computed R of its rounds earlier
+        (stale work), times `hostile_scale`; 0 = its current one
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
     :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
@@ -119,6 +121,7 @@ class TrainingConfig:
     hostile_fraction: float = 0.0
     hostile_scale: float = -100.0
     hostile_weight: float = 1.0
+    hostile_replay: int = 0
     matchmaking_window_s: float = 30.0
     round_timeout_s: float = 120.0
     min_round_timeout_s: float = 5.0
@@ -161,6 +164,7 @@ class TrainingConfig:
         need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")
         need(math.isfinite(self.hostile_scale), f"hostile_scale must be finite, got {self.hostile_scale}")
         need(0 < self.hostile_weight < math.inf, f"hostile_weight must be positive, got {self.hostile_weight}")
+        need(self.hostile_replay >= 0, f"hostile_replay must be >= 0, got {self.hostile_replay}")
         need(0 <= self.progress_budget_bps < math.inf,
              f"progress_budget_bps must be finite and >= 0, got {self.progress_budget_bps}")
         need(self.chunk_numel >= 1, f"chunk_numel must be >= 1, got {self.chunk_numel}")

@@ -105,6 +105,20 @@ def test_clipped_bounds_a_minus_100x_attacker_where_mean_does_not():
     assert not ratios["mean"] < 2.0  # also true for inf / nan
 
 
+def test_replayed_stale_work_drags_diloco_under_mean_and_clipped_bounds_it():
+    """20% of the peers send, each round, the Δ they computed 20 of their rounds earlier (honestly computed, just
+    stale: inside any plausible radius). Early Δs are the large ones, so the replay keeps pushing θ_outer back along
+    an old direction: `mean` ends at 1.34x the honest run's loss, `clipped` at 1.08x (measured, seed 1). The same
+    replay of stale gradients in gradients mode costs nothing measurable (0.99x): one old step among many."""
+    base = dict(peers=40, group_size=10, mode="diloco", rounds=40, inner_steps=5, hostile_fraction=0.2)
+    ratios = {}
+    for aggregation in ("mean", "clipped"):
+        honest = run_training(_config(**base, hostile_scale=1.0, aggregation=aggregation), seed=1).final_loss
+        replayed = run_training(_config(**base, hostile_scale=1.0, hostile_replay=20, aggregation=aggregation), seed=1)
+        ratios[aggregation] = replayed.final_loss / honest
+    assert ratios["mean"] > 1.2 and ratios["clipped"] < 1.15, ratios
+
+
 def test_sign_flipping_attackers_inside_the_clip_radius_become_suspects_of_the_production_tracker():
     """-1x from 10% of the peers: each owner's production SuspectTracker distrusts them (here both rules fire: on
     this convex problem a reversed gradient is also clipped often), no honest peer is distrusted at the end, and the
@@ -132,7 +146,7 @@ def test_a_member_dying_in_a_round_stalls_its_group_until_the_deadline():
 
 def test_bad_config_raises_value_error():
     for bad in (dict(mode="adam"), dict(aggregation="median"), dict(hostile_fraction=1.0), dict(uplink=0.0),
-                dict(outer_optimizer="nesterov:lr=-1")):
+                dict(outer_optimizer="nesterov:lr=-1"), dict(hostile_replay=-1)):
         with pytest.raises(ValueError):
             _config(**bad).check()
 
