@@ -18,8 +18,8 @@
 2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys),
    then the matchmaking window (`_window`): a group keeps its largest set of members ready within
    `matchmaking_window_s` of each other. An earlier member waited the window in vain and steps alone; a later one
-   found the group gone: in DiLoCo it catches up as production does (`catches_up_after_missed_round`: it
-   downloads a member's state after the round and loses the round's compute), in the other modes it steps
+   found the group gone: in DiLoCo it takes the group's update as production does (`rejoins_by_update`: the
+   group's Δ̄ from a member after the round, its own Δ carried into its next round), in the other modes it steps
    alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer
    takes part in each round it is up for, so a fast peer waits for its group's slowest member (fixed H, as in
    production without DropCompute).
@@ -37,8 +37,9 @@
    averaged chunks keep the receiver's own value.
 5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
    random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
-   ready only after its group had formed catches up as production DiLoCo does (`catches_up_after_missed_round`):
-   it downloads a member's state after the round, and its round's compute is lost.
+   ready only after its group had formed takes the group's update as production DiLoCo does (`rejoins_by_update`,
+   `OuterState.apply_keeping_progress`): a member's Δ̄ after the round (Δ's bytes / its downlink), the outer step
+   on it, and its own Δ of the round carried into its next one (its compute is not lost).
 
 **The control plane** (`control_plane.py`, unless `progress_budget_bps` is 0): every peer up reads and publishes
 swarm progress in the DHT at the production cadence, over its epoch's compute and at the cadence's floor while it
@@ -220,9 +221,8 @@ class MoshpitTraining:
             done[row_of[members]] = done_members
             if done_members.any():
                 donors[j] = members[np.flatnonzero(done_members)[0]]
-        # Late (ready after its group had formed): production DiLoCo's catch-up rule (`catches_up_after_missed_round`,
-        # CollaborativeOptimizer: the swarm moved past this epoch): download the state of a member that finished
-        # the round; this round's compute is lost.
+        # Late (ready after its group had formed): production DiLoCo's rule (`rejoins_by_update`, the epoch loop's
+        # MISSED_ROUND_UPDATE): the group's Δ̄ from a member that finished the round, own Δ carried.
         catch_up = late[donors[late_group] >= 0] if late.size else late
         catch_donor = donors[late_group][donors[late_group] >= 0] if late.size else late
         catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
@@ -236,11 +236,10 @@ class MoshpitTraining:
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
         if catch_up.size:
-            self.lost[catch_up] += compute[row_of[catch_up]]
+            self.useful[catch_up] += compute[row_of[catch_up]]  # carried into the next round, not lost
             self.catch_ups += int(catch_up.size)
-            self._adopt(catch_up, catch_donor)
-            state_values = c.model_params * (2 if c.mode == "diloco" else 1)
-            resume = catch_end + state_values * 4 / s.downlink[catch_up]
+            self._take_update(catch_up, averaged[torch.from_numpy(row_of[catch_donor])])
+            resume = catch_end + c.model_params * c.bytes_per_value / s.downlink[catch_up]
             self.wait[catch_up] += resume - ready_of[catch_up]
             self.clock[catch_up] = resume
         if self.control is not None:
@@ -404,6 +403,17 @@ class MoshpitTraining:
                 self.x[rows] = got[:, dim:] - c.workload.lr * got[:, :dim]
         else:
             self.x[rows] = got
+
+    def _take_update(self, peers: np.ndarray, donors_averaged: torch.Tensor) -> None:
+        """Late `peers` take the outer step on their group's Δ̄ (their donors' rows of the round's result: its Δ
+        part, never θ_outer) and keep their own progress since θ_outer: production's
+        `OuterState.apply_keeping_progress`, batched as `_outer_step` is."""
+        rows = torch.from_numpy(peers)
+        delta = torch.zeros_like(self.x)
+        delta[rows] = donors_averaged[:, :self.swarm.problem.dim]
+        own = self.x[rows] - self.outer.anchor[0][rows]
+        self._outer_step(rows, delta)
+        self.x[rows] += own
 
     def _outer_step(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
         """The production outer step (`OuterState.apply`) on all rows at once; rows of peers that took no outer

@@ -17,7 +17,7 @@ from typing import List, Tuple
 class TrainingResult:
     """What a run measured. `curve` = (simulated seconds, loss) after each round (sync: each checkpoint
     interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout;
-    `catch_ups` = peers that came after their group had formed and downloaded a member's state instead;
+    `catch_ups` = peers that came after their group had formed and took its update from a member instead;
     `bytes_per_peer` = the data plane's upload (rounds), `dht_bytes_per_peer` = progress traffic in the DHT
     (control_plane.py; 0 for the synchronous baseline, which has none), `dht_saturated_fraction` = the share of
     group participations in which progress traffic alone would have filled the member's link."""

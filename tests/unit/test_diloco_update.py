@@ -47,15 +47,20 @@ def test_a_latecomer_takes_the_groups_step_instead_of_a_download(compression):
     record = late.epochs.account(8)
     assert record.error == MISSED_ROUND_UPDATE and not record.ok
     assert late.update_requests == [0] and late.downloads == []  # one round's bytes, no state download
-    assert record.dropped_samples == 8 and late.counters.dropped_samples == 8 and late.counters.epoch == 1
+    assert record.carried_samples == 8 and record.dropped_samples == 0 and late.counters.dropped_samples == 0
+    assert late.counters.epoch == 1
     for ours, theirs in zip(anchors(late), anchors(member)):
         if compression == "none":
             assert torch.equal(ours, theirs)  # the group's Δ̄ bit for bit
         else:  # re-encoded once: within the codec's error of one update
             step = 0.1 * 0.5  # the member's Δ̄ per value: lr x gradient x 1/2
             assert (ours - theirs).abs().max() <= step * (0.01 if compression == "int8" else 0.15)
-    for p, q in zip(late.params, member.params):  # both restart from θ_outer
-        assert torch.allclose(p, q, atol=0.01)
+    # Both are at θ_outer, and the latecomer keeps its own step of the missed round (lr 0.1 x gradient 3): its next
+    # Δ carries it into the next round instead of losing it.
+    for p, q in zip(late.params, member.params):
+        assert torch.allclose(p, q - 0.3, atol=0.01)
+    for own in late.strategy._own_delta(late.strategy.parts[0]):
+        assert torch.allclose(own, torch.full_like(own, 0.3), atol=0.01)
 
 
 def test_the_latecomer_starts_its_next_epoch_as_far_in_as_the_donor_is():
@@ -99,13 +104,14 @@ def test_an_overlapped_latecomer_takes_the_groups_step_and_keeps_its_progress():
     assert member.epochs.account(8).ok  # the next epoch end resolves round 0
     late.updates = [member.strategy.kept_update(0)]
     record = late.epochs.account(8)  # resolves its round 0 (missed) and sends the Δ of its second epoch
-    assert record.epoch == 0 and record.error == MISSED_ROUND_UPDATE and record.dropped_samples == 8
+    assert record.epoch == 0 and record.error == MISSED_ROUND_UPDATE and record.carried_samples == 8
     assert late.update_requests == [0] and late.downloads == []
     for ours, theirs in zip(anchors(late), anchors(member)):
         assert torch.equal(ours, theirs)
-    # The second epoch's inner step (lr 0.1 x gradient 3) is kept: it is exactly the Δ now pending.
+    # Both epochs' inner steps (lr 0.1 x gradient 3 each) are kept: the missed round's is carried into the Δ now
+    # pending, with the second epoch's.
     for pending in late.strategy.parts[0].outer.pending_delta():
-        assert torch.allclose(pending, torch.full_like(pending, 0.3))
+        assert torch.allclose(pending, torch.full_like(pending, 0.6))
 
 
 def test_a_member_keeps_the_latest_update_of_each_fragment():

@@ -195,11 +195,12 @@ def test_cli_training_prints_a_table_and_a_json_line(capsys, tmp_path):
 
 def test_a_late_diloco_peer_catches_up_and_the_clocks_stay_together():
     # Speeds +-30%: some members are ready more than the window after their group formed. Production DiLoCo
-    # downloads a member's state instead of stepping alone, so nobody falls further and further behind.
+    # takes the group's update from a member instead of stepping alone, so nobody falls further and further
+    # behind, and carries its own Δ into its next round, so no compute is lost.
     config = _config(peers=48, rounds=30, inner_steps=20, speed_spread=0.3, matchmaking_window_s=30.0)
     sim = MoshpitTraining(config, seed=0)
     result = sim.run()
-    assert result.catch_ups > 0 and result.lost_s > 0
+    assert result.catch_ups > 0 and result.lost_s == 0
     round_compute = config.inner_steps * FAST.batch / config.speed
     assert float(np.ptp(sim.clock)) < 4 * round_compute
     assert result.goodput < 0.9  # fast peers wait for slow ones: fixed H costs goodput with uneven speeds

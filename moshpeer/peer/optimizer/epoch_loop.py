@@ -19,7 +19,8 @@ Failure: a round that fails, is abandoned (deadline, stop request) or finds no g
 the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
 never stops for lack of peers. A strategy whose state must follow the swarm's (DiLoCo) does not step alone when
 the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
-one round's bytes), else their whole state (a catch-up). A catch-up that finds no donor leaves the epoch to end
+one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`), else
+their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no donor leaves the epoch to end
 as usual. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
@@ -352,7 +353,8 @@ class EpochLoop:
     def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                  update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
         """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their
-        round: its own samples are dropped), or this peer's own step (caller holds the lock)."""
+        round: its own work is carried into its next contribution), or this peer's own step (caller holds the
+        lock)."""
         strategy = self.host.strategy
         ok = result is not None and result.ok
         if ok:
@@ -360,8 +362,7 @@ class EpochLoop:
             spread = strategy.apply_averaged(plan)
         elif update is not None:
             spread = strategy.apply_update(plan, update)
-            self.counters.dropped_samples += facts["samples"]
-            facts.update(dropped_samples=facts["samples"], samples=0)
+            facts.update(carried_samples=facts["samples"], samples=0)
         else:
             spread = strategy.apply_alone(plan)
         if not ok:

@@ -150,7 +150,8 @@ class AveragingStrategy(abc.ABC):
         raise ValueError(f"the {self.name} strategy does not rejoin by update")
 
     def apply_update(self, plan: RoundPlan, fitted: Any) -> None:
-        """Take the group's step of `plan`'s round with a `fit_update` result, as `apply_averaged` would have."""
+        """Take the group's step of `plan`'s round with a `fit_update` result, as `apply_averaged` would have; this
+        peer's own work of the round, which the group's average lacks, is kept for its next contribution."""
         raise NotImplementedError
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:

@@ -11,8 +11,8 @@ Loss tolerance is the averager's: a chunk of Δ whose contributions partly arriv
 reconstruction, a chunk of Δ̄ this peer never received is its own Δ there. The outer step is linear in
 Δ̄, so it stays unbiased. No group while others averaged (this peer was late): it takes the outer step
 on their Δ̄, fetched from one of them (every member keeps the latest Δ̄ of each fragment, encoded as
-the round sent it: diloco_update.py), so that a missed round costs one round's bytes and this peer's own
-Δ of that round; only if no member delivers a Δ̄ that fits does it download their whole state (a lone
+the round sent it: diloco_update.py), so that a missed round costs one round's bytes, and this peer's own
+Δ of that round is carried into its next one (late work counts a round later, not never); only if no member delivers a Δ̄ that fits does it download their whole state (a lone
 outer step would leave its θ_outer apart from the swarm's for good). No group at all (alone, or nobody
 else finished the round): the outer step on its own Δ.
 
@@ -177,7 +177,8 @@ class DiLoCoStrategy(AveragingStrategy):
             return RoundPlan(tensors=(part.buffer,), averages=("pseudo_gradient",), fragment=self.planned,
                              epoch=epoch)
         copy = self._outer_copy(part)
-        torch.cat([a.reshape(-1) for a in part.outer.anchor], out=copy)
+        for view, anchor in zip(self._outer_views(part), part.outer.anchor):
+            view.copy_(anchor)  # per tensor: copy_ crosses devices (a model spread over several), cat(out=) would not
         self.adopt_outer = self.average_outer is True or self.host.compression == "none" or \
             swarm.num_trainers > self.host.group_size
         return RoundPlan(tensors=(part.buffer, copy), averages=("pseudo_gradient", "outer_parameters"),
@@ -191,14 +192,18 @@ class DiLoCoStrategy(AveragingStrategy):
         start = part.buffer.storage_offset() - self.buffer.storage_offset()
         return self.outer_copy[start:start + part.buffer.numel()]
 
+    def _outer_views(self, part: Fragment) -> List[torch.Tensor]:
+        """`part`'s θ_outer copy, one view per parameter."""
+        views, offset, copy = [], 0, self._outer_copy(part)
+        for anchor in part.outer.anchor:
+            views.append(copy[offset:offset + anchor.numel()].view_as(anchor))
+            offset += anchor.numel()
+        return views
+
     @torch.no_grad()
     def _adopt_outer(self, part: Fragment) -> float:
         """θ_outer <- the group's mean (this round's copy); -> how far this peer's θ_outer was from it."""
-        averaged, offset = [], 0
-        copy = self._outer_copy(part)
-        for anchor in part.outer.anchor:
-            averaged.append(copy[offset:offset + anchor.numel()].view_as(anchor))
-            offset += anchor.numel()
+        averaged = self._outer_views(part)
         spread = param_spread(part.outer.anchor, averaged)
         for anchor, mean in zip(part.outer.anchor, averaged):
             anchor.copy_(mean)
@@ -241,15 +246,16 @@ class DiLoCoStrategy(AveragingStrategy):
 
     @torch.no_grad()
     def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:
-        """The outer step of `plan`'s fragment on the group's Δ̄ (`fit_update`'s); this peer's own Δ is dropped,
-        and the next epoch starts as far in as the donor was."""
+        """The outer step of `plan`'s fragment on the group's Δ̄ (`fit_update`'s), keeping this peer's own Δ of the
+        round for its next one (`OuterState.apply_keeping_progress`: late work is carried, not dropped), and the
+        next epoch starts as far in as the donor was."""
         flat, steps = fitted
         part = self.parts[plan.fragment]
         delta, offset = [], 0
         for d in part.delta:
             delta.append(flat[offset:offset + d.numel()].view_as(d).to(d.device))
             offset += d.numel()
-        self._outer_step(part, delta)
+        part.outer.apply_keeping_progress(delta, part.params)
         self.steps_this_epoch = max(self.steps_this_epoch, steps)
 
     def _outer_step(self, part: Fragment, delta: List[torch.Tensor]) -> None:

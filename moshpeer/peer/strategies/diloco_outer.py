@@ -177,6 +177,17 @@ class OuterState:
             p.add_((anchor - sent).to(dtype=p.dtype))
         self.sent = None
 
+    @torch.no_grad()
+    def apply_keeping_progress(self, delta: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """The outer step on `delta`, a group's Δ̄ that this peer's own Δ is not in (it missed the round), keeping
+        every local step: params <- θ_outer_new + (params − θ_outer_old). This peer's own Δ of the missed round,
+        pending or not, then enters its next pseudo-gradient instead of being lost; nothing is pending after."""
+        before = [anchor.clone() for anchor in self.anchor]
+        self.outer_step(delta)
+        for p, anchor, old in zip(params, self.anchor, before):
+            p.add_((anchor - old).to(dtype=p.dtype))
+        self.sent = None
+
     # ---- state ----------------------------------------------------------------------------------
 
     @torch.no_grad()
