@@ -1,7 +1,7 @@
 """A DiLoCo peer that misses a round rejoins with the group's Δ̄, not a state download (issue 27): three `moshpeer
 join` peers, one of which stalls once, longer than the matchmaking window. The other two average without it; it
-fetches their update over its state client, takes their outer step, starts its next epoch as far in as they are,
-and averages with them again. With codec `none` all three end on the same parameters, bit for bit."""
+fetches their update over its state client, takes their outer step (keeping its own Δ of that epoch for its next
+round), starts its next epoch as far in as they are, and averages with them again. With codec `none` all three end on the same parameters, bit for bit."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_ag
     missed = [i for i, e in enumerate(stalled) if e["error"] == MISSED_ROUND_UPDATE]
     assert len(missed) == 1 and missed[0] == 1, described  # the round of the stall, and only that one
     assert not any(e["error"] == "missed round; caught up" for e in stalled), described  # no state download
-    assert stalled[1]["dropped_samples"] == H * MICRO_BATCH and "fetched the update" in peers[2].stderr
+    # Its own work of the missed epoch is carried into its next round, not dropped.
+    assert stalled[1]["carried_samples"] == H * MICRO_BATCH and stalled[1]["dropped_samples"] == 0
+    assert "fetched the update" in peers[2].stderr
     assert all(e["ok"] for eps in steady for e in eps), described  # the others averaged every round
     # Back in step: it started the next epoch as far in as the donor was (anywhere from 0 inner steps: the others'
     # round held its group open for it, by its record, before giving up, so the donor may just have started),
