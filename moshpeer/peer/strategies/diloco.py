@@ -12,9 +12,10 @@ reconstruction, a chunk of Δ̄ this peer never received is its own Δ there. Th
 Δ̄, so it stays unbiased. No group while others averaged (this peer was late): it takes the outer step
 on their Δ̄, fetched from one of them (every member keeps the latest Δ̄ of each fragment, encoded as
 the round sent it: diloco_update.py), so that a missed round costs one round's bytes, and this peer's own
-Δ of that round is carried into its next one (late work counts a round later, not never); only if no member delivers a Δ̄ that fits does it download their whole state (a lone
-outer step would leave its θ_outer apart from the swarm's for good). No group at all (alone, or nobody
-else finished the round): the outer step on its own Δ.
+Δ of that round is carried into its next one (late work counts a round later, not never); only if no
+member delivers a Δ̄ that fits does it download their whole state (a lone outer step would leave its
+θ_outer apart from the swarm's for good). No group at all (alone, or nobody else finished the round):
+the outer step on its own Δ.
 
 overlap=True (one-outer-step delay): the round of Δ_t runs in the background while the peer computes
 the next H inner steps; the outer step on Δ̄_t is taken at the next epoch end, keeping the local
@@ -42,9 +43,9 @@ than a group holds (else the codec's noise would go into the weights for nothing
 parameters; error feedback averages Δ only (its estimate is meaningful for Δ alone).
 
 Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice), and a θ_outer copy of the same
-layout for the rounds that carry it. State (checkpoints,
-downloads): per fragment θ_outer, the outer optimizer's state (momentum), the outer step count and the
-pending θ_sent; the inner steps taken in the current epoch and the fragment count.
+layout for the rounds that carry it. State (checkpoints, downloads): per fragment θ_outer, the outer optimizer's
+state (momentum), the outer step count and the pending θ_sent; the inner steps taken in the current epoch and the
+fragment count.
 """
 
 from __future__ import annotations
