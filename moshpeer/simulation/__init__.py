@@ -2,8 +2,8 @@
 
 The averaging level (`averaging`): N peers holding vectors, Moshpit groups by group key, failures, chunk loss on
 the production estimator, and the all-reduce baseline. The training level (`training`): N peers training a
-problem (a convex one or a small network) on a simulated clock (links, compute speeds, failures, hostile peers; gradients, parameters and
-DiLoCo modes) and the synchronous data-parallel baseline.
+problem (a convex one or a small network) on a simulated clock (links, compute speeds, failures, hostile peers;
+gradients, parameters and DiLoCo modes) and the synchronous data-parallel baseline.
 """
 
 from moshpeer.simulation.averaging import (

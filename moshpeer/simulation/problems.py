@@ -64,8 +64,8 @@ class Quadratic:
         self.dim = workload.dim
         self.curvature = torch.from_numpy(np.logspace(0, -math.log10(workload.condition), workload.dim)).float()
         target = data_rng.standard_normal(workload.dim)
-        self.centers = torch.from_numpy(target + workload.heterogeneity * data_rng.standard_normal((peers, workload.dim))
-                                        ).float()
+        offsets = workload.heterogeneity * data_rng.standard_normal((peers, workload.dim))
+        self.centers = torch.from_numpy(target + offsets).float()
         self.start = torch.zeros(workload.dim)
         honest_centers = self.centers[torch.from_numpy(honest)]
         self.honest_center_mean = honest_centers.mean(dim=0)

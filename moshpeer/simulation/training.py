@@ -6,7 +6,8 @@ The training math runs for real, vectorized over peers (one row of a matrix per 
 
 The level's modules, each re-exported here (the entry points `run_training` and `run_sync` live here):
 
-- `training_config.py`: `TrainingConfig` (one run) and `Workload` (what it trains; the problems are in `problems.py`), `MODES`, `PARTITIONS`;
+- `training_config.py`: `TrainingConfig` (one run) and `Workload` (what it trains), `MODES`, `PARTITIONS`;
+- `problems.py`: the problems a `Workload` names (`Quadratic`, `TeacherMLP`) behind one `Problem` interface;
 - `time_model.py`: the network time model (`group_round_seconds`, `matchmaking_seconds`,
   `ring_allreduce_seconds`);
 - `swarm.py`: `Swarm`, the per-peer properties and the problem (one seed gives one swarm);

@@ -27,7 +27,8 @@ def _config(**overrides) -> TrainingConfig:
 
 
 def _mlp(peers: int = 4) -> TeacherMLP:
-    return TeacherMLP(MLP, peers, np.ones(peers, dtype=bool), np.random.default_rng(0), torch.Generator().manual_seed(0))
+    honest = np.ones(peers, dtype=bool)
+    return TeacherMLP(MLP, peers, honest, np.random.default_rng(0), torch.Generator().manual_seed(0))
 
 
 def test_mlp_gradients_are_autograd_gradients():

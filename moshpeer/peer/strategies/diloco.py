@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depe
 
 DEFAULT_INNER_STEPS = 50
 # Every 4th round of a fragment carries θ_outer too: 25% more bytes. In the simulator (1,000 peers in groups of 16,
-# the convex problem) it brings the loss from 2.2x the optimum to 1.13x; every round gains only 1.131x (docs/simulation.md).
+# the convex problem) it brings the loss from 2.2x the optimum to 1.13x; every round, 1.131x (docs/simulation.md).
 DEFAULT_OUTER_PARAMS_EVERY = 4
 
 
