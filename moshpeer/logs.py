@@ -11,8 +11,8 @@ single DEBUG line, shown with `-v`.
 Only records from hivemind's and asyncio's loggers are touched, and only when they carry one of the
 exceptions in `EXPECTED_PEER_FAILURES`, an exception raised while its task was being cancelled (our
 averager cancels hivemind's matchmaking search at the round's deadline; hivemind's cleanup of a
-half-torn-down search can fail, and that is logged with a traceback), or a call into this peer's DHT after a
-stopping peer shut it down. Every other record, tracebacks
+half-torn-down search can fail, and that is logged with a traceback), or a call into this peer's DHT or p2p
+daemon after a stopping peer shut it down. Every other record, tracebacks
 of real bugs included, passes unchanged. Our own code reports peer failures as one line where it
 handles them.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import re
 from typing import Iterable, Tuple
 
@@ -41,6 +42,8 @@ EXPECTED_PEER_FAILURES: Tuple[type, ...] = (
 )
 
 _FILTERED_LOGGERS = ("hivemind", "asyncio")
+# Where hivemind opens the unix socket to this peer's p2p daemon (DaemonConnector.open_connection).
+_DAEMON_CONTROL = os.path.join("p2p_daemon_bindings", "control.py")
 # hivemind names a failed task in its message: "Exception in <Task ... coro=<Matchmaking._request_join...() ...>"
 _CORO_NAME = re.compile(r"coro=<([^\s(]+)\(")
 
@@ -67,6 +70,8 @@ class PeerFailureFilter(logging.Filter):
             what = "a cancelled task ended"
         elif _dht_already_shut_down(error):
             what = "a task outlived this peer's DHT"
+        elif _p2p_daemon_already_gone(error):
+            what = "a task outlived this peer's p2p daemon"
         else:
             return True
         where = _CORO_NAME.search(record.getMessage())
@@ -104,6 +109,23 @@ def _dht_already_shut_down(error: BaseException) -> bool:
     (session 19's CI: `PotentialLeaders._update_queue_periodically` logged OSError("handle is closed") with a
     traceback as a SIGTERMed peer exited). The peer is stopping on purpose; there is nothing to report."""
     return isinstance(error, OSError) and str(error) == "handle is closed"
+
+
+def _p2p_daemon_already_gone(error: BaseException) -> bool:
+    """Is `error` a request to this peer's p2p daemon after the daemon stopped (its control socket is gone)?
+
+    A stopping peer's p2p daemon exits while a matchmaking task may still open a stream through it (session 25's
+    CI: `Matchmaking._request_join_potential_leaders` logged FileNotFoundError from `DaemonConnector.open_connection`
+    with a traceback as a SIGTERMed peer exited; the averager logged the same failure as one line)."""
+    if not isinstance(error, FileNotFoundError):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "open_connection" and code.co_filename.endswith(_DAEMON_CONTROL):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _from_filtered_logger(name: str) -> bool:

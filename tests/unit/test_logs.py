@@ -116,3 +116,21 @@ def test_a_task_that_outlives_the_dht_of_a_stopping_peer_is_one_debug_line():
     assert "Traceback" not in output and output.count("\n") == 1, output
     assert "a task outlived this peer's DHT" in output
     assert "Traceback" in log_failed_task(OSError("another error"), logging.WARNING)  # other OSErrors keep theirs
+
+
+def test_a_task_that_outlives_the_p2p_daemon_of_a_stopping_peer_is_one_debug_line(tmp_path):
+    # What hivemind's DaemonConnector raises once the peer's p2p daemon has exited and its control socket is gone.
+    from hivemind.p2p.p2p_daemon_bindings.control import DaemonConnector
+    from hivemind.utils.multiaddr import Multiaddr
+
+    async def connect() -> None:
+        await DaemonConnector(Multiaddr(f"/unix{tmp_path}/p2pd.sock")).open_connection()
+
+    try:
+        asyncio.run(connect())
+    except FileNotFoundError as e:
+        gone = e
+    output = log_failed_task(gone, logging.DEBUG)
+    assert "Traceback" not in output and output.count("\n") == 1, output
+    assert "a task outlived this peer's p2p daemon" in output
+    assert "Traceback" in log_failed_task(FileNotFoundError("elsewhere"), logging.WARNING)  # not from the daemon
