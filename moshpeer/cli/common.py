@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
 
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, maddrs_for_port
 from moshpeer.errors import UserError
@@ -26,6 +26,21 @@ if TYPE_CHECKING:
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT = 5.0
+
+
+def int_at_least(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """argparse type: an integer >= `low` (and <= `high`, when given)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {low} or more")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be between {low} and {high}")
+        return value
+    return parse
 
 
 def positive_float(text: str) -> float:

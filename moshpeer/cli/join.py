@@ -26,6 +26,7 @@ from moshpeer.cli.common import (
     check_flags,
     configure_logging,
     exit_now,
+    int_at_least,
     make_daemon,
     metrics_from_args,
     positive_float,
@@ -73,21 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _int_from(lowest: int, words: str):
-    """An argparse type: an integer >= `lowest` (`words` says so in the error)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"{text!r} must be {words}")
-        return value
-    return parse
-
-
-_positive_int = _int_from(1, "positive")
-_nonnegative_int = _int_from(0, "0 or more")
+_positive_int = int_at_least(1)
+_nonnegative_int = int_at_least(0)
 
 
 def _share(text: str) -> float:

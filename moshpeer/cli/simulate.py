@@ -16,7 +16,9 @@ import json
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Callable, List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
+
+from moshpeer.cli.common import int_at_least
 
 if TYPE_CHECKING:
     from moshpeer.simulation.training_result import TrainingResult
@@ -30,18 +32,6 @@ DESCRIPTION = (
     "hivemind's rule. Prints the mean squared distance to the exact mean per round (averaged over --restarts) and "
     "the rounds needed to reach each --eps; the last line is a JSON object."
 )
-
-
-def _int_at_least(low: int, high: int = 1 << 62) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} must be between {low} and {high}")
-        return value
-    return parse
 
 
 def _probability(text: str) -> float:
@@ -78,18 +68,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         sys.exit(2)
 
     parser.error = one_line_error  # type: ignore[method-assign]
-    parser.add_argument("--peers", type=_int_at_least(1, 10_000_000), default=argparse.SUPPRESS, metavar="N",
+    parser.add_argument("--peers", type=int_at_least(1, 10_000_000), default=argparse.SUPPRESS, metavar="N",
                         help="number of virtual peers (default: 512; 1000 with --level training)")
-    parser.add_argument("--group-size", type=_int_at_least(2, 1 << 20), default=16, metavar="G",
+    parser.add_argument("--group-size", type=int_at_least(2, 1 << 20), default=16, metavar="G",
                         help="target group size g: at most G peers per group; also the side of the --grouping grid")
-    parser.add_argument("--min-group-size", type=_int_at_least(1, 1 << 20), default=2, metavar="K",
+    parser.add_argument("--min-group-size", type=int_at_least(1, 1 << 20), default=2, metavar="K",
                         help="a group smaller than K does not assemble; its peers keep their value and key "
                         "(must be <= --group-size)")
-    parser.add_argument("--grid-bits", type=_int_at_least(0, 62), default=None, metavar="B",
+    parser.add_argument("--grid-bits", type=int_at_least(0, 62), default=None, metavar="B",
                         help="length of the group bits (keys grouping); default: whole axes of log2(G) bits, as many "
                         "as keep N / 2^B >= 4 G (0 = one key for all below 8 G peers); the paper's 32 x 32 grid for "
                         "512 peers is --group-size 32 --grid-bits 5")
-    parser.add_argument("--grid-dims", type=_int_at_least(1, 62), default=None, metavar="M",
+    parser.add_argument("--grid-dims", type=int_at_least(1, 62), default=None, metavar="M",
                         help="dimensions of the fixed grid (--grouping grid); default: smallest M with G^M >= N")
     parser.add_argument("--grouping", choices=("keys", "grid"), default="keys",
                         help="keys: hivemind group keys and rotation, as moshpeer peers do; grid: the Moshpit "
@@ -97,10 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--initial-keys", choices=("random", "balanced"), default="random",
                         help="random: uniform group bits per peer (as a peer draws them); balanced: every key held by "
                         "the same number of peers (a full grid when N = G^M)")
-    parser.add_argument("--dim", type=_int_at_least(1, 1 << 24), default=argparse.SUPPRESS, metavar="D",
+    parser.add_argument("--dim", type=int_at_least(1, 1 << 24), default=argparse.SUPPRESS, metavar="D",
                         help="values per peer (default: 1 = scalars, as in the Moshpit paper; with --level training: "
                         "the quadratic's dimension or the mlp's inputs, default 64)")
-    parser.add_argument("--rounds", type=_int_at_least(1, 100_000), default=argparse.SUPPRESS, metavar="R",
+    parser.add_argument("--rounds", type=int_at_least(1, 100_000), default=argparse.SUPPRESS, metavar="R",
                         help="round cap; a run that never reaches an eps counts as R rounds (default: 50, as the "
                         "paper caps; with --level training: the rounds to train, default 200)")
     parser.add_argument("--failure-rate", type=_probability, default=0.0, metavar="P",
@@ -108,11 +98,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunk-loss", type=_probability, default=0.0, metavar="Q",
                         help="probability that one chunk on one link is lost (reduce-scatter and all-gather); "
                         "averaged with the production loss-tolerant estimator; 0 = exact group means")
-    parser.add_argument("--chunk-numel", type=_int_at_least(1, 1 << 30), default=1024, metavar="C",
+    parser.add_argument("--chunk-numel", type=int_at_least(1, 1 << 30), default=1024, metavar="C",
                         help="values per chunk when --chunk-loss > 0")
-    parser.add_argument("--restarts", type=_int_at_least(1, 10_000), default=10, metavar="K",
+    parser.add_argument("--restarts", type=int_at_least(1, 10_000), default=10, metavar="K",
                         help="independent runs, seeds SEED .. SEED+K-1; results are their mean (and sd)")
-    parser.add_argument("--seed", type=_int_at_least(0, (1 << 32) - 1), default=0, metavar="S",
+    parser.add_argument("--seed", type=int_at_least(0, (1 << 32) - 1), default=0, metavar="S",
                         help="seed of the first run")
     parser.add_argument("--eps", type=_positive_float, action="append", default=None, metavar="E",
                         help="report rounds until the error is below E; repeatable (default: 1e-9 and 1e-4)")
@@ -157,17 +147,17 @@ def _finite_float(text: str) -> float:
 # scenario (docs/simulation.md); None here means "not given", so that the averaging level can refuse them.
 TRAINING_KNOBS = (
     ("--mode", "mode", str, "diloco", "M", "gradients | parameters | diloco (the production strategies)"),
-    ("--inner-steps", "inner_steps", _int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
+    ("--inner-steps", "inner_steps", int_at_least(1, 1 << 20), 50, "H", "diloco: inner steps per round"),
     ("--outer-optimizer", "outer_optimizer", str, "nesterov:lr=0.7,momentum=0.9", "SPEC",
      "diloco: KIND[:lr=X,momentum=Y], KIND nesterov | sgd | adam (parsed by moshpeer.peer.strategies.diloco_outer)"),
-    ("--outer-params-every", "outer_params_every", _int_at_least(0, 1 << 20), 4, "K",
+    ("--outer-params-every", "outer_params_every", int_at_least(0, 1 << 20), 4, "K",
      "diloco: every K-th round the group also averages θ_outer (production's --diloco-outer-every; 0 = never)"),
     ("--aggregation", "aggregation", str, "mean", "A", "mean | clipped | trimmed (moshpeer.averaging.aggregation)"),
     ("--partition", "partition", str, "bandwidth", "P", "bandwidth: part sizes by uplink (production "
      "bandwidth_part_sizes); equal: equal parts"),
-    ("--model-params", "model_params", _int_at_least(1, 1 << 40), 10_000_000, "V",
+    ("--model-params", "model_params", int_at_least(1, 1 << 40), 10_000_000, "V",
      "values of the model the time model moves (the math trains a --dim stand-in)"),
-    ("--bytes-per-value", "bytes_per_value", _int_at_least(1, 8), 4, "B", "wire bytes per value (4 fp32, 1 int8)"),
+    ("--bytes-per-value", "bytes_per_value", int_at_least(1, 8), 4, "B", "wire bytes per value (4 fp32, 1 int8)"),
     ("--uplink-mbps", "uplink_mbps", _positive_float, 10_000.0, "U", "uplink per peer, Mbit/s"),
     ("--downlink-mbps", "downlink_mbps", _positive_float, 10_000.0, "D", "downlink per peer, Mbit/s"),
     ("--rtt-ms", "rtt_ms", _nonnegative_float, 1.0, "R", "round-trip time per peer, ms"),
@@ -175,11 +165,11 @@ TRAINING_KNOBS = (
      "sd of a lognormal factor on each peer's links and RTT (0 = all equal)"),
     ("--speed", "speed", _positive_float, 16.0, "X", "compute speed per peer, samples/s"),
     ("--speed-spread", "speed_spread", _nonnegative_float, 0.0, "S", "sd of a lognormal factor on each peer's speed"),
-    ("--batch", "batch", _int_at_least(1, 1 << 20), 32, "B", "samples per step (per peer)"),
+    ("--batch", "batch", int_at_least(1, 1 << 20), 32, "B", "samples per step (per peer)"),
     ("--workload", "workload", str, "quadratic", "W", "quadratic: the convex problem (--dim values; its loss floor "
      "has a closed form) | mlp: a tanh network of --hidden units learning a teacher network from noisy labels "
      "(--dim inputs; non-convex; docs/simulation.md)"),
-    ("--hidden", "hidden", _int_at_least(1, 4096), 32, "U", "mlp: hidden units"),
+    ("--hidden", "hidden", int_at_least(1, 4096), 32, "U", "mlp: hidden units"),
     ("--lr", "lr", _positive_float, None, "LR", "(inner) SGD learning rate, at most 1 (default: 0.003 quadratic, "
      "0.1 mlp)"),
     ("--heterogeneity", "heterogeneity", _nonnegative_float, 0.3, "H",
@@ -192,7 +182,7 @@ TRAINING_KNOBS = (
     ("--hostile-scale", "hostile_scale", _finite_float, -100.0, "K",
      "a hostile peer sends K x its contribution (-100 scaled, -1 sign flip)"),
     ("--hostile-weight", "hostile_weight", _positive_float, 1.0, "W", "a hostile peer declares W x its weight"),
-    ("--hostile-replay", "hostile_replay", _int_at_least(0, 1 << 20), 0, "R",
+    ("--hostile-replay", "hostile_replay", int_at_least(0, 1 << 20), 0, "R",
      "a hostile peer sends the contribution it computed R of its rounds earlier (stale work; with --hostile-scale 1 "
      "that alone); 0 = its current one"),
     ("--matchmaking-window", "matchmaking_window_s", _positive_float, 30.0, "S",
