@@ -20,10 +20,13 @@ Failure semantics: constructors trust a `Workload` that passed `check()`; method
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # training_config imports nothing from here; the hint only
+    from moshpeer.simulation.training_config import Workload
 
 # The MLP's loss is estimated on this many inputs of the honest peers' mixture, and over at most this many models
 # (evenly spaced rows): a curve point costs milliseconds at 1,000 peers, at the price of a sampled estimate.
@@ -58,7 +61,7 @@ class Problem(Protocol):
 class Quadratic:
     """The convex problem (module docstring)."""
 
-    def __init__(self, workload, peers: int, honest: np.ndarray, data_rng: np.random.Generator,
+    def __init__(self, workload: "Workload", peers: int, honest: np.ndarray, data_rng: np.random.Generator,
                  noise_gen: torch.Generator):
         self.workload, self.noise_gen = workload, noise_gen
         self.dim = workload.dim
@@ -100,7 +103,7 @@ class Quadratic:
 class TeacherMLP:
     """The small non-convex model (module docstring). Parameters, flat: W1 (hidden x dim), b1, w2 (hidden), b2."""
 
-    def __init__(self, workload, peers: int, honest: np.ndarray, data_rng: np.random.Generator,
+    def __init__(self, workload: "Workload", peers: int, honest: np.ndarray, data_rng: np.random.Generator,
                  noise_gen: torch.Generator):
         self.workload, self.noise_gen = workload, noise_gen
         d, h = workload.dim, workload.hidden
@@ -178,7 +181,7 @@ class TeacherMLP:
 PROBLEMS = {"quadratic": Quadratic, "mlp": TeacherMLP}
 
 
-def make_problem(workload, peers: int, honest: np.ndarray, data_rng: np.random.Generator,
+def make_problem(workload: "Workload", peers: int, honest: np.ndarray, data_rng: np.random.Generator,
                  noise_gen: torch.Generator) -> Problem:
     """The problem `workload.kind` names, with its data drawn from `data_rng` (gradient noise from `noise_gen`)."""
     return PROBLEMS[workload.kind](workload, peers, honest, data_rng, noise_gen)
