@@ -42,8 +42,10 @@ def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_ag
     missed = [i for i, e in enumerate(stalled) if e["error"] == MISSED_ROUND_UPDATE]
     assert len(missed) == 1 and missed[0] == 1, described  # the round of the stall, and only that one
     assert not any(e["error"] == "missed round; caught up" for e in stalled), described  # no state download
-    # Its own work of the missed epoch is carried into its next round, not dropped.
+    # Its own work of the missed epoch is carried into its next round, not dropped, and that round weighs it.
     assert stalled[1]["carried_samples"] == H * MICRO_BATCH and stalled[1]["dropped_samples"] == 0
+    assert stalled[2]["samples_carried_in"] == H * MICRO_BATCH, described
+    assert stalled[2]["round"]["weight"] == stalled[2]["samples"] + H * MICRO_BATCH, described
     assert "fetched the update" in peers[2].stderr
     assert all(e["ok"] for eps in steady for e in eps), described  # the others averaged every round
     # Back in step: it started the next epoch as far in as the donor was (anywhere from 0 inner steps: the others'

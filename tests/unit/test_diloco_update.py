@@ -63,6 +63,39 @@ def test_a_latecomer_takes_the_groups_step_instead_of_a_download(compression):
         assert torch.allclose(own, torch.full_like(own, 0.3), atol=0.01)
 
 
+def test_the_next_round_weighs_the_carried_work_with_its_own():
+    # Merging by tokens: the latecomer's next Δ holds two epochs of its work, so its round weighs both epochs'
+    # samples; the round after that is back to one epoch's.
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(8)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    assert late.epochs.account(8).error == MISSED_ROUND_UPDATE
+    assert late.averager.calls[-1]["weight"] == 8.0
+    for weight in (16.0, 8.0):
+        late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+        late.backward(1.0)
+        record = late.epochs.account(8)
+        assert record.ok and late.averager.calls[-1]["weight"] == weight
+        assert record.samples == 8 and record.samples_carried_in == weight - 8
+
+
+def test_a_download_drops_the_carried_work_too():
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(8)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    assert late.epochs.account(8).carried_samples == 8
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.updates = [{"format": 99}]  # the second missed round's update does not fit: a download
+    late.backward(1.0)
+    record = late.epochs.account(8)
+    assert record.error == "missed round; caught up" and record.dropped_samples == 16
+    assert late.counters.dropped_samples == 16 and late.counters.carried == {}
+
+
 def test_the_latecomer_starts_its_next_epoch_as_far_in_as_the_donor_is():
     # Late by more than the matchmaking window, a peer that computed all H steps of the next epoch would be as
     # late for the next round: it starts as many steps in as the donor was when it served the update.
@@ -106,6 +139,7 @@ def test_an_overlapped_latecomer_takes_the_groups_step_and_keeps_its_progress():
     record = late.epochs.account(8)  # resolves its round 0 (missed) and sends the Δ of its second epoch
     assert record.epoch == 0 and record.error == MISSED_ROUND_UPDATE and record.carried_samples == 8
     assert late.update_requests == [0] and late.downloads == []
+    assert late.averager.calls[-1]["weight"] == 16.0  # the pending Δ holds both epochs' samples
     for ours, theirs in zip(anchors(late), anchors(member)):
         assert torch.equal(ours, theirs)
     # Both epochs' inner steps (lr 0.1 x gradient 3 each) are kept: the missed round's is carried into the Δ now

@@ -19,8 +19,9 @@ Failure: a round that fails, is abandoned (deadline, stop request) or finds no g
 the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
 never stops for lack of peers. A strategy whose state must follow the swarm's (DiLoCo) does not step alone when
 the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
-one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`), else
-their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no donor leaves
+one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`, and that
+round weighs it with its own samples, `samples_carried_in`), else their whole state (a catch-up, which drops that
+work: `dropped_samples`). A catch-up that finds no donor leaves
 the epoch to end as usual. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
@@ -34,7 +35,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol
 
 import torch
@@ -71,6 +72,10 @@ class EpochCounters:
     samples: int = 0  # samples accumulated in this epoch
     total_samples: int = 0  # ever, by this peer
     dropped_samples: int = 0  # computed but left out of the swarm's average (missed rounds)
+    # Per fragment (`RoundPlan.fragment`): samples of missed rounds whose work the parameters still hold (the
+    # others' update was taken, this peer's own Δ kept), weighed into that fragment's next round. A checkpoint does
+    # not keep it: a resumed peer weighs its first round by that epoch's samples alone.
+    carried: Dict[int, int] = field(default_factory=dict)
 
     def reset_epoch(self) -> None:
         """Forget this epoch's accumulated gradients and samples."""
@@ -229,12 +234,14 @@ class EpochLoop:
         stragglers = self._stragglers(snapshot)
         window = host.timing.matchmaking_window(target, stragglers)
         plan = self.plan_round(snapshot)
-        facts.update(epoch=epoch, samples=self.counters.samples, group_target=target, matchmaking_window_s=window,
-                     stragglers_eta_s=stragglers)
+        carried_in = self.counters.carried.get(plan.fragment, 0)
+        facts.update(epoch=epoch, samples=self.counters.samples, samples_carried_in=carried_in, group_target=target,
+                     matchmaking_window_s=window, stragglers_eta_s=stragglers)
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
-        future = None if alone else self.start_round(plan, float(self.counters.samples), target, window,
-                                                     hold_s=host.timing.straggler_hold(stragglers))
+        # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
+        future = None if alone else self.start_round(plan, float(self.counters.samples + carried_in), target,
+                                                     window, hold_s=host.timing.straggler_hold(stragglers))
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
@@ -362,9 +369,13 @@ class EpochLoop:
             spread = strategy.apply_averaged(plan)
         elif update is not None:
             spread = strategy.apply_update(plan, update)
-            facts.update(carried_samples=facts["samples"], samples=0)
+            carried = facts["samples"] + facts.get("samples_carried_in", 0)
+            self.counters.carried[plan.fragment] = carried
+            facts.update(carried_samples=carried, samples=0)
         else:
             spread = strategy.apply_alone(plan)
+        if update is None:  # averaged, or stepped alone: the carried work went into that step
+            self.counters.carried.pop(plan.fragment, None)
         if not ok:
             error = error or (result.error if result is not None else "abandoned")
         grads = epoch_gradient(strategy.averaged_gradient(plan) if ok else None, self.counters.grad_sums,
@@ -380,6 +391,8 @@ class EpochLoop:
         self.settle()  # a round still in the background must not land on the downloaded state
         if self.host.catch_up(min_epoch) is None:
             return None
+        stale += sum(self.counters.carried.values())  # the downloaded parameters replace the carried work too
+        self.counters.carried.clear()
         self.counters.dropped_samples += stale
         self.report_progress(force=True)
         record = CollaborativeRound(**{**facts, "epoch": epoch, "samples": 0, "error": why, "dropped_samples": stale,
