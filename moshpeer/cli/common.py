@@ -28,6 +28,17 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT = 5.0
 
 
+def share(text: str) -> float:
+    """argparse type: a share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
 def int_at_least(low: int, high: Optional[int] = None) -> Callable[[str], int]:
     """argparse type: an integer >= `low` (and <= `high`, when given)."""
     def parse(text: str) -> int:

@@ -30,6 +30,7 @@ from moshpeer.cli.common import (
     make_daemon,
     metrics_from_args,
     positive_float,
+    share,
 )
 from moshpeer.errors import UserError
 from moshpeer.peer.strategies import STRATEGIES
@@ -78,16 +79,6 @@ _positive_int = int_at_least(1)
 _nonnegative_int = int_at_least(0)
 
 
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
-
-
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The training flags of `moshpeer join` (also passed through by `moshpeer demo`)."""
     group = parser.add_argument_group("training")
@@ -118,7 +109,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diloco-pace", action="store_true",
                        help="diloco with --diloco-overlap: spread each round's upload over most of the next "
                        "epoch's compute instead of sending it at the link's full rate (a lower peak on the link)")
-    group.add_argument("--diloco-quorum", type=_share, metavar="Q",
+    group.add_argument("--diloco-quorum", type=share, metavar="Q",
                        help="diloco: end an epoch early, with the inner steps taken so far, once trainers holding Q "
                        "of the swarm's compute rate have ended theirs (a slow peer keeps up instead of missing "
                        "rounds; its Δ counts by its samples). 0 < Q <= 1; default: off")

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, List, Sequence
 
-from moshpeer.cli.common import int_at_least
+from moshpeer.cli.common import int_at_least, share
 
 if TYPE_CHECKING:
     from moshpeer.simulation.training_result import TrainingResult
@@ -185,8 +185,13 @@ TRAINING_KNOBS = (
     ("--hostile-replay", "hostile_replay", int_at_least(0, 1 << 20), 0, "R",
      "a hostile peer sends the contribution it computed R of its rounds earlier (stale work; with --hostile-scale 1 "
      "that alone); 0 = its current one"),
+    ("--quorum", "quorum", share, None, "Q", "diloco: a peer ends its epoch early, after the inner step that "
+     "passes the moment trainers holding Q of the swarm's compute rate are done (production's --diloco-quorum); "
+     "rounds weigh each Δ by its samples (default: no quorum, every peer takes H steps)"),
     ("--matchmaking-window", "matchmaking_window_s", _positive_float, 30.0, "S",
      "how long the first ready member of a group waits for the others, s"),
+    ("--no-straggler-hold", "no_straggler_hold", None, False, None, "leave out production's straggler hold (a "
+     "group stays open longer for trainers still computing its epoch, by their records): the plain window"),
     ("--round-timeout", "round_timeout_s", _positive_float, 120.0, "S",
      "cap of the adaptive round deadline (production DeadlineLearner), s"),
     ("--progress-budget-kbps", "progress_budget_kbps", _nonnegative_float, 128.0, "K",
@@ -316,8 +321,8 @@ def run_training_level(args: argparse.Namespace) -> int:
             rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"], chunk_loss=args.chunk_loss,
             chunk_numel=args.chunk_numel, hostile_fraction=knobs["hostile_fraction"],
             hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],
-            hostile_replay=knobs["hostile_replay"],
-            matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
+            hostile_replay=knobs["hostile_replay"], quorum=knobs["quorum"] or 0.0,
+            straggler_hold=not knobs["no_straggler_hold"], matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
             min_round_timeout_s=min(5.0, knobs["round_timeout_s"]),
             progress_budget_bps=knobs["progress_budget_kbps"] * 1000, workload=workload,
         ).check()

@@ -12,17 +12,21 @@
 
 **One round** (`MoshpitTraining.step`), for the peers up at its start:
 
-1. compute: each peer's clock advances by steps x batch / speed. A peer whose failure time falls inside fails
-   there: the work since its last completed round is lost, it is down for Exp(rejoin_s) (or for good, with
-   probability `never_return`), and it takes no part in the round.
+1. compute: each peer's clock advances by steps x batch / speed: H steps (diloco; 1 in the other modes), or
+   with a `quorum` fewer, as production's quorum ends an epoch (`round_timing.quorum_time` over the peers' due
+   times and speeds), and its contribution weighs the samples it holds. A peer whose failure time falls inside
+   fails there: the work since its last completed round is lost, it is down for Exp(rejoin_s) (or for good,
+   with probability `never_return`), and it takes no part in the round.
 2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys),
-   then the matchmaking window (`_window`): a group keeps its largest set of members ready within
-   `matchmaking_window_s` of each other. An earlier member waited the window in vain and steps alone; a later one
+   then the matchmaking window (`matchmaking_window.form_groups`): a group keeps its largest set of members
+   ready within its window of each other: `matchmaking_window_s`, longer when production's straggler hold
+   (`RoundTiming.straggler_hold`) keeps it open for the swarm's last trainer still computing, by the records.
+   An earlier member waited the window in vain and steps alone; a later one
    found the group gone: in DiLoCo it takes the group's update as production does (`rejoins_by_update`: the
    group's Δ̄ from a member after the round, its own Δ carried into its next round), in the other modes it steps
    alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer
-   takes part in each round it is up for, so a fast peer waits for its group's slowest member (fixed H, as in
-   production without DropCompute).
+   takes part in each round it is up for, so a fast peer waits for its group's slowest member (H steps unless a
+   quorum ends the epoch; DropCompute's budget is not modelled).
 3. the group round starts when its last member is ready, after matchmaking ((2 + log2 N) round trips of the
    slowest member's RTT: DHT lookup, join request, leader's reply). Its data-plane time is the bandwidth model
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
@@ -39,7 +43,8 @@
    random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
    ready only after its group had formed takes the group's update as production DiLoCo does (`rejoins_by_update`,
    `OuterState.apply_keeping_progress`): a member's Δ̄ after the round (Δ's bytes / its downlink), the outer step
-   on it, and its own Δ of the round carried into its next one (its compute is not lost).
+   on it, and its own Δ of the round carried into its next one (its compute is not lost; that round weighs its
+   samples too).
 
 **The control plane** (`control_plane.py`, unless `progress_budget_bps` is 0): every peer up reads and publishes
 swarm progress in the DHT at the production cadence, over its epoch's compute and at the cadence's floor while it
@@ -69,8 +74,10 @@ from moshpeer.peer.strategies.diloco import carries_outer_params
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
+from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_time
 from moshpeer.simulation.control_plane import ControlPlane
 from moshpeer.simulation.group_aggregation import aggregate_group
+from moshpeer.simulation.matchmaking_window import form_groups
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
 from moshpeer.simulation.training_config import TrainingConfig, config_dict
@@ -111,7 +118,10 @@ class MoshpitTraining:
         self.deadlines: Dict[int, DeadlineLearner] = {}
         # "clipped": each peer's production SuspectTracker as a part's owner (group_aggregation.py)
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
-        self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
+        self.replays: Dict[int, Deque[torch.Tensor]] = {}
+        self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
+        # Production's round timing (no compute budget): the straggler hold of `_window`.
+        self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)  # hostile_replay: a hostile peer's recent contributions
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.group_sizes: List[int] = []
@@ -187,8 +197,10 @@ class MoshpitTraining:
         if active.size == 0:
             return
         self.live_peers = active.size
-        steps = c.steps_per_round()
-        compute = steps * c.workload.batch / s.speed[active]
+        step_s = c.workload.batch / s.speed[active]
+        full = self.clock[active] + c.steps_per_round() * step_s  # done with every step: what its record says
+        taken = self._steps_taken(active, full, step_s)
+        compute = taken * step_s
         ready = self.clock[active] + compute
         failing = self.fail_at[active] < ready
         worked = self.fail_at[active[failing]] - self.clock[active[failing]]
@@ -196,14 +208,16 @@ class MoshpitTraining:
         if self.control is not None:  # (a failed peer's reads taken as those of an epoch that short)
             self.dht_sent[active[failing]] += self.control.round_bytes(worked, np.zeros(worked.size), active.size)
         self._fail(active[failing], self.fail_at[active[failing]])
-        survivors, ready, compute = active[~failing], ready[~failing], compute[~failing]
-        honest, contributions, weights = self._compute(survivors)
+        self.carried[active[failing]] = 0.0  # its state is lost with it: it comes back with a donor's
+        survivors, ready, compute, taken = active[~failing], ready[~failing], compute[~failing], taken[~failing]
+        samples = taken * c.workload.batch + self.carried[survivors]  # what each contribution holds: its weight
+        honest, contributions, weights = self._compute(survivors, taken, samples)
         ready_of = np.full(c.peers, np.nan)
         ready_of[survivors] = ready
 
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
-        grouping, late, late_group = self._window(grouping, ready_of)
+        grouping, late, late_group = self._window(grouping, ready_of, float(full.max()))
         if c.mode != "diloco" and late.size:
             # Only DiLoCoStrategy catches up after a missed round; the other strategies step alone (apply_alone).
             grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
@@ -235,6 +249,10 @@ class MoshpitTraining:
         self.clock[alone] = ready_of[alone] + c.matchmaking_window_s
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
+        # Merging by tokens: a late peer's Δ, kept in its parameters, is weighed into its next round (the epoch
+        # loop's `EpochCounters.carried`); everybody else's work went into this round's step.
+        self.carried[survivors] = 0.0
+        self.carried[catch_up] = samples[row_of[catch_up]]
         if catch_up.size:
             self.useful[catch_up] += compute[row_of[catch_up]]  # carried into the next round, not lost
             self.catch_ups += int(catch_up.size)
@@ -254,8 +272,22 @@ class MoshpitTraining:
             t = float(np.median(self.clock[self.down_until <= self.clock]))
             self.curve.append((t, s.problem.loss(self.x[torch.from_numpy(live_honest)])))
 
-    def _compute(self, peers: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """The round's local work of `peers` -> (its honest contribution, what it sends, its declared weight)."""
+    def _steps_taken(self, peers: np.ndarray, full: np.ndarray, step_s: np.ndarray) -> np.ndarray:
+        """Inner steps each of `peers` takes this round: all of them, or with a quorum (diloco) those until the
+        step that passes the moment trainers holding `quorum` of the swarm's rate are done (production
+        `quorum_time` over their records: each done at `full`, computing at its speed), at least one."""
+        c = self.config
+        steps = np.full(peers.size, c.steps_per_round(), dtype=np.int64)
+        if c.quorum == 0:
+            return steps
+        at = quorum_time(zip(full.tolist(), self.swarm.speed[peers].tolist()), c.quorum)
+        early = np.ceil((at - self.clock[peers]) / step_s - 1e-9)
+        return np.clip(early, 1, steps).astype(np.int64)
+
+    def _compute(self, peers: np.ndarray, taken: np.ndarray, samples: np.ndarray
+                 ) -> Tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """The round's local work of `peers` (`taken` inner steps each) -> (its honest contribution, what it
+        sends, its declared weight: `samples`, unless it lies)."""
         s, c = self.swarm, self.config
         rows = torch.from_numpy(peers)
         x = self.x[rows]
@@ -263,8 +295,13 @@ class MoshpitTraining:
         lr = c.workload.lr
         if c.mode == "diloco":
             local = x.clone()
-            for _ in range(c.inner_steps):
-                local.sub_(problem.gradients(local, peers), alpha=lr)
+            for k in range(int(taken.max(initial=0))):
+                if taken.min() > k:
+                    local.sub_(problem.gradients(local, peers), alpha=lr)
+                else:  # a quorum ended some peers' epochs before this step
+                    going = np.flatnonzero(taken > k)
+                    at = torch.from_numpy(going)
+                    local[at] -= lr * problem.gradients(local[at], peers[going])
             self.x[rows] = local
             contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
             if carries_outer_params(self.round, 1, c.outer_params_every):
@@ -277,7 +314,7 @@ class MoshpitTraining:
             x = x - lr * problem.gradients(x, peers)
             self.x[rows] = x
             contribution = x.clone()
-        weights = np.full(peers.size, float(c.workload.batch * c.steps_per_round()))
+        weights = samples.astype(np.float64)
         hostile = s.hostile[peers]
         sent = contribution
         if hostile.any():
@@ -298,43 +335,17 @@ class MoshpitTraining:
             history.append(contribution[row, :dim].clone())
             sent[row, :dim] = history[0]
 
-    def _window(self, grouping: grid.Grouping, ready_of: np.ndarray) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
-        """The matchmaking window: a group forms from the largest set of its members whose ready times lie within
-        `matchmaking_window_s` of each other (the latest such set on a tie); a member ready earlier waited the
-        window in vain and goes alone; one ready later found the group gone: it is returned as late, with the index
-        of the group it missed (-> grouping, late peers, their groups)."""
+    def _window(self, grouping: grid.Grouping, ready_of: np.ndarray, last_due: float
+                ) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
+        """`matchmaking_window.form_groups` with each group's window: `matchmaking_window_s`, or longer by the
+        production straggler hold of the group's first member (`RoundTiming.straggler_hold`) for the swarm's
+        trainers still computing, the last of them due at `last_due` by its record."""
         c = self.config
-        none = np.zeros(0, dtype=np.int64)
-        if grouping.num_groups == 0:
-            return grouping, none, none
-        ready = ready_of[grouping.members]
-        first = np.minimum.reduceat(ready, grouping.starts)
-        last = np.maximum.reduceat(ready, grouping.starts)
-        if (last - first <= c.matchmaking_window_s).all():
-            return grouping, none, none
-        keep = np.ones(grouping.members.size, dtype=bool)
-        late = np.zeros(grouping.members.size, dtype=bool)
-        for j in np.flatnonzero(last - first > c.matchmaking_window_s).tolist():
-            lo = int(grouping.starts[j])
-            times = ready[lo:lo + int(grouping.sizes[j])]
-            order = np.sort(times)
-            # For each member as the latest of the set: how many are ready within the window before it.
-            counts = np.arange(order.size) - np.searchsorted(order, order - c.matchmaking_window_s) + 1
-            best = int(np.flatnonzero(counts == counts.max())[-1])
-            keep[lo:lo + times.size] = (times <= order[best]) & (times >= order[best] - c.matchmaking_window_s)
-            late[lo:lo + times.size] = times > order[best]
-        group_of = grouping.group_of_member()
-        sizes = np.bincount(group_of[keep], minlength=grouping.num_groups)
-        ok = sizes >= c.min_group_size
-        in_ok = keep & ok[group_of]
-        members = grouping.members[in_ok]
-        kept = sizes[ok]
-        starts = np.r_[0, np.cumsum(kept)[:-1]] if kept.size else np.zeros(0, dtype=np.int64)
-        new_index = np.cumsum(ok) - 1
-        is_late = late & ok[group_of]
-        alone = np.r_[grouping.alone, grouping.members[~in_ok & ~is_late]]
-        regrouped = grid.Grouping(members, starts.astype(np.int64), kept.astype(np.int64), alone.astype(np.int64))
-        return regrouped, grouping.members[is_late], new_index[group_of[is_late]]
+        windows = np.full(grouping.num_groups, c.matchmaking_window_s)
+        if c.straggler_hold and grouping.num_groups:
+            first = np.minimum.reduceat(ready_of[grouping.members], grouping.starts)
+            windows = np.maximum(windows, [self.timing.straggler_hold(last_due - t) for t in first.tolist()])
+        return form_groups(grouping, ready_of, windows, c.min_group_size)
 
     def _group_round(self, members: np.ndarray, rows: np.ndarray, ready: np.ndarray, contributions: torch.Tensor,
                      weights: np.ndarray, averaged: torch.Tensor) -> Tuple[np.ndarray, float]:

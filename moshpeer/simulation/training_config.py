@@ -83,7 +83,12 @@ class TrainingConfig:
         `carries_outer_params`); 0 = never, as `DiLoCoStrategy` did before it had them
     :param hostile_replay: R > 0: a hostile peer sends the contribution it computed R of its rounds earlier
         (stale work), times `hostile_scale`; 0 = its current one
+    :param quorum: diloco: Q > 0 ends a peer's epoch early, after the inner step that passes the moment trainers
+        holding Q of the swarm's compute rate are done (production `DiLoCoStrategy(quorum=Q)` and its
+        `round_timing.quorum_time`); the round weighs each Δ by its samples; 0 = every peer takes H steps
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
+    :param straggler_hold: a group stays open longer for trainers still computing the round's epoch, as
+        production's `RoundTiming.straggler_hold` decides from their records; False = the plain window
     :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
     :param never_return: probability that a failed peer never comes back
@@ -122,7 +127,9 @@ class TrainingConfig:
     hostile_scale: float = -100.0
     hostile_weight: float = 1.0
     hostile_replay: int = 0
+    quorum: float = 0.0
     matchmaking_window_s: float = 30.0
+    straggler_hold: bool = True
     round_timeout_s: float = 120.0
     min_round_timeout_s: float = 5.0
     progress_budget_bps: float = ProgressCadence().budget_bps
@@ -164,6 +171,8 @@ class TrainingConfig:
         need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")
         need(math.isfinite(self.hostile_scale), f"hostile_scale must be finite, got {self.hostile_scale}")
         need(0 < self.hostile_weight < math.inf, f"hostile_weight must be positive, got {self.hostile_weight}")
+        need(0 <= self.quorum <= 1, f"quorum must be in [0, 1], got {self.quorum}")
+        need(self.quorum == 0 or self.mode == "diloco", "quorum is a diloco setting (mode diloco)")
         need(self.hostile_replay >= 0, f"hostile_replay must be >= 0, got {self.hostile_replay}")
         need(0 <= self.progress_budget_bps < math.inf,
              f"progress_budget_bps must be finite and >= 0, got {self.progress_budget_bps}")

@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
@@ -223,6 +223,15 @@ def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, ow
             entries.append((math.inf, rate))
         else:
             entries.append((max(0.0, _seconds_to_go(record, epoch_samples, now)), rate))
+    return quorum_time(entries, quorum)
+
+
+def quorum_time(entries: Iterable[Tuple[float, float]], quorum: float) -> float:
+    """The first of the `(time, rate)` entries' times by which trainers holding at least `quorum` of their summed
+    rate are done (each entry: when one trainer is done, and its compute rate); inf if that never happens (no
+    rate at all, or the quorum needs trainers that never finish). Times may be seconds from now (`quorum_eta_s`)
+    or a simulated clock (`moshpeer simulate`)."""
+    entries = list(entries)
     total = sum(rate for _, rate in entries)
     done = 0.0
     for eta, rate in sorted(entries):

@@ -1,0 +1,98 @@
+"""The training level's round timing is production's: the straggler hold keeps a group open for trainers still
+computing its epoch, a DiLoCo quorum ends the slow peers' epochs early, and the round after a late peer took its
+group's update weighs the work it carried (merging by tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from moshpeer.averaging import grid
+from moshpeer.peer.optimizer.round_timing import quorum_time
+from moshpeer.simulation.matchmaking_window import form_groups
+from moshpeer.simulation.training import MoshpitTraining, TrainingConfig, Workload, run_training
+
+pytestmark = pytest.mark.timeout(60)
+torch.set_num_threads(1)
+
+FAST = Workload(dim=32, lr=0.05, heterogeneity=0.3, noise=1.0, batch=32)
+
+
+def _config(**overrides) -> TrainingConfig:
+    base = dict(peers=32, group_size=16, rounds=20, inner_steps=20, workload=FAST, model_params=1_000_000,
+                uplink=125e6, downlink=125e6, rtt_s=0.01, matchmaking_window_s=30.0)
+    base.update(overrides)
+    return TrainingConfig(**base).check()
+
+
+def test_form_groups_cuts_each_group_by_its_own_window():
+    grouping = grid.Grouping(members=np.arange(6), starts=np.array([0, 3]), sizes=np.array([3, 3]),
+                             alone=np.zeros(0, dtype=np.int64))
+    ready_of = np.array([0.0, 1.0, 10.0, 0.0, 1.0, 10.0])
+    formed, late, late_group = form_groups(grouping, ready_of, np.array([5.0, 20.0]), min_group_size=2)
+    assert formed.num_groups == 2
+    assert sorted(formed.members[:formed.sizes[0]].tolist()) == [0, 1]  # 10 s is past group 0's 5 s window
+    assert late.tolist() == [2] and late_group.tolist() == [0]
+    assert sorted(formed.members[formed.starts[1]:].tolist()) == [3, 4, 5]  # all within group 1's 20 s
+    # No two members of group 0 within 0.5 s of each other: it does not form, and all three go alone.
+    formed, late, _ = form_groups(grouping, ready_of, np.array([0.5, 20.0]), min_group_size=2)
+    assert formed.num_groups == 1 and sorted(formed.alone.tolist()) == [0, 1, 2] and late.size == 0
+
+
+def test_quorum_time_is_when_that_share_of_the_rate_is_done():
+    entries = [(10.0, 1.0), (20.0, 1.0), (40.0, 2.0)]  # (done at, rate)
+    assert quorum_time(entries, 0.25) == 10.0
+    assert quorum_time(entries, 0.5) == 20.0
+    assert quorum_time(entries, 0.75) == 40.0
+    assert quorum_time([(5.0, 0.0)], 0.5) == float("inf")
+
+
+def test_the_straggler_hold_keeps_slower_members_in_their_group():
+    # Speeds +-30% around a 40 s epoch against a 30 s window: without the hold, members ready more than the window
+    # after their group's first are late; production's hold keeps the group open for them (up to 4 windows).
+    config = _config(peers=48, speed_spread=0.3)
+    held = run_training(config, seed=0)
+    plain = run_training(replace(config, straggler_hold=False), seed=0)
+    assert plain.catch_ups > 10 and held.catch_ups < plain.catch_ups / 4
+    assert held.mean_group_size > plain.mean_group_size
+
+
+def test_a_quorum_ends_the_slow_peers_epochs_early_and_keeps_the_fast_ones_busy():
+    # A quarter of the peers at half speed: without a quorum the others wait for them every round; with quorum
+    # 0.6 the slow ones stop after half their steps, when the fast ones (6/7 of the swarm's rate) are done.
+    def run(quorum: float) -> tuple:
+        sim = MoshpitTraining(_config(quorum=quorum), seed=0)
+        sim.swarm.speed[:8] /= 2
+        full = sim.clock[:] + 20 * FAST.batch / sim.swarm.speed
+        taken = sim._steps_taken(np.arange(32), full, FAST.batch / sim.swarm.speed)
+        return taken, sim.run()
+
+    taken, quorum = run(0.6)
+    assert taken[:8].tolist() == [10] * 8 and taken[8:].tolist() == [20] * 24
+    _, everyone = run(0.0)
+    assert everyone.goodput < 0.75 < 0.95 < quorum.goodput
+    assert quorum.sim_seconds < 0.6 * everyone.sim_seconds
+    assert quorum.final_loss < 1.02 * everyone.final_loss
+
+
+def test_the_round_after_a_missed_one_weighs_the_carried_samples():
+    config = _config(peers=48, speed_spread=0.3, straggler_hold=False)
+    sim = MoshpitTraining(config, seed=0)
+    declared = []
+    compute = sim._compute
+
+    def recording(peers, taken, samples):
+        declared.append(dict(zip(peers.tolist(), samples.tolist())))
+        return compute(peers, taken, samples)
+
+    sim._compute = recording
+    epoch = config.inner_steps * FAST.batch
+    for _ in range(config.rounds):
+        carried = {int(p): float(sim.carried[p]) for p in np.flatnonzero(sim.carried)}
+        sim.step()
+        for peer, samples in carried.items():  # each carried Δ is weighed into the peer's next round
+            assert samples % epoch == 0 and declared[-1][peer] == samples + epoch
+    assert sim.catch_ups > 0
