@@ -139,7 +139,7 @@ class MoshpitAverager(ServicerBase):
         min_group_size: int = 2,
         grid_bits: Union[int, str, None] = None,
         compression: str = "none",
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
         matchmaking_time: float = 3.0,
         request_timeout: Optional[float] = None,
         round_timeout: float = 30.0,

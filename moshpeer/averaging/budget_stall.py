@@ -50,13 +50,19 @@ class PhaseArrivals:
     def may_stop(self, now: float, received: int, expected: int) -> bool:
         """Loss budget P (DBLP): enough of the phase arrived that the rest may be reconstructed, and the
         rest is overdue (arrivals stalled), not merely still on its way. Always False when P is 0."""
+        return now >= self.earliest_stop(received, expected)
+
+    def earliest_stop(self, received: int, expected: int) -> float:
+        """When `may_stop` turns True if nothing more arrives: the last arrival plus BUDGET_STALL_GAPS mean gaps,
+        and the quorum's time plus BUDGET_QUORUM_FACTOR times what the quorum took (each at least
+        BUDGET_STALL_FLOOR_S), whichever is later; inf when P is 0 or fewer than the quorum arrived (a simulator
+        asks this once per phase instead of polling)."""
         if self.loss_budget <= 0 or received < quorum(self.loss_budget, expected):
-            return False
+            return math.inf
         mean_gap = (self.last - self.first) / (received - 1) if received > 1 else 0.0
-        if now - self.last < max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap):
-            return False
         reached = self.quorum_reached or self.last
-        return now - reached >= max(BUDGET_STALL_FLOOR_S, BUDGET_QUORUM_FACTOR * (reached - self.start))
+        return max(self.last + max(BUDGET_STALL_FLOOR_S, BUDGET_STALL_GAPS * mean_gap),
+                   reached + max(BUDGET_STALL_FLOOR_S, BUDGET_QUORUM_FACTOR * (reached - self.start)))
 
 
 def allowance_share(loss_budget: float, partition: Partition, phase: str, sender: int, receiver: int) -> int:

@@ -37,6 +37,9 @@ PHASE_REDUCE, PHASE_GATHER, PHASE_END_REDUCE, PHASE_END_GATHER = 1, 2, 3, 4
 PHASE_NAMES = {PHASE_REDUCE: "reduce", PHASE_GATHER: "gather", PHASE_END_REDUCE: "end-reduce",
                PHASE_END_GATHER: "end-gather"}
 
+# fp32 bytes of one chunk, before compression: MoshpitAverager's default `chunk_bytes` (the unit of loss and of the
+# loss budget; Partition.pipelined may cut it smaller so that each part has a few).
+DEFAULT_CHUNK_BYTES = 1 << 20
 SOCKET_BUFFER_BYTES = 4 << 20
 
 

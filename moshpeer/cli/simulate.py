@@ -185,6 +185,9 @@ TRAINING_KNOBS = (
     ("--hostile-replay", "hostile_replay", int_at_least(0, 1 << 20), 0, "R",
      "a hostile peer sends the contribution it computed R of its rounds earlier (stale work; with --hostile-scale 1 "
      "that alone); 0 = its current one"),
+    ("--loss-budget", "loss_budget", _probability, 0.0, "P", "production's fixed loss budget P: a receiver that "
+     "lost chunks (--chunk-loss) stops once 1 - P of them arrived and arrivals stalled; 0 = it waits for the "
+     "round's deadline"),
     ("--quorum", "quorum", share, None, "Q", "diloco: a peer ends its epoch early, after the inner step that "
      "passes the moment trainers holding Q of the swarm's compute rate are done (production's --diloco-quorum); "
      "rounds weigh each Δ by its samples (default: no quorum, every peer takes H steps)"),
@@ -319,10 +322,12 @@ def run_training_level(args: argparse.Namespace) -> int:
             rtt_s=knobs["rtt_ms"] / 1000, link_spread=knobs["link_spread"], speed=knobs["speed"],
             speed_spread=knobs["speed_spread"], failure_rate_per_hour=knobs["failures_per_hour"],
             rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"], chunk_loss=args.chunk_loss,
-            chunk_numel=args.chunk_numel, hostile_fraction=knobs["hostile_fraction"],
+            chunk_numel=args.chunk_numel, loss_budget=knobs["loss_budget"],
+            hostile_fraction=knobs["hostile_fraction"],
             hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],
             hostile_replay=knobs["hostile_replay"], quorum=knobs["quorum"] or 0.0,
-            straggler_hold=not knobs["no_straggler_hold"], matchmaking_window_s=knobs["matchmaking_window_s"], round_timeout_s=knobs["round_timeout_s"],
+            straggler_hold=not knobs["no_straggler_hold"], matchmaking_window_s=knobs["matchmaking_window_s"],
+            round_timeout_s=knobs["round_timeout_s"],
             min_round_timeout_s=min(5.0, knobs["round_timeout_s"]),
             progress_budget_bps=knobs["progress_budget_kbps"] * 1000, workload=workload,
         ).check()

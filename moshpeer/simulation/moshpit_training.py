@@ -30,9 +30,10 @@
 3. the group round starts when its last member is ready, after matchmaking ((2 + log2 N) round trips of the
    slowest member's RTT: DHT lookup, join request, leader's reply). Its data-plane time is the bandwidth model
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
-   `model_params` values. A member whose failure time falls inside the round sends nothing: the owners treat
-   it as departed, its own part is lost for everybody (each keeps its own value there), and the others wait
-   for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
+   `model_params` values; with `chunk_loss`, a receiver that lost chunks stops at production's loss budget or
+   waits for the deadline (round_losses.py). A member whose failure time falls inside the round sends nothing:
+   the owners treat it as departed, its own part is lost for everybody (each keeps its own value there), and the
+   others wait for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
    round it finished, as a peer does).
 4. aggregation per owner part and chunk (`group_aggregation.py`, production `Partition` on the workload's
    dimension): `mean` = the production estimator `estimate_over_sum` over what arrived (with chunk loss),
@@ -60,6 +61,7 @@ aggregate honestly (a hostile owner is out of robust aggregation's reach; see ag
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
 
@@ -78,6 +80,7 @@ from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_time
 from moshpeer.simulation.control_plane import ControlPlane
 from moshpeer.simulation.group_aggregation import aggregate_group
 from moshpeer.simulation.matchmaking_window import form_groups
+from moshpeer.simulation.round_losses import lossy_round_seconds
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
 from moshpeer.simulation.training_config import TrainingConfig, config_dict
@@ -124,6 +127,7 @@ class MoshpitTraining:
         self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)  # hostile_replay: a hostile peer's recent contributions
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
+        self.loss_stalls = 0  # group rounds that waited for the deadline for chunks lost beyond the loss budget
         self.group_sizes: List[int] = []
         self.alone = 0
         self.participations = 0
@@ -367,20 +371,26 @@ class MoshpitTraining:
             sizes = [b - a for a, b in zip(sizes, sizes[1:])]
         data_s, sent = group_round_seconds(numel, sizes, ups, downs, float(s.rtt[members].max()), c.bytes_per_value)
         start = float(ready.max()) + self.mm_s * float(s.rtt[members].max())
-        end = start + data_s
+        # Lost chunks: a receiver stops at the loss budget (round_losses.py), or waits for the deadline (inf).
+        round_s = lossy_round_seconds(s.loss_rng, numel, sizes, data_s, c.chunk_loss, c.loss_budget)
+        end = start + (round_s if math.isfinite(round_s) else data_s)
         dying = self.fail_at[members] < end
         payload = numel * c.bytes_per_value
         alive_members = members[~dying].tolist()
-        if dying.any():
-            # Nobody hears from a member that died: each owner waits for its part until its own deadline, so the
-            # round ends at the latest of the survivors' deadlines. (A round with a dead member is not recorded.)
-            self.stalls += 1
+        if dying.any() or math.isinf(round_s):
+            # Nobody hears from a member that died (or a lost chunk beyond the budget never comes): each owner waits
+            # until its own deadline, so the round ends at the latest of the survivors' deadlines. (Such a round is
+            # not recorded.)
+            if dying.any():
+                self.stalls += 1
+            else:
+                self.loss_stalls += 1
             waits = [self._deadline(m).round_deadline(n, payload) for m in alive_members] or [c.round_timeout_s]
             end = start + max(data_s, max(waits))
         else:
             # Every member records the round, as every peer's own DeadlineLearner does.
             for m in alive_members:
-                self._deadline(m).observe_round(n, payload, data_s, hit_deadline=False, member_died=False)
+                self._deadline(m).observe_round(n, payload, round_s, hit_deadline=False, member_died=False)
         self.sent[members[~dying]] += np.asarray(sent)[~dying]
         self.wait[members] += start - ready
         self.comm[members[~dying]] += end - start
@@ -466,7 +476,8 @@ class MoshpitTraining:
             system=f"moshpit-{c.mode}", config=config_dict(c), rounds=self.round, sim_seconds=end,
             goodput=float(self.useful.sum() / up_s) if up_s > 0 else 0.0, useful_s=float(self.useful.sum()),
             up_s=up_s, lost_s=float(self.lost.sum()), wait_s=float(self.wait.sum()), comm_s=float(self.comm.sum()),
-            stalls=self.stalls, failures=self.failures, final_loss=final, loss_floor=s.problem.loss_floor(),
+            stalls=self.stalls, loss_stalls=self.loss_stalls, failures=self.failures, final_loss=final,
+            loss_floor=s.problem.loss_floor(),
             initial_loss=self.initial_loss, bytes_per_peer=float(self.sent.mean()),
             dht_bytes_per_peer=float(self.dht_sent.mean()),
             dht_saturated_fraction=self.saturated / max(sum(self.group_sizes), 1),

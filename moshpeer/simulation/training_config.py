@@ -93,6 +93,9 @@ class TrainingConfig:
     :param rejoin_s: mean time a failed peer stays away (exponential)
     :param never_return: probability that a failed peer never comes back
     :param chunk_loss: probability that one chunk on one link is lost (both phases)
+    :param loss_budget: production's fixed loss budget P (`LossBudget.fixed(P)`): a receiver that lost chunks stops
+        once (1 - P) of them arrived and arrivals stalled (round_losses.py); 0 = it waits for the round's deadline
+        (phase-aware budgets are not modelled)
     :param chunk_numel: values per chunk of the workload vector
     :param progress_budget_bps: the byte budget of production's progress cadence (`ProgressCadence.budget_bps`),
         whose reads and publications in the DHT the control plane models (control_plane.py); 0 = leave the
@@ -122,6 +125,7 @@ class TrainingConfig:
     rejoin_s: float = 600.0
     never_return: float = 0.0
     chunk_loss: float = 0.0
+    loss_budget: float = 0.0
     chunk_numel: int = 1024
     hostile_fraction: float = 0.0
     hostile_scale: float = -100.0
@@ -165,7 +169,7 @@ class TrainingConfig:
         for name in ("rtt_s", "link_spread", "speed_spread", "failure_rate_per_hour"):
             value = getattr(self, name)
             need(0 <= value < math.inf, f"{name} must be finite and >= 0, got {value}")
-        for name in ("never_return", "chunk_loss"):
+        for name in ("never_return", "chunk_loss", "loss_budget"):
             value = getattr(self, name)
             need(0 <= value < 1, f"{name} must be in [0, 1), got {value}")
         need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")

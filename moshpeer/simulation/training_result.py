@@ -17,6 +17,7 @@ from typing import List, Tuple
 class TrainingResult:
     """What a run measured. `curve` = (simulated seconds, loss) after each round (sync: each checkpoint
     interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout;
+    `loss_stalls` = group rounds that waited for the deadline for chunks lost beyond the loss budget;
     `catch_ups` = peers that came after their group had formed and took its update from a member instead;
     `bytes_per_peer` = the data plane's upload (rounds), `dht_bytes_per_peer` = progress traffic in the DHT
     (control_plane.py; 0 for the synchronous baseline, which has none), `dht_saturated_fraction` = the share of
@@ -39,6 +40,7 @@ class TrainingResult:
     initial_loss: float
     bytes_per_peer: float
     dht_bytes_per_peer: float = 0.0
+    loss_stalls: int = 0
     dht_saturated_fraction: float = 0.0
     final_spread: float = 0.0
     catch_ups: int = 0

@@ -1,6 +1,6 @@
 """The training level's round timing is production's: the straggler hold keeps a group open for trainers still
-computing its epoch, a DiLoCo quorum ends the slow peers' epochs early, and the round after a late peer took its
-group's update weighs the work it carried (merging by tokens)."""
+computing its epoch, a DiLoCo quorum ends the slow peers' epochs early, the round after a late peer took its
+group's update weighs the work it carried (merging by tokens), and the loss budget ends a lossy round's phases."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from moshpeer.averaging import grid
+from moshpeer.averaging.budget_stall import PhaseArrivals
 from moshpeer.peer.optimizer.round_timing import quorum_time
 from moshpeer.simulation.matchmaking_window import form_groups
+from moshpeer.simulation.round_losses import phase_end
 from moshpeer.simulation.training import MoshpitTraining, TrainingConfig, Workload, run_training
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,3 +98,26 @@ def test_the_round_after_a_missed_one_weighs_the_carried_samples():
         for peer, samples in carried.items():  # each carried Δ is weighed into the peer's next round
             assert samples % epoch == 0 and declared[-1][peer] == samples + epoch
     assert sim.catch_ups > 0
+
+
+def test_a_lossy_phase_ends_at_the_production_budget_or_waits_for_the_deadline():
+    assert phase_end(2.0, expected=100, missing=0, loss_budget=0.0) == 2.0
+    assert phase_end(2.0, expected=100, missing=1, loss_budget=0.0) == float("inf")  # no budget: the deadline
+    assert phase_end(2.0, expected=100, missing=20, loss_budget=0.1) == float("inf")  # beyond the budget
+    # 95 of 100 arrived over 2 s, quorum 90 reached at 90 gaps: the phase stops once it waited as long again past
+    # the quorum (PhaseArrivals.earliest_stop), later than the stall rule alone (2 s + 5 gaps).
+    gap = 2.0 / 95
+    assert phase_end(2.0, expected=100, missing=5, loss_budget=0.1) == pytest.approx(2 * 90 * gap)
+    a = PhaseArrivals(0.1, start=0.0, first=gap, last=2.0, quorum_reached=90 * gap)
+    stop = a.earliest_stop(95, 100)
+    assert not a.may_stop(stop - 1e-9, 95, 100) and a.may_stop(stop, 95, 100)
+
+
+def test_the_loss_budget_saves_the_deadline_waits_of_lossy_rounds():
+    config = _config(peers=32, rounds=10, chunk_loss=0.001, model_params=10_000_000)
+    waiting = run_training(config, seed=0)
+    budget = run_training(replace(config, loss_budget=0.1), seed=0)
+    lossless = run_training(replace(config, chunk_loss=0.0), seed=0)
+    assert waiting.loss_stalls > 0 and budget.loss_stalls == 0 and lossless.loss_stalls == 0
+    assert waiting.sim_seconds > budget.sim_seconds > lossless.sim_seconds
+    assert waiting.goodput < budget.goodput < lossless.goodput
