@@ -33,8 +33,8 @@
    `model_params` values; with `chunk_loss`, a receiver that lost chunks stops at production's loss budget or
    waits for the deadline (round_losses.py). A member whose failure time falls inside the round sends nothing:
    the owners treat it as departed, its own part is lost for everybody (each keeps its own value there), and the
-   others wait for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer records every
-   round it finished, as a peer does).
+   others wait for the round's deadline (the latest of the survivors' production `DeadlineLearner`; each peer
+   records every round it finished, as a peer does).
 4. aggregation per owner part and chunk (`group_aggregation.py`, production `Partition` on the workload's
    dimension): `mean` = the production estimator `estimate_over_sum` over what arrived (with chunk loss),
    `clipped`/`trimmed` = the production `robust_combine`, with `clipped` owners weighing the peers their production
@@ -121,10 +121,11 @@ class MoshpitTraining:
         self.deadlines: Dict[int, DeadlineLearner] = {}
         # "clipped": each peer's production SuspectTracker as a part's owner (group_aggregation.py)
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
-        self.replays: Dict[int, Deque[torch.Tensor]] = {}
+        self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
         # Production's round timing (no compute budget): the straggler hold of `_window`.
-        self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)  # hostile_replay: a hostile peer's recent contributions
+        self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)
+        self.window_of = np.full(n, config.matchmaking_window_s)  # this round's window of each peer's group
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.loss_stalls = 0  # group rounds that waited for the deadline for chunks lost beyond the loss budget
@@ -246,11 +247,11 @@ class MoshpitTraining:
         catch_end = ends[late_group][donors[late_group] >= 0] if late.size else np.zeros(0)
         alone = np.r_[grouping.alone, late[donors[late_group] < 0]].astype(np.int64) if late.size else grouping.alone
         done[row_of[catch_up]] = False
-        # Alone: waited the matchmaking window in vain, then steps on its own contribution.
+        # Alone: waited its group's window in vain, then steps on its own contribution.
         self.alone += int(alone.size)
         self.participations += int(survivors.size)
-        self.wait[alone] += c.matchmaking_window_s
-        self.clock[alone] = ready_of[alone] + c.matchmaking_window_s
+        self.wait[alone] += self.window_of[alone]
+        self.clock[alone] = ready_of[alone] + self.window_of[alone]
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
         # Merging by tokens: a late peer's Δ, kept in its parameters, is weighed into its next round (the epoch
@@ -343,12 +344,15 @@ class MoshpitTraining:
                 ) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
         """`matchmaking_window.form_groups` with each group's window: `matchmaking_window_s`, or longer by the
         production straggler hold of the group's first member (`RoundTiming.straggler_hold`) for the swarm's
-        trainers still computing, the last of them due at `last_due` by its record."""
+        trainers still computing, the last of them due at `last_due` by its record. Sets `window_of`: how long each
+        member waits in vain if it goes alone."""
         c = self.config
         windows = np.full(grouping.num_groups, c.matchmaking_window_s)
+        self.window_of[:] = c.matchmaking_window_s
         if c.straggler_hold and grouping.num_groups:
             first = np.minimum.reduceat(ready_of[grouping.members], grouping.starts)
             windows = np.maximum(windows, [self.timing.straggler_hold(last_due - t) for t in first.tolist()])
+            self.window_of[grouping.members] = np.repeat(windows, grouping.sizes)
         return form_groups(grouping, ready_of, windows, c.min_group_size)
 
     def _group_round(self, members: np.ndarray, rows: np.ndarray, ready: np.ndarray, contributions: torch.Tensor,
