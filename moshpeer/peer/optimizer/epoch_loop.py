@@ -21,8 +21,8 @@ never stops for lack of peers. A strategy whose state must follow the swarm's (D
 the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
 one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`, and that
 round weighs it with its own samples, `samples_carried_in`), else their whole state (a catch-up, which drops that
-work: `dropped_samples`). A catch-up that finds no donor leaves
-the epoch to end as usual. Nothing here raises for network trouble.
+work: `dropped_samples`). A catch-up that finds no donor leaves the epoch to end as usual. Nothing here raises for
+network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
