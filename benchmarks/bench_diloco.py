@@ -110,8 +110,10 @@ def arms(args) -> List[dict]:
          "compression": "int4", "round_timeout": 30, "straggler": f"constant:mean_s={args.half_speed_s}",
          "quorum": 0.75},
         # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
-        {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
-         "compression": "topk-int2:0.0156", "error_feedback": True, "round_timeout": 30},
+        # (--sparse-inner-steps: a round moves 1.56% of the rows, so every row needs 64 rounds: docs/compression.md)
+        {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // args.sparse_inner_steps,
+         "inner_steps": args.sparse_inner_steps, "compression": "topk-int2:0.0156", "error_feedback": True,
+         "round_timeout": 30},
     ]
 
 
@@ -293,6 +295,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1.5e-3,
                         help="AdamW rate at the global batch (single, gradients); local steps use it x sqrt(1/peers)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--sparse-inner-steps", type=int, default=50, help="H of the diloco-sparse arm")
     parser.add_argument("--half-speed-s", type=float, default=0.4,
                         help="the quorum arms' slow peer sleeps this long per micro-batch (about one micro-batch's "
                         "compute of 4 peers on 2 cores: half speed)")
