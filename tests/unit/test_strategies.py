@@ -240,3 +240,14 @@ def test_make_strategy_builds_named_modes_with_their_options():
         make_strategy(instance, params_every=2)  # options travel inside the instance
     with pytest.raises(UserError):
         make_strategy("nonsense")
+
+
+def test_diloco_with_error_feedback_warns_that_it_trains_badly(caplog):
+    # bench_diloco's sparse arm (topk-int2 + EF21M): 1.80x the loss after 64 rounds; docs/compression.md says why.
+    with caplog.at_level("WARNING", logger="moshpeer.peer.strategies.diloco"):
+        FakeHost(DiLoCoStrategy(inner_steps=1), error_feedback=object())
+    assert any("--error-feedback trains badly" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moshpeer.peer.strategies.diloco"):
+        FakeHost(DiLoCoStrategy(inner_steps=1))
+    assert not caplog.records
