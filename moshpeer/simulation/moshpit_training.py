@@ -125,7 +125,6 @@ class MoshpitTraining:
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
         # Production's round timing (no compute budget): the straggler hold of `_window`.
         self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)
-        self.window_of = np.full(n, config.matchmaking_window_s)  # this round's window of each peer's group
         self.round = 0
         self.stalls = self.failures = self.catch_ups = 0
         self.loss_stalls = 0  # group rounds that waited for the deadline for chunks lost beyond the loss budget
@@ -222,7 +221,7 @@ class MoshpitTraining:
 
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
-        grouping, late, late_group = self._window(grouping, ready_of, float(full.max()))
+        grouping, late, late_group, window_of = self._window(grouping, ready_of, float(full.max()))
         if c.mode != "diloco" and late.size:
             # Only DiLoCoStrategy catches up after a missed round; the other strategies step alone (apply_alone).
             grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
@@ -250,8 +249,8 @@ class MoshpitTraining:
         # Alone: waited its group's window in vain, then steps on its own contribution.
         self.alone += int(alone.size)
         self.participations += int(survivors.size)
-        self.wait[alone] += self.window_of[alone]
-        self.clock[alone] = ready_of[alone] + self.window_of[alone]
+        self.wait[alone] += window_of[alone]
+        self.clock[alone] = ready_of[alone] + window_of[alone]
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
         # Merging by tokens: a late peer's Δ, kept in its parameters, is weighed into its next round (the epoch
@@ -341,19 +340,19 @@ class MoshpitTraining:
             sent[row, :dim] = history[0]
 
     def _window(self, grouping: grid.Grouping, ready_of: np.ndarray, last_due: float
-                ) -> Tuple[grid.Grouping, np.ndarray, np.ndarray]:
+                ) -> Tuple[grid.Grouping, np.ndarray, np.ndarray, np.ndarray]:
         """`matchmaking_window.form_groups` with each group's window: `matchmaking_window_s`, or longer by the
         production straggler hold of the group's first member (`RoundTiming.straggler_hold`) for the swarm's
-        trainers still computing, the last of them due at `last_due` by its record. Sets `window_of`: how long each
-        member waits in vain if it goes alone."""
+        trainers still computing, the last of them due at `last_due` by its record. Also returns each peer's window
+        (how long it waits in vain if it goes alone)."""
         c = self.config
         windows = np.full(grouping.num_groups, c.matchmaking_window_s)
-        self.window_of[:] = c.matchmaking_window_s
+        window_of = np.full(c.peers, c.matchmaking_window_s)
         if c.straggler_hold and grouping.num_groups:
             first = np.minimum.reduceat(ready_of[grouping.members], grouping.starts)
             windows = np.maximum(windows, [self.timing.straggler_hold(last_due - t) for t in first.tolist()])
-            self.window_of[grouping.members] = np.repeat(windows, grouping.sizes)
-        return form_groups(grouping, ready_of, windows, c.min_group_size)
+            window_of[grouping.members] = np.repeat(windows, grouping.sizes)
+        return (*form_groups(grouping, ready_of, windows, c.min_group_size), window_of)
 
     def _group_round(self, members: np.ndarray, rows: np.ndarray, ready: np.ndarray, contributions: torch.Tensor,
                      weights: np.ndarray, averaged: torch.Tensor) -> Tuple[np.ndarray, float]:

@@ -63,15 +63,22 @@ def test_a_latecomer_takes_the_groups_step_instead_of_a_download(compression):
         assert torch.allclose(own, torch.full_like(own, 0.3), atol=0.01)
 
 
-def test_the_next_round_weighs_the_carried_work_with_its_own():
-    # Merging by tokens: the latecomer's next Δ holds two epochs of its work, so its round weighs both epochs'
-    # samples; the round after that is back to one epoch's.
+def latecomer_that_took_the_update() -> tuple:
+    """A latecomer that missed round 0 and took the member's update (its epoch's 8 samples now carried) -> (the
+    latecomer, the record of its missed round)."""
     member, late = member_and_latecomer()
     member.backward(1.0)
     member.epochs.account(8)
     late.updates = [member.strategy.kept_update(0)]
     late.backward(3.0)
-    assert late.epochs.account(8).error == MISSED_ROUND_UPDATE
+    return late, late.epochs.account(8)
+
+
+def test_the_next_round_weighs_the_carried_work_with_its_own():
+    # Merging by tokens: the latecomer's next Δ holds two epochs of its work, so its round weighs both epochs'
+    # samples; the round after that is back to one epoch's.
+    late, missed = latecomer_that_took_the_update()
+    assert missed.error == MISSED_ROUND_UPDATE
     assert late.averager.calls[-1]["weight"] == 8.0
     for weight in (16.0, 8.0):
         late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
@@ -82,12 +89,8 @@ def test_the_next_round_weighs_the_carried_work_with_its_own():
 
 
 def test_a_download_drops_the_carried_work_too():
-    member, late = member_and_latecomer()
-    member.backward(1.0)
-    member.epochs.account(8)
-    late.updates = [member.strategy.kept_update(0)]
-    late.backward(3.0)
-    assert late.epochs.account(8).carried_samples == 8
+    late, missed = latecomer_that_took_the_update()
+    assert missed.carried_samples == 8
     late.averager.queue(RoundResult(ok=False, error="no group"))
     late.updates = [{"format": 99}]  # the second missed round's update does not fit: a download
     late.backward(1.0)
