@@ -59,7 +59,7 @@ from moshpeer.averaging.tcp_relay.role import RelayRole
 from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.kernels import load_kernels
-from moshpeer.compression.ef21m import EF21M
+from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.dht import admission as private_runs
 from moshpeer.dht.keys import averaging_prefix, validate_run_id
 from moshpeer.errors import ProtocolError, UserError
@@ -110,8 +110,8 @@ class MoshpitAverager(ServicerBase):
         norm)` at the end of each signal window) or a fixed fraction; None/0 = wait for everything until the
         deadline. A group applies the smallest budget its members declared in matchmaking.
     :param error_feedback: sparsifying codecs (arc-topk) only. None (default): a round replaces only the
-        selected rows by their group average and keeps the other values (safe for parameters). An `EF21M`
-        state (gradients): a round folds the tensors into it and writes back its compressed estimate e_bar.
+        selected rows by their group average and keeps the other values (safe for parameters). An `ErrorFeedback`
+        state: a round folds the tensors into it and writes back what it returns (compression/feedback.py).
     :param partition: "equal" (default): every member owns an equal part; "bandwidth": parts sized by the
         members' upload bandwidths (`partition.bandwidth_part_sizes`), if every member of the group announces
         one (a member that asks for equal parts, or knows no bandwidth yet, makes the group split equally)
@@ -151,7 +151,7 @@ class MoshpitAverager(ServicerBase):
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
         transport: str = "auto",
-        error_feedback: Optional[EF21M] = None,
+        error_feedback: Optional[ErrorFeedback] = None,
         partition: str = "equal",
         upload_bandwidth: Optional[float] = None,
         aggregation: str = "mean",

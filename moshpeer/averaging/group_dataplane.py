@@ -1,8 +1,8 @@
 """The data plane of one round with an assembled group: `GroupDataPlane` runs the round's all-reduces.
 
 A round averages one flat fp32 vector (`flatten`). Dense codecs run one `GroupAllReduce` on it; ARC-Top-K
-runs two (a sketch, then the selected rows) through its sparsifier, or through EF21M error feedback when the
-round averages gradients. Every all-reduce of the round shares the group's members, secret, signed
+runs two (a sketch, then the selected rows) through its sparsifier, or through the round's error feedback
+(EF21M for gradients, residual feedback for a DiLoCo pseudo-gradient). Every all-reduce of the round shares the group's members, secret, signed
 credentials and loss budget; each gets its own tag (its sequence number in the round). Their stats are
 added up into one `DataPlaneStats`.
 """
@@ -24,7 +24,7 @@ from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.report import DataPlaneStats
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.compression.codec import Compression
-from moshpeer.compression.ef21m import EF21M
+from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,11 @@ class GroupDataPlane:
         self.results.append(allreduce.run())
         return flat
 
-    def average(self, flat: torch.Tensor, error_feedback: Optional[EF21M] = None) -> DataPlaneStats:
+    def average(self, flat: torch.Tensor, error_feedback: Optional[ErrorFeedback] = None) -> DataPlaneStats:
         """Average `flat` in place with the group; -> the stats of the round's all-reduces, added up.
 
-        With a sparsifying codec, `error_feedback` (gradients) makes the EF21M estimate the result; without
-        it (parameters), rows the sparsifier did not select keep their values (a zero there would destroy them).
+        With a sparsifying codec, `error_feedback` makes what it returns the result; without it (parameters), rows
+        the sparsifier did not select keep their values (a zero there would destroy them).
         """
         sparsifier = self.compression.sparsifier
         if sparsifier is None:

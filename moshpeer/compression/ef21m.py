@@ -36,6 +36,10 @@ class EF21M:
     `warmup_steps` first steps all-reduce the difference densely (the ARC-Top-K authors warm up with dense steps).
     """
 
+    kind = "ef21m"
+    state_tensors = ("h", "e", "e_bar")
+    shared = True  # a newcomer adopts a donor's state: e and e_bar are what the group knows
+
     def __init__(self, numel: int, sparsifier: ArcTopK, momentum: float = 0.1, warmup_steps: int = 0,
                  device: Optional[torch.device] = None):
         if not 0.0 < momentum <= 1.0:
@@ -74,25 +78,33 @@ class EF21M:
 
     def state_dict(self) -> Dict[str, Any]:
         """Tensors and counters to checkpoint (clones: later steps do not change a saved state)."""
-        return {"version": STATE_VERSION, "steps": self.steps, "momentum": self.momentum,
+        return {"version": STATE_VERSION, "kind": self.kind, "steps": self.steps, "momentum": self.momentum,
                 "h": self.h.clone(), "e": self.e.clone(), "e_bar": self.e_bar.clone()}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a `state_dict`; raises UserError if it does not fit this state (version, sizes, values)."""
+    def check_state(self, state: Any) -> None:
+        """Raise ValueError unless `state` is a `state_dict` of this kind (states from before "kind" existed are
+        EF21M's) that fits this state: version, sizes, finite values, counters."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise UserError(f"EF21M state: unknown version {state.get('version') if isinstance(state, dict) else None}")
-        tensors = {}
-        for name in ("h", "e", "e_bar"):
+            raise ValueError(f"EF21M state: unknown version {state.get('version') if isinstance(state, dict) else None}")
+        if state.get("kind", self.kind) != self.kind:
+            raise ValueError(f"EF21M state: a {state.get('kind')!r:.20} error-feedback state")
+        for name in self.state_tensors:
             value = state.get(name)
             if not isinstance(value, torch.Tensor) or value.numel() != self.numel:
-                raise UserError(f"EF21M state: {name!r} must be a tensor of {self.numel} values")
+                raise ValueError(f"EF21M state: {name!r} must be a tensor of {self.numel} values")
             if not bool(torch.isfinite(value).all()):
-                raise UserError(f"EF21M state: {name!r} holds non-finite values")
-            tensors[name] = value
+                raise ValueError(f"EF21M state: {name!r} holds non-finite values")
         steps = state.get("steps")
-        if not isinstance(steps, int) or steps < 0:
-            raise UserError("EF21M state: 'steps' must be a non-negative integer")
-        for name, value in tensors.items():
-            getattr(self, name).copy_(value.reshape(-1))
-        self.steps = steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError("EF21M state: 'steps' must be a non-negative integer")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a `state_dict`; UserError, with nothing changed, if it does not fit (`check_state`)."""
+        try:
+            self.check_state(state)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        for name in self.state_tensors:
+            getattr(self, name).copy_(state[name].reshape(-1))
+        self.steps = state["steps"]
         self.momentum = float(state.get("momentum", self.momentum))

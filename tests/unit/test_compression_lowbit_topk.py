@@ -14,6 +14,7 @@ from moshpeer.compression.ef21m import EF21M
 from moshpeer.compression.quantization import BlockQuantizer
 from moshpeer.errors import ProtocolError, UserError
 from local_group import run_group
+from wire_group import WireGroup
 from moshpeer.averaging.faults import FaultConfig, FaultyLinks
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,29 +63,6 @@ def test_topk_int2_spec():
     for bad in ("topk-int2", "topk-int2:0", "topk-int2:x", "topk-int2:0.1:8:4:2"):
         with pytest.raises(UserError):
             get_compression(bad)
-
-
-class WireGroup:
-    """An all-reduce (mean) between `size` coroutines that sends what the codec would: each contribution after
-    the given Compression's round trip (default: float32)."""
-
-    def __init__(self, size: int):
-        self.size, self.pending, self.result = size, [], None
-
-    async def allreduce(self, tensor: torch.Tensor, compression=None) -> torch.Tensor:
-        if compression is not None:
-            codec = compression.reduce_codec
-            decoded = torch.empty_like(tensor)
-            codec.decode_into(codec.encode(tensor.contiguous()), decoded)
-            tensor = decoded
-        if self.result is None:
-            self.result = asyncio.get_running_loop().create_future()
-        result = self.result
-        self.pending.append(tensor.clone())
-        if len(self.pending) == self.size:
-            result.set_result(torch.stack(self.pending).mean(0))
-            self.pending, self.result = [], None
-        return (await result).clone()
 
 
 def test_error_feedback_sends_the_rounding_error_later():

@@ -121,3 +121,30 @@ def test_a_busy_donor_serves_the_previous_epochs_snapshot_but_never_an_older_one
         release.set()
         holder.join()
     assert exchange.serialized_state()[0] == 18
+
+
+def test_a_residual_is_checkpointed_but_never_handed_to_a_newcomer():
+    # The residual is this peer's own unsent Δ: a newcomer that adopted it would send it a second time.
+    from moshpeer.compression import get_compression
+    from moshpeer.compression.residual_feedback import ResidualFeedback
+
+    def with_residual(seed: int) -> FakeHost:
+        model = tiny_model(seed)
+        numel = sum(p.numel() for p in model.parameters())
+        residual = ResidualFeedback(numel, get_compression("topk-int2:0.5:4:2").sparsifier)
+        return FakeHost(DiLoCoStrategy(inner_steps=2), model=model, error_feedback=residual)
+
+    donor = with_residual(1)
+    donor.error_feedback.e.normal_()
+    donor.error_feedback.steps = 3
+    saved = exchange_for(donor).state_dict()
+    restored = with_residual(2)
+    exchange_for(restored).load_state_dict(saved)
+    assert torch.equal(restored.error_feedback.e, donor.error_feedback.e) and restored.error_feedback.steps == 3
+
+    served = exchange_for(donor).collaborative_state()
+    assert served["error_feedback"] is None
+    newcomer = with_residual(3)
+    newcomer.error_feedback.e.fill_(1.0)  # whatever it held before is not the swarm's either
+    exchange_for(newcomer).load_collaborative_state(served)
+    assert not newcomer.error_feedback.e.any() and newcomer.error_feedback.steps == 0

@@ -242,12 +242,11 @@ def test_make_strategy_builds_named_modes_with_their_options():
         make_strategy("nonsense")
 
 
-def test_diloco_with_error_feedback_warns_that_it_trains_badly(caplog):
-    # bench_diloco's sparse arm (topk-int2 + EF21M): 1.80x the loss after 64 rounds; docs/compression.md says why.
-    with caplog.at_level("WARNING", logger="moshpeer.peer.strategies.diloco"):
-        FakeHost(DiLoCoStrategy(inner_steps=1), error_feedback=object())
-    assert any("--error-feedback trains badly" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="moshpeer.peer.strategies.diloco"):
-        FakeHost(DiLoCoStrategy(inner_steps=1))
-    assert not caplog.records
+def test_diloco_under_error_feedback_steps_with_plain_sgd_unless_told_otherwise():
+    # SparseLoCo: the residual's decay stands in for the outer momentum (compression/residual_feedback.py).
+    assert FakeHost(DiLoCoStrategy(inner_steps=1), error_feedback=object()).strategy.settings()["outer_optimizer"] \
+        == "sgd:lr=1,momentum=0"
+    assert FakeHost(DiLoCoStrategy(inner_steps=1)).strategy.settings()["outer_optimizer"] == "nesterov:lr=0.7,momentum=0.9"
+    given = OuterOptimizer("nesterov", lr=0.5, momentum=0.8)
+    assert FakeHost(DiLoCoStrategy(inner_steps=1, outer_optimizer=given), error_feedback=object()) \
+        .strategy.settings()["outer_optimizer"] == "nesterov:lr=0.5,momentum=0.8"

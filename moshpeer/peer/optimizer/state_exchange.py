@@ -25,8 +25,8 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Protocol
 import torch
 
 from moshpeer.peer.optimizer.epoch_loop import EpochCounters
-from moshpeer.peer.optimizer.error_feedback import (check_error_feedback_state, error_feedback_state,
-                                                    fresh_error_feedback_state)
+from moshpeer.peer.optimizer.error_feedback import (error_feedback_state, fresh_error_feedback_state,
+                                                    shared_error_feedback_state)
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
 from moshpeer.peer.state.updates import UPDATE_OP, fetch_updates, update_handler
@@ -127,7 +127,7 @@ class StateExchange:
                 model_state = {str(i): p.detach().clone() for i, p in enumerate(host.params)}
             return {"format": 1, "epoch": self.counters.epoch, "steps": self.counters.steps, "model": model_state,
                     "optimizer": host.inner.state_dict(), "has_model": host.model is not None,
-                    "error_feedback": error_feedback_state(host.error_feedback),
+                    "error_feedback": shared_error_feedback_state(host.error_feedback),
                     "strategy": host.strategy.state_dict()}
 
     def load_collaborative_state(self, state: Dict[str, Any]) -> None:
@@ -167,7 +167,7 @@ class StateExchange:
         validate_counters(state["epoch"], state.get("steps"), max_epoch=max_epoch)
         feedback = state.get("error_feedback")
         if feedback is not None and host.error_feedback is not None:
-            check_error_feedback_state(host.error_feedback, feedback)
+            host.error_feedback.check_state(feedback)
         host.strategy.check_state_dict(state.get("strategy") or {})
 
     def download(self, min_epoch: int, max_epoch: int) -> Optional[DownloadedState]:

@@ -2,9 +2,9 @@
 
 Every `step()` is an inner optimizer step (AdamW in the paper). After `inner_steps` (H) of them the
 epoch is over: the round averages the pseudo-gradient Δ = θ_outer − θ_local with a Moshpit group (any
-codec: int8 and int4 suit Δ, and `arc-topk` with EF21M error feedback, which suits a slowly changing
-signal), and the outer optimizer (default SGD with Nesterov momentum, lr 0.7, momentum 0.9) applies the
-group's Δ̄ to θ_outer. Successive rounds meet different groups (the averager rotates the group key, as
+codec: int8 and int4 suit Δ; `topk-int2` with error feedback is SparseLoCo: the round sends the top rows of Δ
+plus this peer's unsent residual, compression/residual_feedback.py), and the outer optimizer (default SGD with
+Nesterov momentum, lr 0.7, momentum 0.9; plain SGD, lr 1 under error feedback) applies the group's Δ̄ to θ_outer. Successive rounds meet different groups (the averager rotates the group key, as
 in Moshpit SGD), so with more peers than one group the outer steps mix the whole swarm over rounds.
 
 Loss tolerance is the averager's: a chunk of Δ whose contributions partly arrived is the unbiased
@@ -50,7 +50,6 @@ fragment count.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -65,12 +64,13 @@ from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, Strategy
 if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
     from moshpeer.peer.optimizer.progress import ProgressSnapshot
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_INNER_STEPS = 50
 # Every 4th round of a fragment carries θ_outer too: 25% more bytes. In the simulator (1,000 peers in groups of 16,
 # the convex problem) it brings the loss from 2.2x the optimum to 1.13x; every round, 1.131x (docs/simulation.md).
 DEFAULT_OUTER_PARAMS_EVERY = 4
+# The outer optimizer under error feedback unless one is given: plain SGD, lr 1 (SparseLoCo's; the residual's decay
+# plays the outer momentum's part).
+SPARSE_OUTER_OPTIMIZER = OuterOptimizer("sgd", lr=1.0, momentum=0.0)
 
 
 def carries_outer_params(epoch: int, fragments: int, every: int) -> bool:
@@ -84,7 +84,7 @@ class DiLoCoStrategy(AveragingStrategy):
 
     :param inner_steps: H, inner optimizer steps per outer step of each fragment
     :param outer_optimizer: factory `(list of tensors) -> torch.optim.Optimizer` over θ_outer; default
-        `OuterOptimizer()` (SGD, Nesterov, lr 0.7, momentum 0.9)
+        `OuterOptimizer()` (SGD, Nesterov, lr 0.7, momentum 0.9), with error feedback SPARSE_OUTER_OPTIMIZER
     :param overlap: average Δ_t while computing the next epoch's inner steps (one-outer-step delay)
     :param pace: with overlap, spread each round's upload over most of the next epoch's compute (Streaming
         DiLoCo's overlap of a fragment's communication with the inner steps: a lower peak on the link); UserError
@@ -118,6 +118,7 @@ class DiLoCoStrategy(AveragingStrategy):
                             f"each epoch is inner_steps / fragments inner steps")
         self.inner_steps, self.fragments = inner_steps, fragments
         self.steps_per_epoch = inner_steps // fragments
+        self.outer_optimizer_given = outer_optimizer is not None
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else OuterOptimizer()
         if not callable(self.outer_optimizer):
             raise UserError("outer_optimizer must be a factory: (list of tensors) -> torch.optim.Optimizer")
@@ -144,11 +145,9 @@ class DiLoCoStrategy(AveragingStrategy):
         if self.fragments > 1 and host.error_feedback is not None:
             raise UserError("error feedback averages every value in every round: it does not combine with "
                             f"DiLoCo fragments ({self.fragments})")
-        if host.error_feedback is not None:
-            # EF21M's ē is a running estimate applied at every outer step, so a row selected once has its
-            # displacement applied again each round (bench_diloco's sparse arm: 1.80x the loss after 64 rounds).
-            logger.warning("DiLoCo with --error-feedback trains badly: EF21M re-applies each row's last Δ at every "
-                           "outer step (docs/compression.md); SparseLoCo's residual feedback is not built yet")
+        if host.error_feedback is not None and not self.outer_optimizer_given:
+            # SparseLoCo: the decayed residual stands in for the outer momentum (residual_feedback.py).
+            self.outer_optimizer = SPARSE_OUTER_OPTIMIZER
         self.buffer, self.delta = flat_buffer_views(host.params, 1)
         self.parts: List[Fragment] = make_fragments(host.params, self.buffer, self.delta, self.fragments,
                                                     self.outer_optimizer)
