@@ -49,7 +49,7 @@ What is measured and what is derived (said again in the table):
     python benchmarks/bench_diloco.py [--loopback] [--steps 400]
 
 Ends with one JSON line: diloco_loss_over_gradients, gradients_bytes_over_diloco, time_to_target_speedup,
-sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + EF21M),
+sparse_loss_over_gradients, sparse_bytes_over_gradients (the `diloco-sparse` arm: topk-int2 + residual feedback),
 streaming_loss_over_gradients, streaming_peak_bandwidth_ratio (the `diloco-streaming` arm; streaming_paced_* the
 paced arm's; *_loss_over_single for both), link_over_payload and
 failed_round_fraction (the headline arm), quorum_time_to_target_over_homogeneous and
@@ -109,10 +109,11 @@ def arms(args) -> List[dict]:
         {"name": "diloco-quorum", "averaging": "diloco", "epochs": steps // h, "inner_steps": h,
          "compression": "int4", "round_timeout": 30, "straggler": f"constant:mean_s={args.half_speed_s}",
          "quorum": 0.75},
-        # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, EF21M feedback
-        # (--sparse-inner-steps: a round moves 1.56% of the rows, so every row needs 64 rounds: docs/compression.md)
+        # SparseLoCo's recipe (issue 27): top-k rows (1.56%) as ternary codes, the sketch as int8, residual error
+        # feedback (--sparse-inner-steps: a round moves 1.56% of the rows, so every row needs 64 rounds:
+        # docs/compression.md; --sparse-codec: e.g. a rank-1 sketch, which halves a round's bytes)
         {"name": "diloco-sparse", "averaging": "diloco", "epochs": steps // args.sparse_inner_steps,
-         "inner_steps": args.sparse_inner_steps, "compression": "topk-int2:0.0156", "error_feedback": True,
+         "inner_steps": args.sparse_inner_steps, "compression": args.sparse_codec, "error_feedback": True,
          "round_timeout": 30},
     ]
 
@@ -296,6 +297,7 @@ def main() -> int:
                         help="AdamW rate at the global batch (single, gradients); local steps use it x sqrt(1/peers)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--sparse-inner-steps", type=int, default=50, help="H of the diloco-sparse arm")
+    parser.add_argument("--sparse-codec", default="topk-int2:0.0156", help="the diloco-sparse arm's Δ codec")
     parser.add_argument("--half-speed-s", type=float, default=0.4,
                         help="the quorum arms' slow peer sleeps this long per micro-batch (about one micro-batch's "
                         "compute of 4 peers on 2 cores: half speed)")

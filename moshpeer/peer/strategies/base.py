@@ -35,7 +35,7 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
 
 The host (`StrategyHost`, in practice the `CollaborativeOptimizer`) offers: `params`, `inner` (the wrapped
 torch optimizer), `grad_sums` (per parameter, gradients x samples summed over this epoch),
-`samples_accumulated`, the averaging settings `compression`, `group_size` and `error_feedback` (an EF21M
+`samples_accumulated`, the averaging settings `compression`, `group_size` and `error_feedback` (an `ErrorFeedback`
 state or None), and `inner_step()` (one inner optimizer step, counted in `local_steps`).
 
 Failure: a strategy raises `UserError` from its constructor or `bind` for settings that cannot work; it

@@ -4,8 +4,9 @@ Every `step()` is an inner optimizer step (AdamW in the paper). After `inner_ste
 epoch is over: the round averages the pseudo-gradient Δ = θ_outer − θ_local with a Moshpit group (any
 codec: int8 and int4 suit Δ; `topk-int2` with error feedback is SparseLoCo: the round sends the top rows of Δ
 plus this peer's unsent residual, compression/residual_feedback.py), and the outer optimizer (default SGD with
-Nesterov momentum, lr 0.7, momentum 0.9; plain SGD, lr 1 under error feedback) applies the group's Δ̄ to θ_outer. Successive rounds meet different groups (the averager rotates the group key, as
-in Moshpit SGD), so with more peers than one group the outer steps mix the whole swarm over rounds.
+Nesterov momentum, lr 0.7, momentum 0.9; plain SGD, lr 1 under error feedback) applies the group's Δ̄ to θ_outer.
+Successive rounds meet different groups (the averager rotates the group key, as in Moshpit SGD), so with more peers
+than one group the outer steps mix the whole swarm over rounds.
 
 Loss tolerance is the averager's: a chunk of Δ whose contributions partly arrived is the unbiased
 reconstruction, a chunk of Δ̄ this peer never received is its own Δ there. The outer step is linear in
@@ -40,7 +41,7 @@ a small network in `moshpeer simulate --workload mlp`, far enough that the loss 
 The epoch alone decides which rounds carry θ_outer, so every member of a round averages the same tensors; it costs
 1/K more bytes. average_outer="auto" adopts a lossy codec's θ_outer average only when the swarm has more trainers
 than a group holds (else the codec's noise would go into the weights for nothing), as gradients mode does with
-parameters; error feedback averages Δ only (its estimate is meaningful for Δ alone).
+parameters; error feedback averages Δ only (its residual is of Δ, and every round averages every value).
 
 Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice), and a θ_outer copy of the same
 layout for the rounds that carry it. State (checkpoints, downloads): per fragment θ_outer, the outer optimizer's
