@@ -212,3 +212,32 @@ def test_a_donor_serves_its_kept_update_signed_as_an_update():
         assert fetch_state_from(offer, "upd", timeout=10.0)[:2] == (9, b"state")  # the state op is unchanged
     finally:
         server.shutdown()
+
+
+def test_a_sparse_update_travels_as_its_non_zero_blocks():
+    # A topk-int2 round's Δ̄ is zero outside its selected rows: densely encoded (int8) it took 33x the round's bytes.
+    numel = 64 * 256 + 100  # a partial last block
+    delta = torch.zeros(numel)
+    delta[3 * 256:4 * 256] = torch.linspace(-1, 1, 256)
+    delta[-50:] = 0.25  # in the partial last block
+    update = OuterUpdate.encode(delta, epoch=1, fragment=0, outer_steps=0, compression="topk-int2:0.0156")
+    state = update.to_state()
+    assert state["format"] == 2 and state["blocks"].tolist() == [3, 64]
+    assert update.nbytes < 2 * 256 + 64 + 8  # two blocks of int8 and their two indices, not numel bytes
+    decoded = OuterUpdate.from_state(deserialize_state(serialize_state(state))).decode()
+    outside = torch.ones(numel, dtype=torch.bool)
+    outside[3 * 256:4 * 256] = outside[64 * 256:] = False
+    assert decoded.numel() == numel and not decoded[outside].any()  # zero outside the blocks, exactly
+    assert torch.allclose(decoded, delta, atol=0.01)
+    # A dense Δ̄ stays in the dense format (format 1: what peers of earlier versions read).
+    assert OuterUpdate.encode(torch.ones(numel), epoch=1, fragment=0, outer_steps=0,
+                              compression="int8").to_state()["format"] == 1
+    for bad in (torch.tensor([64, 3], dtype=torch.int32), torch.tensor([3, 65], dtype=torch.int32),
+                torch.tensor([-1, 3], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="blocks"):
+            OuterUpdate.from_state({**state, "blocks": bad}).decode()
+    for bad in (torch.tensor([3, 64]), [3, 64], None):  # not int32, not a tensor, missing
+        with pytest.raises(ValueError, match="blocks"):
+            OuterUpdate.from_state({**state, "blocks": bad})
+    with pytest.raises(ValueError, match="chunk"):  # blocks that the payloads do not hold
+        OuterUpdate.from_state({**state, "blocks": torch.tensor([3], dtype=torch.int32)}).decode()
