@@ -2,9 +2,9 @@
 
 A round averages one flat fp32 vector (`flatten`). Dense codecs run one `GroupAllReduce` on it; ARC-Top-K
 runs two (a sketch, then the selected rows) through its sparsifier, or through the round's error feedback
-(EF21M for gradients, residual feedback for a DiLoCo pseudo-gradient). Every all-reduce of the round shares the group's members, secret, signed
-credentials and loss budget; each gets its own tag (its sequence number in the round). Their stats are
-added up into one `DataPlaneStats`.
+(EF21M for gradients, residual feedback for a DiLoCo pseudo-gradient). Every all-reduce of the round shares the
+group's members, secret, signed credentials and loss budget; each gets its own tag (its sequence number in the
+round). Their stats are added up into one `DataPlaneStats`.
 """
 
 from __future__ import annotations

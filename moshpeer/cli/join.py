@@ -122,9 +122,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compression", default="none", metavar="CODEC",
                        help="codec for averaging: none, fp16, bf16, ... (default: none)")
     group.add_argument("--error-feedback", action="store_true",
-                       help="with a sparsifying codec (arc-topk:FRACTION, topk-int2:FRACTION): error feedback, EF21M in gradients "
-                       "mode (checkpointed, downloaded by newcomers), SparseLoCo's residual in diloco mode (checkpointed; "
-                       "outer optimizer sgd:lr=1,momentum=0 unless --outer-optimizer is given)")
+                       help="with a sparsifying codec (arc-topk:FRACTION, topk-int2:FRACTION): error feedback, "
+                       "EF21M in gradients mode (checkpointed, downloaded by newcomers), SparseLoCo's residual in "
+                       "diloco mode (checkpointed; outer optimizer sgd:lr=1,momentum=0 unless --outer-optimizer "
+                       "is given)")
     group.add_argument("--bandwidth", type=positive_float, metavar="MBIT",
                        help="this peer's upload in Mbit/s, announced to its averaging groups (default: measured "
                        "on the averaging traffic of every round)")

@@ -85,7 +85,8 @@ class EF21M:
         """Raise ValueError unless `state` is a `state_dict` of this kind (states from before "kind" existed are
         EF21M's) that fits this state: version, sizes, finite values, counters."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"EF21M state: unknown version {state.get('version') if isinstance(state, dict) else None}")
+            version = state.get("version") if isinstance(state, dict) else None
+            raise ValueError(f"EF21M state: unknown version {version}")
         if state.get("kind", self.kind) != self.kind:
             raise ValueError(f"EF21M state: a {state.get('kind')!r:.20} error-feedback state")
         for name in self.state_tensors:

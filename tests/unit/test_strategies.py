@@ -246,7 +246,8 @@ def test_diloco_under_error_feedback_steps_with_plain_sgd_unless_told_otherwise(
     # SparseLoCo: the residual's decay stands in for the outer momentum (compression/residual_feedback.py).
     assert FakeHost(DiLoCoStrategy(inner_steps=1), error_feedback=object()).strategy.settings()["outer_optimizer"] \
         == "sgd:lr=1,momentum=0"
-    assert FakeHost(DiLoCoStrategy(inner_steps=1)).strategy.settings()["outer_optimizer"] == "nesterov:lr=0.7,momentum=0.9"
+    assert FakeHost(DiLoCoStrategy(inner_steps=1)).strategy.settings()["outer_optimizer"] == \
+        "nesterov:lr=0.7,momentum=0.9"
     given = OuterOptimizer("nesterov", lr=0.5, momentum=0.8)
     assert FakeHost(DiLoCoStrategy(inner_steps=1, outer_optimizer=given), error_feedback=object()) \
         .strategy.settings()["outer_optimizer"] == "nesterov:lr=0.5,momentum=0.8"

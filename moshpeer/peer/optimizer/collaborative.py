@@ -42,8 +42,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         rounds' codec, group sizes, deadlines (seconds) and further `MoshpitAverager` arguments
     :param compute_budget: DropCompute threshold per epoch (None, seconds, "auto"); max_epoch_lag: download
         state when the swarm is further ahead; role: "trainer" or "aux" (weight 0, no compute)
-    :param error_feedback: error feedback around a sparsifying codec (EF21M; DiLoCo: residual feedback); loss_budget, phase_threshold, phase_window:
-        the rounds' DBLP loss budget; swarm_key, allow_peers: a private run (docs/security.md)
+    :param error_feedback: error feedback around a sparsifying codec (EF21M; DiLoCo: residual feedback);
+        loss_budget, phase_threshold, phase_window: the rounds' DBLP loss budget; swarm_key, allow_peers: a private
+        run (docs/security.md)
     :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating and downloading
         state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
         shortest interval (seconds) between reads of the swarm's progress, used near an epoch's end (further

@@ -64,4 +64,3 @@ def fresh_error_feedback_state(error_feedback: Any) -> Dict[str, Any]:
         state[name].zero_()
     state["steps"] = 0
     return state
-
