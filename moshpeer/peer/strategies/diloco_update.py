@@ -24,8 +24,7 @@ re-encoded: within the codec's error of one update, once (measured in tests/unit
 Sparse Δ̄ (a sparsifying codec: ARC-Top-K rows, zero elsewhere): only the blocks of UPDATE_BLOCK values that hold a
 non-zero value travel, with their indices (`blocks`), whenever fewer than half of them do. Encoded densely, the Δ̄ of
 a `topk-int2:0.0156` round took 33 times that round's bytes (5.2 MB for a 5.2M-value model, against 159 KB), so a
-missed round cost 33 rounds (bench_diloco's sparse arm: 7 missed rounds, 81 MB on each peer's link for 10 MB of
-rounds).
+missed round cost 33 rounds (bench_diloco's sparse arm: 7 missed rounds sent ~36 MB, and set its peak upload).
 """
 
 from __future__ import annotations
