@@ -35,8 +35,12 @@ the swarm, such a read makes a peer think it is alone (it ends its epoch without
 
 Reading the DHT costs a round trip and bytes on every link, so a background thread refreshes the view on a
 `ProgressCadence` (progress_cadence.py: often near an epoch's end, seldom in between, within a byte budget),
-publications follow the same cadence, and a caller that waits for a refresh (`wait_for_refresh`) asks for one
-at once. The training loop only reads the cached `ProgressSnapshot`, with this peer's own numbers always taken
+and a caller that waits for a refresh (`wait_for_refresh`) asks for one at once. Publications follow the same
+cadence in an epoch the swarm's target batch ends (the others' sums of samples decide it). In an epoch of the
+peer's own count (DiLoCo's inner steps) they come at the cadence's longest interval, plus the epoch's start and
+end at once: readers advance a record's count by its rate (`round_timing._seconds_to_go`), so publishing faster
+near the end tells them nothing new, and every publication costs a read too (hivemind's store first asks the
+nodes near the key, and each answers with the whole dictionary). The training loop only reads the cached `ProgressSnapshot`, with this peer's own numbers always taken
 from local state (the DHT copy of them lags).
 """
 
@@ -294,17 +298,17 @@ class SwarmProgress:
 
     def report(self, *, epoch: int, samples_accumulated: int, samples_per_second: float, step: int,
                force: bool = False, upload_bps: float = 0.0, epoch_eta_s: Optional[float] = None) -> None:
-        """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per cadence
-        interval unless the epoch changed, it ends now, or `force`. `epoch_eta_s`: seconds until this peer's epoch
-        ends by its strategy's own count (None: the swarm's target batch ends it; 0: it ends now), which sets the
-        cadence. The record of an epoch's end goes out at once: the others' straggler waits and quorums read it."""
+        """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per
+        `publish_interval` unless the epoch changed, it ends now, or `force`. `epoch_eta_s`: seconds until this
+        peer's epoch ends by its strategy's own count (None: the swarm's target batch ends it; 0: it ends now),
+        which sets the cadence. The record of an epoch's end goes out at once: the others' straggler waits and quorums read it."""
         now = time.monotonic()
         self._epoch_eta = None if epoch_eta_s is None else (epoch_eta_s, now)
         force = force or (epoch_eta_s is not None and epoch_eta_s <= 0)
         if not force and epoch == self._last_published_epoch:
             since = now - self._last_publish
             # The cheap test first: report() runs every micro-batch, next_interval() may summarize every record.
-            if since < self.cadence.min_interval_s or since < self.next_interval():
+            if since < self.cadence.min_interval_s or since < self.publish_interval():
                 return
         self._last_publish, self._last_published_epoch = now, epoch
         with self._lock:
@@ -367,6 +371,15 @@ class SwarmProgress:
         else:
             eta = self.snapshot().eta_s
         return self.cadence.interval(eta, peers)
+
+    def publish_interval(self) -> float:
+        """Seconds between two publications within an epoch (see the module docstring): the read cadence when the
+        swarm's target batch ends the epoch, the cadence's longest interval when this peer's own count does."""
+        if self._epoch_eta is None:
+            return self.next_interval()
+        with self._lock:
+            peers = len(self._records)
+        return self.cadence.interval(math.inf, peers)
 
     def wait_for_refresh(self, timeout: float) -> bool:
         """Ask for a fetch now (it comes at once unless the byte budget's interval since the last one has not
