@@ -176,7 +176,10 @@ def run_arm(args, arm: dict, lab) -> dict:
     def wrap(index: int, argv: List[str]) -> List[str]:
         return lab.command(index, argv) if lab is not None else argv
 
-    boot = Child(wrap(args.peers, moshpeer_argv("dht", run_id, f"/ip4/{hosts[args.peers]}/tcp/0")), e)
+    # ... and the peers' heartbeat: at moshpeer_argv's 1 s, every publication of its record cost each peer a read
+    # of the whole membership dictionary (hivemind's store asks the nodes near the key, which answer with it).
+    boot = Child(wrap(args.peers, moshpeer_argv("dht", run_id, f"/ip4/{hosts[args.peers]}/tcp/0",
+                                                "--heartbeat", str(args.heartbeat))), e)
     children = [boot]
     tx_before = [lab.tx_bytes(i) for i in range(args.peers)] if lab is not None else None
     peaks = UploadPeaks(lab, args.peers) if lab is not None else None
@@ -305,7 +308,8 @@ def main() -> int:
                         help="the quorum arms' slow peer sleeps this long per micro-batch (about one micro-batch's "
                         "compute of 4 peers on 2 cores: half speed)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
-                        help="seconds between a peer's record heartbeats (the product's default; until session 13 the "
+                        help="seconds between a peer's (and the bootstrap node's) record heartbeats (the product's default; until "
+                             "session 13 the "
                              "benchmark used 1 s, ~20 KB/s more DHT upload per peer)")
     parser.add_argument("--outer-optimizer", default="sgd:lr=1,momentum=0",
                         help="DiLoCo arms' outer optimizer (a run of 2-8 outer steps: momentum overshoots; see docs)")
