@@ -308,9 +308,8 @@ def main() -> int:
                         help="the quorum arms' slow peer sleeps this long per micro-batch (about one micro-batch's "
                         "compute of 4 peers on 2 cores: half speed)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
-                        help="seconds between a peer's (and the bootstrap node's) record heartbeats (the product's default; until "
-                             "session 13 the "
-                             "benchmark used 1 s, ~20 KB/s more DHT upload per peer)")
+                        help="seconds between a peer's (and the bootstrap node's) record heartbeats (the product's "
+                             "default; until session 13 the peers', until session 28 the bootstrap node's were 1 s)")
     parser.add_argument("--outer-optimizer", default="sgd:lr=1,momentum=0",
                         help="DiLoCo arms' outer optimizer (a run of 2-8 outer steps: momentum overshoots; see docs)")
     parser.add_argument("--timeout", type=float, default=900.0, help="per arm")
