@@ -63,6 +63,10 @@ class SwarmDHT(hivemind.DHT):
                  **kwargs):
         if behind_nat:  # p2pd: autorelay on, and private reachability at once rather than after AutoNAT's probes
             kwargs = {"use_auto_relay": True, "force_reachability": "private", **kwargs}
+        # No node-local caching of what a read found: hivemind's find RPC answers with the cached copy too, so every
+        # node that had read the membership dictionary answered every later read (and every store's lookup of
+        # the nodes near the key) with all of it, and a read cost min(N, 20) copies instead of the 5 replicas'.
+        kwargs = {"cache_locally": False, "cache_nearest": 0, **kwargs}
         super().__init__(*args, **kwargs)
         self.identity = identity
         # Nobody can dial this node (`start_dht`'s behind_nat): its averager announces no data-plane address, so
