@@ -4,24 +4,24 @@ peer's link (`ControlPlane`).
 **When** a peer reads is production's decision, called here: `ProgressCadence.interval` (after half the time left
 in the epoch, never faster than its byte budget allows; peer/optimizer/progress_cadence.py).
 
-**What** one read costs is a model of hivemind's DHT fitted to `benchmarks/bench_dht.py` (docs/benchmarks.md, "The
-control plane"): a read asks up to `DHT_READ_FANOUT` nodes, and each answers with the whole progress dictionary,
-one record per live peer at ~`WIRE_BYTES_PER_RECORD` on the wire. Per read-and-publish cycle that is
-min(N, 20) x N x 2.8 KB, which gives 45, 179 and 717 KB per peer per cycle at 4, 8 and 16 peers, against the 44,
-176 and 656 KB measured there (16 peers ran CPU-bound). Why a record costs more in a larger swarm is a lead, not
-a traced fact: `membership.list_peers` reads with hivemind's `get(latest=True)`, which searches the whole beam
-(20 nodes, hivemind's bucket size) for the latest copy instead of stopping at the first, and every node it asks
-answers with its copy; but a beam of 5 cut only 8-16% at 8 peers (session 13). Beyond 16 peers the cap at 20 is
-that beam, not a measurement. Every node answers other peers' reads about as often as it reads (all of them
-cache the dictionary), so a peer's upload per cycle is what its own read moves.
+**What** one read costs is a model of hivemind's DHT, traced and fitted with `benchmarks/bench_dht.py`
+(docs/benchmarks.md, "The control plane"): a read (hivemind's `get(latest=True)`) asks every node of its beam,
+and each of the `DHT_REPLICAS` nodes that store the run's key answers with the whole progress dictionary, one
+record per live peer at ~`WIRE_BYTES_PER_RECORD` on the wire. A publication costs as much again: hivemind's store
+first looks up the nodes near the key with the same find request, and those answer with the dictionary too. Per
+read-and-publish cycle that is min(N, 5) x N x 2.8 KB: 45 KB at 4 peers (44 measured), 112 at 8 and 224 at 16.
+Until session 28 every node also answered from its cache of what it had read (hivemind's `cache_locally`, now off
+in `SwarmDHT`), so the fan-out was the beam's 20 nodes, not the 5 replicas: 179 and 717 KB at 8 and 16 peers. At
+16 peers on the 2-core sandbox (CPU-bound, so below these figures) turning the cache off took the default
+cadence's upload from 164 to 67 KB/s per peer.
 
 What follows for large swarms: production's byte budget assumes a constant `BYTES_PER_RECORD` (16 KB) per record,
-so its floor interval grows as N x 16 KB / budget, while the cost per record grows to 20 x 2.8 = 56 KB at 20 peers
-and more. From 20 peers on, a peer's progress traffic levels off at 56 / 16 = 3.5 x the budget (448 KB/s at the
-default 128 KB/s), on its uplink and its downlink, whatever the swarm's size.
+so its floor interval grows as N x 16 KB / budget, while a record costs 5 x 2.8 = 14 KB from 5 peers on: a peer's
+progress traffic levels off at 14 / 16 = 0.875 x the budget (112 KB/s at the default 128 KB/s), on its uplink and
+its downlink, whatever the swarm's size. The 5 replicas answer every read (with the cache on too: they were always
+asked), so their uplinks carry N / 5 times the mean (bench_dht's `max_upload_bps`); the model does not show it.
 
-Not modelled: matchmaking's DHT traffic (a few small messages per round), and the load on the nodes nearest to the
-key when caching does not spread it.
+Not modelled: matchmaking's DHT traffic (a few small messages per round), and the replicas' extra load.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 
-DHT_READ_FANOUT = 20
+DHT_REPLICAS = 5  # hivemind's num_replicas: the nodes that store a key and answer its reads
 WIRE_BYTES_PER_RECORD = 2_800.0
 # A peer keeps at least this share of its link for the data plane in the model (a link that the control plane
 # alone would fill is reported through `saturates`, not modelled as a round that never ends).
@@ -42,7 +42,7 @@ MIN_DATA_SHARE = 0.1
 def read_cycle_bytes(peers: int) -> float:
     """Bytes one read-and-publish cycle moves in a swarm of `peers` live peers (see the module docstring)."""
     n = max(int(peers), 1)
-    return min(n, DHT_READ_FANOUT) * n * WIRE_BYTES_PER_RECORD
+    return min(n, DHT_REPLICAS) * n * WIRE_BYTES_PER_RECORD
 
 
 class ControlPlane:

@@ -9,7 +9,7 @@ import torch
 
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.simulation.control_plane import (
-    DHT_READ_FANOUT,
+    DHT_REPLICAS,
     ControlPlane,
     read_cycle_bytes,
 )
@@ -19,11 +19,12 @@ pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("peers, measured", [(4, 44e3), (8, 176e3), (16, 656e3)])
-def test_a_read_cycle_costs_what_bench_dht_measured_per_peer(peers, measured):
-    # docs/benchmarks.md, "The control plane": 11, 22 and 41 KB per record per read cycle at 4, 8 and 16 peers
-    # (16 ran CPU-bound, so its measurement is low).
-    assert read_cycle_bytes(peers) == pytest.approx(measured, rel=0.1 if peers < 16 else 0.15)
+@pytest.mark.parametrize("peers, measured, tolerance", [(4, 44e3, 0.1), (8, 86e3, 0.35)])
+def test_a_read_cycle_costs_what_bench_dht_measured_per_peer(peers, measured, tolerance):
+    # docs/benchmarks.md, "The control plane": 11 KB per record per read cycle at 4 peers (session 13; every node is
+    # a replica there, so the DHT cache never mattered); 86 KB per cycle at 8 peers with the cache off (session 28,
+    # the fixed 0.3 s cadence, 8 DHT processes with their p2pd on 2 cores: CPU-bound, hence the wide tolerance).
+    assert read_cycle_bytes(peers) == pytest.approx(measured, rel=tolerance)
 
 
 def test_epoch_reads_follow_the_production_cadence():
@@ -40,16 +41,16 @@ def test_epoch_reads_follow_the_production_cadence():
     assert default.epoch_reads(0.0, 4) == 0.0
 
 
-def test_progress_traffic_levels_off_above_the_budget_in_large_swarms():
+def test_progress_traffic_levels_off_just_below_the_budget_in_large_swarms():
     plane, budget = ControlPlane(), ProgressCadence().budget_bps
-    rates = {n: plane.floor_rate(n) for n in (DHT_READ_FANOUT, 100, 1000, 10_000)}
-    # The budget's model assumes 16 KB per record; from the fan-out on, a record costs 20 x 2.8 KB = 56 KB.
-    assert all(r == pytest.approx(3.5 * budget) for r in rates.values())
+    rates = {n: plane.floor_rate(n) for n in (DHT_REPLICAS, 100, 1000, 10_000)}
+    # The budget's model assumes 16 KB per record; from the replicas' count on, a record costs 5 x 2.8 KB = 14 KB.
+    assert all(r == pytest.approx(0.875 * budget) for r in rates.values())
     assert plane.floor_rate(4) < budget
-    links = np.array([4e5, 1e7])  # 3.2 and 80 Mbit/s
+    links = np.array([1e5, 1e7])  # 0.8 and 80 Mbit/s
     assert plane.saturates(links, 1000).tolist() == [True, False]
-    assert plane.data_share(links, 1000)[1] == pytest.approx(1e7 - 3.5 * budget)
-    assert plane.data_share(links, 1000)[0] == pytest.approx(4e4)  # the share the model keeps for the data plane
+    assert plane.data_share(links, 1000)[1] == pytest.approx(1e7 - 0.875 * budget)
+    assert plane.data_share(links, 1000)[0] == pytest.approx(1e4)  # the share the model keeps for the data plane
 
 
 def _config(**overrides) -> TrainingConfig:
