@@ -40,8 +40,8 @@ cadence in an epoch the swarm's target batch ends (the others' sums of samples d
 peer's own count (DiLoCo's inner steps) they come at the cadence's longest interval, plus the epoch's start and
 end at once: readers advance a record's count by its rate (`round_timing._seconds_to_go`), so publishing faster
 near the end tells them nothing new, and every publication costs a read too (hivemind's store first asks the
-nodes near the key, and each answers with the whole dictionary). The training loop only reads the cached `ProgressSnapshot`, with this peer's own numbers always taken
-from local state (the DHT copy of them lags).
+nodes near the key, and each answers with the whole dictionary). The training loop only reads the cached
+`ProgressSnapshot`, with this peer's own numbers always taken from local state (the DHT copy of them lags).
 """
 
 from __future__ import annotations
@@ -301,7 +301,8 @@ class SwarmProgress:
         """Publish this peer's progress (and upload bandwidth, bytes/s); throttled to one DHT store per
         `publish_interval` unless the epoch changed, it ends now, or `force`. `epoch_eta_s`: seconds until this
         peer's epoch ends by its strategy's own count (None: the swarm's target batch ends it; 0: it ends now),
-        which sets the cadence. The record of an epoch's end goes out at once: the others' straggler waits and quorums read it."""
+        which sets the cadence. The record of an epoch's end goes out at once: the others' straggler waits and
+        quorums read it."""
         now = time.monotonic()
         self._epoch_eta = None if epoch_eta_s is None else (epoch_eta_s, now)
         force = force or (epoch_eta_s is not None and epoch_eta_s <= 0)

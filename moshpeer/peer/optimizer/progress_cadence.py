@@ -3,9 +3,10 @@ about to end, and never more often than a byte budget allows.
 
 Why: every read fetches the whole membership dictionary (every peer's signed record, ~1.4 KB with its owner
 key and signature) from each of the nodes that store it, and every publication stores a record on up to five
-nodes. At a read every 0.3 s and a publication every 0.2 s, each peer's link carried 175 KB/s of DHT traffic in
-a 4-peer swarm and 452 KB/s in an 8-peer one (`benchmarks/bench_dht.py`, docs/benchmarks.md): more than a
-DiLoCo round's payload over its inner phase, and growing with the swarm.
+nodes after asking them for the key, which they answer with the whole dictionary as they answer a read. At a
+read every 0.3 s and a publication every 0.2 s, each peer's link carried 175 KB/s of DHT traffic in a 4-peer swarm
+and 452 KB/s in an 8-peer one (`benchmarks/bench_dht.py`, docs/benchmarks.md): more than a DiLoCo round's payload
+over its inner phase, and growing with the swarm.
 
 The cadence is a plain function of two numbers the peer knows:
 - `eta_s`, the seconds until this peer's epoch is expected to end (the swarm's target batch, or the
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 
 # Upload bytes one record adds to a peer's link per read-and-publish cycle (bench_dht.py, fixed 0.3 s cadence:
 # 175 KB/s / 3.3 cycles/s / 4 records = 13 KB at 4 peers, 452 / 3.3 / 8 = 17 KB at 8; of which reads ~9 KB at
-# 8 peers). hivemind asks every node that stores the dictionary, and each answers with all of it.
+# 8 peers). hivemind asks every node that stores the dictionary, and each answers with all of it. Since nodes
+# stopped caching what they read (session 28), that is the key's 5 replicas: ~14 KB per record per cycle beyond 5.
 BYTES_PER_RECORD = 16_000.0
 DEFAULT_MAX_INTERVAL_S = 5.0
 
