@@ -76,6 +76,11 @@ class EF21M:
         self.steps += 1
         return self.e_bar
 
+    def commit(self) -> bool:
+        """Nothing to commit: `step` updates the state at once (a round the optimizer then drops leaves the estimates
+        one step ahead; the next rounds pull them back). Always False."""
+        return False
+
     def state_dict(self) -> Dict[str, Any]:
         """Tensors and counters to checkpoint (clones: later steps do not change a saved state)."""
         return {"version": STATE_VERSION, "kind": self.kind, "steps": self.steps, "momentum": self.momentum,

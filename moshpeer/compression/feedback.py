@@ -20,6 +20,10 @@ class ErrorFeedback(Protocol):
         """Fold `flat` in, all-reduce with the group (every member with the same `seed`), return what the caller
         applies."""
 
+    def commit(self) -> bool:
+        """The caller applied what the last `step` returned (the optimizer took the round); False if there was
+        nothing to commit. A state that updates itself in `step` (EF21M) commits nothing."""
+
     def state_dict(self) -> Dict[str, Any]: ...
 
     def check_state(self, state: Any) -> None:

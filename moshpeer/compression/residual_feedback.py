@@ -19,7 +19,10 @@ SGD (DiLoCoStrategy's default outer optimizer under error feedback).
 A lost chunk: the data plane's estimator reconstructs Δ̄ there over the members whose chunk arrived (unbiased over
 them), and e_i counts its own chunk as sent (it cannot know it was lost), so that part of its displacement is dropped,
 once, as a lost gradient would be. A round that raises leaves e_i as it was: the caller then applies the peer's Δ by
-its fallback (alone, or carried into the next round), which must not also wait in e_i.
+its fallback (alone, or carried into the next round), which must not also wait in e_i. So does a round whose data
+plane finished but that the optimizer did not take (it abandoned the round at its deadline a moment before the
+round thread finished): `step` only stages the new e_i, and the optimizer `commit`s it when it applies Δ̄; a staged
+residual that nobody committed is dropped by the next `step`.
 
 The state (e_i and the round count) is part of the peer's training state: `state_dict` / `load_state_dict` put it in
 checkpoints; a newcomer starts with e_i = 0 (the residual is this peer's own unsent work, not the swarm's).
@@ -55,19 +58,31 @@ class ResidualFeedback:
         self.decay = float(decay)
         self.steps = 0
         self.e = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self._staged: Optional[torch.Tensor] = None  # the last round's new e until the optimizer commits it
 
     async def step(self, delta: torch.Tensor, seed: int, dense_allreduce: DenseAllReduce) -> torch.Tensor:
         """Add `delta` to the residual, all-reduce its selected rows with the group and return the group's sparse
         average (zeros outside the selected rows; a new tensor). Every member of the group calls it together with
-        the same `seed` (ArcTopK.allreduce). If the all-reduce raises, the residual is unchanged."""
+        the same `seed` (ArcTopK.allreduce). The new residual is staged: it replaces the residual at `commit`, and
+        the next `step` drops it if nobody committed it. If the all-reduce raises, nothing is staged."""
         delta = delta.reshape(-1).to(self.e.device, torch.float32)
         if delta.numel() != self.numel:
             raise ValueError(f"pseudo-gradient has {delta.numel()} values; this state holds {self.numel}")
+        self._staged = None
         accumulated = torch.add(delta, self.e, alpha=self.decay)
         result = await self.sparsifier.allreduce_selected(accumulated, seed, dense_allreduce)
-        self.e.copy_(accumulated.sub_(self.sparsifier.contribution(accumulated, result.rows)))
-        self.steps += 1
+        self._staged = accumulated.sub_(self.sparsifier.contribution(accumulated, result.rows))
         return result.average.reshape(-1)
+
+    def commit(self) -> bool:
+        """The optimizer applied the last round's average: its residual becomes this peer's. False (nothing
+        changed) if no round is staged: none ran since the last commit, or it raised."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        self.e.copy_(staged)
+        self.steps += 1
+        return True
 
     def state_dict(self) -> Dict[str, Any]:
         """Tensors and counters to checkpoint (a clone: later rounds do not change a saved state)."""
@@ -94,3 +109,4 @@ class ResidualFeedback:
             raise UserError(str(e)) from None
         self.e.copy_(state["e"].reshape(-1))
         self.steps = state["steps"]
+        self._staged = None

@@ -81,6 +81,7 @@ class FakeAverager:
         self.loss_budget = parse_loss_budget(None)
         self.upload_bandwidth: Optional[float] = None
         self.flagged_peers: Dict[str, int] = {}
+        self.error_feedback: Any = None  # the loop commits it when it takes a round
         self.outcomes: List[FakeFuture] = []
         self.calls: List[Dict[str, Any]] = []
         self.average = None  # optional callable(tensors) run when a round "completes"

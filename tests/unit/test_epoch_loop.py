@@ -74,6 +74,27 @@ def test_a_round_without_a_group_ends_the_epoch_with_the_peers_own_step(outcome,
         assert torch.allclose(p, q - 0.1 * 2.0)
 
 
+class _CountingFeedback:
+    def __init__(self):
+        self.commits = 0
+
+    def commit(self) -> bool:
+        self.commits += 1
+        return True
+
+
+@pytest.mark.parametrize("outcome, commits", [({"result": RoundResult(ok=True, group_size=2)}, 1),
+                                              ({"result": RoundResult(ok=False, error="no group")}, 0),
+                                              ({}, 0)])  # abandoned: its data plane may still finish later
+def test_error_feedback_commits_a_round_only_when_the_loop_takes_it(outcome, commits):
+    host = gradients_host(lr=0.1)
+    host.averager.error_feedback = feedback = _CountingFeedback()
+    host.averager.queue(**outcome)
+    host.backward(1.0)
+    host.epochs.account(32)
+    assert feedback.commits == commits
+
+
 def test_the_swarm_reaching_the_target_ends_the_epoch_before_this_peers_share():
     host = gradients_host()
     host.swarm.progress.view = swarm_view(trainers=4, samples=10)  # this peer's share: 16 of 64

@@ -22,13 +22,18 @@ pytestmark = pytest.mark.timeout(120)
 SPEC = "topk-int2:0.0625:64:4"  # 1 row of 16 a round, ternary values: every rounding error goes to the residual
 
 
-def group_round(states, inputs: List[torch.Tensor], seed: int) -> List[torch.Tensor]:
+def group_round(states, inputs: List[torch.Tensor], seed: int, taken: bool = True) -> List[torch.Tensor]:
+    """One round of `states` together; `taken`: the optimizer applies its average (each state commits)."""
     group = WireGroup(len(states))
 
     async def main():
         return await asyncio.gather(*[s.step(x, seed, group.allreduce) for s, x in zip(states, inputs)])
 
-    return asyncio.run(main())
+    averages = asyncio.run(main())
+    if taken:
+        for state in states:
+            state.commit()
+    return averages
 
 
 def test_with_decay_one_the_applied_average_plus_the_residuals_is_what_the_peers_computed():
@@ -74,6 +79,23 @@ def test_a_round_that_raises_leaves_the_residual_as_it_was():
     with pytest.raises(ConnectionError):
         asyncio.run(state.step(torch.randn(2048), 1, failing))
     assert torch.equal(state.e, before) and state.steps == 1
+
+
+def test_a_round_the_optimizer_did_not_take_leaves_the_residual_as_it_was():
+    # The round's data plane finished, but the optimizer had abandoned it at its deadline a moment before and
+    # applied the peer's Δ by its fallback: that Δ must not wait in the residual too.
+    sparsifier = get_compression(SPEC).sparsifier
+    state = ResidualFeedback(2048, sparsifier)
+    group_round([state], [torch.randn(2048)], seed=0)
+    before = state.e.clone()
+    group_round([state], [torch.randn(2048)], seed=1, taken=False)
+    assert torch.equal(state.e, before) and state.steps == 1
+    # The next round starts from the committed residual, and the untaken one is never committed later.
+    delta = torch.randn(2048)
+    average = group_round([state], [delta], seed=2)[0]
+    assert state.steps == 2
+    assert torch.allclose(state.e + average, 0.95 * before + delta, atol=1e-5)  # a lone member: Δ̄ is what it sent
+    assert not state.commit()
 
 
 def test_state_round_trips_and_refuses_what_does_not_fit():

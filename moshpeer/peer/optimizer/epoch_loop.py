@@ -42,6 +42,7 @@ import torch
 
 from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import RoundResult
+from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
@@ -91,6 +92,7 @@ class RoundRunner(Protocol):
     loss_budget: Any
     upload_bandwidth: Optional[float]
     flagged_peers: Dict[str, int]
+    error_feedback: Optional[ErrorFeedback]  # a round's residual counts only once the loop takes the round
 
     def step(self, **kwargs: Any) -> Any: ...
 
@@ -366,6 +368,8 @@ class EpochLoop:
         ok = result is not None and result.ok
         if ok:
             self.host.swarm.progress.note_round(facts["epoch"], result.contributors)
+            if self.host.averager.error_feedback is not None:
+                self.host.averager.error_feedback.commit()
             spread = strategy.apply_averaged(plan)
         elif update is not None:
             spread = strategy.apply_update(plan, update)
