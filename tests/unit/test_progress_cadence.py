@@ -5,11 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
+import types
 
 import pytest
+from peer_fakes import FakeClock
 from test_dht_records import make_record
 
 from moshpeer.dht import MUTABLE_FIELDS, Identity
+import moshpeer.peer.optimizer.progress as progress_module
 from moshpeer.peer.optimizer.progress import SwarmProgress
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 
@@ -132,17 +135,20 @@ def test_a_read_without_this_peers_own_record_leaves_the_view_as_it_was(monkeypa
         progress.shutdown()
 
 
-def test_an_epoch_of_its_own_count_publishes_at_the_longest_interval_but_its_end_at_once():
+def test_an_epoch_of_its_own_count_publishes_at_the_longest_interval_but_its_end_at_once(monkeypatch):
     # Near the end of a target-batch epoch the others' sums decide it: publications follow the fast read cadence.
     # An epoch of the peer's own count is predictable from its record's count and rate: the longest interval.
+    clock = FakeClock()
+    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(monotonic=clock, sleep=time.sleep))
     cadence = ProgressCadence(min_interval_s=0.01, max_interval_s=60.0, budget_bps=math.inf)
     own_count, target_batch = [], []
     progress, swarm = _progress(_EmptyDHT(), own_count, cadence), _progress(_EmptyDHT(), target_batch, cadence)
     try:
         for step in range(5):
+            # 0.03 s apart: more than the read cadence near an epoch's end (half of the 0.05 s left)
             progress.report(epoch=1, samples_accumulated=step, samples_per_second=1.0, step=step, epoch_eta_s=0.05)
             swarm.report(epoch=1, samples_accumulated=step, samples_per_second=1.0, step=step)
-            time.sleep(0.03)
+            clock.advance(0.03)
         assert len(own_count) == 1  # the epoch's start only
         assert progress.publish_interval() == 60.0 and progress.next_interval() < 0.1  # reads stay fast
         progress.report(epoch=1, samples_accumulated=5, samples_per_second=1.0, step=5, epoch_eta_s=0.0)
