@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, List, Sequence
+from typing import TYPE_CHECKING, Callable, List, Sequence
 
 from moshpeer.cli.common import int_at_least, share
 
@@ -34,24 +34,24 @@ DESCRIPTION = (
 )
 
 
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
-    return value
+def _float_in(accepts: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """argparse type: a float that `accepts`; anything else is one line naming `what` it must be."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
+_probability = _float_in(lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+_fraction = _float_in(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+_positive_float = _float_in(lambda v: 0.0 < v < math.inf, "a positive number")
+_nonnegative_float = _float_in(lambda v: 0.0 <= v < math.inf, "a non-negative number")
+_finite_float = _float_in(math.isfinite, "finite")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -123,26 +123,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
-    return value
-
-
 # Training-level knobs: (flag, dest, type, default, metavar, help). Defaults are those of the issue's 1,000-peer
 # scenario (docs/simulation.md); None here means "not given", so that the averaging level can refuse them.
 TRAINING_KNOBS = (
@@ -178,6 +158,11 @@ TRAINING_KNOBS = (
      "failure rate per peer per hour of simulated time (exponential)"),
     ("--rejoin-s", "rejoin_s", _positive_float, 600.0, "T", "mean time a failed peer stays away, s"),
     ("--never-return", "never_return", _probability, 0.0, "P", "probability that a failed peer never returns"),
+    ("--resume-fraction", "resume_fraction", _fraction, 0.0, "P", "probability that a failed peer keeps a checkpoint "
+     "of the epoch it failed in (a preemption it checkpointed on); the others lose their state"),
+    ("--max-staleness", "max_staleness", int_at_least(0, 1 << 20), 1, "E", "a rejoining peer resumes from its "
+     "checkpoint while the swarm is at most E epochs ahead, else downloads a live peer's state (production's "
+     "--max-staleness)"),
     ("--hostile-fraction", "hostile_fraction", _probability, 0.0, "P", "fraction of hostile peers"),
     ("--hostile-scale", "hostile_scale", _finite_float, -100.0, "K",
      "a hostile peer sends K x its contribution (-100 scaled, -1 sign flip)"),
@@ -321,7 +306,8 @@ def run_training_level(args: argparse.Namespace) -> int:
             uplink=knobs["uplink_mbps"] * 125_000, downlink=knobs["downlink_mbps"] * 125_000,
             rtt_s=knobs["rtt_ms"] / 1000, link_spread=knobs["link_spread"], speed=knobs["speed"],
             speed_spread=knobs["speed_spread"], failure_rate_per_hour=knobs["failures_per_hour"],
-            rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"], chunk_loss=args.chunk_loss,
+            rejoin_s=knobs["rejoin_s"], never_return=knobs["never_return"],
+            resume_fraction=knobs["resume_fraction"], max_staleness=knobs["max_staleness"], chunk_loss=args.chunk_loss,
             chunk_numel=args.chunk_numel, loss_budget=knobs["loss_budget"],
             hostile_fraction=knobs["hostile_fraction"],
             hostile_scale=knobs["hostile_scale"], hostile_weight=knobs["hostile_weight"],

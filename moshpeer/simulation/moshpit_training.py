@@ -40,8 +40,10 @@
    `clipped`/`trimmed` = the production `robust_combine`, with `clipped` owners weighing the peers their production
    `SuspectTracker` distrusts at zero; declared weights capped by `cap_weights` (`weight_cap_factor(mode)`); lost
    averaged chunks keep the receiver's own value.
-5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer downloads the state of a
-   random live honest peer (state bytes / its downlink) and resumes at the swarm's median clock. A peer that was
+5. keys rotate with hivemind's rule (`grid.rotate_grouped_keys`); a rejoining peer decides by production's start
+   rule on the live peers' epochs (rejoin.py): it resumes from its checkpoint (`resume_fraction` of failures keep
+   one) while the swarm is at most `max_staleness` epochs ahead, else downloads the state of a random live honest
+   peer (state bytes / its downlink); either way it resumes at the swarm's median clock. A peer that was
    ready only after its group had formed takes the group's update as production DiLoCo does (`rejoins_by_update`,
    `OuterState.apply_keeping_progress`): a member's Δ̄ after the round (Δ's bytes / its downlink), the outer step
    on it, and its own Δ of the round carried into its next one (its compute is not lost; that round weighs its
@@ -80,6 +82,7 @@ from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_time
 from moshpeer.simulation.control_plane import ControlPlane
 from moshpeer.simulation.group_aggregation import aggregate_group
 from moshpeer.simulation.matchmaking_window import form_groups
+from moshpeer.simulation.rejoin import adopt_state, downloads_on_rejoin, kept_checkpoints
 from moshpeer.simulation.round_losses import lossy_round_seconds
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
@@ -123,10 +126,13 @@ class MoshpitTraining:
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
         self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
+        self.epoch = np.zeros(n, dtype=np.int64)  # rounds each peer applied: the epoch its record shows
+        self.checkpointed = np.zeros(n, dtype=bool)  # away with a checkpoint of its epoch (rejoin.py)
+        self.state_bytes = 0.0  # states downloaded by rejoining peers
         # Production's round timing (no compute budget): the straggler hold of `_window`.
         self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)
         self.round = 0
-        self.stalls = self.failures = self.catch_ups = 0
+        self.stalls = self.failures = self.catch_ups = self.state_downloads = self.checkpoint_resumes = 0
         self.loss_stalls = 0  # group rounds that waited for the deadline for chunks lost beyond the loss budget
         self.group_sizes: List[int] = []
         self.alone = 0
@@ -146,7 +152,8 @@ class MoshpitTraining:
         return self.deadlines[peer]
 
     def _fail(self, peers: np.ndarray, at: np.ndarray) -> None:
-        """Peers fail at times `at`: away for Exp(rejoin_s), or for good with probability never_return."""
+        """Peers fail at times `at`: away for Exp(rejoin_s), or for good with probability never_return; some keep a
+        checkpoint of their epoch (rejoin.py)."""
         if peers.size == 0:
             return
         s, c = self.swarm, self.config
@@ -157,36 +164,33 @@ class MoshpitTraining:
         self.down_until[peers] = back
         self.clock[peers] = at
         self.fail_at[peers] = np.where(gone, np.inf, s.next_failure(np.where(gone, 0.0, back)))
+        self.checkpointed[peers] = kept_checkpoints(peers.size, c.resume_fraction, s.fail_rng)
 
     def _rejoin(self, now: float) -> None:
-        """Peers whose time away is over by the swarm's median clock download a live honest peer's state."""
+        """Peers whose time away is over by the swarm's median clock come back by production's start rule
+        (rejoin.py): from their checkpoint, or with a live honest peer's state, downloaded."""
         s, c = self.swarm, self.config
         back = np.flatnonzero((self.down_until > self.clock) & (self.down_until <= now))
         if back.size == 0:
             return
-        live = np.flatnonzero((self.down_until <= self.clock) & s.honest)
+        up = self.down_until <= self.clock
+        live = np.flatnonzero(up & s.honest)
         if live.size == 0:
             return
         donors = live[s.group_rng.integers(0, live.size, back.size)]
         self.down_s[back] += self.down_until[back] - self.clock[back]
+        fetch = downloads_on_rejoin(self.epoch[back], self.checkpointed[back], self.epoch[up], c.max_staleness)
+        self.state_downloads += int(fetch.sum())
+        self.checkpoint_resumes += int((~fetch).sum())
         state_values = c.model_params * (2 if c.mode == "diloco" else 1)  # diloco: θ_outer and its momentum
-        download = state_values * 4 / s.downlink[back]
+        self.state_bytes += float(fetch.sum()) * state_values * 4
+        download = np.where(fetch, state_values * 4 / s.downlink[back], 0.0)
         resume = np.maximum(self.down_until[back] + download, now)
         self.wait[back] += resume - self.down_until[back]  # the download, then waiting for the next round
         self.clock[back] = resume
         self.down_until[back] = 0.0
-        self._adopt(back, donors)
-
-    def _adopt(self, peers: np.ndarray, donors: np.ndarray) -> None:
-        """`peers` take over their donors' state: the model and, for DiLoCo, θ_outer and the outer momentum."""
-        b, d = torch.from_numpy(peers), torch.from_numpy(donors)
-        self.x[b] = self.x[d]
-        if self.outer is not None:
-            anchor = self.outer.anchor[0]
-            anchor[b] = anchor[d]
-            momentum = self.outer.optimizer.state.get(anchor, {}).get("momentum_buffer")
-            if momentum is not None:
-                momentum[b] = momentum[d]
+        adopt_state(self.x, self.outer, back[fetch], donors[fetch])
+        self.epoch[back[fetch]] = self.epoch[donors[fetch]]
 
     # -- one round --
 
@@ -212,7 +216,7 @@ class MoshpitTraining:
         if self.control is not None:  # (a failed peer's reads taken as those of an epoch that short)
             self.dht_sent[active[failing]] += self.control.round_bytes(worked, np.zeros(worked.size), active.size)
         self._fail(active[failing], self.fail_at[active[failing]])
-        self.carried[active[failing]] = 0.0  # its state is lost with it: it comes back with a donor's
+        self.carried[active[failing]] = 0.0  # work since its last round is lost (a checkpoint holds its epoch)
         survivors, ready, compute, taken = active[~failing], ready[~failing], compute[~failing], taken[~failing]
         samples = taken * c.workload.batch + self.carried[survivors]  # what each contribution holds: its weight
         honest, contributions, weights = self._compute(survivors, taken, samples)
@@ -253,6 +257,7 @@ class MoshpitTraining:
         self.clock[alone] = ready_of[alone] + window_of[alone]
         self.useful[survivors[done]] += compute[done]
         self._apply(survivors, done, averaged)
+        self.epoch[survivors] += 1  # averaged, stepped alone, or (below) took the group's update
         # Merging by tokens: a late peer's Δ, kept in its parameters, is weighed into its next round (the epoch
         # loop's `EpochCounters.carried`); everybody else's work went into this round's step.
         self.carried[survivors] = 0.0
@@ -486,4 +491,6 @@ class MoshpitTraining:
             dht_saturated_fraction=self.saturated / max(sum(self.group_sizes), 1),
             final_spread=s.problem.spread(models) if live_honest.size else float("nan"),
             mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
-            alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups, curve=self.curve)
+            alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups,
+            state_downloads=self.state_downloads, checkpoint_resumes=self.checkpoint_resumes,
+            state_bytes_per_peer=self.state_bytes / c.peers, curve=self.curve)

@@ -10,6 +10,7 @@ from typing import Optional
 
 from moshpeer.averaging import grid
 from moshpeer.averaging.aggregation import AGGREGATIONS
+from moshpeer.peer.checkpoint.staleness import DEFAULT_MAX_STALENESS
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.strategies.diloco import DEFAULT_OUTER_PARAMS_EVERY
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
@@ -92,6 +93,10 @@ class TrainingConfig:
     :param round_timeout_s: cap of the adaptive round deadline (`DeadlineLearner`, floor `min_round_timeout_s`)
     :param rejoin_s: mean time a failed peer stays away (exponential)
     :param never_return: probability that a failed peer never comes back
+    :param resume_fraction: probability that a failed peer keeps a checkpoint of the epoch it failed in (a
+        preemption it checkpointed on); the others lose their state (rejoin.py)
+    :param max_staleness: a rejoining peer resumes from its checkpoint while the swarm is at most this many epochs
+        ahead, else downloads (production `moshpeer join --max-staleness`, `checkpoint.staleness.start_decision`)
     :param chunk_loss: probability that one chunk on one link is lost (both phases)
     :param loss_budget: production's fixed loss budget P (`LossBudget.fixed(P)`): a receiver that lost chunks stops
         once (1 - P) of them arrived and arrivals stalled (round_losses.py); 0 = it waits for the round's deadline
@@ -124,6 +129,8 @@ class TrainingConfig:
     failure_rate_per_hour: float = 0.0
     rejoin_s: float = 600.0
     never_return: float = 0.0
+    resume_fraction: float = 0.0
+    max_staleness: int = DEFAULT_MAX_STALENESS
     chunk_loss: float = 0.0
     loss_budget: float = 0.0
     chunk_numel: int = 1024
@@ -172,6 +179,8 @@ class TrainingConfig:
         for name in ("never_return", "chunk_loss", "loss_budget"):
             value = getattr(self, name)
             need(0 <= value < 1, f"{name} must be in [0, 1), got {value}")
+        need(0 <= self.resume_fraction <= 1, f"resume_fraction must be in [0, 1], got {self.resume_fraction}")
+        need(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         need(0 <= self.hostile_fraction < 1, f"hostile_fraction must be in [0, 1), got {self.hostile_fraction}")
         need(math.isfinite(self.hostile_scale), f"hostile_scale must be finite, got {self.hostile_scale}")
         need(0 < self.hostile_weight < math.inf, f"hostile_weight must be positive, got {self.hostile_weight}")

@@ -19,6 +19,8 @@ class TrainingResult:
     interval); `stalls` = group rounds (sync: steps) that waited for a dead member until a deadline/timeout;
     `loss_stalls` = group rounds that waited for the deadline for chunks lost beyond the loss budget;
     `catch_ups` = peers that came after their group had formed and took its update from a member instead;
+    `state_downloads` / `checkpoint_resumes` = failed peers that came back with a live peer's state / from their own
+    checkpoint (rejoin.py), `state_bytes_per_peer` = the states they downloaded;
     `bytes_per_peer` = the data plane's upload (rounds), `dht_bytes_per_peer` = progress traffic in the DHT
     (control_plane.py; 0 for the synchronous baseline, which has none), `dht_saturated_fraction` = the share of
     group participations in which progress traffic alone would have filled the member's link."""
@@ -44,6 +46,9 @@ class TrainingResult:
     dht_saturated_fraction: float = 0.0
     final_spread: float = 0.0
     catch_ups: int = 0
+    state_downloads: int = 0
+    checkpoint_resumes: int = 0
+    state_bytes_per_peer: float = 0.0
     mean_group_size: float = 0.0
     alone_fraction: float = 0.0
     curve: List[Tuple[float, float]] = field(default_factory=list)

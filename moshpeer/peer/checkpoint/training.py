@@ -34,6 +34,7 @@ import torch
 
 from moshpeer.errors import UserError
 from moshpeer.peer.checkpoint.format import CheckpointError, UnsupportedCheckpointVersion
+from moshpeer.peer.checkpoint.staleness import DEFAULT_MAX_STALENESS
 from moshpeer.peer.checkpoint.rng import capture_rng_state, restore_rng_state
 from moshpeer.peer.checkpoint.directory import CheckpointMeta
 from moshpeer.peer.checkpoint.store import CheckpointStore, Parts
@@ -52,7 +53,7 @@ class CheckpointPolicy:
     every_steps: Optional[int] = None  # micro-batches between periodic checkpoints
     every_seconds: Optional[float] = None  # seconds between periodic checkpoints
     keep_last: int = 3
-    max_staleness: int = 1  # epochs behind the swarm beyond which a peer downloads state instead
+    max_staleness: int = DEFAULT_MAX_STALENESS  # epochs behind the swarm beyond which a peer downloads instead
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
+from moshpeer.peer.checkpoint.staleness import Start, start_decision
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
 from moshpeer.peer.runtime.straggler import StragglerDelay
@@ -307,22 +308,20 @@ def _round_may_finish(daemon: Any, checkpointer: Optional[PeerCheckpointer], in_
 
 def _should_download(swarm_epoch: int, local_epoch: int, resume: Optional[ResumePoint], config: TrainerConfig,
                      emit: Emit) -> bool:
-    """At start: a new peer downloads the swarm's state whenever the swarm has moved on; a peer that
-    resumed from a checkpoint only when the swarm is more than `max_staleness` epochs ahead."""
+    """At start: production's start rule (`checkpoint.staleness.start_decision`): a new peer downloads the
+    swarm's state whenever the swarm has moved on; a peer that resumed from a checkpoint only when the swarm is
+    more than `max_staleness` epochs ahead. Says which it did."""
+    limit = config.checkpoint.max_staleness if resume is not None else 0  # no checkpoint: not used
+    decision = start_decision(swarm_epoch, local_epoch, resume is not None, limit)
     lag = swarm_epoch - local_epoch
-    if lag <= 0:
-        return False
-    if resume is None:
-        return True
-    limit = config.checkpoint.max_staleness
-    if lag <= limit:
+    if decision is Start.RESUME:
         logger.info(f"resuming from the checkpoint: {lag} epoch(s) behind the swarm (limit {limit})")
-        return False
-    logger.warning(f"checkpoint {resume.meta.path.name} is at epoch {local_epoch}, the swarm at {swarm_epoch}: "
-                   f"{lag} epochs behind (limit {limit}); downloading fresher state from peers instead")
-    emit({"event": "checkpoint_stale", "file": resume.meta.path.name, "checkpoint_epoch": local_epoch,
-          "swarm_epoch": swarm_epoch, "max_staleness": limit})
-    return True
+    elif decision is Start.DOWNLOAD and resume is not None:
+        logger.warning(f"checkpoint {resume.meta.path.name} is at epoch {local_epoch}, the swarm at {swarm_epoch}: "
+                       f"{lag} epochs behind (limit {limit}); downloading fresher state from peers instead")
+        emit({"event": "checkpoint_stale", "file": resume.meta.path.name, "checkpoint_epoch": local_epoch,
+              "swarm_epoch": swarm_epoch, "max_staleness": limit})
+    return decision is Start.DOWNLOAD
 
 
 def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, emit: Emit,
