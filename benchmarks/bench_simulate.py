@@ -22,7 +22,8 @@ Parts:
    (byz10_*_loss_ratio); the hostile fraction at which clipped stops keeping the loss within 2%
    (--training-rounds rounds each, fewer with --quick); DiLoCo averaging Δ only (outer_params_every=0) against
    production's θ_outer rounds; the same swarm training a small network (--workload mlp); a second swarm on
-   internet links as context, also without production's straggler hold and with a DiLoCo quorum of 0.75.
+   internet links as context, also without production's straggler hold, with a DiLoCo quorum of 0.75, and with
+   every failure a preemption the peer checkpointed on (production's start rule: resume or download).
 6. the control plane (moshpeer.simulation.control_plane): each peer's progress traffic in the DHT at the
    production cadence for 4 to 10,000 peers (dht_rate_*_bps), and the 1,000-peer DiLoCo swarm on home links
    (20 Mbit/s, 50 ms, equal peers, no failures) with and without it (goodput_1k_diloco_home, goodput_1k_diloco_home_no_dht).
@@ -252,9 +253,13 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
                    diloco_1k_internet_dht_bytes_per_peer=round(net.dht_bytes_per_peer),
                    diloco_1k_internet_final_loss=round(net.final_loss, 5),
                    diloco_1k_internet_alone_fraction=round(net.alone_fraction, 4))
+    figures["diloco_1k_internet_state_downloads"] = net.state_downloads
     # Production's round timing on those links: without the straggler hold (the simulator before session 26), and
-    # with a DiLoCo quorum of 0.75 (slow peers end their epoch early and their Δ weighs their samples).
-    for suffix, timing in (("_no_hold", {"straggler_hold": False}), ("_quorum", {"quorum": INTERNET_QUORUM})):
+    # with a DiLoCo quorum of 0.75 (slow peers end their epoch early and their Δ weighs their samples); and every
+    # failure a preemption the peer checkpointed on (production's start rule then resumes those the swarm has not
+    # left more than --max-staleness epochs behind, rejoin.py).
+    for suffix, timing in (("_no_hold", {"straggler_hold": False}), ("_quorum", {"quorum": INTERNET_QUORUM}),
+                           ("_resume", {"resume_fraction": 1.0})):
         r = run_training(TrainingConfig(**internet, **timing, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR),
                          seed=0)
         line(f"diloco, internet links, {suffix[1:].replace('_', ' ')}", r)
@@ -262,6 +267,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
                         f"diloco_1k_internet{suffix}_final_loss": round(r.final_loss, 5),
                         f"diloco_1k_internet{suffix}_alone_fraction": round(r.alone_fraction, 4),
                         f"diloco_1k_internet{suffix}_catch_ups": r.catch_ups,
+                        f"diloco_1k_internet{suffix}_state_downloads": r.state_downloads,
+                        f"diloco_1k_internet{suffix}_checkpoint_resumes": r.checkpoint_resumes,
                         f"diloco_1k_internet{suffix}_sim_h": round(r.sim_seconds / 3600, 3)})
     figures["diloco_1k_internet_sim_h"] = round(net.sim_seconds / 3600, 3)
     # Home links (20 Mbit/s, 50 ms), equal peers (no late members to blur it): where the control plane's traffic
