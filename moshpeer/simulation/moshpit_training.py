@@ -171,11 +171,9 @@ class MoshpitTraining:
         (rejoin.py): from their checkpoint, or with a live honest peer's state, downloaded."""
         s, c = self.swarm, self.config
         back = np.flatnonzero((self.down_until > self.clock) & (self.down_until <= now))
-        if back.size == 0:
-            return
         up = self.down_until <= self.clock
         live = np.flatnonzero(up & s.honest)
-        if live.size == 0:
+        if back.size == 0 or live.size == 0:
             return
         donors = live[s.group_rng.integers(0, live.size, back.size)]
         self.down_s[back] += self.down_until[back] - self.clock[back]
@@ -189,8 +187,7 @@ class MoshpitTraining:
         self.wait[back] += resume - self.down_until[back]  # the download, then waiting for the next round
         self.clock[back] = resume
         self.down_until[back] = 0.0
-        adopt_state(self.x, self.outer, back[fetch], donors[fetch])
-        self.epoch[back[fetch]] = self.epoch[donors[fetch]]
+        adopt_state(self.x, self.outer, self.epoch, back[fetch], donors[fetch])
 
     # -- one round --
 

@@ -37,9 +37,11 @@ def downloads_on_rejoin(epochs: np.ndarray, from_checkpoint: np.ndarray, live_ep
                      is Start.DOWNLOAD for epoch, kept in zip(epochs, from_checkpoint)], dtype=bool)
 
 
-def adopt_state(x: torch.Tensor, outer: Optional[OuterState], peers: np.ndarray, donors: np.ndarray) -> None:
-    """Rows `peers` of `x` take over their donors' state: the model and, for DiLoCo (`outer`), θ_outer and the
-    outer momentum."""
+def adopt_state(x: torch.Tensor, outer: Optional[OuterState], epochs: np.ndarray, peers: np.ndarray,
+                donors: np.ndarray) -> None:
+    """Rows `peers` of `x` take over their donors' state: the model, the epoch and, for DiLoCo (`outer`), θ_outer
+    and the outer momentum."""
+    epochs[peers] = epochs[donors]
     b, d = torch.from_numpy(peers), torch.from_numpy(donors)
     x[b] = x[d]
     if outer is not None:
