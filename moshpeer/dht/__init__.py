@@ -14,6 +14,10 @@ _NAMES = {
     "Identity": "identity",
     "peer_id_from_owner_key": "identity",
     "peers_key": "keys",
+    "relays_key": "keys",
+    "state_offers_key": "keys",
+    "RelayOfferRecord": "offers",
+    "StateOfferRecord": "offers",
     "validate_run_id": "keys",
     "check_ports_free": "maddrs",
     "parse_initial_peers": "maddrs",
@@ -31,6 +35,7 @@ _NAMES = {
     "Role": "records",
     "OwnedRecordValidator": "validation",
     "RecordRejected": "validation",
+    "run_validator": "validation",
     "parse_owned_entry": "validation",
 }
 

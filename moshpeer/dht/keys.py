@@ -2,7 +2,9 @@
 
 A run's keys all start with its run id, so runs that share a DHT (one bootstrap node can serve
 several) never see each other's records. Other layers add their keys here (progress, averaging),
-so a reader can see at a glance what a run stores in the DHT.
+so a reader can see at a glance what a run stores in the DHT. Every key moshpeer writes is an owned
+dictionary whose entries every node checks (`validation.run_validator`); the averaging group keys are hivemind's
+matchmaking's, which writes them unsigned (peer id -> expiration), checked by hivemind's own rules only.
 """
 
 from __future__ import annotations
@@ -39,3 +41,9 @@ def relays_key(run_id: str) -> str:
     """Key of the run's relay directory: public peers' data-plane relays for peers behind NAT (one signed entry
     per offering peer, subkey = its public key)."""
     return f"{run_id}_relays"
+
+
+def state_offers_key(run_id: str) -> str:
+    """Key of the run's state offers: one signed `StateOfferRecord` per donor (subkey = owner marker)."""
+    return f"{run_id}_state_offers"
+

@@ -32,10 +32,9 @@ import hivemind
 from moshpeer.dht.admission import Admission
 from moshpeer.dht.fork_locks import repair_fork_locks
 from moshpeer.dht.identity import Identity
-from moshpeer.dht.keys import peers_key, validate_run_id
+from moshpeer.dht.keys import validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
-from moshpeer.dht.records import PeerRecord
-from moshpeer.dht.validation import OwnedRecordValidator
+from moshpeer.dht.validation import run_validator
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -258,7 +257,7 @@ def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, init
     `persistent`: the identity came from `identity_path` (hivemind then also asks the swarm whether it is free)."""
     validators = [
         identity.signature_validator(),
-        OwnedRecordValidator({peers_key(run_id): PeerRecord for run_id in run_ids}),
+        run_validator(run_ids),
     ]
 
     key_dir = None

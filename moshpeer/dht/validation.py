@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Dict, Mapping, Optional, Type, TypeVar
+from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -27,6 +27,9 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ValidationError
 
 from moshpeer.dht.identity import peer_id_from_owner_key
+from moshpeer.dht.keys import peers_key, relays_key, state_offers_key
+from moshpeer.dht.offers import RelayOfferRecord, StateOfferRecord
+from moshpeer.dht.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -103,6 +106,16 @@ class OwnedRecordValidator(RecordValidatorBase):
         self.max_ttl = max(self.max_ttl, other.max_ttl)
         return True
 
+
+
+def run_validator(run_ids: Iterable[str]) -> "OwnedRecordValidator":
+    """The validator every moshpeer DHT node runs for these runs: each owned dictionary a run writes (its peer
+    records, relay offers and state offers) with the schema of its entries."""
+    schemas: Dict[str, Type[BaseModel]] = {}
+    for run_id in run_ids:
+        schemas.update({peers_key(run_id): PeerRecord, relays_key(run_id): RelayOfferRecord,
+                        state_offers_key(run_id): StateOfferRecord})
+    return OwnedRecordValidator(schemas)
 
 
 class RecordRejected(ValueError):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from moshpeer.dht.keys import state_offers_key
 from moshpeer.peer.state import framing
 from moshpeer.peer.state import pieces as state_pieces
 from moshpeer.peer.optimizer import CollaborativeOptimizer
@@ -184,7 +185,7 @@ def test_download_skips_a_lying_donor_and_adopts_the_honest_one(dht_node):
         liar = LyingDonor(donor.exchange.serialized_state()[1], liar_dht.identity, run, epoch=4)
         offer = {"peer_id": liar_dht.identity.peer_id, "host": "127.0.0.1", "port": liar.port, "epoch": 4,
                  "protocol": framing.STATE_PROTOCOL}
-        assert liar_dht.store(framing.state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
+        assert liar_dht.store(state_offers_key(run), offer, expiration_time=get_dht_time() + 30,
                               subkey=liar_dht.owner_subkey)
 
         downloaded = newcomer.catch_up()

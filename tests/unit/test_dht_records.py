@@ -24,7 +24,8 @@ from moshpeer.dht import (
     peers_key,
     validate_run_id,
 )
-from moshpeer.dht.validation import key_id
+from moshpeer.dht.keys import relays_key, state_offers_key
+from moshpeer.dht.validation import key_id, run_validator
 from moshpeer.errors import UserError
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,20 +183,20 @@ def test_record_updates_are_validated(alice):
 # ---- the validator, as hivemind's DHT runs it ---------------------------------------------------
 
 
-def signed_record(identity: Identity, value, subkey: bytes, run_id: str = RUN, expiration: float = 30.0) -> DHTRecord:
-    """What a peer using `identity` would send: validators sign, then the DHT ships the record."""
-    composite = CompositeValidator(
-        [identity.signature_validator(), OwnedRecordValidator({peers_key(run_id): PeerRecord})]
-    )
-    record = DHTRecord(key_id(peers_key(run_id)), serialize(subkey), serialize(value), get_dht_time() + expiration)
+def signed_record(identity: Identity, value, subkey: bytes, run_id: str = RUN, expiration: float = 30.0,
+                  key: str = "") -> DHTRecord:
+    """What a peer using `identity` would send under `key` (default: the run's peer records): validators sign,
+    then the DHT ships the record."""
+    composite = CompositeValidator([identity.signature_validator(), run_validator([run_id])])
+    record = DHTRecord(key_id(key or peers_key(run_id)), serialize(subkey), serialize(value),
+                       get_dht_time() + expiration)
     return dataclasses.replace(record, value=composite.sign_value(record))
 
 
 @pytest.fixture
 def receiver() -> CompositeValidator:
     """A third peer's validators: the ones every moshpeer DHT node runs."""
-    validators = [Identity.generate().signature_validator(), OwnedRecordValidator({peers_key(RUN): PeerRecord})]
-    return CompositeValidator(validators)
+    return CompositeValidator([Identity.generate().signature_validator(), run_validator([RUN])])
 
 
 def test_genuine_record_is_accepted(alice, receiver):
@@ -237,6 +238,25 @@ def test_unowned_and_malformed_entries_are_rejected(alice, receiver):
     assert not receiver.validate(signed_record(alice, "not a map", alice.owner_subkey))
     assert not receiver.validate(signed_record(alice, good | {"version": "v" * 20000}, alice.owner_subkey))
     assert not receiver.validate(signed_record(alice, good, alice.owner_subkey, expiration=10 * 86400))
+
+
+@pytest.mark.parametrize("key", [state_offers_key(RUN), relays_key(RUN)])
+def test_every_offer_a_run_writes_is_owned_signed_schema_checked_and_bounded(alice, mallory, receiver, key):
+    offer = {"peer_id": alice.peer_id, "host": "203.0.113.7", "port": 4100}
+    if key == state_offers_key(RUN):
+        offer |= {"epoch": 12, "protocol": 3}
+    assert receiver.validate(signed_record(alice, offer, alice.owner_subkey, key=key))
+    assert receiver.validate(signed_record(alice, offer | {"tag": b"t" * 16}, alice.owner_subkey, key=key))
+    # Unsigned junk under a plain subkey, or a plain value that would replace the dictionary (the issue's 3,000
+    # entries of 4 KB): refused by every node, so no listing pulls it.
+    assert not receiver.validate(signed_record(mallory, {"junk": "x" * 4096}, b"junk-0001", key=key))
+    plain = DHTRecord(key_id(key), DHTProtocol.IS_REGULAR_VALUE, serialize(offer), get_dht_time() + 30)
+    assert not receiver.validate(plain)
+    # Signed, but not an offer: unknown fields, wrong types, another peer's id, oversized, a 30-day expiry.
+    for bad in (offer | {"extra": 1}, offer | {"port": "4100"}, offer | {"port": 0}, offer | {"host": "h" * 300},
+                offer | {"peer_id": mallory.peer_id}, offer | {"tag": b"t" * 20000}):
+        assert not receiver.validate(signed_record(alice, bad, alice.owner_subkey, key=key)), bad
+    assert not receiver.validate(signed_record(alice, offer, alice.owner_subkey, key=key, expiration=30 * 86400))
 
 
 def test_validator_ignores_other_keys_and_merges(alice):

@@ -1,21 +1,21 @@
 """The run's relay directory in the DHT: public peers offer their relays, peers behind NAT look them up.
 
 One dictionary per run (`keys.relays_key`): subkey = the offering peer's `[owner:...]` marker, value =
-{peer_id, host, port, tag}, signed by hivemind's RSASignatureValidator, so an entry names its owner's relay
-and nobody else's. Entries expire unless re-published (`RelayPublisher`).
+{peer_id, host, port, tag} (`dht.offers.RelayOfferRecord`, checked by every DHT node), signed by hivemind's
+RSASignatureValidator, so an entry names its owner's relay and nobody else's. Entries expire unless
+re-published (`RelayPublisher`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Annotated, List, Tuple
+from typing import List, Tuple
 
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from moshpeer.dht.admission import MAX_PROOF_BYTES
 from moshpeer.dht.keys import relays_key
+from moshpeer.dht.offers import RelayOfferRecord
 from moshpeer.dht.validation import RecordRejected, parse_owned_entry
 
 logger = logging.getLogger(__name__)
@@ -37,17 +37,6 @@ def offer_relay(dht, run_id: str, address: Tuple[str, int], *, timeout: float = 
         return False
 
 
-class RelayOffer(BaseModel):
-    """One entry of the relay directory, as it arrives from the network (checked by `parse_owned_entry`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    peer_id: str  # must be the signing owner's (parse_owned_entry)
-    host: Annotated[str, StringConstraints(min_length=1, max_length=255)]
-    port: Annotated[int, Field(gt=0, lt=65536)]
-    tag: Annotated[bytes, Field(max_length=MAX_PROOF_BYTES)] = b""
-
-
 def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, int]]:
     """The run's relays (host, port), except our own. Malformed or misattributed entries are dropped, and in a
     private run those of peers this node does not admit."""
@@ -58,7 +47,7 @@ def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, in
     relays = []
     for subkey, entry in found.value.items():
         try:
-            offer = parse_owned_entry(subkey, entry.value, RelayOffer)
+            offer = parse_owned_entry(subkey, entry.value, RelayOfferRecord)
         except RecordRejected as e:
             logger.debug(f"ignoring a relay offer: {e.reason}")
             continue

@@ -4,7 +4,7 @@ Every message is framed as a 4-byte big-endian length + body. A request is a msg
 protocol version, the run id and a fresh 32-byte challenge, signed by the client's identity when it has one
 (a private run's donors require it); a donor's header is a msgpack map signed over the challenge and what it
 announces, by the key whose hash is the peer id of its offer. Offers live in the DHT under
-`state_offers_key(run_id)`; a state travels as `serialize_state` bytes (`torch.save` of tensors and plain
+`dht.keys.state_offers_key(run_id)` (entries `dht.offers.StateOfferRecord`); a state travels as `serialize_state` bytes (`torch.save` of tensors and plain
 values, read back with `weights_only=True`, so a malicious donor cannot run code here).
 
 Failure: every receive has one deadline (time.monotonic()) for the whole exchange and raises TimeoutError once
@@ -44,11 +44,6 @@ class StateOffer:
     host: str
     port: int
     epoch: int
-
-
-def state_offers_key(run_id: str) -> str:
-    """DHT key of the run's state offers: one signed entry per donor (subkey = owner marker)."""
-    return f"{run_id}_state_offers"
 
 
 def serialize_state(state: Dict[str, Any]) -> bytes:

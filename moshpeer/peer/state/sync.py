@@ -48,11 +48,14 @@ import msgpack
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht import Admission, SwarmDHT
-from moshpeer.dht.identity import Identity, peer_id_from_owner_key
+from moshpeer.dht.identity import Identity
+from moshpeer.dht.keys import state_offers_key
+from moshpeer.dht.offers import StateOfferRecord
+from moshpeer.dht.validation import RecordRejected, parse_owned_entry
 from moshpeer.errors import ProtocolError
 from moshpeer.peer.state.framing import (OPS, STATE_KIND, STATE_PROTOCOL, StateOffer, check_donor, client_peer,
                                          deserialize_state, parse_header, recv_frame_length, recv_msgpack, remaining,
-                                         send_frame, signed_fields, signed_request, state_offers_key)
+                                         send_frame, signed_fields, signed_request)
 from moshpeer.peer.state.pieces import serve_piece_request
 from moshpeer.peer.state.swarm import SwarmedState, download_swarmed
 from moshpeer.peer.state.donors import cross_checkable_first, dissenters
@@ -273,24 +276,18 @@ def list_state_offers(dht: SwarmDHT, run_id: str, *, timeout: float = 5.0) -> Li
         return []
     offers = []
     for subkey, entry in found.value.items():
-        value = entry.value
-        try:
-            if not isinstance(value, dict) or value.get("protocol") != STATE_PROTOCOL:
-                raise ValueError("bad shape or protocol")
-            peer_id, host, port, epoch = value["peer_id"], value["host"], value["port"], value["epoch"]
-            if not (isinstance(host, str) and len(host) < 256 and isinstance(port, int) and 0 < port < 65536
-                    and isinstance(epoch, int) and epoch >= 0 and isinstance(peer_id, str)):
-                raise ValueError("bad field types")
-            owner = subkey if isinstance(subkey, bytes) else str(subkey).encode()
-            if peer_id_from_owner_key(owner) != peer_id:
-                raise ValueError("offer names another peer")
-        except Exception as e:  # untrusted input: drop it, never crash
-            logger.debug(f"ignoring a state offer: {e}")
+        try:  # untrusted input (the DHT's nodes check it too): drop it, never crash
+            offer = parse_owned_entry(subkey, entry.value, StateOfferRecord)
+        except RecordRejected as e:
+            logger.debug(f"ignoring a state offer: {e.reason}")
             continue
-        tag = value.get("tag") if isinstance(value.get("tag"), bytes) else None
-        if admission is not None and admission.private and not admission.check("state", peer_id, tag, once=True):
+        if offer.protocol != STATE_PROTOCOL:
+            logger.debug(f"ignoring a state offer of protocol {offer.protocol} (ours: {STATE_PROTOCOL})")
             continue
-        offers.append(StateOffer(peer_id, host, port, epoch))
+        if admission is not None and admission.private and not admission.check("state", offer.peer_id, offer.tag,
+                                                                               once=True):
+            continue
+        offers.append(StateOffer(offer.peer_id, offer.host, offer.port, offer.epoch))
     offers.sort(key=lambda offer: (-offer.epoch, offer.peer_id))
     return offers
 
