@@ -12,8 +12,13 @@ Another protocol can share the port (`serve_protocol`: a relay's): a connection 
 4-byte magic is handed to its handler instead of the handshake.
 
 Resources are bounded: at most MAX_HANDSHAKES connections handshake at once and at most
-MAX_PER_ADDRESS are open from one address; more are closed at once (counted). Each handshake has one
-deadline for all its reads. Rejections are logged at most a few per interval (`RateLimitedLog`).
+MAX_PER_ADDRESS are open from one address. A connection must send its first bytes within
+FIRST_BYTES_TIMEOUT, and each handshake has one deadline for all its reads. At a cap, a new connection
+takes the slot of the oldest handshake that has sent nothing yet (from its own address at the per-address
+cap, else from the address holding the most such handshakes), which is closed; with no silent handshake to
+evict (or MAX_EVICTING evicted ones still ending), the new one is closed (counted). So silent sockets hold no slot against a member that speaks: an honest
+member behind the same NAT as an attacker, or a round's members facing a flood from a few addresses, still get
+in. Rejections are logged at most a few per interval (`RateLimitedLog`).
 
 In strict mode (the averager's) a connection for a group this peer is not in is refused at once,
 unless the peer is still matchmaking (it may be about to learn the group): a member that matchmaking
@@ -28,6 +33,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from moshpeer.averaging import handshake, wire
@@ -39,8 +45,24 @@ logger = logging.getLogger(__name__)
 # How long a connecting member may take to say hello, and how long the server waits for the
 # session it names to be registered (members finish matchmaking a few milliseconds apart).
 HANDSHAKE_TIMEOUT = 10.0
+# How long a new connection may stay silent: a member sends its hello as soon as it connects (one relay hop of a
+# path 200 ms long takes well under a second); a silent socket only holds a slot.
+FIRST_BYTES_TIMEOUT = 3.0
 MAX_HANDSHAKES = 64
 MAX_PER_ADDRESS = 32
+# Evicted handshakes whose threads have not ended yet (each ends as soon as its socket is closed): past this many,
+# a new connection over a cap is refused instead, so a flood never holds more than MAX_HANDSHAKES + this threads.
+MAX_EVICTING = 16
+
+
+@dataclass(eq=False)
+class _Handshaking:
+    """A connection in its handshake (`DataPlane._pending`, oldest first)."""
+
+    conn: socket.socket
+    address: str
+    spoke: bool = False  # its first bytes arrived: no longer evictable
+    evicted: bool = False  # closed to make room; its slot was already given back
 
 
 class DataPlane:
@@ -69,8 +91,9 @@ class DataPlane:
         self._lock = threading.Lock()
         self.rejected_connections = 0
         self._rejection_log = RateLimitedLog(logger)
-        self._handshaking = 0
-        self._per_address: Dict[str, int] = {}
+        self._pending: Dict[_Handshaking, None] = {}  # connections in their handshake, oldest first
+        self._evicting = 0  # evicted handshakes whose threads are still ending
+        self._per_address: Dict[str, int] = {}  # open connections (handshaking or serving) per address
         self._closed = False
         self._protocols: Dict[bytes, Callable[[socket.socket, object], None]] = {}
         self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
@@ -144,55 +167,95 @@ class DataPlane:
 
     def accept_socket(self, conn: socket.socket, peer) -> None:
         """Serve a connection on its own thread: one from the listener, or one that arrived another way
-        (a libp2p stream relayed into a local socket pair). Over the caps it is closed at once."""
+        (a libp2p stream relayed into a local socket pair). Over a cap it takes a silent handshake's slot, or
+        is closed at once (module docstring)."""
         if self._closed:
             _close(conn)
             return
         address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        victim = None
         with self._lock:
-            over = ("too many handshakes in progress" if self._handshaking >= MAX_HANDSHAKES else
+            over = ("too many handshakes in progress" if len(self._pending) >= MAX_HANDSHAKES else
                     "too many connections from this address" if self._per_address.get(address, 0) >= MAX_PER_ADDRESS
                     else None)
-            if over is None:
-                self._handshaking += 1
+            if over is not None:
+                at_address_cap = self._per_address.get(address, 0) >= MAX_PER_ADDRESS
+                if self._evicting < MAX_EVICTING:
+                    victim = self._silent_victim(address if at_address_cap else None)
+                if victim is not None:
+                    self._release(victim)
+                    victim.evicted = True
+                    self._evicting += 1
+            if over is None or victim is not None:
+                entry = _Handshaking(conn, address)
+                self._pending[entry] = None
                 self._per_address[address] = self._per_address.get(address, 0) + 1
-        if over is not None:
+        if victim is not None:
+            _close(victim.conn)
+            self.count_rejected(f"silent while the handshake slots were full ({over}): evicted", victim.address)
+        elif over is not None:
             _close(conn)
             self.count_rejected(over, peer)
             return
-        threading.Thread(target=self._handle, args=(conn, peer, address), name="moshpeer-dataplane-conn",
+        threading.Thread(target=self._handle, args=(entry, peer), name="moshpeer-dataplane-conn",
                          daemon=True).start()
 
-    def _handle(self, conn: socket.socket, peer, address: str) -> None:
-        handshaking = True
+    def _silent_victim(self, address: Optional[str]) -> Optional[_Handshaking]:
+        """With _lock held: the oldest handshake that has sent nothing, from `address`, or (None) from the address
+        holding the most of them; None if there is none."""
+        silent = [entry for entry in self._pending if not entry.spoke]
+        if address is None and silent:
+            counts: Dict[str, int] = {}
+            for entry in silent:
+                counts[entry.address] = counts.get(entry.address, 0) + 1
+            address = max(counts, key=counts.get)
+        return next((entry for entry in silent if entry.address == address), None)
+
+    def _release(self, entry: _Handshaking) -> None:
+        """With _lock held: `entry`'s connection no longer counts at its address, nor as a handshake."""
+        self._pending.pop(entry, None)
+        left = self._per_address.get(entry.address, 1) - 1
+        if left > 0:
+            self._per_address[entry.address] = left
+        else:
+            self._per_address.pop(entry.address, None)
+
+    def _handle(self, entry: _Handshaking, peer) -> None:
+        conn = entry.conn
         other_protocol = None
         try:
-            wire.tune_socket(conn)
-            deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # one deadline for the whole handshake
+            started = time.monotonic()
+            deadline = started + HANDSHAKE_TIMEOUT  # one deadline for the whole handshake
             try:
-                if self._protocols:
-                    other_protocol = self._protocols.get(wire.peek_exactly(conn, 4, deadline))
+                wire.tune_socket(conn)
+                first = wire.peek_exactly(conn, 4, min(deadline, started + FIRST_BYTES_TIMEOUT))
+                with self._lock:
+                    if entry.evicted:
+                        return
+                    entry.spoke = True
+                other_protocol = self._protocols.get(first)
                 if other_protocol is None:
                     session, sender, auth = handshake.accept(
                         conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
                     session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
             except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
-                self.count_rejected(str(e) or type(e).__name__, peer)
-                _close(conn)
+                with self._lock:  # failed on its own, or evicted (closed and counted by the evicting thread)
+                    evicted = entry.evicted
+                    self._pending.pop(entry, None)  # no longer evictable
+                if not evicted:
+                    self.count_rejected(str(e) or type(e).__name__, peer)
+                    _close(conn)
                 return
             with self._lock:
-                self._handshaking -= 1
-                handshaking = False
+                self._pending.pop(entry, None)  # handshake over: the slot is free, the address still counts
             if other_protocol is None:
                 session.serve_inbound(sender, conn, auth)  # returns when the round is over; the session closes conn
         finally:
             with self._lock:
-                self._handshaking -= handshaking
-                left = self._per_address.get(address, 1) - 1
-                if left > 0:
-                    self._per_address[address] = left
+                if entry.evicted:
+                    self._evicting -= 1
                 else:
-                    self._per_address.pop(address, None)
+                    self._release(entry)
         if other_protocol is not None:  # it bounds its own connections (the relay's slots and circuits)
             other_protocol(conn, peer)
 

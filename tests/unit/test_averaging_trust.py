@@ -199,7 +199,8 @@ def test_on_path_proxy_rewriting_payloads_is_rejected():
 
 def test_connection_flood_is_bounded(monkeypatch, caplog):
     """500 silent connections to the data port: at most MAX_HANDSHAKES handshake at once (the rest are closed
-    at once and counted), and the log holds a few lines, not 500."""
+    at once, or take the slot of an older silent one, which is closed; all counted), and the log holds a few lines,
+    not 500."""
     monkeypatch.setattr(dataplane, "HANDSHAKE_TIMEOUT", 2.0)
     monkeypatch.setattr(dataplane, "MAX_PER_ADDRESS", 1000)  # this test is about the handshake cap
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -213,7 +214,8 @@ def test_connection_flood_is_bounded(monkeypatch, caplog):
     while plane.rejected_connections < 500 - dataplane.MAX_HANDSHAKES and time.monotonic() < deadline:
         time.sleep(0.02)
     assert plane.rejected_connections >= 500 - dataplane.MAX_HANDSHAKES
-    assert threading.active_count() - threads_before <= dataplane.MAX_HANDSHAKES
+    # Newer silent connections took older ones' slots; an evicted one's thread ends as its socket closes.
+    assert threading.active_count() - threads_before <= dataplane.MAX_HANDSHAKES + dataplane.MAX_EVICTING
     deadline = time.monotonic() + 10  # the silent ones hit the handshake deadline
     while plane.rejected_connections < 500 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -234,6 +236,57 @@ def test_per_address_cap(monkeypatch):
     assert plane.rejected_connections == 2
     for s in socks:
         s.close()
+    plane.close()
+
+
+def test_silent_sockets_holding_the_address_slots_do_not_keep_a_member_out(monkeypatch):
+    """An attacker behind the same address as member 1 (a shared NAT; here both are 127.0.0.1) fills member 0's
+    per-address slots with connections that never speak. Member 1's connections take their slots (the silent
+    ones are evicted, counted), and the round averages every part; before, member 1 was refused and its part of
+    the vector was not averaged."""
+    monkeypatch.setattr(dataplane, "MAX_PER_ADDRESS", 4)
+    planes = [DataPlane() for _ in range(2)]
+    silent = [socket.create_connection(planes[0].address, timeout=10) for _ in range(4)]
+    deadline = time.monotonic() + 5
+    while planes[0]._per_address.get("127.0.0.1", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    members = group_members([p.address for p in planes])
+    group_id = os.urandom(20)
+    tag, secret = wire.allreduce_tag(group_id, 0), wire.group_secret(group_id, [b"a" * 16, b"b" * 16])
+    tensors = [torch.randn(NUMEL) + k for k in range(2)]
+    exact = sum(tensors) / 2
+    results = [None] * 2
+    threads = [threading.Thread(target=_run_member, args=(planes[k], tensors[k], members, k, tag, secret, results))
+               for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for result in results:
+        assert result is not None and not result.departed and not result.absent
+        assert result.reduce.chunks_lost == 0 and result.gather.chunks_lost == 0
+    for t in tensors:
+        assert torch.allclose(t, exact, atol=1e-5)
+    assert 1 <= planes[0].rejected_connections <= 4  # the evicted silent ones
+    assert sum(_closed_by_peer(sock) for sock in silent) == planes[0].rejected_connections
+    for sock in silent:
+        sock.close()
+    for p in planes:
+        p.close()
+
+
+def test_a_connection_that_never_speaks_is_closed_at_the_first_bytes_deadline(monkeypatch):
+    monkeypatch.setattr(dataplane, "FIRST_BYTES_TIMEOUT", 0.3)
+    plane = DataPlane()
+    sock = socket.create_connection(plane.address, timeout=10)
+    started = time.monotonic()
+    assert _closed_by_peer(sock)
+    assert time.monotonic() - started < dataplane.HANDSHAKE_TIMEOUT / 2
+    deadline = time.monotonic() + 5  # the handler counts the rejection, then gives its slots back
+    while (plane.rejected_connections < 1 or plane._per_address) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert plane.rejected_connections == 1 and not plane._pending and not plane._per_address
+    sock.close()
     plane.close()
 
 
