@@ -16,9 +16,9 @@ MAX_PER_ADDRESS are open from one address. A connection must send its first byte
 FIRST_BYTES_TIMEOUT, and each handshake has one deadline for all its reads. At a cap, a new connection
 takes the slot of the oldest handshake that has sent nothing yet (from its own address at the per-address
 cap, else from the address holding the most such handshakes), which is closed; with no silent handshake to
-evict (or MAX_EVICTING evicted ones still ending), the new one is closed (counted). So silent sockets hold no slot against a member that speaks: an honest
-member behind the same NAT as an attacker, or a round's members facing a flood from a few addresses, still get
-in. Rejections are logged at most a few per interval (`RateLimitedLog`).
+evict (or MAX_EVICTING evicted ones still ending), the new one is closed (counted). So silent sockets hold no
+slot against a member that speaks: an honest member behind the same NAT as an attacker, or a round's members
+facing a flood from a few addresses, still get in. Rejections are logged at most a few per interval (`RateLimitedLog`).
 
 In strict mode (the averager's) a connection for a group this peer is not in is refused at once,
 unless the peer is still matchmaking (it may be about to learn the group): a member that matchmaking

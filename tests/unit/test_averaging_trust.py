@@ -38,6 +38,22 @@ def _run_member(plane, tensor, members, k, tag, secret, results, deadline_s=10.0
     ).run()
 
 
+def _run_round(planes, addresses, tensors) -> list:
+    """One round of len(planes) members, each in a thread, member k reached at addresses[k]: their results."""
+    members = group_members(addresses)
+    group_id = os.urandom(20)
+    tag = wire.allreduce_tag(group_id, 0)
+    secret = wire.group_secret(group_id, [bytes([97 + k]) * 16 for k in range(len(planes))])
+    results = [None] * len(planes)
+    threads = [threading.Thread(target=_run_member, args=(planes[k], tensors[k], members, k, tag, secret, results))
+               for k in range(len(planes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """Drain `sock` until EOF (True) or 10 s of silence (False)."""
     sock.settimeout(10)
@@ -162,19 +178,10 @@ def test_on_path_proxy_rewriting_payloads_is_rejected():
     own value, and part 0 (averaged by member 0 from what it could trust) is identical everywhere."""
     planes = [DataPlane() for _ in range(3)]
     proxy = RewritingProxy(planes[0].address)
-    members = group_members([proxy.address, planes[1].address, planes[2].address])
-    group_id = os.urandom(20)
-    tag, secret = wire.allreduce_tag(group_id, 0), wire.group_secret(group_id, [b"a" * 16, b"b" * 16, b"c" * 16])
     originals = [torch.randn(NUMEL) + k for k in range(3)]
     tensors = [t.clone() for t in originals]
     exact = sum(originals) / 3
-    results = [None] * 3
-    threads = [threading.Thread(target=_run_member, args=(planes[k], tensors[k], members, k, tag, secret, results))
-               for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = _run_round(planes, [proxy.address, planes[1].address, planes[2].address], tensors)
     assert proxy.rewritten >= 2
     r0 = results[0]
     assert r0.rejected_messages == 2  # one bad frame per connection: then the connection is dropped
@@ -250,18 +257,9 @@ def test_silent_sockets_holding_the_address_slots_do_not_keep_a_member_out(monke
     deadline = time.monotonic() + 5
     while planes[0]._per_address.get("127.0.0.1", 0) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
-    members = group_members([p.address for p in planes])
-    group_id = os.urandom(20)
-    tag, secret = wire.allreduce_tag(group_id, 0), wire.group_secret(group_id, [b"a" * 16, b"b" * 16])
     tensors = [torch.randn(NUMEL) + k for k in range(2)]
     exact = sum(tensors) / 2
-    results = [None] * 2
-    threads = [threading.Thread(target=_run_member, args=(planes[k], tensors[k], members, k, tag, secret, results))
-               for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = _run_round(planes, [p.address for p in planes], tensors)
     for result in results:
         assert result is not None and not result.departed and not result.absent
         assert result.reduce.chunks_lost == 0 and result.gather.chunks_lost == 0
