@@ -46,4 +46,3 @@ def relays_key(run_id: str) -> str:
 def state_offers_key(run_id: str) -> str:
     """Key of the run's state offers: one signed `StateOfferRecord` per donor (subkey = owner marker)."""
     return f"{run_id}_state_offers"
-

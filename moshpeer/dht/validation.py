@@ -107,7 +107,6 @@ class OwnedRecordValidator(RecordValidatorBase):
         return True
 
 
-
 def run_validator(run_ids: Iterable[str]) -> "OwnedRecordValidator":
     """The validator every moshpeer DHT node runs for these runs: each owned dictionary a run writes (its peer
     records, relay offers and state offers) with the schema of its entries."""
