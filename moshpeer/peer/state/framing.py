@@ -4,8 +4,9 @@ Every message is framed as a 4-byte big-endian length + body. A request is a msg
 protocol version, the run id and a fresh 32-byte challenge, signed by the client's identity when it has one
 (a private run's donors require it); a donor's header is a msgpack map signed over the challenge and what it
 announces, by the key whose hash is the peer id of its offer. Offers live in the DHT under
-`dht.keys.state_offers_key(run_id)` (entries `dht.offers.StateOfferRecord`); a state travels as `serialize_state` bytes (`torch.save` of tensors and plain
-values, read back with `weights_only=True`, so a malicious donor cannot run code here).
+`dht.keys.state_offers_key(run_id)` (entries `dht.offers.StateOfferRecord`); a state travels as `serialize_state`
+bytes (`torch.save` of tensors and plain values, read back with `weights_only=True`, so a malicious donor cannot
+run code here).
 
 Failure: every receive has one deadline (time.monotonic()) for the whole exchange and raises TimeoutError once
 it passed (`wire.recv_exactly_by`, the same reader as the data plane's); a closed connection raises
