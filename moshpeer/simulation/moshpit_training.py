@@ -82,7 +82,7 @@ from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_time
 from moshpeer.simulation.control_plane import ControlPlane
 from moshpeer.simulation.group_aggregation import aggregate_group
 from moshpeer.simulation.matchmaking_window import form_groups
-from moshpeer.simulation.rejoin import adopt_state, downloads_on_rejoin, kept_checkpoints
+from moshpeer.simulation.rejoin import adopt_state, downloads_on_rejoin, kept_checkpoints, state_nbytes
 from moshpeer.simulation.round_losses import lossy_round_seconds
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
@@ -128,7 +128,6 @@ class MoshpitTraining:
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
         self.epoch = np.zeros(n, dtype=np.int64)  # rounds each peer applied: the epoch its record shows
         self.checkpointed = np.zeros(n, dtype=bool)  # away with a checkpoint of its epoch (rejoin.py)
-        self.state_bytes = 0.0  # states downloaded by rejoining peers
         # Production's round timing (no compute budget): the straggler hold of `_window`.
         self.timing = RoundTiming(config.matchmaking_window_s, None, config.group_size)
         self.round = 0
@@ -180,9 +179,7 @@ class MoshpitTraining:
         fetch = downloads_on_rejoin(self.epoch[back], self.checkpointed[back], self.epoch[up], c.max_staleness)
         self.state_downloads += int(fetch.sum())
         self.checkpoint_resumes += int((~fetch).sum())
-        state_values = c.model_params * (2 if c.mode == "diloco" else 1)  # diloco: θ_outer and its momentum
-        self.state_bytes += float(fetch.sum()) * state_values * 4
-        download = np.where(fetch, state_values * 4 / s.downlink[back], 0.0)
+        download = np.where(fetch, state_nbytes(c.model_params, c.mode) / s.downlink[back], 0.0)
         resume = np.maximum(self.down_until[back] + download, now)
         self.wait[back] += resume - self.down_until[back]  # the download, then waiting for the next round
         self.clock[back] = resume
@@ -490,4 +487,5 @@ class MoshpitTraining:
             mean_group_size=float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
             alone_fraction=self.alone / max(self.participations, 1), catch_ups=self.catch_ups,
             state_downloads=self.state_downloads, checkpoint_resumes=self.checkpoint_resumes,
-            state_bytes_per_peer=self.state_bytes / c.peers, curve=self.curve)
+            state_bytes_per_peer=self.state_downloads * state_nbytes(c.model_params, c.mode) / c.peers,
+            curve=self.curve)

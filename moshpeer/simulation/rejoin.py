@@ -20,6 +20,11 @@ from moshpeer.peer.optimizer.progress import robust_epoch
 from moshpeer.peer.strategies.diloco_outer import OuterState
 
 
+def state_nbytes(model_params: int, mode: str) -> int:
+    """Bytes of the state a rejoining peer downloads: the model in fp32 and, for DiLoCo, the outer momentum too."""
+    return model_params * (2 if mode == "diloco" else 1) * 4
+
+
 def kept_checkpoints(count: int, resume_fraction: float, rng: np.random.Generator) -> np.ndarray:
     """Which of `count` failing peers keep a checkpoint of their epoch. Draws nothing from `rng` when
     `resume_fraction` is 0, so a run without checkpoints fails and rejoins exactly as before they were modelled."""
