@@ -1,3 +1,3 @@
 __version__ = "0.1.0"
 # Peers refuse records and data-plane messages from a different protocol generation.
-PROTOCOL_VERSION = 5  # 5: records carry run owners' credentials and revocation lists; 4: 4: records name the trainers they witnessed; 3: frames' MAC is AES-256-GCM
+PROTOCOL_VERSION = 6  # 6: group id and order follow group_order.py; 5: records carry run owners' credentials and revocation lists; 4: records name the trainers they witnessed; 3: frames' MAC is AES-256-GCM

@@ -29,6 +29,11 @@ smaller than that, unless the round's target is smaller still, and asks the next
 refusal; a robust leader does not start one at its timeout either. It then skips that leader's group-key
 entries for AVOID_LEADER_S (an honest robust leader never starts such a group): from its next round on it does
 not even ask it, and the hostile peer can only join honest groups as a follower.
+
+Group id and order. A leader assembles with the id and order that `group_order.canonical_group` derives from the
+group key and the members' metadata, not hivemind's random ones, and a follower leaves (and avoids, as above) a
+leader whose group says anything else: a hostile leader cannot pick who owns which part or steer its followers'
+next group keys.
 """
 
 from __future__ import annotations
@@ -43,13 +48,14 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tupl
 import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS
 from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.averaging.group_order import canonical_group, is_canonical
 from moshpeer.averaging.member_info import parse_member_info
 from moshpeer.averaging.private import admits_follower, excluded_leader
 from moshpeer.errors import ProtocolError, UserError
@@ -144,6 +150,7 @@ class MatchmakingAdapter:
         self._hide_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
+        self._mm.leader_assemble_group = self._assemble_as_leader
 
     def _smallest_useful_group(self) -> int:
         """The fewest members a group of this round may have for this peer to join it (module docstring)."""
@@ -159,15 +166,43 @@ class MatchmakingAdapter:
                         f"group size {self._mm.group_key_manager.target_group_size}; asking the next leader")
             return None
         if size < self._smallest_useful_group():
-            self._avoided.pop(str(leader), None)
-            self._avoided[str(leader)] = time.monotonic() + AVOID_LEADER_S
-            while len(self._avoided) > MAX_AVOIDED_LEADERS:
-                self._avoided.pop(next(iter(self._avoided)))
-            logger.info(f"leaving the group of {size} that {str(leader)[-8:]} started: a robust round needs "
-                        f"{self._min_useful} members to average anything; asking the next leader, and not "
-                        f"this one for {AVOID_LEADER_S:g} s")
+            self._avoid(leader, f"leaving the group of {size} that {str(leader)[-8:]} started: a robust round "
+                                f"needs {self._min_useful} members to average anything")
+            return None
+        if not self._follows_the_rule(leader, message):
+            self._avoid(leader, f"leaving the group that {str(leader)[-8:]} started: its id or order is not the "
+                                f"one its members' metadata gives (group_order.py), or it altered ours")
             return None
         return await self._follower_assemble_group(leader, message)
+
+    def _follows_the_rule(self, leader, message: averaging_pb2.MessageFromLeader) -> bool:
+        mm, me = self._mm, self._mm.peer_id.to_bytes()
+        ordered, gathered = list(message.ordered_peer_ids), list(message.gathered)
+        return (me in ordered and len(gathered) == len(ordered)
+                and gathered[ordered.index(me)] == mm.step_control.data_for_gather
+                and is_canonical(mm.group_key_manager.current_key, leader.to_bytes(), message.group_id, ordered,
+                                 gathered))
+
+    def _avoid(self, leader, why: str) -> None:
+        """Skip this leader's group-key entries for AVOID_LEADER_S (the oldest of MAX_AVOIDED_LEADERS forgotten)."""
+        self._avoided.pop(str(leader), None)
+        self._avoided[str(leader)] = time.monotonic() + AVOID_LEADER_S
+        while len(self._avoided) > MAX_AVOIDED_LEADERS:
+            self._avoided.pop(next(iter(self._avoided)))
+        logger.info(f"{why}; asking the next leader, and not this one for {AVOID_LEADER_S:g} s")
+
+    async def _assemble_as_leader(self) -> GroupInfo:
+        """hivemind's `leader_assemble_group`, with the group id and order that `canonical_group` gives instead of
+        random ones (every follower checks them)."""
+        mm = self._mm
+        leader = mm.peer_id.to_bytes()
+        gathered = {peer.to_bytes(): request.gather for peer, request in mm.current_followers.items()}
+        gathered[leader] = mm.step_control.data_for_gather
+        group_id, order = canonical_group(mm.group_key_manager.current_key, leader, gathered)
+        group = GroupInfo(group_id, tuple(PeerID(peer) for peer in order), tuple(gathered[peer] for peer in order))
+        await mm.group_key_manager.update_key_on_group_assembled(group)
+        mm.assembled_group.set_result(group)
+        return group
 
     def _hide_leaders(self, key_manager) -> None:
         """Make hivemind's key manager hide the group-key entries of the leaders this peer skips: those a private
