@@ -20,11 +20,15 @@
    `clipped` and the hostile one with `--group-size 2`: when it leads, it starts its group as soon as one peer
    joined; `sybil_state`, the 4 honest peers (group size 5), two Sybil donors serving one state forged from the
    first one the swarm offers (moshpeer/adversaries/forged_donors.py), then a fifth peer that joins and downloads
-   the swarm's state. Final test accuracy of the
+   the swarm's state; `honest_spot`, all honest with `clipped` and `--spot-checks RATE` (what spot checks cost:
+   `check_compute_share`, the samples the honest peers recomputed / the samples they trained, and how many honest
+   contributions failed a check); `free_rider`, the same with the hostile peer sending zeros at its full weight
+   (`--faults byzantine=0`: inside every rule but the spot checks). Final test accuracy of the
    honest peers, the chunks in which an honest peer was clipped, and the rounds in which the hostile peer still
    counted.
 
-    python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--skip-training]
+    python benchmarks/bench_trust.py [--numel 4000000] [--rounds 15] [--epochs 25] [--spot-check-rate 0.05]
+        [--skip-training]
 
 Ends with one JSON line: clipped_over_mean, mac_overhead, mean_round_s, clipped_round_s, honest_acc,
 honest_clipped_acc, byzantine_mean_acc, byzantine_clipped_acc, inside_radius_acc, sparse_chunks_acc,
@@ -33,7 +37,10 @@ the newcomer loaded a Sybil's state in any run) and sybil_state_newcomer_accs; s
 per second with the liar / in the honest arm, from the mean seconds per epoch over the runs); detection_rate (of the robust attacked arms' runs, the share in which every honest
 peer distrusted the hostile one within DETECTION_EPOCHS epochs), honest_distrusted (per arm and run: rounds in
 which an honest peer distrusted an honest one), robust_too_few (per arm and run: chunks a robust owner kept its own
-value for) and group_sizes (per arm and run: rounds per group size, over all peers).
+value for) and group_sizes (per arm and run: rounds per group size, over all peers); with the spot-check arms,
+check_compute_share, spot_checks (per arm: outcomes of the honest peers' checks of honest and of hostile peers) and
+spot_check_detection_rate (free_rider runs in which every honest peer distrusted the free rider within
+DETECTION_EPOCHS epochs).
 """
 
 from __future__ import annotations
@@ -67,10 +74,13 @@ HOSTILE = "byzantine=-100,weight=1e6"
 INSIDE_RADIUS = "byzantine=-1"
 # The audit's sparse attack: -100x in one chunk of four, too few chunks for the suspect rule's "half of them".
 SPARSE_CHUNKS = "byzantine=-100,chunks=0.25"
+# Inside every rule but a spot check: zeros, at the weight of the samples it claims to have computed.
+FREE_RIDER = "byzantine=0"
 ARMS = ("honest", "honest_clipped", "byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks",
-        "sample_liar", "leader_pair", "sybil_state")
+        "sample_liar", "leader_pair", "sybil_state", "honest_spot", "free_rider")
 # One of the 4 peers is hostile (the sample liar is a fifth process, not one of them).
-ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks", "leader_pair")
+ATTACKED_ARMS = ("byzantine_mean", "byzantine_clipped", "inside_radius", "sparse_chunks", "leader_pair", "free_rider")
+SPOT_CHECK_ARMS = ("honest_spot", "free_rider")
 ROBUST_ATTACKED_ARMS = ("byzantine_clipped", "inside_radius", "sparse_chunks")  # the arms detection is asked of
 DETECTION_EPOCHS = 20  # issue 26: a hostile peer counts as detected when every honest peer distrusts it by then
 
@@ -199,10 +209,13 @@ def training(args) -> dict:
         ("sample_liar", None),
         ("sybil_state", lambda i: ["--group-size", str(args.peers + 1)]),  # the newcomer averages with all of them
         ("leader_pair", lambda i: ["--aggregation", "clipped"] + (["--group-size", "2"] if i == hostile else [])),
+        ("honest_spot", lambda i: ["--aggregation", "clipped", "--spot-checks", str(args.spot_check_rate)]),
+        ("free_rider", lambda i: ["--aggregation", "clipped", "--spot-checks", str(args.spot_check_rate)]
+         + (["--faults", FREE_RIDER] if i == hostile else [])),
     ) if arm[0] in args.arms]
     out = {name: {"accs": [], "peers_finished": [], "train_s": [], "step_s": [], "honest_flagged": [],
                   "hostile_free_rounds": [], "detected": [], "honest_distrusted": [], "robust_too_few": [],
-                  "group_sizes": [], "honest_pairs": [], "adopted": [], "newcomer_accs": []}
+                  "group_sizes": [], "honest_pairs": [], "adopted": [], "newcomer_accs": [], "spot": []}
            for name, _ in arms}
     # Repeats interleave the arms: a run's accuracy varies by ~1 point between identical runs (thread timing
     # decides which micro-batches make each round), about the size of the floor being checked.
@@ -230,6 +243,8 @@ def training(args) -> dict:
             for key in ("hostile_free_rounds", "detected", "honest_distrusted", "robust_too_few", "group_sizes",
                         "honest_pairs"):
                 out[name][key].append(flags[key])
+            if name in SPOT_CHECK_ARMS:
+                out[name]["spot"].append(spot_checks(events, hostile if name in ATTACKED_ARMS else None))
             out[name]["train_s"].append(summary["train_s"] or 0.0)
             out[name]["step_s"].append(summary["mean_step_s"])
     for r in out.values():
@@ -238,6 +253,32 @@ def training(args) -> dict:
         steps = [s for s in r["step_s"] if s]
         r["mean_step_s"] = sum(steps) / len(steps) if steps else None
     return out
+
+
+def spot_checks(events: List[List[dict]], hostile: Optional[int]) -> dict:
+    """From one run's event lines: the honest peers' spot checks of honest peers and of the hostile one, by outcome,
+    the samples they recomputed and trained (their `check_compute_share`), the largest relative error of a check of
+an honest peer, and why checks were skipped."""
+    hostile_id = None if hostile is None else next(e["peer_id"] for e in events[hostile] if e.get("peer_id"))
+    outcomes = {"of_honest": {}, "of_hostile": {}}
+    checked = trained = 0
+    honest_errors, skipped = [], {}
+    for k, peer in enumerate(events):
+        if k == hostile:
+            continue
+        for e in peer:
+            if e.get("event") == "spot_check":
+                whom = outcomes["of_hostile" if e["peer"] == hostile_id else "of_honest"]
+                whom[e["outcome"]] = whom.get(e["outcome"], 0) + 1
+                checked += e["samples"]
+                if e["peer"] != hostile_id and e["relative_error"] is not None:
+                    honest_errors.append(e["relative_error"])
+                if e["outcome"] == "skipped":
+                    skipped[e["reason"]] = skipped.get(e["reason"], 0) + 1
+            elif e.get("event") == "done":
+                trained += e["samples"]
+    return {**outcomes, "samples_checked": checked, "samples_trained": trained,
+            "max_honest_error": max(honest_errors, default=None), "skipped": skipped}
 
 
 def sample_liar(run_id: str, maddrs: List[str]) -> List[Tuple[List[str], str]]:
@@ -284,6 +325,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="training runs per arm (mean accuracy reported)")
     parser.add_argument("--peers", type=int, default=MEMBERS,
                         help="training peers per run (the hostile one, in the arms that have one, is the last)")
+    parser.add_argument("--spot-check-rate", type=float, default=0.05,
+                        help="--spot-checks of the honest_spot and free_rider arms' peers")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS),
                         help=f"comma-separated training arms (default: all of {','.join(ARMS)})")
@@ -322,6 +365,16 @@ def main() -> int:
             f"{name} {r['honest_pairs']}" for name, r in runs.items()))
         print("seconds per collaborative epoch, per run: " + "; ".join(
             f"{name} {' '.join(f'{s:.2f}' if s else '-' for s in r['step_s'])}" for name, r in runs.items()))
+        spot = {name: r["spot"] for name, r in runs.items() if name in SPOT_CHECK_ARMS}
+        if spot:
+            print("spot checks per run (honest peers' checks of honest / of the hostile peer, by outcome): " + "; ".join(
+                f"{name} {[(s['of_honest'], s['of_hostile']) for s in runs_]}" for name, runs_ in spot.items()))
+            trained = sum(s["samples_trained"] for runs_ in spot.values() for s in runs_)
+            figures["check_compute_share"] = sum(s["samples_checked"] for runs_ in spot.values()
+                                                 for s in runs_) / trained if trained else None
+            figures.update(spot_checks=spot, spot_check_rate=args.spot_check_rate)
+        if "free_rider" in runs:
+            figures["spot_check_detection_rate"] = sum(runs["free_rider"]["detected"]) / len(runs["free_rider"]["detected"])
         detections = [d for name, r in runs.items() if name in ROBUST_ATTACKED_ARMS for d in r["detected"]]
         if detections:
             figures["detection_rate"] = sum(detections) / len(detections)

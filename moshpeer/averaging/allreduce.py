@@ -92,6 +92,8 @@ class GroupAllReduce:
     :param max_buffer_bytes: the robust modes keep every member's chunks of our part; a larger buffer is refused
     :param scratch: lends the owner's working buffers (scratch.py; the averager keeps one across its rounds);
         None = allocate them for this all-reduce
+    :param sampled_member: a robust mode keeps a copy of what this member contributed to our part
+        (`DataPlaneStats.member_sample`), for a spot check
     Raises ValueError for bad arguments (flat's type, loss_budget, credentials of another round, force_relay
     without a relay, a robust buffer over `max_buffer_bytes`).
     """
@@ -120,6 +122,7 @@ class GroupAllReduce:
         max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
         staging: Optional[HostStaging] = None,
         scratch: Optional[ScratchPool] = None,
+        sampled_member: Optional[int] = None,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -129,6 +132,7 @@ class GroupAllReduce:
             raise ValueError("credentials were made for another group or member index")
         self.plane, self.members, self.group_size = plane, list(members), len(members)
         self.secret, self.credentials = secret, credentials  # handshake.accept reads them (this is its session)
+        self.sampled_member = sampled_member
         partition = Partition(flat.numel(), self.group_size, chunk_numel, part_sizes).pipelined()
         chunk_seed = functools.partial(wire.chunk_seed, tag, my_index)
         staging = staging if staging is not None else staging_for(flat.device)
@@ -175,6 +179,9 @@ class GroupAllReduce:
                          ctx.reduce_deadline)
             # No-op unless the reduce deadline passed or the budget allowed stopping.
             reducer.finalize_all()
+            if self.sampled_member is not None:  # every chunk of our part is final: its contributions stay as they are
+                ctx.stats.member_sample = reducer.member_contribution(self.sampled_member)
+                ctx.stats.member_sample_start = reducer.part_start
             with ctx.cond:
                 ctx.arrivals["gather"].start = time.monotonic()
                 ctx.wait(self._gather_done_or_within_budget, ctx.deadline)

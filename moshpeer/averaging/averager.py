@@ -23,7 +23,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -37,10 +36,12 @@ from hivemind.proto import averaging_pb2
 
 from moshpeer.averaging import wire
 from moshpeer.averaging.aggregation import check_aggregation
+from moshpeer.averaging.arguments import check_round_args, check_settings
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner, payload_bytes
 from moshpeer.averaging.allreduce import GroupMember
 from moshpeer.averaging.dataplane import DataPlane
-from moshpeer.averaging.group_dataplane import GroupDataPlane, flatten, log_round, round_tensors
+from moshpeer.averaging.group_dataplane import (GroupDataPlane, flatten, log_round, member_to_sample, round_facts,
+                                                round_tensors)
 from moshpeer.averaging.deadline import RoundDeadline, RoundFuture
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.links import PLAIN_LINKS, Links
@@ -61,22 +62,10 @@ from moshpeer.compression.codec import get_compression
 from moshpeer.compression.kernels import load_kernels
 from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.dht import admission as private_runs
-from moshpeer.dht.keys import averaging_prefix, validate_run_id
+from moshpeer.dht.keys import averaging_prefix
 from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
-
-
-def check_round_args(min_group_size: int, *, target_group_size: Optional[int], matchmaking_time: Optional[float],
-                     **non_negative: float) -> None:
-    """`MoshpitAverager.step`'s arguments: UserError naming the first bad one."""
-    for name, value in non_negative.items():
-        if not (math.isfinite(value) and value >= 0):
-            raise UserError(f"{name} must be finite and >= 0, got {value}")
-    if target_group_size is not None and not min_group_size <= target_group_size:
-        raise UserError(f"target_group_size must be at least min_group_size ({min_group_size})")
-    if matchmaking_time is not None and not matchmaking_time > 0:
-        raise UserError(f"matchmaking_time must be positive, got {matchmaking_time}")
 
 
 class MoshpitAverager(ServicerBase):
@@ -328,7 +317,8 @@ class MoshpitAverager(ServicerBase):
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
-             upload_spread_s: float = 0.0, hold_s: float = 0.0, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[Tuple[int, int]] = None,
+             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
         wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
@@ -354,6 +344,8 @@ class MoshpitAverager(ServicerBase):
             a round nobody waits for; the group paces by its smallest spread, within the deadline); 0: unpaced
         :param hold_s: this round only: keep the group open at least this long, up to `matchmaking_time` (e.g.
             for members known to be still computing), even where the learned window is shorter
+        :param work: (epoch, micro-batch size) of the data assignment this round's contribution was computed on,
+            told to the group so that an owner can spot-check it (moshpeer/peer/accountability/); None: none
         """
         check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
                          target_group_size=target_group_size, matchmaking_time=matchmaking_time)
@@ -366,7 +358,7 @@ class MoshpitAverager(ServicerBase):
                                                      window_cap=matchmaking_time, spread_s=upload_spread_s,
                                                      hold_s=hold_s)
         future = RoundFuture(deadline)
-        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged))
+        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work)
         try:
             self._rounds.submit(self._run_round, future, *round_args)
         except RuntimeError:  # the executor is shut down
@@ -378,22 +370,21 @@ class MoshpitAverager(ServicerBase):
             return  # cancelled before it started
         try:
             result = self._round(*round_args)
-            _, _, _, target, tensors, _ = round_args
+            _, _, _, target, tensors, _, _ = round_args
             self.deadlines.observe_result(result, target=target, payload_bytes=payload_bytes(tensors))
             future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
-               tensors: List[torch.Tensor], averaged: Tuple[str, ...]) -> RoundResult:
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
         started = time.monotonic()
-        nonce = os.urandom(NONCE_BYTES)
         host, port = self._announced_address()
-        gathered = pack_member_info(host, port, self.links.declared_weight(weight), nonce,
+        gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
-                                    relay=self._nat.relay, group_size=self.target_group_size)
+                                    relay=self._nat.relay, group_size=self.target_group_size, work=work)
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
                                         schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
@@ -402,9 +393,8 @@ class MoshpitAverager(ServicerBase):
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
-        common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started,
-                      compression=self.compression_spec, matchmaking_window_s=window,
-                      round_deadline_s=deadline.budget_s)
+        common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started, matchmaking_window_s=window,
+                      compression=self.compression_spec, round_deadline_s=deadline.budget_s)
         if group is None:
             if error is not None:
                 logger.warning(f"matchmaking: {error}")
@@ -449,6 +439,7 @@ class MoshpitAverager(ServicerBase):
         clipped or trimmed), `distrusted` (weighed at zero), `contributors`, `part_sizes`, `upload_paced_s`."""
         peer_ids = [str(peer_id) for peer_id in group.peer_ids]
         distrusted = self.suspects.distrusted(peer_ids) if self.aggregation == "clipped" else []
+        sampled = member_to_sample(my_index, len(members), self.aggregation)
         secret = self.admission.connection_secret(wire.group_secret(group.group_id, [m.nonce for m in members]))
         # One signature per round, shared by the round's all-reduces (ARC-Top-K runs two).
         credentials = RoundCredentials.create(self.identity, wire.group_tag_prefix(group.group_id), my_index)
@@ -462,39 +453,18 @@ class MoshpitAverager(ServicerBase):
                           for m, peer_id in zip(members, group.peer_ids)],
             my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, links,
             loss_budget or 0.0, [m.bandwidth for m in members], self.aggregation, distrusted, scratch=self._scratch,
-            relay=self._relay.connect if self._relay is not None else None, force_relay=self.transport == "libp2p")
+            relay=self._relay.connect if self._relay is not None else None, force_relay=self.transport == "libp2p",
+            sampled_member=sampled)
         with self._lock_tensors:
             flat, write_back = flatten(tensors)
             result = dataplane.average(flat, self.error_feedback)
             write_back()
         self._upload.note(result.upload_bps)
-        flagged = {peer_ids[i]: e.flagged for i, e in enumerate(result.evidence_by_index) if e.flagged}
         if self.aggregation == "clipped":
             self.suspects.record_round(peer_ids, result.evidence_by_index)
-        self.flagged_peers.update(flagged)  # a Counter: adds
         self._nat.note_round(len(members) - 1, len(set(result.departed) | set(result.absent)))  # behind NAT: relay ok?
-        log_round(group.group_id.hex()[:8], result, flagged, self.aggregation)
-        part_sizes = dataplane.part_sizes(flat.numel()) or []
-        contributors = [peer_ids[i] for i, e in enumerate(result.evidence_by_index) if e.contributed and i != my_index]
-        return loss_budget, loss_phase, result, dict(flagged=flagged, part_sizes=part_sizes, contributors=contributors,
-                                                     distrusted=[peer_ids[i] for i in distrusted],
-                                                     upload_paced_s=spread)
-
-
-def check_settings(run_id: str, tensors: Sequence[torch.Tensor], target_group_size: int, min_group_size: int,
-                   chunk_bytes: int, matchmaking_time: float, round_timeout: float, transport: str,
-                   partition: str) -> None:
-    """UserError for the first setting of a `MoshpitAverager` that cannot work."""
-    validate_run_id(run_id)
-    if not tensors:
-        raise UserError("MoshpitAverager needs at least one tensor")
-    if any(not t.is_floating_point() for t in tensors):
-        raise UserError("MoshpitAverager averages floating-point tensors only")
-    if target_group_size < 2 or min_group_size < 2 or min_group_size > target_group_size:
-        raise UserError("need 2 <= min_group_size <= target_group_size")
-    if chunk_bytes < 64 or matchmaking_time <= 0 or round_timeout <= 0:
-        raise UserError("chunk_bytes >= 64, matchmaking_time > 0 and round_timeout > 0 are required")
-    for name, value, allowed in (("transport", transport, ("auto", "libp2p")),
-                                 ("partition", partition, ("equal", "bandwidth"))):
-        if value not in allowed:
-            raise UserError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        result, facts = round_facts(result, peer_ids, members, my_index, sampled)
+        self.flagged_peers.update(facts["flagged"])  # a Counter: adds
+        log_round(group.group_id.hex()[:8], result, facts["flagged"], self.aggregation)
+        return loss_budget, loss_phase, result, dict(facts, part_sizes=dataplane.part_sizes(flat.numel()) or [],
+                                                     distrusted=[peer_ids[i] for i in distrusted], upload_paced_s=spread)

@@ -10,8 +10,9 @@ round). Their stats are added up into one `DataPlaneStats`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, List, Optional, Sequence, Tuple, TypeVar
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -21,7 +22,8 @@ from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.handshake import RoundCredentials
 from moshpeer.averaging.links import Links
 from moshpeer.averaging.partition import bandwidth_part_sizes
-from moshpeer.averaging.report import DataPlaneStats
+from moshpeer.averaging.member_info import MemberInfo
+from moshpeer.averaging.report import ContributionSample, DataPlaneStats
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.compression.codec import Compression
 from moshpeer.compression.feedback import ErrorFeedback
@@ -40,6 +42,9 @@ class GroupDataPlane:
     :param bandwidths: per member, its announced upload (bytes/s); parts are sized by them if every one is
         positive, else equal
     :param relay: opens libp2p streams to members; force_relay: send everything over it
+    :param sampled_member: a robust owner keeps a copy of this member's contribution to its part
+        (`DataPlaneStats.member_sample`); only a dense round's single all-reduce does (a sparse round's are a sketch
+        and selected rows)
     """
 
     plane: DataPlane
@@ -59,6 +64,7 @@ class GroupDataPlane:
     scratch: Optional[ScratchPool] = None
     relay: Optional[RelayConnect] = None
     force_relay: bool = False
+    sampled_member: Optional[int] = None
     results: List[DataPlaneStats] = field(default_factory=list)
 
     def part_sizes(self, numel: int) -> Optional[List[int]]:
@@ -77,7 +83,8 @@ class GroupDataPlane:
             credentials=self.credentials, compression=compression or self.compression, chunk_numel=self.chunk_numel,
             deadline=self.deadline, links=self.links, loss_budget=self.loss_budget, relay=self.relay,
             force_relay=self.force_relay, part_sizes=self.part_sizes(flat.numel()), aggregation=self.aggregation,
-            distrusted=self.distrusted, scratch=self.scratch)
+            distrusted=self.distrusted, scratch=self.scratch,
+            sampled_member=self.sampled_member if self.compression.sparsifier is None else None)
         self.results.append(allreduce.run())
         return flat
 
@@ -150,6 +157,31 @@ def flatten(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, Callable[[], Non
             offset += n
 
     return flat, write_back
+
+
+def member_to_sample(my_index: int, group_size: int, aggregation: str) -> Optional[int]:
+    """Which other member's contribution a robust owner keeps for a spot check: drawn in secret (the OS's randomness),
+    so that no member knows whether it is the one; None in "mean" mode (contributions are summed, not kept)."""
+    if aggregation == "mean" or group_size < 2:
+        return None
+    return secrets.choice([i for i in range(group_size) if i != my_index])
+
+
+def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequence[MemberInfo], my_index: int,
+                sampled: Optional[int]) -> Tuple[DataPlaneStats, Dict[str, Any]]:
+    """What a round's data plane tells about its members, as `RoundResult` fields: `flagged` (peer id -> chunks of
+    our part robust aggregation clipped or trimmed), `contributors` (members whose contribution reached our part)
+    and `sample` (member `sampled`'s contribution, for a spot check); -> (the stats without the sample's values,
+    the fields)."""
+    evidence = stats.evidence_by_index
+    sample = None
+    if stats.member_sample is not None and sampled is not None:
+        member = members[sampled]
+        sample = ContributionSample(peer_ids[sampled], member.work, member.weight, stats.member_sample_start,
+                                    stats.member_sample.cpu())
+    return replace(stats, member_sample=None), dict(
+        flagged={peer_ids[i]: e.flagged for i, e in enumerate(evidence) if e.flagged},
+        contributors=[peer_ids[i] for i, e in enumerate(evidence) if e.contributed and i != my_index], sample=sample)
 
 
 def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str) -> None:

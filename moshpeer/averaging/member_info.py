@@ -2,7 +2,8 @@
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
-holding its slot when it is behind NAT, its configured group size) travels inside matchmaking over libp2p's
+holding its slot when it is behind NAT, its configured group size, and the work its contribution claims to hold
+for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/) travels inside matchmaking over libp2p's
 encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -23,6 +24,8 @@ NONCE_BYTES = 16
 MAX_BANDWIDTH = 1e12  # bytes/s; a member announcing more is rejected
 MAX_PACE_S = 3600.0  # a member announcing a longer upload spread is rejected
 MAX_GROUP_SIZE = 1 << 16
+MAX_EPOCH = 1 << 62
+MAX_BATCH_SIZE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,14 @@ class MemberInfo:
     # Its configured group size (hivemind's key manager places it among that many buckets and fails on a larger
     # group, so a leader aiming higher refuses it); 0: not said.
     group_size: int = 0
+    # (epoch, micro-batch size) of the data assignment its contribution was computed on (spot checks); None: none.
+    work: Optional[Tuple[int, int]] = None
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
                       tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
-                      group_size: int = 0) -> bytes:
+                      group_size: int = 0, work: Optional[Tuple[int, int]] = None) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -65,6 +70,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["relay"] = [relay[0], int(relay[1])]
     if group_size > 0:
         info["gs"] = int(group_size)
+    if work is not None:
+        info["work"] = [int(work[0]), int(work[1])]
     return msgpack.packb(info)
 
 
@@ -112,5 +119,11 @@ def parse_member_info(data: bytes) -> MemberInfo:
     group_size = info.get("gs", 0)
     if not isinstance(group_size, int) or not 0 <= group_size <= MAX_GROUP_SIZE:
         raise ProtocolError("bad group size")
+    work = info.get("work")
+    if work is not None:
+        if not (isinstance(work, list) and len(work) == 2 and all(type(x) is int for x in work)
+                and 0 <= work[0] < MAX_EPOCH and 0 < work[1] <= MAX_BATCH_SIZE):
+            raise ProtocolError("bad declared work")
+        work = (work[0], work[1])
     return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay,
-                      group_size)
+                      group_size, work)

@@ -399,6 +399,19 @@ class PartReducer:
         """Per member index: the chunks of our part its contribution reached us in."""
         return [sum(arrived[i] for arrived in self.arrived_from) for i in range(self.group_size)]
 
+    def member_contribution(self, member: int) -> Optional[torch.Tensor]:
+        """A copy of what `member` contributed to our part, NaN where its chunk did not arrive; None in "mean" mode
+        (contributions are summed as they arrive, not kept apart) or for our own index. What a spot check compares
+        with its recomputation (moshpeer/peer/accountability/)."""
+        if self.contributions is None or member == self.my_index:
+            return None
+        values = self.contributions[member].clone()
+        for c in range(self.num_chunks):
+            if not self.arrived_from[c][member]:
+                start, end = self.partition.chunk_range(self.my_index, c)
+                values[start - self.part_start:end - self.part_start] = float("nan")
+        return values
+
     def evidence(self) -> List[MemberEvidence]:
         """Per member index: what robust aggregation saw of its contributions so far (a copy)."""
         with self._lock:

@@ -11,10 +11,13 @@ several all-reduces (ARC-Top-K) adds their stats up with `+`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from moshpeer.averaging.suspects import MemberEvidence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -71,6 +74,10 @@ class DataPlaneStats:
     robust_too_few: int = 0
     # Per member index: what robust aggregation saw of its contributions to our part (suspects.py's evidence).
     evidence_by_index: List[MemberEvidence] = field(default_factory=list)
+    # A robust owner's copy of one sampled member's contribution to our part (NaN where it did not arrive), and
+    # where our part starts in the all-reduce's vector: a spot check's input (PartReducer.member_contribution).
+    member_sample: Optional[torch.Tensor] = field(default=None, repr=False)
+    member_sample_start: int = 0
 
     def __add__(self, other: "DataPlaneStats") -> "DataPlaneStats":
         """Two all-reduces of one round, one after the other: counters and times add up, member sets unite,
@@ -94,6 +101,9 @@ class DataPlaneStats:
             nonfinite_averages=self.nonfinite_averages + other.nonfinite_averages,
             robust_too_few=self.robust_too_few + other.robust_too_few,
             evidence_by_index=_sum_by_index(self.evidence_by_index, other.evidence_by_index),
+            member_sample=self.member_sample if self.member_sample is not None else other.member_sample,
+            member_sample_start=self.member_sample_start if self.member_sample is not None
+            else other.member_sample_start,
         )
 
     @property
@@ -110,6 +120,18 @@ _LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p")
 
 def _data_fact(name: str) -> property:
     return property(lambda result: getattr(result.data, name), doc=f"`data.{name}` (see `DataPlaneStats`)")
+
+
+@dataclass(frozen=True)
+class ContributionSample:
+    """What one member of the group contributed to the part this peer owned, as it arrived: the input of a spot
+    check (moshpeer/peer/accountability/), which recomputes it from the work the member declared."""
+
+    peer_id: str  # base58
+    work: Optional[Tuple[int, int]]  # (epoch, micro-batch size) it declared in matchmaking; None: it declared none
+    weight: float  # the weight it declared (samples, for gradients), before any cap
+    start: int  # where our part starts in the round's flat vector
+    values: "torch.Tensor"  # fp32 on the CPU, NaN where its chunk did not arrive
 
 
 @dataclass(frozen=True)
@@ -151,6 +173,8 @@ class RoundResult:
     distrusted: List[str] = field(default_factory=list)
     # Peer ids (not ours) whose contributions to our part reached us: the members we saw average (witnesses.py).
     contributors: List[str] = field(default_factory=list)
+    # A robust owner's copy of one member's contribution to our part, for a spot check; not in `to_dict()`.
+    sample: Optional["ContributionSample"] = field(default=None, repr=False)
 
     reduce = _data_fact("reduce")
     gather = _data_fact("gather")
@@ -190,7 +214,8 @@ class RoundResult:
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (for JSON): the fields with the data plane's counters at the top level (no "data"
         key), plus chunks_lost, lost_fraction, bytes_sent, bytes_received."""
-        plain = asdict(self)
+        plain = asdict(replace(self, sample=None, data=replace(self.data, member_sample=None)))
+        plain.pop("sample")
         out: Dict[str, Any] = {}
         for name, value in plain.items():
             if name == "data":

@@ -45,6 +45,11 @@ its own ~-40, it is distrusted after two measurements (MIN_ALIGNMENT_CHUNKS). It
 convergence its t hovers around -2 with a decay of 0.98, and flickering in and out would let it pull half the
 time).
 
+A spot check (moshpeer/peer/accountability/) is the strongest evidence an owner has: it recomputed what the member
+should have sent from the data assigned to it and found something else. A failed check distrusts the member at
+once, and only a later check of it that passes clears it (`record_spot_check`); the table keeps at most
+MAX_FAILED_CHECKS peers, the oldest forgotten first.
+
 What this cannot do: tell a hostile member from an honest one whose data really differs (a non-IID
 shard far from the others is flagged, then ignored, too), or defend against a hostile owner. Each owner
 decides for its own part, from what it saw itself; nothing here travels over the network.
@@ -69,6 +74,7 @@ ALIGNMENT_T_SUSPECT = -5.0
 ALIGNMENT_T_CLEAR = -2.0
 MIN_ALIGNMENT_CHUNKS = 1.5  # a peer's own decayed count of measured chunks before its mean is judged: two
 MIN_POOLED_DOF = 3.0  # degrees of freedom of the pooled spread before anyone is judged
+MAX_FAILED_CHECKS = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +196,13 @@ class SuspectTracker:
         self._scores: Dict[str, float] = {}
         self._alignment = AlignmentEvidence()
         self._reversed: Set[str] = set()  # peers the direction check distrusts (kept until their t clears)
+        self._failed_checks: Dict[str, None] = {}  # peers whose last spot check failed, oldest first
 
     def distrusted(self, peer_ids: Sequence[str]) -> List[int]:
         """Group indices (into `peer_ids`) whose contributions this owner should weigh at zero."""
         return [i for i, peer in enumerate(peer_ids)
-                if self._scores.get(peer, 0.0) >= self.threshold or peer in self._reversed]
+                if self._scores.get(peer, 0.0) >= self.threshold or peer in self._reversed
+                or peer in self._failed_checks]
 
     def alignment_t(self, peer_id: str) -> Optional[float]:
         """The direction check's t statistic of the peer's mean alignment (None: not enough evidence yet)."""
@@ -239,6 +247,21 @@ class SuspectTracker:
                 self._reversed.discard(peer)
         return sorted(became)
 
+    def record_spot_check(self, peer_id: str, passed: bool) -> bool:
+        """A spot check's verdict on `peer_id` (module docstring) -> whether it became distrusted by it now."""
+        if passed:
+            self._failed_checks.pop(peer_id, None)
+            return False
+        became = peer_id not in self._failed_checks
+        self._failed_checks.pop(peer_id, None)
+        self._failed_checks[peer_id] = None
+        while len(self._failed_checks) > MAX_FAILED_CHECKS:
+            self._failed_checks.pop(next(iter(self._failed_checks)))
+        if became:
+            self._warn(f"peer {peer_id[-8:]} failed a spot check (what it sent is not what its assigned data gives): "
+                       f"its contributions count for nothing until a later check passes")
+        return became
+
     def _warn(self, message: str) -> None:
         if self.warn:
             logger.warning(message)
@@ -252,4 +275,4 @@ class SuspectTracker:
         """Peers currently weighed at zero."""
         # A copy first: other threads (the progress view) ask while the round thread records.
         flagged = {peer for peer, score in list(self._scores.items()) if score >= self.threshold}
-        return sorted(flagged | set(self._reversed))
+        return sorted(flagged | set(self._reversed) | set(list(self._failed_checks)))

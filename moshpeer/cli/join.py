@@ -228,6 +228,11 @@ def add_loss_budget_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how this peer combines the contributions to the part it owns in a round: mean, "
                        "clipped (CenteredClip) or trimmed (coordinate-wise trimmed mean); the robust modes "
                        "resist hostile peers, see docs/security.md (default: mean)")
+    group.add_argument("--spot-checks", type=share, metavar="RATE",
+                       help="train on this peer's data assignment, and after each round recompute one group member's "
+                       "contribution with probability RATE, distrusting it on a mismatch (needs --averaging "
+                       "gradients and --aggregation clipped; every peer of the run must use it; see "
+                       "docs/security.md; default: off)")
 
 
 def loss_budget_settings_from_args(args: argparse.Namespace) -> dict:
@@ -297,6 +302,9 @@ def trainer_config_from_args(args: argparse.Namespace):
                     if value]
     if diloco_flags and args.averaging != "diloco":
         raise UserError(f"{', '.join(diloco_flags)} need --averaging diloco")
+    if getattr(args, "spot_checks", None) is not None and (
+            args.averaging != "gradients" or getattr(args, "aggregation", "mean") != "clipped" or args.error_feedback):
+        raise UserError("--spot-checks needs --averaging gradients and --aggregation clipped, without --error-feedback")
     settings = loss_budget_settings_from_args(args)
     settings["averager_kwargs"].update(deadline_settings_from_args(args))
     settings["averager_kwargs"]["partition"] = getattr(args, "partition", "bandwidth")
@@ -308,7 +316,7 @@ def trainer_config_from_args(args: argparse.Namespace):
         compute_budget=parse_compute_budget(args.compute_budget), role=args.role, max_epochs=args.max_epochs,
         max_seconds=args.max_seconds, target_metric=args.target_metric, eval_every=args.eval_every,
         min_peers=args.min_peers, wait_peers_timeout=args.wait_peers, matchmaking_time=args.matchmaking_time,
-        round_timeout=args.round_timeout, seed=args.seed,
+        round_timeout=args.round_timeout, seed=args.seed, spot_checks=getattr(args, "spot_checks", None),
         straggler=parse_straggler(args.straggler) if args.straggler else None,
         state_bytes_per_second=args.state_rate, show_progress=args.progress_bar,
         **settings,

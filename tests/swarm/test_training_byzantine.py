@@ -72,3 +72,32 @@ def test_a_hostile_peer_is_rejected_then_distrusted_and_its_samples_stop_countin
                               global_batch_size=TARGET_BATCH).metrics["accuracy"]
     for summary in done:
         assert summary["metrics"]["accuracy"] >= reference - 0.03, (summary["metrics"], reference)
+
+
+def test_a_free_rider_fails_its_spot_checks_and_honest_peers_pass_theirs(swarm):
+    """Issue 26, accountability: a peer that trains but sends zeros at its full weight is inside every other rule
+    (never clipped: zeros sit near the others; no direction to measure). With `--spot-checks 1.0` every honest
+    owner recomputes, after each round, the contribution of one member it drew in secret from that member's data
+    assignment: checks of honest peers pass, a check of the free rider fails, and from then on that owner weighs
+    it at zero. On main nothing recomputed a contribution."""
+    run = "free-rider"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    epochs = 8
+    flags = ("--group-size", "4", "--min-peers", "4", "--max-epochs", str(epochs), "--eval-every", str(epochs),
+             "--aggregation", "clipped", "--spot-checks", "1.0")
+    honest = start_trainers(swarm, 3, run, boot.maddrs, *flags, first_seed=0)
+    (rider,) = start_trainers(swarm, 1, run, boot.maddrs, *flags, "--faults", "byzantine=0", first_seed=3)
+    rider_id = wait_event(rider, "training", timeout=60)["peer_id"]
+    for peer in honest:
+        wait_event(peer, "done", timeout=200)
+        assert peer.wait_exit(30) == 0, peer.describe()
+    checks = [events(peer, "spot_check") for peer in honest]
+    of_honest = [c for peer_checks in checks for c in peer_checks if c["peer"] != rider_id]
+    of_rider = [c for peer_checks in checks for c in peer_checks if c["peer"] == rider_id]
+    assert of_honest and all(c["outcome"] in ("passed", "skipped") for c in of_honest), of_honest
+    assert of_rider and all(c["outcome"] == "failed" for c in of_rider), of_rider
+    for peer, peer_checks in zip(honest, checks):  # an owner that caught it weighs it at zero from the next round
+        caught = [c["epoch"] for c in peer_checks if c["peer"] == rider_id]
+        later = [e for e in events(peer, "epoch") if e["ok"] and caught and e["previous_epoch"] > caught[0]]
+        assert all(rider_id in e["round"]["distrusted"] for e in later if e["group_size"] == 4), \
+            [(e["previous_epoch"], e["round"]["distrusted"]) for e in later]

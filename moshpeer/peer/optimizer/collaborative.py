@@ -49,6 +49,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
         shortest interval (seconds) between reads of the swarm's progress, used near an epoch's end (further
         from it, and in large swarms, reads come less often: `progress_cadence.py`)
+    :param assigned_data: this peer's micro-batches of `batch_size_per_step` samples are its data assignment
+        (`moshpeer.peer.accountability.AssignedBatches`), so its gradient rounds tell their group (epoch, batch size)
+        and the group's owners may spot-check them (docs/security.md); gradients mode without error feedback only
 
     Bad settings raise `UserError` with one line. A round that fails or finds no group is logged and the epoch
     ends with this peer's own step (its record says why).
@@ -66,7 +69,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                  should_stop: Optional[Callable[[], bool]] = None, model: Optional[torch.nn.Module] = None,
                  averager_kwargs: Optional[Dict[str, Any]] = None, loss_budget: Any = None,
                  phase_threshold: float = 0.5, phase_window: Optional[int] = None,
-                 swarm_key: Optional[bytes] = None, allow_peers: Optional[Sequence[str]] = None):
+                 swarm_key: Optional[bytes] = None, allow_peers: Optional[Sequence[str]] = None,
+                 assigned_data: bool = False):
         settings = Settings.of(locals())  # first thing: the arguments above, by name
         own = prepare(optimizer, settings)  # UserError for settings that cannot work; nothing started yet
         self.params, self.strategy, self.counters = own.params, own.strategy, own.counters

@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol
+from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -135,14 +135,16 @@ class EpochLoop:
     :param max_epoch_lag: adopt a donor's state when the swarm's epoch is ahead by more than this
     :param loss_budget: the loss-budget setting (`parse_loss_budget`; a phase-aware one watches the gradients)
     :param batch_size_per_step: samples behind a `step()` that names none
+    :param declares_work: this peer's micro-batches are its data assignment: a round tells its group the epoch and
+        `batch_size_per_step`, so that an owner can spot-check it (moshpeer/peer/accountability/)
     """
 
     def __init__(self, host: EpochHost, *, target_batch_size: int, group_size: int, max_epoch_lag: int,
-                 loss_budget: LossBudget, batch_size_per_step: Optional[int] = None):
+                 loss_budget: LossBudget, batch_size_per_step: Optional[int] = None, declares_work: bool = False):
         self.host, self.counters, self.lock = host, host.counters, host.lock
         self.target_batch_size, self.group_size = target_batch_size, group_size
         self.max_epoch_lag, self.batch_size_per_step = max_epoch_lag, batch_size_per_step
-        self.loss_budget_setting = loss_budget
+        self.loss_budget_setting, self.declares_work = loss_budget, declares_work
         self.rounds: Deque[CollaborativeRound] = collections.deque(maxlen=ROUND_HISTORY)
         self.rounds_total = self.rounds_ok = 0
         self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
@@ -242,8 +244,10 @@ class EpochLoop:
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
         # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
+        # Work carried in from an earlier epoch was computed on other data and parameters: not checkable.
+        work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
         future = None if alone else self.start_round(plan, float(self.counters.samples + carried_in), target,
-                                                     window, hold_s=host.timing.straggler_hold(stragglers))
+                                                     window, hold_s=host.timing.straggler_hold(stragglers), work=work)
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
@@ -339,14 +343,16 @@ class EpochLoop:
         with self.host.lock, self.host.averager.get_tensors():
             return self.host.strategy.plan_round(self.counters.epoch, snapshot)
 
-    def start_round(self, plan: RoundPlan, weight: float, target: int, window: float, hold_s: float = 0.0) -> Any:
+    def start_round(self, plan: RoundPlan, weight: float, target: int, window: float, hold_s: float = 0.0,
+                    work: Optional[Tuple[int, int]] = None) -> Any:
         """Start one averaging round in the averager's round thread; its `RoundFuture`. The group waits up to
         `window` to fill, and at least `hold_s` (members known to be on their way)."""
         timing = self.host.timing
         spread = timing.upload_spread() if self.host.strategy.paces_uploads else 0.0
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
-                                       averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, wait=False)
+                                       averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, work=work,
+                                       wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:

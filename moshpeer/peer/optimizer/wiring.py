@@ -31,6 +31,7 @@ import torch
 from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, LossBudget, parse_loss_budget
 from moshpeer.dht import Admission, SwarmDHT, validate_run_id
+from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.aux_peer import AuxPeer
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
 from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochHost, EpochLoop
@@ -85,6 +86,7 @@ class Settings:
     phase_window: Optional[int]
     swarm_key: Optional[bytes]
     allow_peers: Optional[Sequence[str]]
+    assigned_data: bool
 
     @classmethod
     def of(cls, arguments: Dict[str, Any]) -> "Settings":
@@ -120,6 +122,9 @@ def prepare(optimizer: torch.optim.Optimizer, s: Settings) -> Prepared:
     params = checked_params(optimizer, role=s.role, target_batch_size=s.target_batch_size,
                             batch_size_per_step=s.batch_size_per_step, group_size=s.group_size)
     strategy, run_id = make_strategy(s.averaging), validate_run_id(s.run_id)
+    if s.assigned_data and (strategy.name != "gradients" or s.error_feedback or not s.batch_size_per_step):
+        raise UserError("assigned data (spot checks) needs averaging='gradients' without error feedback, and "
+                        "batch_size_per_step")
     budget_setting = parse_loss_budget(s.loss_budget, eta=s.phase_threshold,
                                        window=s.phase_window or DEFAULT_WINDOW)
     options = averager_options(optimizer, averaging=strategy.name, role=s.role, compression=s.compression,
@@ -204,7 +209,7 @@ def assemble(host: OptimizerHost, prepared: Prepared, s: Settings) -> Parts:
                              bytes_per_second=s.state_bytes_per_second)
     epochs = EpochLoop(host, target_batch_size=int(s.target_batch_size), group_size=s.group_size,
                        max_epoch_lag=s.max_epoch_lag, loss_budget=prepared.loss_budget,
-                       batch_size_per_step=s.batch_size_per_step)
+                       batch_size_per_step=s.batch_size_per_step, declares_work=s.assigned_data)
     aux = AuxPeer(epochs, round_timeout=round_timeout, should_stop=host.should_stop) if s.role == "aux" else None
     return Parts(timing, swarm, averager, exchange, epochs, aux)
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
+from moshpeer.peer.accountability import AssignedBatches, SpotChecker
+from moshpeer.peer.accountability.spot_checks import FAILED, PASSED
 from moshpeer.peer.checkpoint.staleness import Start, start_decision
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
@@ -88,6 +90,9 @@ class TrainerConfig:
     show_progress: bool = False
     checkpoint: Optional[CheckpointPolicy] = None  # periodic checkpoints, resume, final checkpoint
     averager_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Train on this peer's data assignment and spot-check a sampled contribution with this probability after each
+    # round (moshpeer/peer/accountability/); None: off.
+    spot_checks: Optional[float] = None
 
 
 @dataclass
@@ -132,6 +137,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         if resume is not None and resume.group_bits is not None:
             averager_kwargs.setdefault("grid_bits", resume.group_bits)  # back to its place in the grid
     in_step = threading.Event()  # set while the optimizer may be averaging (see _round_may_finish)
+    assigned = config.spot_checks is not None and config.role == "trainer"
     optimizer = CollaborativeOptimizer(
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
@@ -140,13 +146,17 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
-        averager_kwargs=averager_kwargs, host=_loopback_or_any(daemon),
+        averager_kwargs=averager_kwargs, host=_loopback_or_any(daemon), assigned_data=assigned,
         **({"max_epoch_lag": max(config.checkpoint.max_staleness, 1)} if config.checkpoint else {}),
     )
     # The process exits right after the daemon's shutdown: see CollaborativeOptimizer.shutdown.
     daemon.add_shutdown_hook(lambda: optimizer.shutdown(close_averager=False), name="collaborative optimizer")
     seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
-    stream = task.open_batches(micro, seed=seed) if config.role == "trainer" else None
+    stream = task.open_batches(micro, seed=seed) if config.role == "trainer" and not assigned else None
+    checker = None
+    if assigned:  # the data follows from the run, the peer id and the epoch (accountability/assignment.py)
+        stream = AssignedBatches(task, micro, daemon.run_id, daemon.peer_id, lambda: optimizer.local_epoch)
+        checker = SpotChecker(task, daemon.run_id, optimizer.params, config.spot_checks)
     micro_steps = 0  # micro-batches computed by this peer: the `step` of its checkpoints
     if checkpointer is not None:
         checkpointer.attach(model, optimizer, stream)
@@ -204,6 +214,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
             break
         epoch_before = optimizer.local_epoch
         if stream is not None:
+            if checker is not None:
+                checker.start_epoch(optimizer.local_epoch)
             batch = next(stream)
             if config.straggler is not None:
                 config.straggler()
@@ -237,6 +249,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         if round_ is None:  # the epoch moved without a record of ours: an aux peer followed the trainers' epoch
             round_ = CollaborativeRound(epoch=epoch_before, samples=0, error="round in flight",
                                         settings=optimizer.strategy.settings())
+        if checker is not None:
+            _spot_check(checker, round_, optimizer, emit)
         evaluate = optimizer.local_epoch % max(config.eval_every, 1) == 0 or _reached_limit(optimizer, config)
         if evaluate:
             metrics = task.metrics(model)
@@ -282,6 +296,20 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
           "rounds_ok": optimizer.epochs.rounds_ok, "rounds": optimizer.epochs.rounds_total,
           "downloads": len(optimizer.downloads)})
     return summary
+
+
+def _spot_check(checker: SpotChecker, round_: CollaborativeRound, optimizer: CollaborativeOptimizer,
+                emit: Emit) -> None:
+    """Maybe check the contribution the round sampled; a verdict goes to the averager's suspects (suspects.py)."""
+    check = checker.after_round(round_)
+    if check is None:
+        return
+    if check.outcome in (PASSED, FAILED):
+        optimizer.averager.suspects.record_spot_check(check.peer_id, check.outcome == PASSED)
+    if check.outcome == FAILED:
+        logger.warning(f"spot check of {check.peer_id[-8:]} (epoch {check.epoch}) failed: {check.reason}")
+    emit({"event": "spot_check", **check.to_dict(), "samples_checked": checker.samples_checked,
+          "samples_trained": optimizer.total_samples})
 
 
 def _optimizer_call(call: Callable[[], Any], checkpointer: Optional[PeerCheckpointer],
