@@ -95,9 +95,11 @@ def test_a_free_rider_fails_its_spot_checks_and_honest_peers_pass_theirs(swarm):
     of_honest = [c for peer_checks in checks for c in peer_checks if c["peer"] != rider_id]
     of_rider = [c for peer_checks in checks for c in peer_checks if c["peer"] == rider_id]
     assert of_honest and all(c["outcome"] in ("passed", "skipped") for c in of_honest), of_honest
-    assert of_rider and all(c["outcome"] == "failed" for c in of_rider), of_rider
+    # Skipped: a check the owner cannot do fairly (e.g. a part of epoch 0's parameters round; spot_checks.py).
+    assert any(c["outcome"] == "failed" for c in of_rider), of_rider
+    assert all(c["outcome"] in ("failed", "skipped") for c in of_rider), of_rider
     for peer, peer_checks in zip(honest, checks):  # an owner that caught it weighs it at zero from the next round
-        caught = [c["epoch"] for c in peer_checks if c["peer"] == rider_id]
+        caught = [c["epoch"] for c in peer_checks if c["peer"] == rider_id and c["outcome"] == "failed"]
         later = [e for e in events(peer, "epoch") if e["ok"] and caught and e["previous_epoch"] > caught[0]]
         assert all(rider_id in e["round"]["distrusted"] for e in later if e["group_size"] == 4), \
             [(e["previous_epoch"], e["round"]["distrusted"]) for e in later]
