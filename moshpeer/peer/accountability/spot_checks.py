@@ -22,6 +22,7 @@ a run with spot checks, a weight that is not its samples, or values that differ 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -82,7 +83,8 @@ class SpotChecker:
 
     :param task: the run's task (its batches and loss recompute a member's contribution)
     :param run_id: the run (part of every assignment's seed)
-    :param params: the parameters in the order the gradients round lays them out (the wrapped optimizer's)
+    :param params: the task model's parameters in the order the gradients round lays them out (the wrapped
+        optimizer's); ValueError for one that is not the model's
     :param rate: probability of checking the sampled contribution after a round, in [0, 1]
     :param rng: where the decisions come from (default: seeded by the OS: members cannot predict them)
     """
@@ -94,19 +96,25 @@ class SpotChecker:
         self.task, self.run_id, self.params, self.rate, self.tolerance = task, run_id, list(params), rate, tolerance
         self.rng = rng or random.SystemRandom()
         self._epoch: Optional[int] = None
-        self._snapshot: List[torch.Tensor] = []  # the parameters of `_epoch`, as this peer trained on them
+        # A copy of the model holding the parameters of `_epoch` as this peer trained on them: checks compute on it,
+        # never on the live model (which the state server and checkpoints read meanwhile). Made at the first epoch.
+        self._model: Optional[torch.nn.Module] = None
+        self._params: List[torch.nn.Parameter] = []  # the copy's, in `params` order
         self.checks: List[SpotCheck] = []
 
     def start_epoch(self, epoch: int) -> None:
         """Keep the parameters of `epoch` (call before its first micro-batch; nothing happens within an epoch)."""
         if epoch == self._epoch or self.rate == 0:
             return
+        if self._model is None:
+            self._model = copy.deepcopy(self.task.model)
+            own = dict(self._model.named_parameters())
+            names = {id(p): name for name, p in self.task.model.named_parameters()}
+            if any(id(p) not in names for p in self.params):
+                raise ValueError("spot checks need the optimizer's parameters to be the task model's")
+            self._params = [own[names[id(p)]] for p in self.params]
         with torch.no_grad():
-            if len(self._snapshot) != len(self.params):
-                self._snapshot = [p.detach().clone() for p in self.params]
-            else:
-                for kept, p in zip(self._snapshot, self.params):
-                    kept.copy_(p)
+            self._model.load_state_dict(self.task.model.state_dict())
         self._epoch = epoch
 
     def after_round(self, round_: CollaborativeRound, own_samples: Optional[int] = None) -> Optional[SpotCheck]:
@@ -152,32 +160,19 @@ class SpotChecker:
 
     def _recompute(self, peer_id: str, epoch: int, batch_size: int, samples: int):
         """The mean gradient of `peer_id`'s first `samples` assigned samples of `epoch` at this peer's parameters of
-        that epoch, flat in `params` order -> (it, samples) or (None, samples counted) when its batches do not add
-        up to `samples`. The model's own parameters, gradients and buffers are as they were afterwards."""
-        model = self.task.model
-        current = [p.detach().clone() for p in self.params]
-        buffers = [b.detach().clone() for b in model.buffers()]
-        total = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=current[0].device)
+        that epoch (on the copy), flat in `params` order -> (it, samples) or (None, samples counted) when its
+        batches do not add up to `samples`."""
+        model, params = self._model, self._params
+        total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
         counted = 0
-        try:
-            with torch.no_grad():
-                for p, kept in zip(self.params, self._snapshot):
-                    p.copy_(kept)
-            stream = assigned_batches(self.task, self.run_id, peer_id, epoch, batch_size)
-            with torch.enable_grad():
-                while counted < samples:
-                    loss, count = self.task.loss(model, next(stream))
-                    grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-                    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-                                      for g, p in zip(grads, self.params)])
-                    total.add_(flat, alpha=float(count))
-                    counted += count
-        finally:
-            with torch.no_grad():
-                for p, value in zip(self.params, current):
-                    p.copy_(value)
-                for b, value in zip(model.buffers(), buffers):
-                    b.copy_(value)
+        stream = assigned_batches(self.task, self.run_id, peer_id, epoch, batch_size)
+        with torch.enable_grad():
+            while counted < samples:
+                loss, count = self.task.loss(model, next(stream))
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                total.add_(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                                      for g, p in zip(grads, params)]), alpha=float(count))
+                counted += count
         if counted != samples:
             return None, counted
         return total.div_(samples), counted
