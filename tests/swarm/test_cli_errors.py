@@ -117,6 +117,10 @@ CASES = {
         "join", lambda c: ("--run-id", "r", "--error-feedback", "--compression", "int8"),
         lambda c: "error_feedback needs averaging in ('gradients', 'diloco') and a sparsifying codec",
     ),
+    "spot checks without clipped aggregation": Case(
+        "join", lambda c: ("--run-id", "r", "--spot-checks", "0.05"),
+        lambda c: "--spot-checks needs --averaging gradients and --aggregation clipped, without --error-feedback",
+    ),
     "unknown task argument": Case(
         "join", lambda c: ("--run-id", "r", "--task-arg", "nosuch=1"),
         lambda c: "task factory 'digits' got an unexpected keyword argument 'nosuch'",

@@ -307,3 +307,22 @@ def test_on_final_is_told_each_chunk_as_it_becomes_final():
     assert told == [1]
     r.finalize_all()
     assert told == [1, 0] and r.all_final
+
+
+def test_a_robust_owner_keeps_a_members_contribution_as_it_arrived_for_a_spot_check():
+    """Spot checks (issue 26) compare a member's contribution as the owner received it with a recomputation: the
+    copy holds exactly what arrived, NaN where a chunk did not, and stays as it was after the robust combination."""
+    r, values, _ = reducer(aggregation="clipped")
+    for member in (1, 2, 3):
+        deliver(r, values, member, 0)
+    deliver(r, values, 2, 1)
+    r.finalize_all()
+    kept = r.member_contribution(1)
+    start, end = r.partition.chunk_range(0, 0)
+    assert torch.equal(kept[start:end], values[1][start:end])  # not the clipped or averaged values
+    assert torch.isnan(kept[end:]).all()  # its second chunk never arrived
+    assert torch.equal(r.member_contribution(2), values[2][:PART])
+    assert r.member_contribution(0) is None  # the owner's own value is not a contribution
+    plain, values, _ = reducer()
+    deliver(plain, values, 1, 0)
+    assert plain.member_contribution(1) is None  # "mean" sums contributions as they arrive: nothing kept apart
