@@ -6,8 +6,8 @@ the average by announcing a huge weight. Then, per chunk of the owner's part:
 - `mean`: the weighted mean, with loss-tolerant unbiased reconstruction (estimator.py). Cheapest;
   one hostile member moves the result arbitrarily far.
 - `clipped`: CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of Gorbunov et al.'s BTARD):
-  start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the median distance of
-  the other contributions to x_o, then iterate (CLIP_ITERATIONS times)
+  start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the lower median of the
+  distances of all contributions to x_o, x_o's own 0 included (`reference_distance`), then iterate (CLIP_ITERATIONS times)
   v <- v + sum_i w_i min(1, tau / |x_i - v|) (x_i - v) / sum_i w_i
   (on the n coefficients of v over the contributions, through their Gram matrix: two passes over the
   chunk's data in all, so a clipped round costs about what a mean round does).
@@ -132,8 +132,7 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     beta = [0.0] * n
     beta[own] = 1.0
     from_own = distances(beta)
-    # The median over the others only: with the owner's own zero among them, a group of two would never average.
-    median = sorted(d for i, d in enumerate(from_own) if i != own)[(n - 2) // 2]  # the lower median
+    median = reference_distance(from_own, own)
     tau = CLIP_RADIUS_FACTOR * median
     kept_weights = [float(w) for w in weights.tolist()]
     rejected = [False] * n
@@ -152,6 +151,19 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     coefficients = torch.tensor(beta, dtype=values.dtype, device=values.device)
     aligned = alignments(gram, values.shape[1], [w > 0 for w in kept_weights])
     return Combined(coefficients @ values, torch.tensor(clipped, dtype=torch.bool), rejected, aligned)
+
+
+def reference_distance(from_own: Sequence[float], own: int) -> float:
+    """The distance the clip and rejection radii are multiples of: the lower median of the contributions' distances
+    to the owner's value, its own 0 included. The owner counts itself: in a group of 4, two colluders are 2 of the
+    3 others, and a median over the others alone would be one of theirs (two members sending 707x the signal moved
+    the result by half of it, unflagged: issue 26). With its own 0 the median is the nearest other in a group of 3
+    or 4, and the k-th nearest of 2k or 2k + 1 others: a part's owner and its honest members outvote hostile ones
+    up to half of the others. A group of two takes the other's distance (with the 0, nothing would be averaged)."""
+    others = sorted(d for i, d in enumerate(from_own) if i != own)
+    if len(others) < 2:
+        return others[0] if others else 0.0
+    return ([0.0] + others)[len(others) // 2]
 
 
 def trimmed_mean(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

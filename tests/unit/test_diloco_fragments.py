@@ -212,8 +212,8 @@ def test_a_bad_fragment_state_is_refused_before_any_fragment_changes():
     micro_batches(host, 4)
     state = host.strategy.state_dict()
     fresh = host_of(DiLoCoStrategy(inner_steps=4, fragments=2))
-    # The second fragment's outer optimizer state passes the checks but does not fit its optimizer.
+    # The second fragment's outer optimizer state does not fit its optimizer (a param group of other parameters).
     state["outer"][1]["optimizer"]["param_groups"][0]["params"] = [0]
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="param group does not match"):
         fresh.strategy.load_state_dict(state)
     assert fresh.strategy.parts[0].outer.outer_steps == 0  # the first one, which fits, was not taken either

@@ -138,3 +138,39 @@ def test_outer_optimizer_specs():
     for bad in ("lion", "nesterov:lr=-1", "nesterov:beta=3", "sgd:lr=x", "nesterov:momentum=0"):
         with pytest.raises(UserError):
             parse_outer_optimizer(bad)
+
+
+def test_a_strangers_outer_state_gets_the_checks_a_model_state_gets():
+    """Issue 26: a DiLoCo outer state with 1e30 in θ_outer or in the momentum passed (only non-finite values were
+    refused): after one outer step the parameters were inf, and a momentum of the wrong shape raised at the next
+    outer step. Now each is refused before anything is adopted, and an honest state still loads."""
+    donor = OuterState(params_like(0))
+    local = [t - d for t, d in zip(donor.anchor, params_like(1))]
+    out = [torch.empty_like(t) for t in local]
+    donor.pseudo_gradient(local, out)
+    donor.apply(out, local)  # one outer step: a momentum buffer exists
+    honest = donor.state_dict()
+    newcomer = OuterState(params_like(0))
+    newcomer.check_state(honest)
+
+    def forged(change):
+        state = donor.state_dict()
+        change(state)
+        return state
+
+    momentum = next(iter(honest["optimizer"]["state"].values()))
+    key = next(k for k, v in momentum.items() if isinstance(v, torch.Tensor))
+    attacks = {
+        "θ_outer of 1e30": lambda s: s["anchor"][0].fill_(1e30),
+        "momentum of 1e30": lambda s: next(iter(s["optimizer"]["state"].values()))[key].fill_(1e30),
+        "momentum of the wrong shape": lambda s: next(iter(s["optimizer"]["state"].values())).update(
+            {key: torch.zeros(7, 7)}),
+    }
+    for name, change in attacks.items():
+        with pytest.raises(ValueError):
+            newcomer.check_state(forged(change))
+        with pytest.raises(ValueError):
+            newcomer.load_state_dict(forged(change))
+    assert all(torch.equal(a, b) for a, b in zip(newcomer.anchor, params_like(0)))  # nothing was adopted
+    newcomer.load_state_dict(honest)
+    assert all(torch.equal(a, b) for a, b in zip(newcomer.anchor, donor.anchor))

@@ -30,9 +30,9 @@ from moshpeer.peer.optimizer.error_feedback import (error_feedback_state, fresh_
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
 from moshpeer.peer.state.updates import UPDATE_OP, fetch_updates, update_handler
-from moshpeer.peer.state.validation import (MAX_COUNTER, validate_counters, validate_model_state,
-                                            validate_optimizer_state)
+from moshpeer.peer.state.validation import MAX_COUNTER, validate_counters, validate_model_state
 from moshpeer.peer.strategies.base import AveragingStrategy
+from moshpeer.peer.tensor_checks import validate_optimizer_state
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from moshpeer.errors import UserError
+from moshpeer.peer.tensor_checks import check_tensor_values, validate_optimizer_state
 
 OuterOptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
 
@@ -218,10 +219,9 @@ class OuterState:
             if tensors is None and name == "sent":
                 continue
             _check_tensors(name, tensors, self.anchor)
-        for value in state["optimizer"].get("state", {}).values():
-            for key, tensor in value.items():
-                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise ValueError(f"DiLoCo outer optimizer state {key} has non-finite values")
+        # The checks a model's optimizer state gets (shapes that fit θ_outer, finite values of plausible size): a
+        # momentum of 1e30 made the parameters inf at the first outer step, a misshaped one raised there (issue 26).
+        validate_optimizer_state(self.optimizer.state_dict(), self.anchor, state["optimizer"])
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -256,5 +256,4 @@ def _check_tensors(name: str, tensors: Any, like: Sequence[torch.Tensor]) -> Non
     for value, ours in zip(tensors, like):
         if not isinstance(value, torch.Tensor) or value.shape != ours.shape or value.dtype != torch.float32:
             raise ValueError(f"DiLoCo outer state: a tensor of {name} does not fit the model")
-        if not torch.isfinite(value).all():
-            raise ValueError(f"DiLoCo outer state: {name} has non-finite values")
+        check_tensor_values(f"DiLoCo outer {name}", value, ours)  # finite, of plausible size (1e30 is not)
