@@ -169,8 +169,8 @@ MLP_ROUNDS = 100
 INTERNET_QUORUM = 0.75  # DiLoCo's quorum in the internet-links arm (Decoupled DiLoCo's minimum-quorum idea)
 
 
-def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
-    """Part 5 (see the module docstring)."""
+def training_scenarios(rounds: int, peers: int, hostile_rounds: int, goodput: bool = True) -> dict:
+    """Part 5 (see the module docstring); without `goodput`, its hostile-peer runs only."""
     import torch
 
     from moshpeer.simulation.training import run_sync, run_training
@@ -188,6 +188,8 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
               f"spread {r.final_spread:.3g})  sim {r.sim_seconds / 3600:5.2f} h  failures {r.failures:>4}  "
               f"stalls {r.stalls:>3}  GB/peer {r.bytes_per_peer / 1e9:6.2f}", flush=True)
 
+    if not goodput:
+        return hostile_scenarios(base, hostile_rounds, line)
     started = time.perf_counter()
     failing = run_training(TrainingConfig(**base, failure_rate_per_hour=TRAINING_FAILURES_PER_HOUR), seed=0)
     figures["training_1k_200_rounds_wall_s"] = round(time.perf_counter() - started, 1)
@@ -282,9 +284,18 @@ def training_scenarios(rounds: int, peers: int, hostile_rounds: int) -> dict:
         figures[f"diloco_1k_home{suffix}_dht_bytes_per_peer"] = round(r.dht_bytes_per_peer)
         figures[f"diloco_1k_home{suffix}_bytes_per_peer"] = round(r.bytes_per_peer)
 
-    # Hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction is the
-    # same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure the
-    # loss on the same honest peers' data.
+    figures.update(hostile_scenarios(base, hostile_rounds, line))
+    return figures
+
+
+def hostile_scenarios(base: dict, hostile_rounds: int, line) -> dict:
+    """Part 5's hostile peers: -100x contributions, no failures (their effect alone). The honest run of each fraction
+    is the same swarm with the same peers marked hostile but sending honestly (scale 1), so that both runs measure
+    the loss on the same honest peers' data."""
+    from moshpeer.simulation.training import run_training
+    from moshpeer.simulation.training_config import TrainingConfig
+
+    figures = {}
     if hostile_rounds <= 0:
         return figures
     hostile_base = dict(base, rounds=hostile_rounds)
@@ -335,6 +346,8 @@ def main() -> int:
     parser.add_argument("--skip-training", action="store_true", help="skip the training level (part 5)")
     parser.add_argument("--training-rounds", type=int, default=200, help="rounds of the goodput runs (default 200)")
     parser.add_argument("--training-peers", type=int, default=1000, help="peers of the training runs (default 1000)")
+    parser.add_argument("--skip-goodput", action="store_true",
+                        help="part 5: only the hostile-peer runs (skip the goodput and control-plane runs)")
     parser.add_argument("--hostile-rounds", type=int, default=100,
                         help="rounds of each hostile-peer run (default 100; 0 skips them)")
     args = parser.parse_args()
@@ -347,7 +360,8 @@ def main() -> int:
             figures.update(group_sizes())
     figures.update(control_plane_rates())
     if not args.skip_training:
-        figures.update(training_scenarios(args.training_rounds, args.training_peers, args.hostile_rounds))
+        figures.update(training_scenarios(args.training_rounds, args.training_peers, args.hostile_rounds,
+                                          goodput=not args.skip_goodput))
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(figures))
     return 0

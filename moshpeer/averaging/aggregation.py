@@ -6,15 +6,16 @@ the average by announcing a huge weight. Then, per chunk of the owner's part:
 - `mean`: the weighted mean, with loss-tolerant unbiased reconstruction (estimator.py). Cheapest;
   one hostile member moves the result arbitrarily far.
 - `clipped`: CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of Gorbunov et al.'s BTARD):
-  start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the lower median of the
-  distances of all contributions to x_o, x_o's own 0 included (`reference_distance`), then iterate (CLIP_ITERATIONS times)
+  start from the owner's own value x_o, clip radius tau = CLIP_RADIUS_FACTOR x the median distance of
+  the other contributions to x_o, then iterate (CLIP_ITERATIONS times)
   v <- v + sum_i w_i min(1, tau / |x_i - v|) (x_i - v) / sum_i w_i
   (on the n coefficients of v over the contributions, through their Gram matrix: two passes over the
   chunk's data in all, so a clipped round costs about what a mean round does).
   A contribution farther than tau from the result counts as clipped for its member. One farther than
-  REJECT_RADIUS_FACTOR median distances from x_o is weighed at zero from the start: clipping bounds a
-  far contribution's pull to about tau / n per round, but does not remove it, and a value that far is
-  no honest member's (see REJECT_RADIUS_FACTOR).
+  REJECT_RADIUS_FACTOR x `rejection_distance` from x_o (a median that counts x_o's own 0, so that colluders
+  who are most of the others cannot set it) is weighed at zero from the start: clipping bounds a far
+  contribution's pull to about tau / n per round, but does not remove it, and a value that far is no
+  honest member's (see REJECT_RADIUS_FACTOR).
 - `trimmed`: coordinate-wise trimmed mean: per value, drop the floor(TRIM_FRACTION x n) (at least one
   with three or more contributions) highest and lowest, average the rest (unweighted). A member most
   of whose values were trimmed in a chunk counts as trimmed there.
@@ -132,12 +133,14 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     beta = [0.0] * n
     beta[own] = 1.0
     from_own = distances(beta)
-    median = reference_distance(from_own, own)
+    # The clip radius from the others alone: with the owner's own zero among them, a group of two would never
+    # average, and an honest member farther than twice the nearest one would be clipped (more chance flags).
+    median = sorted(d for i, d in enumerate(from_own) if i != own)[(n - 2) // 2]  # the lower median
     tau = CLIP_RADIUS_FACTOR * median
     kept_weights = [float(w) for w in weights.tolist()]
     rejected = [False] * n
     if math.isfinite(tau) and tau > 0:
-        rejected = [d > REJECT_RADIUS_FACTOR * median for d in from_own]
+        rejected = [d > REJECT_RADIUS_FACTOR * rejection_distance(from_own, own) for d in from_own]
         kept_weights = [0.0 if out else w for out, w in zip(rejected, kept_weights)]
         total = sum(kept_weights)
         shares = [w / total for w in kept_weights] if total > 0 else [0.0] * n
@@ -153,14 +156,15 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     return Combined(coefficients @ values, torch.tensor(clipped, dtype=torch.bool), rejected, aligned)
 
 
-def reference_distance(from_own: Sequence[float], own: int) -> float:
-    """The distance the clip and rejection radii are multiples of: the lower median of the contributions' distances
-    to the owner's value, its own 0 included. The owner counts itself: in a group of 4, two colluders are 2 of the
-    3 others, and a median over the others alone would be one of theirs (two members sending 707x the signal moved
+def rejection_distance(from_own: Sequence[float], own: int) -> float:
+    """The distance the rejection radius is a multiple of: the lower median of the contributions' distances to the
+    owner's value, its own 0 included. The owner counts itself: in a group of 4, two colluders are 2 of the 3
+    others, and a median over the others alone would be one of theirs (two members sending 707x the signal moved
     the result by half of it, unflagged: issue 26). With its own 0 the median is the nearest other in a group of 3
     or 4, and the k-th nearest of 2k or 2k + 1 others: a part's owner and its honest members outvote hostile ones
-    up to half of the others. A group of two takes the other's distance (with the 0, nothing would be averaged)."""
-    others = sorted(d for i, d in enumerate(from_own) if i != own)
+    up to half of the others. Others at distance 0 (a member holding the owner's very value) do not count, and a
+    group of two takes the other's distance: either would leave nothing to average."""
+    others = sorted(d for i, d in enumerate(from_own) if i != own and d > 0)
     if len(others) < 2:
         return others[0] if others else 0.0
     return ([0.0] + others)[len(others) // 2]

@@ -16,7 +16,7 @@ from local_group import credentials, members as group_members, run_group
 from moshpeer.averaging import DataPlane, FaultConfig, FaultyLinks, GroupAllReduce, wire
 from moshpeer.averaging.links import PLAIN_LINKS
 from moshpeer.averaging.aggregation import (CLIP_ITERATIONS, CLIP_RADIUS_FACTOR, REJECT_RADIUS_FACTOR, cap_weights,
-                                            centered_clip, reference_distance, trimmed_mean)
+                                            centered_clip, rejection_distance, trimmed_mean)
 from moshpeer.averaging.suspects import (SCORE_CAP, SUSPECT_AFTER_ROUNDS, SUSPECT_SCORE, MemberEvidence,
                                         SuspectTracker)
 from moshpeer.compression import get_compression
@@ -111,9 +111,9 @@ def test_centered_clip_rejects_a_far_contribution_outright_and_averages_a_group_
 
 def test_two_colluders_of_four_are_rejected_by_an_owner_that_counts_itself():
     """Issue 26: two members of four sending the same far value were 2 of the owner's 3 others, so the median
-    distance over the others was theirs: nothing was clipped and the result moved half way to them (707x the
-    signal, unflagged). The owner's own zero distance now counts in the median: the radius comes from the honest
-    member, and both colluders are rejected; an honest group of four is still not clipped at all."""
+    distance over the others was theirs: nothing was rejected or clipped and the result moved half way to them
+    (707x the signal, unflagged). The rejection radius now counts the owner's own zero distance in its median: it
+    comes from the honest member, and both colluders are rejected; an honest group of four is still not clipped."""
     g = torch.Generator().manual_seed(4)
     honest = 1.0 + 0.1 * torch.randn(2, 1000, generator=g)
     far = -707.0 * honest.mean(0)
@@ -123,9 +123,10 @@ def test_two_colluders_of_four_are_rejected_by_an_owner_that_counts_itself():
     four = 1.0 + 0.1 * torch.randn(4, 1000, generator=g)
     value, flagged, *_ = centered_clip(four, torch.ones(4))
     assert torch.allclose(value, four.mean(0), atol=1e-5) and not flagged.any()
-    assert reference_distance([0.0, 3.0, 1.0, 2.0], own=0) == 1.0  # the nearest other in a group of 4
-    assert reference_distance([5.0, 0.0], own=1) == 5.0  # a group of two: the other's
-    assert reference_distance([0.0, 7, 1, 6, 2, 5, 3, 4], own=0) == 3  # the 3rd nearest of 7 others
+    assert rejection_distance([0.0, 3.0, 1.0, 2.0], own=0) == 1.0  # the nearest other in a group of 4
+    assert rejection_distance([5.0, 0.0], own=1) == 5.0  # a group of two: the other's
+    assert rejection_distance([0.0, 7, 1, 6, 2, 5, 3, 4], own=0) == 3  # the 3rd nearest of 7 others
+    assert rejection_distance([0.0, 0.0, 2.0, 3.0], own=0) == 2.0  # a copy of the owner's value does not count
 
 
 def test_hostile_member_moves_the_mean_but_not_clipped_or_trimmed():
