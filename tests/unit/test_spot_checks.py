@@ -80,9 +80,15 @@ def test_what_a_member_declares_must_hold(task):
     assert checker.check(sample_of(honest, *part, work=None), 3, 64).outcome == FAILED  # no work declared
     assert checker.check(sample_of(honest, *part, weight=63.5), 3, 64).outcome == FAILED  # not a sample count
     assert checker.check(sample_of(honest, *part, weight=96.0), 3, 64).outcome == FAILED  # more than it computed
+    # A claim nobody could afford to recompute is no way around the checks.
+    assert checker.check(sample_of(honest, *part, weight=1e6), 3, 64).outcome == FAILED
     # What the checker cannot judge fairly is skipped, not held against the member.
     assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == SKIPPED  # another epoch
-    assert checker.check(sample_of(honest, *part, weight=1e6), 3, 64).outcome == SKIPPED  # too much to recompute
+    assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == SKIPPED  # ... twice in a row
+    assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == FAILED  # a third: a dodge
+    assert checker.check(sample_of(honest, *part), 3, 64).outcome == PASSED  # a fair check starts the count over
+    assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == SKIPPED
+
     numel = honest.numel()
     params_half = ContributionSample(PEER, (3, BATCH), 64.0, numel, torch.zeros(10))  # a parameters round's values
     assert checker.check(params_half, 3, 64).outcome == SKIPPED

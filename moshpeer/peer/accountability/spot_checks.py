@@ -15,9 +15,13 @@ the member's when they averaged in the same groups (gradients mode); drift betwe
 relative error, which `TOLERANCE` leaves room for (docs/security.md has the measured errors).
 
 A check is skipped, not failed, when the checker cannot do it fairly: the member declared another epoch than the
-checker's (this peer holds only its own epoch's parameters), claims more than MAX_WORK_FACTOR times the checker's
-own samples, or the part holds no gradients (a parameters round's second half). A member that declares no work in
-a run with spot checks, a weight that is not its samples, or values that differ fails.
+checker's (this peer holds only its own epoch's parameters), or the part holds no gradients (a parameters round's
+second half). An honest member is rarely an epoch off its group, so the MAX_OTHER_EPOCH_SKIPS-th such skip of one
+member in a row fails: declaring another epoch is no way around the checks either. A member that declares no work in a run with spot checks, a weight that is not its samples, or values
+that differ fails; so does one that claims more than MAX_WORK_FACTOR times the checker's own samples: a claim
+nobody can afford to recompute would otherwise be a way never to be checked (robust aggregation credits no member
+with more than the group's median weight anyway). The price: in a run with spot checks, a peer more than
+MAX_WORK_FACTOR times faster than a checker fails that checker's checks.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,7 +44,9 @@ from moshpeer.peer.tasks.protocol import Task
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 0.25  # largest ||sent - recomputed|| / ||recomputed|| that passes
-MAX_WORK_FACTOR = 4.0
+MAX_WORK_FACTOR = 8.0
+MAX_OTHER_EPOCH_SKIPS = 3
+MAX_TRACKED_PEERS = 1024  # members whose other-epoch skips are counted (the oldest forgotten first)
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
@@ -101,6 +107,7 @@ class SpotChecker:
         self._model: Optional[torch.nn.Module] = None
         self._params: List[torch.nn.Parameter] = []  # the copy's, in `params` order
         self.checks: List[SpotCheck] = []
+        self._other_epoch: Dict[str, int] = {}  # member -> checks in a row skipped for declaring another epoch
 
     def start_epoch(self, epoch: int) -> None:
         """Keep the parameters of `epoch` (call before its first micro-batch; nothing happens within an epoch)."""
@@ -137,13 +144,16 @@ class SpotChecker:
             return verdict(FAILED, "declared no work")
         declared_epoch, batch_size = sample.work
         if declared_epoch != epoch or self._epoch != epoch:
+            if declared_epoch != epoch and self._count_other_epoch(sample.peer_id) >= MAX_OTHER_EPOCH_SKIPS:
+                return verdict(FAILED, f"declared another epoch than ours in {MAX_OTHER_EPOCH_SKIPS} checks in a row")
             return verdict(SKIPPED, f"declared epoch {declared_epoch}; this peer holds the parameters of {self._epoch}")
+        self._other_epoch.pop(sample.peer_id, None)
         samples = sample.weight
         if samples != int(samples) or samples < 1:
             return verdict(FAILED, f"weight {samples} is not a sample count")
         samples = int(samples)
         if samples > MAX_WORK_FACTOR * max(own_samples, batch_size):
-            return verdict(SKIPPED, f"{samples} samples: more than {MAX_WORK_FACTOR:g}x this peer's {own_samples}")
+            return verdict(FAILED, f"claims {samples} samples: more than {MAX_WORK_FACTOR:g}x this peer's {own_samples}")
         numel = sum(p.numel() for p in self.params)
         end = min(sample.start + sample.values.numel(), numel)
         if sample.start >= end:
@@ -157,6 +167,13 @@ class SpotChecker:
         if error > self.tolerance:
             return verdict(FAILED, f"relative error {error:.3g} over {self.tolerance:g}", error, samples)
         return verdict(PASSED, "", error, samples)
+
+    def _count_other_epoch(self, peer_id: str) -> int:
+        count = self._other_epoch.pop(peer_id, 0) + 1
+        self._other_epoch[peer_id] = count
+        while len(self._other_epoch) > MAX_TRACKED_PEERS:
+            self._other_epoch.pop(next(iter(self._other_epoch)))
+        return count
 
     def _recompute(self, peer_id: str, epoch: int, batch_size: int, samples: int):
         """The mean gradient of `peer_id`'s first `samples` assigned samples of `epoch` at this peer's parameters of
