@@ -19,7 +19,8 @@ from moshpeer.peer.state import sync as state_sync
 from moshpeer.peer.optimizer import CollaborativeOptimizer
 from moshpeer.peer.state.framing import StateOffer, serialize_state
 from moshpeer.peer.state.sync import StateServer, download_state, fetch_state_from
-from moshpeer.peer.state.validation import validate_counters, validate_optimizer_state
+from moshpeer.peer.state.validation import validate_counters
+from moshpeer.peer.tensor_checks import validate_optimizer_state
 
 pytestmark = pytest.mark.timeout(120)
 
