@@ -82,6 +82,10 @@ def test_what_a_member_declares_must_hold(task):
     assert checker.check(sample_of(honest, *part, weight=96.0), 3, 64).outcome == FAILED  # more than it computed
     # A claim nobody could afford to recompute is no way around the checks.
     assert checker.check(sample_of(honest, *part, weight=1e6), 3, 64).outcome == FAILED
+    assert checker.check(sample_of(honest, *part, work=(3, 1 << 20)), 3, 64).outcome == FAILED  # batch > samples
+    huge = sample_of(honest, *part, work=(3, 2000), weight=2000.0)  # more than the task's 1,257 examples per batch
+    assert checker.check(huge, 3, 400).outcome == FAILED
+    assert checker.check(sample_of(honest, *part, weight=0.0, work=None), 3, 64).outcome == SKIPPED  # an aux peer
     # What the checker cannot judge fairly is skipped, not held against the member.
     assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == SKIPPED  # another epoch
     assert checker.check(sample_of(honest, *part, work=(2, BATCH)), 3, 64).outcome == SKIPPED  # ... twice in a row

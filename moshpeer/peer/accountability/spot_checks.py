@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from moshpeer.averaging.report import ContributionSample
+from moshpeer.errors import UserError
 from moshpeer.peer.accountability.assignment import assigned_batches
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.tasks.protocol import Task
@@ -106,7 +107,7 @@ class SpotChecker:
         # never on the live model (which the state server and checkpoints read meanwhile). Made at the first epoch.
         self._model: Optional[torch.nn.Module] = None
         self._params: List[torch.nn.Parameter] = []  # the copy's, in `params` order
-        self.checks: List[SpotCheck] = []
+        self.checks_run = self.samples_checked = 0  # checks made and the samples they recomputed (their cost)
         self._other_epoch: Dict[str, int] = {}  # member -> checks in a row skipped for declaring another epoch
 
     def start_epoch(self, epoch: int) -> None:
@@ -130,7 +131,8 @@ class SpotChecker:
         if result is None or not result.ok or result.sample is None or self.rng.random() >= self.rate:
             return None
         check = self.check(result.sample, round_.epoch, own_samples if own_samples is not None else round_.samples)
-        self.checks.append(check)
+        self.checks_run += 1
+        self.samples_checked += check.samples
         return check
 
     def check(self, sample: ContributionSample, epoch: int, own_samples: int) -> SpotCheck:
@@ -140,6 +142,8 @@ class SpotChecker:
         def verdict(outcome: str, reason: str = "", error: Optional[float] = None, samples: int = 0) -> SpotCheck:
             return SpotCheck(sample.peer_id, epoch, outcome, reason, error, samples, time.monotonic() - started)
 
+        if sample.weight == 0:
+            return verdict(SKIPPED, "weight 0: it contributes nothing (an aux peer)")
         if sample.work is None:
             return verdict(FAILED, "declared no work")
         declared_epoch, batch_size = sample.work
@@ -152,13 +156,18 @@ class SpotChecker:
         if samples != int(samples) or samples < 1:
             return verdict(FAILED, f"weight {samples} is not a sample count")
         samples = int(samples)
-        if samples > MAX_WORK_FACTOR * max(own_samples, batch_size):
+        if samples > MAX_WORK_FACTOR * max(own_samples, 1):
             return verdict(FAILED, f"claims {samples} samples: more than {MAX_WORK_FACTOR:g}x this peer's {own_samples}")
+        if batch_size > samples:  # (which also bounds what a recomputation may cost: under 2x the samples)
+            return verdict(FAILED, f"declared micro-batches of {batch_size} for {samples} samples")
         numel = sum(p.numel() for p in self.params)
         end = min(sample.start + sample.values.numel(), numel)
         if sample.start >= end:
             return verdict(SKIPPED, "the part holds no gradients")
-        recomputed, counted = self._recompute(sample.peer_id, epoch, batch_size, samples)
+        try:
+            recomputed, counted = self._recompute(sample.peer_id, epoch, batch_size, samples)
+        except UserError as e:  # e.g. a declared batch size the task's data cannot give
+            return verdict(FAILED, f"its declared work cannot be recomputed: {e}")
         if recomputed is None:
             return verdict(FAILED, f"its batches hold {counted} samples, not the {samples} it declared", samples=counted)
         error = compare(sample.values[:end - sample.start], recomputed[sample.start:end].cpu(), self.tolerance)
@@ -194,7 +203,3 @@ class SpotChecker:
             return None, counted
         return total.div_(samples), counted
 
-    @property
-    def samples_checked(self) -> int:
-        """Samples recomputed by all checks so far (their cost)."""
-        return sum(c.samples for c in self.checks)
