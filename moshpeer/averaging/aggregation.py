@@ -140,7 +140,8 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, own: int = 0) -> 
     kept_weights = [float(w) for w in weights.tolist()]
     rejected = [False] * n
     if math.isfinite(tau) and tau > 0:
-        rejected = [d > REJECT_RADIUS_FACTOR * rejection_distance(from_own, own) for d in from_own]
+        reject_radius = REJECT_RADIUS_FACTOR * rejection_distance(from_own, own)
+        rejected = [d > reject_radius for d in from_own]
         kept_weights = [0.0 if out else w for out, w in zip(rejected, kept_weights)]
         total = sum(kept_weights)
         shares = [w / total for w in kept_weights] if total > 0 else [0.0] * n

@@ -54,6 +54,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS
+from moshpeer.bounded_memory import remember
 from moshpeer.averaging.deadline import RoundDeadline
 from moshpeer.averaging.group_order import canonical_group, is_canonical
 from moshpeer.averaging.member_info import parse_member_info
@@ -185,10 +186,7 @@ class MatchmakingAdapter:
 
     def _avoid(self, leader, why: str) -> None:
         """Skip this leader's group-key entries for AVOID_LEADER_S (the oldest of MAX_AVOIDED_LEADERS forgotten)."""
-        self._avoided.pop(str(leader), None)
-        self._avoided[str(leader)] = time.monotonic() + AVOID_LEADER_S
-        while len(self._avoided) > MAX_AVOIDED_LEADERS:
-            self._avoided.pop(next(iter(self._avoided)))
+        remember(self._avoided, str(leader), time.monotonic() + AVOID_LEADER_S, limit=MAX_AVOIDED_LEADERS)
         logger.info(f"{why}; asking the next leader, and not this one for {AVOID_LEADER_S:g} s")
 
     async def _assemble_as_leader(self) -> GroupInfo:

@@ -3,8 +3,8 @@
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
 holding its slot when it is behind NAT, its configured group size, and the work its contribution claims to hold
-for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/) travels inside matchmaking over libp2p's
-encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
+for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/) travels inside matchmaking over
+libp2p's encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
 from __future__ import annotations

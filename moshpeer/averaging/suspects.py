@@ -62,6 +62,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from moshpeer.bounded_memory import remember
+
 DECAY = 0.9
 SUSPECT_SCORE = 1.5
 SCORE_CAP = 2 * SUSPECT_SCORE
@@ -253,10 +255,7 @@ class SuspectTracker:
             self._failed_checks.pop(peer_id, None)
             return False
         became = peer_id not in self._failed_checks
-        self._failed_checks.pop(peer_id, None)
-        self._failed_checks[peer_id] = None
-        while len(self._failed_checks) > MAX_FAILED_CHECKS:
-            self._failed_checks.pop(next(iter(self._failed_checks)))
+        remember(self._failed_checks, peer_id, limit=MAX_FAILED_CHECKS)
         if became:
             self._warn(f"peer {peer_id[-8:]} failed a spot check (what it sent is not what its assigned data gives): "
                        f"its contributions count for nothing until a later check passes")

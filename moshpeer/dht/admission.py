@@ -37,6 +37,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
+from moshpeer.bounded_memory import remember
 from moshpeer.dht import credentials
 from moshpeer.errors import UserError
 from moshpeer.ratelimited_log import RateLimitedLog
@@ -343,10 +344,7 @@ def _mtime(path: str) -> float:
 
 def _remember(memory: "OrderedDict", key, value=None) -> None:
     """Add `key` (with `value`) as the newest entry, forgetting the oldest beyond MAX_REMEMBERED_REFUSALS."""
-    memory[key] = value
-    memory.move_to_end(key)
-    while len(memory) > MAX_REMEMBERED_REFUSALS:
-        memory.popitem(last=False)
+    remember(memory, key, value, limit=MAX_REMEMBERED_REFUSALS)
 
 
 def _read(path: str, flag: str, limit: int) -> bytes:

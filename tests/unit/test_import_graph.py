@@ -133,8 +133,8 @@ def test_peer_folders_import_only_downward():
 
 
 # The layers of docs/architecture.md, bottom up: a module imports from its own layer or from lower ones only. The
-# package's root modules (errors, version, logs, ratelimited_log) are below every layer; `testing` (netlab,
-# orphans) is a tool for tests and benchmarks that imports no layer; simulation runs the averaging and peer
+# package's root modules (errors, version, logs, ratelimited_log, bounded_memory) are below every layer; `testing`
+# (netlab, orphans) is a tool for tests and benchmarks that imports no layer; simulation runs the averaging and peer
 # decisions for virtual peers; adversaries (hostile peers for tests and benchmarks) use the peer's own code;
 # cli may import everything.
 LAYER_RANK = {"dht": 1, "compression": 1, "testing": 1, "averaging": 2, "peer": 3, "simulation": 4, "adversaries": 4,

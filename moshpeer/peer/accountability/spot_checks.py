@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from moshpeer.averaging.report import ContributionSample
+from moshpeer.bounded_memory import remember
 from moshpeer.errors import UserError
 from moshpeer.peer.accountability.assignment import assigned_batches
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
@@ -178,10 +179,8 @@ class SpotChecker:
         return verdict(PASSED, "", error, samples)
 
     def _count_other_epoch(self, peer_id: str) -> int:
-        count = self._other_epoch.pop(peer_id, 0) + 1
-        self._other_epoch[peer_id] = count
-        while len(self._other_epoch) > MAX_TRACKED_PEERS:
-            self._other_epoch.pop(next(iter(self._other_epoch)))
+        count = self._other_epoch.get(peer_id, 0) + 1
+        remember(self._other_epoch, peer_id, count, limit=MAX_TRACKED_PEERS)
         return count
 
     def _recompute(self, peer_id: str, epoch: int, batch_size: int, samples: int):

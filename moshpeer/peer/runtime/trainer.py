@@ -152,11 +152,12 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     # The process exits right after the daemon's shutdown: see CollaborativeOptimizer.shutdown.
     daemon.add_shutdown_hook(lambda: optimizer.shutdown(close_averager=False), name="collaborative optimizer")
     seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
-    stream = task.open_batches(micro, seed=seed) if config.role == "trainer" and not assigned else None
-    checker = None
+    stream = checker = None
     if assigned:  # the data follows from the run, the peer id and the epoch (accountability/assignment.py)
         stream = AssignedBatches(task, micro, daemon.run_id, daemon.peer_id, lambda: optimizer.local_epoch)
         checker = SpotChecker(task, daemon.run_id, optimizer.params, config.spot_checks)
+    elif config.role == "trainer":
+        stream = task.open_batches(micro, seed=seed)
     micro_steps = 0  # micro-batches computed by this peer: the `step` of its checkpoints
     if checkpointer is not None:
         checkpointer.attach(model, optimizer, stream)
