@@ -2,7 +2,8 @@
 
 A bare reduce-scatter + all-gather written the way moshpeer's data plane is (Python threads, one blocking TCP
 connection per ordered pair of peers, fixed-size chunks, each frame tagged with moshpeer's `FrameAuth` MAC, a
-finiteness check and torch adds) and nothing else: no matchmaking, handshake, loss handling, deadlines, codecs,
+finiteness check and torch adds; with `--compression int8` etc. the codec's batched encode of a part and its checked
+decode of each chunk instead of the raw values, the check and the adds) and nothing else: no matchmaking, handshake, loss handling, deadlines, codecs,
 bookkeeping or reports. Its time against gloo's says what this architecture costs on the machine before any of
 moshpeer's protocol; moshpeer's time against it says what the protocol adds.
 
@@ -48,6 +49,7 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
     import torch.distributed as dist
 
     from moshpeer.averaging.handshake import MAC_BYTES, FrameAuth
+    from moshpeer.compression import get_compression
 
     rank, peers = args.rank, args.peers
     store = dist.TCPStore(args.master, args.port, peers, is_master=rank == 0,
@@ -78,6 +80,7 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
     tensor = initial.clone()
     bounds = [args.numel * k // peers for k in range(peers + 1)]
     chunk = max(1, args.chunk_bytes // 4)
+    codec = None if args.compression == "none" else get_compression(args.compression).reduce_codec
 
     def chunks(part: int):
         return [(lo, min(lo + chunk, bounds[part + 1])) for lo in range(bounds[part], bounds[part + 1], chunk)]
@@ -88,7 +91,7 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
         tensor.copy_(initial)
         mine = chunks(rank)
         total = torch.zeros(bounds[rank + 1] - bounds[rank])
-        arrived, final = [0] * len(mine), [False] * len(mine)
+        arrived, final, encoded = [0] * len(mine), [False] * len(mine), [None] * len(mine)
         cond = threading.Condition()
         dist.barrier()
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
@@ -96,26 +99,44 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
 
         def send(j: int) -> None:
             sock, auth = outbound[j]
+            contribution = None if codec is None else codec.encode_chunks(
+                tensor[bounds[j]:bounds[j + 1]], chunk, [0] * len(chunks(j)))
             for phase, part, spans in ((REDUCE, j, chunks(j)), (GATHER, rank, mine)):
                 for c, (lo, hi) in enumerate(spans):
                     if phase == GATHER:
                         with cond:
                             cond.wait_for(lambda: final[c])
-                    payload = tensor[lo:hi].view(torch.uint8).numpy()
+                    if codec is None:
+                        payload = tensor[lo:hi].view(torch.uint8).numpy()
+                    elif phase == REDUCE:
+                        payload = contribution.buffer[c, :contribution.nbytes[c]].numpy()
+                    else:
+                        payload = encoded[c].numpy()
                     header = FRAME.pack(phase, part, c)
                     sock.sendmsg([header, payload, auth.tag(header, payload)])
 
         def receive(i: int) -> None:
             sock, auth = inbound[i]
-            inbox = torch.empty(4 * chunk, dtype=torch.uint8)
+            stride = 4 * chunk if codec is None else codec.row_stride(chunk)
+            inbox = torch.empty(stride, dtype=torch.uint8)
             header, mac = bytearray(FRAME.size), bytearray(MAC_BYTES)
             for phase, spans in ((REDUCE, mine), (GATHER, chunks(i))):
                 for c, (lo, hi) in enumerate(spans):
-                    view = memoryview(inbox.numpy())[:4 * (hi - lo)]
+                    nbytes = 4 * (hi - lo) if codec is None else codec.max_encoded_nbytes(hi - lo)
+                    view = memoryview(inbox.numpy())[:nbytes]
                     _recv_exactly(sock, memoryview(header))
                     _recv_exactly(sock, view)
                     _recv_exactly(sock, memoryview(mac))
                     auth.check(header, view, mac)
+                    part_lo = lo - bounds[rank]
+                    if codec is not None:
+                        if phase == GATHER:
+                            _decode(inbox, nbytes, tensor[lo:hi], "into")
+                            continue
+                        with cond:
+                            _decode(inbox, nbytes, total[part_lo:part_lo + hi - lo], "add")
+                            _arrived(c, lo, hi, part_lo)
+                        continue
                     values = inbox[:4 * (hi - lo)].view(torch.float32)
                     if not bool(torch.isfinite(values.sum())):
                         raise ValueError("non-finite values")
@@ -123,13 +144,22 @@ def bare_worker(args, emit, error_check, peer_values) -> None:
                         tensor[lo:hi].copy_(values)
                         continue
                     with cond:
-                        part_lo = lo - bounds[rank]
                         total[part_lo:part_lo + hi - lo].add_(values)
-                        arrived[c] += 1
-                        if arrived[c] == peers - 1:
-                            tensor[lo:hi].add_(total[part_lo:part_lo + hi - lo]).div_(peers)
-                            final[c] = True
-                            cond.notify_all()
+                        _arrived(c, lo, hi, part_lo)
+
+        def _decode(inbox, nbytes: int, out, mode: str) -> None:
+            error = codec.decode_chunks(inbox.view(1, -1), [nbytes], out, out.numel(), [mode])[0]
+            if error is not None:
+                raise ValueError(error)
+
+        def _arrived(c: int, lo: int, hi: int, part_lo: int) -> None:  # under cond
+            arrived[c] += 1
+            if arrived[c] == peers - 1:
+                tensor[lo:hi].add_(total[part_lo:part_lo + hi - lo]).div_(peers)
+                if codec is not None:
+                    encoded[c] = codec.encode(tensor[lo:hi])
+                final[c] = True
+                cond.notify_all()
 
         failures = []
 

@@ -16,6 +16,8 @@ What is timed (matchmaking is excluded for both swarm systems and reported separ
 - gloo: `dist.all_reduce(SUM)` + divide by the peer count, after a barrier.
 - bare: the same reduce-scatter + all-gather in Python threads over one TCP connection per pair, with moshpeer's
   frame MACs and nothing else (bare_allreduce.py), after a barrier: what the architecture costs before the protocol.
+  It runs every codec of `--compression` (`bare[int8]`: the codec's batched encode and checked decode), so each
+  moshpeer codec has its own floor (`bare_over_gloo_per_codec`, `moshpeer_over_bare_per_codec`).
 Relative error: ||result - exact mean|| / ||exact mean||, exact mean computed in float64 by each peer, over the
 whole vector in the warm-up round and over a fixed sample of coordinates in every timed round (`ErrorCheck`).
 Ends with one JSON line of the figures.
@@ -260,7 +262,7 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
     """Run `peers` workers of `system` (in the namespaces of a `moshpeer.testing.netlab.Netlab` if given; its
     node k's upload is passed as peer k's bandwidth); returns {codec: rounds[round][peer]} (timed rounds only;
     one codec, "none", for hivemind and gloo)."""
-    codecs = compression.split(",") if system == "moshpeer" else ["none"]
+    codecs = compression.split(",") if system in ("moshpeer", "bare") else ["none"]
     base = [sys.executable, os.path.abspath(__file__), "--role", system, "--peers", str(args.peers),
             "--numel", str(args.numel), "--rounds", str(args.rounds), "--compression", ",".join(codecs),
             "--drop", str(args.drop if system == "moshpeer" else 0.0),
@@ -414,10 +416,14 @@ def main() -> int:
                 pooled.setdefault(f"moshpeer[{codec}]", []).extend(rounds)
                 seconds[f"moshpeer[{codec}]"] = summarize(rounds)["seconds"]
         for system in ("hivemind", "bare", "gloo"):
-            if system in systems:
-                rounds = run_system(system, args)["none"]
-                pooled.setdefault(system, []).extend(rounds)
-                seconds[system] = summarize(rounds)["seconds"]
+            if system not in systems:
+                continue
+            # bare runs each codec in a launch of its own (its worker takes one).
+            for codec in args.compression.split(",") if system == "bare" else ["none"]:
+                name = f"bare[{codec}]" if system == "bare" else system
+                rounds = run_system(system, args, codec)[codec]
+                pooled.setdefault(name, []).extend(rounds)
+                seconds[name] = summarize(rounds)["seconds"]
         per_repeat.append(seconds)
     results: Dict[str, Dict[str, float]] = {name: summarize(rounds) for name, rounds in pooled.items()}
 
@@ -460,18 +466,24 @@ def main() -> int:
             print(f"moshpeer[{codec}] / gloo: median {statistics.median(ratios):.2f} over {len(ratios)} repeats "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
     if "bare" in systems and "gloo" in systems:
-        # The architecture's floor (bare_allreduce.py) against gloo, and moshpeer against that floor, paired.
-        floor = [r["bare"] / r["gloo"] for r in per_repeat]
-        figures["bare_s"] = results["bare"]["seconds"]
-        figures["bare_over_gloo"] = statistics.median(floor)
-        print(f"bare / gloo: median {figures['bare_over_gloo']:.2f} (range {min(floor):.2f}-{max(floor):.2f}); "
-              f"bare CPU per peer per round {results['bare']['cpu_s']:.3f} s")
+        # The architecture's floor (bare_allreduce.py) against gloo, and moshpeer against that floor, paired, per
+        # codec; the unsuffixed figures are the first codec's.
+        figures["bare_over_gloo_per_codec"], figures["moshpeer_over_bare_per_codec"] = {}, {}
+        for codec in args.compression.split(","):
+            floor = [r[f"bare[{codec}]"] / r["gloo"] for r in per_repeat]
+            figures["bare_over_gloo_per_codec"][codec] = statistics.median(floor)
+            print(f"bare[{codec}] / gloo: median {statistics.median(floor):.2f} (range {min(floor):.2f}-"
+                  f"{max(floor):.2f}); bare CPU per peer per round {results[f'bare[{codec}]']['cpu_s']:.3f} s")
+            if "moshpeer" in systems:
+                over = [r[f"moshpeer[{codec}]"] / r[f"bare[{codec}]"] for r in per_repeat]
+                figures["moshpeer_over_bare_per_codec"][codec] = statistics.median(over)
+                print(f"moshpeer[{codec}] / bare[{codec}]: median {statistics.median(over):.2f} "
+                      f"(range {min(over):.2f}-{max(over):.2f})")
+        primary_codec = args.compression.split(",")[0]
+        figures["bare_s"] = results[f"bare[{primary_codec}]"]["seconds"]
+        figures["bare_over_gloo"] = figures["bare_over_gloo_per_codec"][primary_codec]
         if "moshpeer" in systems:
-            primary_codec = args.compression.split(",")[0]
-            over = [r[f"moshpeer[{primary_codec}]"] / r["bare"] for r in per_repeat]
-            figures["moshpeer_over_bare"] = statistics.median(over)
-            print(f"moshpeer[{primary_codec}] / bare: median {figures['moshpeer_over_bare']:.2f} "
-                  f"(range {min(over):.2f}-{max(over):.2f})")
+            figures["moshpeer_over_bare"] = figures["moshpeer_over_bare_per_codec"][primary_codec]
     figures["repeats"] = args.repeats
     for name, r in results.items():
         if name.startswith("moshpeer"):
