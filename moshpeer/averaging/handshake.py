@@ -92,7 +92,7 @@ class RoundCredentials:
         key = X25519PrivateKey.generate()
         public = _x25519_public_bytes(key)
         signature = identity.private_key.sign(_certificate(group_prefix, index, public))
-        return cls(group_prefix, index, identity.peer_id_bytes, identity.public_key.to_bytes(), signature, key,
+        return cls(group_prefix, index, identity.peer_id_bytes, identity.public_key_bytes, signature, key,
                    public)
 
 

@@ -11,6 +11,7 @@ so a file written by hivemind (`P2P.generate_identity`) works here and vice vers
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -100,20 +101,27 @@ class Identity:
     def public_key(self) -> RSAPublicKey:
         return self.private_key.get_public_key()
 
-    @property
+    # Derived once (a key never changes; bytes, so an Identity still pickles): every round asks for them, and
+    # each costs a key serialization.
+    @functools.cached_property
+    def public_key_bytes(self) -> bytes:
+        """The public key in OpenSSH form, as peers send it to each other."""
+        return self.public_key.to_bytes()
+
+    @functools.cached_property
     def peer_id(self) -> str:
         """Base58 libp2p peer id, exactly what p2pd reports for this key."""
-        return peer_id_from_public_key(self.public_key)
+        return base58.b58encode(self.peer_id_bytes).decode()
 
-    @property
+    @functools.cached_property
     def peer_id_bytes(self) -> bytes:
         """Binary libp2p peer id (hivemind's `PeerID.to_bytes()`), as matchmaking names group members."""
         return peer_id_bytes_from_public_key(self.public_key)
 
-    @property
+    @functools.cached_property
     def owner_subkey(self) -> bytes:
         """The `[owner:...]` marker: a record stored under this subkey must carry this key's signature."""
-        return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", self.public_key.to_bytes())
+        return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", self.public_key_bytes)
 
     def signature_validator(self) -> RSASignatureValidator:
         """hivemind's validator that signs our records with this key and checks everyone's signatures."""

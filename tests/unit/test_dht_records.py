@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 
 import pytest
@@ -65,6 +66,16 @@ def test_identity_peer_id_matches_libp2p_rule(alice):
     # hivemind's PeerID.from_identity follows the libp2p spec (and matches p2pd): ours must agree.
     assert alice.peer_id == PeerID.from_identity(alice.to_file_bytes()).to_base58()
     assert peer_id_from_owner_key(alice.owner_subkey) == alice.peer_id
+
+
+def test_identity_derived_values_are_computed_once_and_still_pickle(alice):
+    # Every round reads them (the handshake's credentials): kept after the first read, as bytes and str only.
+    assert alice.peer_id_bytes is alice.peer_id_bytes and alice.public_key_bytes is alice.public_key_bytes
+    assert alice.public_key_bytes == alice.public_key.to_bytes()
+    assert PeerID(alice.peer_id_bytes).to_base58() == alice.peer_id
+    copy = pickle.loads(pickle.dumps(alice))
+    assert (copy.peer_id, copy.peer_id_bytes, copy.owner_subkey) == (alice.peer_id, alice.peer_id_bytes,
+                                                                      alice.owner_subkey)
 
 
 def test_identity_file_persists_peer_id(tmp_path):
