@@ -2,8 +2,8 @@
 
 A bare reduce-scatter + all-gather written the way moshpeer's data plane is (Python threads, one blocking TCP
 connection per ordered pair of peers, fixed-size chunks, each frame tagged with moshpeer's `FrameAuth` MAC, a
-finiteness check and torch adds; with `--compression int8` etc. the codec's batched encode of a part and its checked
-decode of each chunk instead of the raw values, the check and the adds) and nothing else: no matchmaking, handshake, loss handling, deadlines, codecs,
+finiteness check and torch adds; with `--compression int8` etc. instead, the codec's batched encode of a part and
+its checked decode of each chunk) and nothing else: no matchmaking, handshake, loss handling, deadlines,
 bookkeeping or reports. Its time against gloo's says what this architecture costs on the machine before any of
 moshpeer's protocol; moshpeer's time against it says what the protocol adds.
 
