@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 # While a sender waits for chunks to be finalized, how often it checks that its peer is still there.
 PEER_CHECK_SECONDS = 0.05
 # A part's chunks go through the codec in at most this many batches ("pipeline slices") per direction: encoding
-# slice k+1 overlaps sending slice k, and host syncs per part are bounded independently of its chunk count.
-PART_SLICES = 4
+# slice k+1 overlaps sending slice k, and host syncs per part are bounded independently of its chunk count. Two, not
+# four: each batch costs the interpreter the same whatever its size (the views, checks and calls of an encode or a
+# decode: ~30% of a CPU round's time is in the interpreter), and an int8 round on a 2-core host ran ~8% faster
+# (docs/benchmarks.md, session 31); on a device the first slice's copy to host memory is still overlapped.
+PART_SLICES = 2
 
 
 def pipeline_slices(num_chunks: int, slices: int = PART_SLICES):
