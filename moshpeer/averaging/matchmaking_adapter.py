@@ -54,11 +54,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import cancel_and_wait
 
 from moshpeer.averaging.aggregation import MIN_ROBUST_CONTRIBUTIONS
-from moshpeer.bounded_memory import remember
 from moshpeer.averaging.deadline import RoundDeadline
 from moshpeer.averaging.group_order import canonical_group, is_canonical
 from moshpeer.averaging.member_info import parse_member_info
 from moshpeer.averaging.private import admits_follower, excluded_leader
+from moshpeer.bounded_memory import remember
 from moshpeer.errors import ProtocolError, UserError
 from moshpeer.version import PROTOCOL_VERSION
 

@@ -17,11 +17,12 @@ relative error, which `TOLERANCE` leaves room for (docs/security.md has the meas
 A check is skipped, not failed, when the checker cannot do it fairly: the member declared another epoch than the
 checker's (this peer holds only its own epoch's parameters), or the part holds no gradients (a parameters round's
 second half). An honest member is rarely an epoch off its group, so the MAX_OTHER_EPOCH_SKIPS-th such skip of one
-member in a row fails: declaring another epoch is no way around the checks either. A member that declares no work in a run with spot checks, a weight that is not its samples, or values
-that differ fails; so does one that claims more than MAX_WORK_FACTOR times the checker's own samples: a claim
-nobody can afford to recompute would otherwise be a way never to be checked (robust aggregation credits no member
-with more than the group's median weight anyway). The price: in a run with spot checks, a peer more than
-MAX_WORK_FACTOR times faster than a checker fails that checker's checks.
+member in a row fails: declaring another epoch is no way around the checks either. A member that declares no work in
+a run with spot checks, a weight that is not its samples, or values that differ fails; so does one that claims more
+than MAX_WORK_FACTOR times the checker's own samples: a claim nobody can afford to recompute would otherwise be a
+way never to be checked (robust aggregation credits no member with more than the group's median weight anyway). The
+price: in a run with spot checks, a peer more than MAX_WORK_FACTOR times faster than a checker fails that checker's
+checks.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class SpotChecker:
             return verdict(FAILED, f"weight {samples} is not a sample count")
         samples = int(samples)
         if samples > MAX_WORK_FACTOR * max(own_samples, 1):
-            return verdict(FAILED, f"claims {samples} samples: more than {MAX_WORK_FACTOR:g}x this peer's {own_samples}")
+            return verdict(FAILED, f"claims {samples} samples: more than {MAX_WORK_FACTOR:g}x this peer's "
+                                   f"{own_samples}")
         if batch_size > samples:  # (which also bounds what a recomputation may cost: under 2x the samples)
             return verdict(FAILED, f"declared micro-batches of {batch_size} for {samples} samples")
         numel = sum(p.numel() for p in self.params)
