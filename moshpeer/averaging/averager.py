@@ -384,7 +384,8 @@ class MoshpitAverager(ServicerBase):
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
-                                    relay=self._nat.relay, group_size=self.target_group_size, work=work)
+                                    relay=self._nat.relay, group_size=self.target_group_size, work=work,
+                                    answer_wait_s=self._matchmaking.answer_wait(window))
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
                                         schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits

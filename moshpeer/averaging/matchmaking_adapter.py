@@ -276,10 +276,15 @@ class MatchmakingAdapter:
         mm.min_matchmaking_time = request.matchmaking_time
         mm.potential_leaders.target_group_size = request.target_group_size
         mm.potential_leaders.min_matchmaking_time = request.matchmaking_time
-        # hivemind: a request timeout above the matchmaking time can deadlock matchmaking; a short
-        # per-round window (e.g. a compute-budget deadline) needs a shorter one.
-        mm.request_timeout = min(self.request_timeout, request.matchmaking_time / 2)
+        mm.request_timeout = self.answer_wait(request.matchmaking_time)
         return await mm.look_for_group(request)
+
+    def answer_wait(self, window: float) -> float:
+        """The request timeout of a round whose matchmaking window is `window`: how long this peer waits for a
+        leader's first answer (it says so in its member info, see `join_group`). hivemind: a request timeout above
+        the matchmaking time can deadlock matchmaking, so a short window (e.g. a compute-budget deadline) gets a
+        shorter one than configured."""
+        return min(self.request_timeout, window / 2)
 
     async def join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
                          ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -290,14 +295,15 @@ class MatchmakingAdapter:
         hivemind's leader accepts under its `lock_request_join_group`, which it also holds while its own join
         request to another leader waits (up to request_timeout); the asker meanwhile waits request_timeout for
         the answer and then gives up. An acceptance given after most of that wait would count a peer that
-        has left (the leader's group and the asker's view disagree), so it is withdrawn: the asker is told
+        has left (the leader's group and the asker's view disagree), so it is withdrawn (the asker's wait is the one
+        its member info states, when shorter than ours: peers' windows differ): the asker is told
         NOT_LOOKING_FOR_GROUP (if it still listens, it tries the next leader), and closing hivemind's handler
         drops it from our followers. `arrived`: when the request reached us (time.monotonic())."""
         try:
             info = parse_member_info(request.gather)
-            tag, group_size = info.tag, info.group_size
+            tag, group_size, asker_wait = info.tag, info.group_size, info.answer_wait_s
         except ProtocolError:
-            tag, group_size = None, 0
+            tag, group_size, asker_wait = None, 0, 0.0
         if not admits_follower(self._admission, str(context.remote_id), tag):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
@@ -308,12 +314,14 @@ class MatchmakingAdapter:
                          f"{self._mm.target_group_size}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
+        # The asker's own wait, when it says it is shorter than ours (its window, hence its request timeout, may be
+        # shorter: each peer learns its own), is the one an acceptance must fit in.
+        wait = min(self._mm.request_timeout, asker_wait) if asker_wait > 0 else self._mm.request_timeout
         responses = self._mm.rpc_join_group(request, context)
         try:
             async for response in responses:
                 waited = time.monotonic() - arrived
-                if (response.code == averaging_pb2.ACCEPTED
-                        and waited > LATE_ACCEPTANCE_FRACTION * self._mm.request_timeout):
+                if response.code == averaging_pb2.ACCEPTED and waited > LATE_ACCEPTANCE_FRACTION * wait:
                     logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
                     yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
                     return

@@ -2,8 +2,9 @@
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
-holding its slot when it is behind NAT, its configured group size, and the work its contribution claims to hold
-for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/) travels inside matchmaking over
+holding its slot when it is behind NAT, its configured group size, the work its contribution claims to hold
+for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/, and how long it waits for a
+leader's first answer in matchmaking) travels inside matchmaking over
 libp2p's encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -26,6 +27,7 @@ MAX_PACE_S = 3600.0  # a member announcing a longer upload spread is rejected
 MAX_GROUP_SIZE = 1 << 16
 MAX_EPOCH = 1 << 62
 MAX_BATCH_SIZE = 1 << 24
+MAX_ANSWER_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,16 @@ class MemberInfo:
     group_size: int = 0
     # (epoch, micro-batch size) of the data assignment its contribution was computed on (spot checks); None: none.
     work: Optional[Tuple[int, int]] = None
+    # Seconds it waits for a leader's first answer to its join request this round (its request timeout); a leader
+    # withdraws an acceptance it could only give late in that wait (matchmaking_adapter.py). 0: not said.
+    answer_wait_s: float = 0.0
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
                       tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
-                      group_size: int = 0, work: Optional[Tuple[int, int]] = None) -> bytes:
+                      group_size: int = 0, work: Optional[Tuple[int, int]] = None, answer_wait_s: float = 0.0
+                      ) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -72,6 +78,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["gs"] = int(group_size)
     if work is not None:
         info["work"] = [int(work[0]), int(work[1])]
+    if answer_wait_s > 0:
+        info["wait"] = float(answer_wait_s)
     return msgpack.packb(info)
 
 
@@ -125,5 +133,8 @@ def parse_member_info(data: bytes) -> MemberInfo:
                 and 0 <= work[0] < MAX_EPOCH and 0 < work[1] <= MAX_BATCH_SIZE):
             raise ProtocolError("bad declared work")
         work = (work[0], work[1])
+    answer_wait = info.get("wait", 0.0)
+    if not isinstance(answer_wait, (int, float)) or not 0 <= answer_wait <= MAX_ANSWER_WAIT_S:
+        raise ProtocolError("bad answer wait")
     return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay,
-                      group_size, work)
+                      group_size, work, float(answer_wait))

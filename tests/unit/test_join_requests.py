@@ -1,0 +1,61 @@
+"""How a leader answers join requests (`MatchmakingAdapter.join_group`), with hivemind's handler faked: an
+acceptance the asker can no longer be waiting for is withdrawn, so that leader and asker agree on the group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import types
+
+import msgpack
+import pytest
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+
+from moshpeer.averaging.matchmaking_adapter import MatchmakingAdapter
+from moshpeer.averaging.member_info import NONCE_BYTES, pack_member_info, parse_member_info
+from moshpeer.errors import ProtocolError
+
+
+def join_answers(asker_wait: float, waited_s: float, request_timeout: float = 2.0):
+    """The codes a leader (our request timeout `request_timeout`) answers a join request with, `waited_s` after it
+    arrived, from an asker whose member info says it waits `asker_wait` for a first answer (0: not said)."""
+    async def hivemind_accepts(request, context):
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE)
+
+    adapter = MatchmakingAdapter.__new__(MatchmakingAdapter)
+    adapter._admission = types.SimpleNamespace(private=False)
+    adapter._mm = types.SimpleNamespace(request_timeout=request_timeout, target_group_size=4,
+                                        rpc_join_group=hivemind_accepts)
+    request = averaging_pb2.JoinRequest(gather=pack_member_info("127.0.0.1", 4000, 1.0, os.urandom(NONCE_BYTES),
+                                                                answer_wait_s=asker_wait))
+    context = types.SimpleNamespace(remote_id=PeerID(os.urandom(32)))
+
+    async def answers():
+        return [m.code async for m in adapter.join_group(request, context, time.monotonic() - waited_s)]
+    return asyncio.run(answers())
+
+
+def test_a_leader_withdraws_an_acceptance_the_asker_no_longer_waits_for():
+    accepted = [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE]
+    withdrawn = [averaging_pb2.NOT_LOOKING_FOR_GROUP]
+    assert join_answers(asker_wait=0.0, waited_s=0.3) == accepted  # within half our own request timeout
+    assert join_answers(asker_wait=0.0, waited_s=1.2) == withdrawn
+    # An asker with a shorter window (so a shorter request timeout) says so: its wait is the one that counts.
+    assert join_answers(asker_wait=0.4, waited_s=0.3) == withdrawn
+    assert join_answers(asker_wait=0.4, waited_s=0.1) == accepted
+    # A longer one does not stretch ours.
+    assert join_answers(asker_wait=5.0, waited_s=1.2) == withdrawn
+
+
+def test_member_info_says_how_long_the_member_waits_for_an_answer():
+    packed = pack_member_info("127.0.0.1", 4000, 1.0, b"n" * 16, answer_wait_s=1.5)
+    assert parse_member_info(packed).answer_wait_s == 1.5
+    assert parse_member_info(pack_member_info("127.0.0.1", 4000, 1.0, b"n" * 16)).answer_wait_s == 0.0
+    for bad in (-1.0, float("nan"), float("inf"), "1"):
+        info = msgpack.unpackb(packed)
+        info["wait"] = bad
+        with pytest.raises(ProtocolError, match="answer wait"):
+            parse_member_info(msgpack.packb(info))
