@@ -104,6 +104,14 @@ def wait_for_exit() -> None:
     sys.stdin.readline()  # the orchestrator says when everyone is done
 
 
+def round_barrier() -> None:
+    """After a timed round: tell the orchestrator, and wait until every peer has finished its round. What a worker
+    does between rounds (checking its result, resetting its tensor: a 64 MB copy) then never runs beside another
+    peer's timed round, which it would slow down; gloo and bare workers do the same with `dist.barrier()`."""
+    emit(event="finished")
+    sys.stdin.readline()
+
+
 # ---- workers --------------------------------------------------------------------------------------
 
 
@@ -148,6 +156,7 @@ def moshpeer_worker(args) -> None:
             report = averager.step(timeout=60)
             cpu_after = resource.getrusage(resource.RUSAGE_SELF)
             ended_at = time.time()
+            round_barrier()
             full_err = errors.full(tensor) if round_index == 0 else full_err  # the warm-up round: nobody is timed
             emit(event="round", codec=codec, round=round_index, ok=report.ok, group_size=report.group_size,
                  seconds=report.total_s, started_at=ended_at - report.total_s, ended_at=ended_at,
@@ -194,6 +203,7 @@ def hivemind_worker(args) -> None:
         except Exception:
             ok = False
         finished = time.monotonic()
+        round_barrier()
         with averager.get_tensors() as (averaged,):
             err = errors.round(averaged)
             full_err = errors.full(averaged) if round_index == 0 else full_err
@@ -225,6 +235,7 @@ def gloo_worker(args) -> None:
         tensor.div_(args.peers)
         finished = time.monotonic()
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        dist.barrier()  # the check below never runs beside another peer's timed round
         full_err = errors.full(tensor) if round_index == 0 else full_err
         emit(event="round", round=round_index, ok=True, seconds=finished - started, rel_err=errors.round(tensor),
              full_rel_err=full_err, bytes_sent=None, cpu_user_s=cpu_after.ru_utime - cpu_before.ru_utime,
@@ -240,6 +251,8 @@ def bare_worker(args) -> None:
 
 
 WORKERS = {"moshpeer": moshpeer_worker, "hivemind": hivemind_worker, "gloo": gloo_worker, "bare": bare_worker}
+# The workers without a torch.distributed barrier, which the orchestrator holds between rounds (`round_barrier`).
+BARRIER_SYSTEMS = ("moshpeer", "hivemind")
 
 
 # ---- orchestration --------------------------------------------------------------------------------
@@ -315,8 +328,16 @@ def run_system(system: str, args, compression: str = "none", lab=None) -> Dict[s
             for proc in procs:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-        per_peer = [[_read_json(proc, "round", 600 + 3 * args.round_timeout)
-                     for _ in range(len(codecs) * (args.rounds + 1))] for proc in procs]
+        per_peer: List[List[dict]] = [[] for _ in procs]
+        for _ in range(len(codecs) * (args.rounds + 1)):
+            if system in BARRIER_SYSTEMS:  # the next round once every peer finished this one (`round_barrier`)
+                for proc in procs:
+                    _read_json(proc, "finished", 600 + 3 * args.round_timeout)
+                for proc in procs:
+                    proc.stdin.write("next\n")
+                    proc.stdin.flush()
+            for k, proc in enumerate(procs):
+                per_peer[k].append(_read_json(proc, "round", 600 + 3 * args.round_timeout))
         for proc in procs:
             _read_json(proc, "done", 60)
         rounds = args.rounds + 1
