@@ -378,8 +378,7 @@ class MoshpitAverager(ServicerBase):
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
                tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
-        started = time.monotonic()
-        host, port = self._announced_address()
+        started, (host, port) = time.monotonic(), self._announced_address()
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,

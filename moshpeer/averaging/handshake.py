@@ -135,13 +135,19 @@ class FrameAuth:
     """The MACs of one connection's frames, in order (each side keeps its own counter: TCP keeps order)."""
 
     def __init__(self, connection_key: bytes):
-        self._aead = AESGCM(hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest())
-        self._sequence = 0
+        self.frame_key = hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest()
+        self._aead = AESGCM(self.frame_key)
+        self.sequence = 0  # the next frame's; frame_pump.py tags runs of frames with the same key and numbers
+
+    def take(self, frames: int) -> int:
+        """Reserve the sequence numbers of the next `frames` frames (tagged elsewhere); -> the first."""
+        first = self.sequence
+        self.sequence += frames
+        return first
 
     def tag(self, header: bytes, payload=b"") -> bytes:
         """The MAC of the next frame (a header and its payload, any bytes-like object)."""
-        nonce = self._sequence.to_bytes(12, "little")
-        self._sequence += 1
+        nonce = self.take(1).to_bytes(12, "little")
         return self._aead.encrypt(nonce, bytes(header), payload if len(payload) else None)[-MAC_BYTES:]
 
     def check(self, header: bytes, payload, mac: bytes) -> None:

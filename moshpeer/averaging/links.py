@@ -14,7 +14,7 @@ or `moshpeer join --faults` injects is a `Links` built outside and passed in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence, Tuple
 
 from moshpeer.averaging.handshake import MAC_BYTES
 from moshpeer.averaging.report import PhaseStats
@@ -53,6 +53,9 @@ class ChunkStream(Protocol):
     def end(self, marker: bytes) -> None:
         """Send the end-of-phase marker: nothing more of this phase follows."""
 
+    # Optional: `send_run(headers, data, spans)`, the chunks (headers[k], data[offset_k: offset_k + nbytes_k]) in one
+    # go; a stream without it gets them one `send` at a time (`send_run` below).
+
     def closing(self) -> bool:
         """True once the all-reduce is tearing down (a wrapper stops waiting)."""
 
@@ -61,6 +64,8 @@ class FrameLink(Protocol):
     """An authenticated connection that sends frames (`member_connector.OutboundLink`)."""
 
     def send(self, header: bytes, payload=b"") -> None: ...
+
+    def send_run(self, headers: Sequence[bytes], data, spans: Sequence[Tuple[int, int]]) -> None: ...
 
 
 @dataclass
@@ -76,8 +81,25 @@ class WireStream:
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += len(header) + len(data) + MAC_BYTES
 
+    def send_run(self, headers: Sequence[bytes], data, spans: Sequence[Tuple[int, int]]) -> None:
+        self.link.send_run(headers, data, spans)
+        self.stats.chunks_sent += len(headers)
+        self.stats.bytes_sent += sum(len(header) + nbytes + MAC_BYTES for header, (_, nbytes) in zip(headers, spans))
+
     def end(self, marker: bytes) -> None:
         self.link.send(marker)
+
+
+def send_run(stream: ChunkStream, headers: Sequence[bytes], data, spans: Sequence[Tuple[int, int]]) -> None:
+    """Chunks (headers[k], data[offset_k: offset_k + nbytes_k]) on `stream`: in one go where it can (the real
+    stream: frame_pump.py), else a `send` each (a wrapper that drops, delays or paces chunk by chunk)."""
+    run = getattr(stream, "send_run", None)
+    if run is not None:
+        run(headers, data, spans)
+        return
+    view = memoryview(data)
+    for header, (offset, nbytes) in zip(headers, spans):
+        stream.send(header, view[offset: offset + nbytes])
 
 
 class Links:

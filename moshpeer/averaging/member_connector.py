@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
-from moshpeer.averaging import handshake, wire
+from moshpeer.averaging import frame_pump, handshake, wire
 from moshpeer.averaging.dataplane import _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
 from moshpeer.averaging.tcp_relay.reservation import open_circuit
@@ -69,6 +69,10 @@ class OutboundLink:
     def send(self, header: bytes, payload=b"") -> None:
         """One frame; raises OSError / ConnectionError if the connection broke."""
         handshake.send_frame(self.sock, self.auth, header, payload)
+
+    def send_run(self, headers: Sequence[bytes], data, spans: Sequence[Tuple[int, int]]) -> None:
+        """Frames (headers[k], data[offset_k: offset_k + nbytes_k]) in one go (frame_pump.py); raises as `send`."""
+        frame_pump.send_run(self.sock, self.auth, headers, data, spans)
 
 
 def connection_paths(member: GroupMember, *, has_relay: bool, force_relay: bool) -> Tuple[str, ...]:

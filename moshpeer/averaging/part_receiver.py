@@ -15,6 +15,7 @@ import time
 import torch
 
 from moshpeer.averaging import handshake, wire
+from moshpeer.averaging.frame_pump import RunReader
 from moshpeer.averaging.handshake import FrameAuth
 from moshpeer.averaging.part_sender import is_batched, pipeline_slices
 from moshpeer.averaging.round_context import RoundContext
@@ -45,7 +46,9 @@ class PartReceiver:
             inbox = self.ctx.staging.batch_inbox((max_payload + 3) & ~3, len(pipeline_slices(most)[0]))
         else:
             inbox = self.ctx.staging.inbox(max_payload)  # payloads are received into it, then (on a device) copied
-        frames = handshake.FrameReader(sock, auth, tag=self.ctx.tag, max_payload=max_payload, inbox=inbox)
+        # Both phases batched: frames arrive a run at a time, each payload in the next row (frame_pump.py).
+        frames = RunReader(handshake.FrameReader(sock, auth, tag=self.ctx.tag, max_payload=max_payload, inbox=inbox),
+                           batched=is_batched(reduce_codec) and is_batched(gather_codec))
         pending = []  # (phase, part, chunk, nbytes) of the rows in the batch inbox, in arrival order
         wire.block_until(sock, self.ctx.deadline)
         try:
@@ -55,45 +58,50 @@ class PartReceiver:
                     # than wait for a later chunk to fill the batch, so that it counts (for the loss budget, and
                     # for finalizing) when it arrives.
                     self._flush(i, inbox, pending)
-                frame = frames.read()
-                if frame.phase == wire.PHASE_END_REDUCE:
-                    self._flush(i, inbox, pending)
-                    self.ctx.reducer.member_finished(i)
-                    with self.ctx.cond:
-                        self.ctx.cond.notify_all()
-                    self.ctx.reducer.finalize_ready()
-                elif frame.phase == wire.PHASE_END_GATHER:
-                    self._flush(i, inbox, pending)
-                    with self.ctx.cond:
-                        self.ctx.gather_finished[i] = 1
-                        self.ctx.cond.notify_all()
-                else:
-                    reduce = frame.phase == wire.PHASE_REDUCE
-                    phase_stats = self.ctx.reduce if reduce else self.ctx.gather
-                    phase_stats.bytes_received += wire.HEADER.size + frame.payload_len
-                    codec = reduce_codec if reduce else gather_codec
-                    if batched and is_batched(codec):
-                        if pending and pending[-1][0] != frame.phase:
-                            # the row just received starts the next batch: decode the others, keep it
-                            self._decode_pending(i, inbox, pending)
-                            inbox.restart_with(len(pending))
-                            pending.clear()
-                        pending.append((frame.phase, frame.part, frame.chunk, frame.payload_len))
-                        if inbox.full:
-                            self._flush(i, inbox, pending)
-                    else:
-                        if batched:
-                            self._decode_pending(i, inbox, pending)
-                            pending.clear()
-                        if reduce:
-                            self._on_reduce_chunk(i, frame.part, frame.chunk, frame.payload, codec)
-                        else:
-                            self._on_gather_chunk(i, frame.part, frame.chunk, frame.payload, codec)
-                        if batched:
-                            inbox.reset()
+                for frame in frames.read_run(pending[-1][0] if pending else 0, IDLE_FLUSH_S):
+                    self._take(i, frame, inbox, pending, batched)
         finally:
             if batched and not self.ctx.closing:
                 self._flush(i, inbox, pending)  # what arrived (MACs checked) before the connection ended
+
+    def _take(self, i: int, frame, inbox, pending: list, batched: bool) -> None:
+        """One frame from member i: an end marker, or a chunk into the batch (`pending`) or taken in at once."""
+        reduce_codec, gather_codec = self.ctx.compression.reduce_codec, self.ctx.compression.gather_codec
+        if frame.phase == wire.PHASE_END_REDUCE:
+            self._flush(i, inbox, pending)
+            self.ctx.reducer.member_finished(i)
+            with self.ctx.cond:
+                self.ctx.cond.notify_all()
+            self.ctx.reducer.finalize_ready()
+        elif frame.phase == wire.PHASE_END_GATHER:
+            self._flush(i, inbox, pending)
+            with self.ctx.cond:
+                self.ctx.gather_finished[i] = 1
+                self.ctx.cond.notify_all()
+        else:
+            reduce = frame.phase == wire.PHASE_REDUCE
+            phase_stats = self.ctx.reduce if reduce else self.ctx.gather
+            phase_stats.bytes_received += wire.HEADER.size + frame.payload_len
+            codec = reduce_codec if reduce else gather_codec
+            if batched and is_batched(codec):
+                if pending and pending[-1][0] != frame.phase:
+                    # the row just received starts the next batch: decode the others, keep it
+                    self._decode_pending(i, inbox, pending)
+                    inbox.restart_with(len(pending))
+                    pending.clear()
+                pending.append((frame.phase, frame.part, frame.chunk, frame.payload_len))
+                if len(pending) == inbox.capacity:  # (not `inbox.full`: a run's later frames are in it already)
+                    self._flush(i, inbox, pending)
+            else:
+                if batched:
+                    self._decode_pending(i, inbox, pending)
+                    pending.clear()
+                if reduce:
+                    self._on_reduce_chunk(i, frame.part, frame.chunk, frame.payload, codec)
+                else:
+                    self._on_gather_chunk(i, frame.part, frame.chunk, frame.payload, codec)
+                if batched:
+                    inbox.reset()
 
     def _flush(self, i: int, inbox, pending: list) -> None:
         if not pending:

@@ -18,7 +18,7 @@ import torch
 from moshpeer.averaging import wire
 from moshpeer.averaging.budget_stall import allowance_share
 from moshpeer.averaging.dataplane import _close
-from moshpeer.averaging.links import ChunkStream, StreamSpec, WireStream
+from moshpeer.averaging.links import ChunkStream, StreamSpec, WireStream, send_run
 from moshpeer.averaging.member_connector import LIBP2P, MemberConnector, OutboundLink, peer_closed
 from moshpeer.averaging.round_context import DONE, RoundContext
 from moshpeer.averaging.staging import Outbox
@@ -188,17 +188,20 @@ class PartSender:
             encoded, first, spans, staged = ahead if ahead is not None else encode(k)
             ahead = encode(k + 1) if outbox.lookahead and k + 1 < len(slices) else None
             data = outbox.host_bytes(staged)
-            for r, c in enumerate(chunks):
-                if time.monotonic() > self.ctx.reduce_deadline:
-                    return
-                if encoded is not None and encoded.errors[first + r] is not None:
-                    raise ValueError(encoded.errors[first + r])
-                offset, nbytes = spans[r]
-                header = wire.pack_header(wire.PHASE_REDUCE, j, c, nbytes, self.ctx.tag)
-                stream.send(header, data[offset: offset + nbytes])
-                with self.ctx.cond:
-                    self.ctx.sent_progress[j] = c + 1
-                    self.ctx.cond.notify_all()
+            if time.monotonic() > self.ctx.reduce_deadline:
+                return
+            # The slice's frames up to its first chunk that could not be encoded (then the sender stops).
+            bad = next((r for r in range(len(chunks)) if encoded is not None and encoded.errors[first + r] is not None),
+                       None)
+            count = len(chunks) if bad is None else bad
+            headers = [wire.pack_header(wire.PHASE_REDUCE, j, chunks[r], spans[r][1], self.ctx.tag)
+                       for r in range(count)]
+            send_run(stream, headers, data, spans[:count])
+            with self.ctx.cond:
+                self.ctx.sent_progress[j] = chunks[0] + count
+                self.ctx.cond.notify_all()
+            if bad is not None:
+                raise ValueError(encoded.errors[first + bad])
 
     def _encode_run(self, j: int, codec, chunks: range, out: Optional[torch.Tensor] = None):
         """Chunks `chunks` of part j (consecutive), encoded with one `codec.encode_chunks` call."""
@@ -262,10 +265,9 @@ class PartSender:
                 while end < n and end - c < cap and reducer.finalized[end]:
                     end += 1
                 data, offsets = self._vector_run(self.ctx.my_index, c, end)
-            host = outbox.host_bytes(outbox.prepare(data))
-            for r, (offset, nbytes) in enumerate(offsets):
-                stream.send(wire.pack_header(wire.PHASE_GATHER, self.ctx.my_index, c + r, nbytes, self.ctx.tag),
-                            host[offset: offset + nbytes])
+            headers = [wire.pack_header(wire.PHASE_GATHER, self.ctx.my_index, c + r, nbytes, self.ctx.tag)
+                       for r, (_, nbytes) in enumerate(offsets)]
+            send_run(stream, headers, outbox.host_bytes(outbox.prepare(data)), offsets)
             c = end
 
     def _vector_run(self, part: int, first: int, end: int):

@@ -21,7 +21,7 @@ PCIe, in both directions.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -93,8 +93,18 @@ class BatchInbox:
         return self.count >= self.capacity
 
     def buffer(self, nbytes: int) -> memoryview:
+        self._before_receiving()
         offset = self.count * self.stride
         return self._view[offset: offset + nbytes]
+
+    def receive_into(self) -> Tuple[torch.Tensor, int, int]:
+        """For a reader that fills rows itself (frame_pump.py), then takes each with `payload`: (the host buffer,
+        the next row, the rows left)."""
+        self._before_receiving()
+        return self._buffer, self.count, self.capacity - self.count
+
+    def _before_receiving(self) -> None:
+        """Wait until the rows may be written (a device inbox: the previous batch's copy is done)."""
 
     def payload(self, nbytes: int) -> torch.Tensor:
         offset = self.count * self.stride
@@ -245,11 +255,10 @@ class CudaBatchInbox(BatchInbox):
         self._event: Optional[torch.cuda.Event] = None
         self.count = 0
 
-    def buffer(self, nbytes: int) -> memoryview:
+    def _before_receiving(self) -> None:
         if self.count == 0 and self._event is not None:
             self._event.synchronize()  # the previous batch's bytes are on the device: the rows may be reused
             self._event = None
-        return super().buffer(nbytes)
 
     def rows(self) -> torch.Tensor:
         nbytes = self.count * self.stride

@@ -30,7 +30,7 @@ ENV_CACHE = "MOSHPEER_KERNEL_CACHE"
 BACKENDS = ("torch", "cpp", "cuda")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-CPU_SOURCES = ["binding_cpu.cpp", "quant_cpu.cpp", "raw_cpu.cpp"]
+CPU_SOURCES = ["binding_cpu.cpp", "quant_cpu.cpp", "raw_cpu.cpp", "frames_cpu.cpp"]
 CPU_HEADERS = ["quant_cpu.h", "quant_math.h", "raw_cpu.h", "float_bits.h"]
 CUDA_SOURCES = ["binding_cuda.cpp", "quant_cuda.cu"]
 CUDA_HEADERS = ["quant_cuda.h", "quant_math.h"]
@@ -206,6 +206,7 @@ def _build(kind: str) -> Backend:
             sources=[str(SOURCE_DIR / s) for s in sources],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=["-ldl"] if kind == "cpp" else [],  # frames_cpu.cpp opens libcrypto at run time
             extra_include_paths=[str(SOURCE_DIR)],
             build_directory=str(build_dir),
             is_python_module=False,
