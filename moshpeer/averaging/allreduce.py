@@ -148,7 +148,7 @@ class GroupAllReduce:
             loss_budget=loss_budget, staging=staging, links=links.for_allreduce(), deadline=deadline,
             reduce_deadline=reduce_deadline if reduce_deadline is not None else reduce_scatter_end(time.monotonic(),
                                                                                                    deadline),
-            chunk_seed=chunk_seed, reducer=reducer, cond=cond)
+            chunk_seed=chunk_seed, reducer=reducer, cond=cond, take_bytes=self._scratch.take_bytes)
         connector = MemberConnector(self.members, tag=tag, secret=secret, credentials=credentials, deadline=deadline,
                                     relay=relay, force_relay=force_relay, closing=lambda: ctx.closing,
                                     on_unauthentic=plane.count_rejected)
@@ -188,10 +188,11 @@ class GroupAllReduce:
         finally:
             self.plane.unregister(ctx.tag)
             upload_bps = ctx.uplink.stop()
-            self._teardown()
-            # Once every chunk is final no thread writes the buffers (late chunks are refused); else a receiver
-            # that outlived the teardown might, so they are not lent again.
-            self._scratch.end(reusable=reducer.all_final)
+            alive = self._teardown()
+            # Once every chunk is final no thread writes the owner's buffers (late chunks are refused), and once the
+            # senders and receivers are gone none writes their slices; else one that outlived the teardown might,
+            # so they are not lent again.
+            self._scratch.end(reusable=reducer.all_final and not alive)
         finished = time.monotonic()
         reduce_done = ctx.reduce_done_at or finished
         stats = ctx.stats
@@ -257,7 +258,8 @@ class GroupAllReduce:
                 ctx.reduce_done_at = time.monotonic()
             ctx.cond.notify_all()
 
-    def _teardown(self) -> None:
+    def _teardown(self) -> bool:
+        """Close the round's connections and join its threads (a second at most each); -> is one still alive?"""
         ctx = self.ctx
         with ctx.cond:
             ctx.closing = True
@@ -266,6 +268,7 @@ class GroupAllReduce:
         for sock in sockets:
             _close(sock)
         current = threading.current_thread()
-        for thread in list(ctx.threads):
-            if thread is not current:
-                thread.join(timeout=1.0)
+        others = [thread for thread in list(ctx.threads) if thread is not current]
+        for thread in others:
+            thread.join(timeout=1.0)
+        return any(thread.is_alive() for thread in others)

@@ -192,7 +192,7 @@ class MoshpitAverager(ServicerBase):
         # Behind NAT: hold a slot on a relay and announce it; public: serve as a relay (tcp_relay/).
         self._nat = RelayRole(dht, run_id, self._plane, behind_nat=self.behind_nat,
                               serve=transport != "libp2p" and not client_mode, admit=dataplane_check(self.admission))
-        self._scratch = ScratchPool()  # the owner's working buffers, reused round after round
+        self._scratch = ScratchPool(keep=2 + 3 * target_group_size)  # a round's buffers, reused (scratch.py)
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
         # Rounds run here, one at a time (step() queues them; see RoundFuture).

@@ -164,9 +164,12 @@ class PartSender:
         runs = encode_runs(num_chunks, self.ctx.flat.device)
         stride = codec.row_stride(chunk_numel)
         outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
-        buffers = [None, None]  # reused in turn: a slice's bytes have left before the slice after next is encoded
         # On a device the part is encoded in one call up front (`encode_runs`); its slices are then rows of it.
         whole_part = self._encode_run(j, codec, runs[0]) if len(runs) < len(slices) and not is_raw(codec) else None
+        # Else each slice is encoded into one of two buffers lent for the round, in turn (a slice's bytes have left
+        # before the slice after next is encoded).
+        buffers = [self.ctx.take_bytes(stride * len(slices[0])) for _ in slices[:2]] \
+            if whole_part is None and not is_raw(codec) else []
 
         def encode(k: int):  # -> (the encoding or None if raw, its row of chunk slices[k][0], spans, staged bytes)
             chunks = slices[k]

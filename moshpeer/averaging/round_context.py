@@ -38,7 +38,8 @@ class RoundContext:
     def __init__(self, *, flat: torch.Tensor, partition: Partition, my_index: int, tag: bytes,
                  compression: Compression, loss_budget: float, staging: HostStaging, links: Links,
                  deadline: float, reduce_deadline: float, chunk_seed: Callable[[int, int], int],
-                 reducer: PartReducer, cond: threading.Condition):
+                 reducer: PartReducer, cond: threading.Condition,
+                 take_bytes: Optional[Callable[[int], torch.Tensor]] = None):
         self.flat, self.partition, self.my_index, self.tag = flat, partition, my_index, tag
         self.group_size = partition.group_size
         self.others = [i for i in range(self.group_size) if i != my_index]
@@ -47,6 +48,8 @@ class RoundContext:
         self.reducer, self.num_my_chunks = reducer, reducer.num_chunks
         self.receipts = GatherReceipts(partition, my_index)
         self.cond = cond
+        # Byte buffers for encoded slices and inboxes, lent for this all-reduce (scratch.py); default: fresh ones.
+        self.take_bytes = take_bytes or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=flat.device))
         # Guarded by cond:
         self.stats = DataPlaneStats()  # what this all-reduce did: counted into while it runs
         self.inbound_admitted = bytearray(self.group_size)  # one authenticated connection per member

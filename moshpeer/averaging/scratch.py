@@ -1,11 +1,13 @@
 """Working buffers lent to a peer's successive all-reduces instead of allocated for each.
 
 An owner needs fp32 working memory the size of its part (the running sum of the contributions) or, with
-robust aggregation, n times that (every member's contribution). Freshly allocated memory costs the kernel a
-page fault and a zeroed page per 4 KiB on first touch: on a 2-core machine ~0.03 s of CPU per peer for a
-64 MB round averaged with CenteredClip, ~0.01 s with the mean. A pool keeps the buffers of finished
-all-reduces (at most `keep`, the largest) and lends each to one all-reduce at a time; concurrent all-reduces
-simply get fresh memory. Lent memory is uninitialized, as `torch.empty`'s.
+robust aggregation, n times that (every member's contribution); its senders encode a pipeline slice at a time
+into byte buffers, and its receivers take a slice's payloads into rows (`take_bytes`). Freshly allocated memory
+costs the kernel a page fault and a zeroed page per 4 KiB on first touch: on a 2-core machine ~0.03 s of CPU
+per peer for a 64 MB round averaged with CenteredClip, ~0.01 s with the mean, and ~3 ms for an int8 round's
+slices. A pool keeps the buffers of finished all-reduces (at most `keep`, the largest: about one round's
+working set) and lends each to one all-reduce at a time; concurrent all-reduces simply get fresh memory. Lent
+memory is uninitialized, as `torch.empty`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class ScratchPool:
         self._keep = keep
         self._free: List[torch.Tensor] = []
         self._lock = threading.Lock()
+        self.allocated = 0  # buffers made fresh because none free fit (the rest were reused)
 
     def take(self, numel: int, device: torch.device) -> torch.Tensor:
         """A 1-D fp32 buffer of at least `numel` values on `device` (the smallest free one that fits, else new);
@@ -31,6 +34,7 @@ class ScratchPool:
             fits = [k for k, b in enumerate(self._free) if b.device == torch.device(device) and b.numel() >= numel]
             if fits:
                 return self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
+            self.allocated += 1
         return torch.empty(max(numel, 1), dtype=torch.float32, device=device)
 
     def give_back(self, buffer: Optional[torch.Tensor]) -> None:
@@ -57,6 +61,10 @@ class ScratchLease:
         buffer = self._pool.take(numel, self._device)
         self._taken.append(buffer)
         return buffer[:numel]
+
+    def take_bytes(self, nbytes: int) -> torch.Tensor:
+        """An uninitialized 1-D uint8 buffer of exactly `nbytes` bytes (on the lease's device)."""
+        return self.take((nbytes + 3) // 4).view(torch.uint8)[:nbytes]
 
     def end(self, reusable: bool) -> None:
         """The all-reduce is over: give its buffers back to the pool if `reusable` (no thread can still write

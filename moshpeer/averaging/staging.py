@@ -82,9 +82,9 @@ class BatchInbox:
     `rows()` -> the rows received so far as a 2-D uint8 tensor on the round's device; `reset()` starts a new batch.
     """
 
-    def __init__(self, stride: int, capacity: int):
+    def __init__(self, stride: int, capacity: int, buffer: Optional[torch.Tensor] = None):
         self.stride, self.capacity = stride, capacity
-        self._buffer = torch.empty(stride * capacity, dtype=torch.uint8)
+        self._buffer = buffer if buffer is not None else torch.empty(stride * capacity, dtype=torch.uint8)
         self._view = memoryview(self._buffer.numpy())
         self.count = 0
 
@@ -144,8 +144,11 @@ class HostStaging:
     def inbox(self, max_payload: int) -> Inbox:
         return Inbox(max_payload)
 
-    def batch_inbox(self, stride: int, capacity: int) -> BatchInbox:
-        return BatchInbox(stride, capacity)
+    def batch_inbox(self, stride: int, capacity: int, take: Optional[Callable[[int], torch.Tensor]] = None
+                    ) -> BatchInbox:
+        """Rows for `capacity` payloads `stride` bytes apart; in a buffer from `take(nbytes)` (a round's lent bytes,
+        scratch.py) if given."""
+        return BatchInbox(stride, capacity, take(stride * capacity) if take is not None else None)
 
 
 class _Slot:
@@ -304,8 +307,9 @@ class CudaStaging(HostStaging):
     def inbox(self, max_payload: int) -> Inbox:
         return CudaInbox(self, max_payload)
 
-    def batch_inbox(self, stride: int, capacity: int) -> BatchInbox:
-        return CudaBatchInbox(self, stride, capacity)
+    def batch_inbox(self, stride: int, capacity: int, take: Optional[Callable[[int], torch.Tensor]] = None
+                    ) -> BatchInbox:
+        return CudaBatchInbox(self, stride, capacity)  # pinned host rows: not the round's device bytes (`take`)
 
 
 def staging_for(device: torch.device) -> HostStaging:
