@@ -43,7 +43,7 @@ class PartReceiver:
         if batched:
             # A pipeline slice of payloads lands in consecutive rows and is validated and decoded at once.
             most = max(self.ctx.num_my_chunks, self.ctx.partition.num_chunks(i), 1)
-            inbox = self.ctx.staging.batch_inbox((max_payload + 3) & ~3, len(pipeline_slices(most)[0]),
+            inbox = self.ctx.staging.batch_inbox((max_payload + 3) & ~3, len(pipeline_slices(most, chunk_numel)[0]),
                                                  take=self.ctx.take_bytes)
         else:
             inbox = self.ctx.staging.inbox(max_payload)  # payloads are received into it, then (on a device) copied

@@ -33,22 +33,27 @@ PEER_CHECK_SECONDS = 0.05
 # decode: ~30% of a CPU round's time is in the interpreter), and an int8 round on a 2-core host ran ~8% faster
 # (docs/benchmarks.md, session 31); on a device the first slice's copy to host memory is still overlapped.
 PART_SLICES = 2
+# ... and a slice holds at least this many bytes of the part's fp32 values: what overlapping a smaller one hides
+# (encoding 16 MiB takes ~3 ms on a CPU core) is less than a batch costs, and a 16 MB part in one slice made an
+# int8 round on the 2-core host ~10% faster (docs/benchmarks.md, session 32).
+MIN_SLICE_BYTES = 16 << 20
 
 
-def pipeline_slices(num_chunks: int, slices: int = PART_SLICES):
-    """range(num_chunks) cut into at most `slices` consecutive ranges of equal length (the last may be shorter)."""
-    size = max(1, -(-num_chunks // slices))
+def pipeline_slices(num_chunks: int, chunk_numel: int, slices: int = PART_SLICES):
+    """range(num_chunks) (chunks of `chunk_numel` fp32 values) cut into at most `slices` consecutive ranges of equal
+    length, each of at least MIN_SLICE_BYTES of values (the last may be shorter)."""
+    size = max(1, -(-num_chunks // slices), MIN_SLICE_BYTES // (4 * max(chunk_numel, 1)))
     return [range(first, min(num_chunks, first + size)) for first in range(0, num_chunks, size)]
 
 
-def encode_runs(num_chunks: int, device: torch.device):
+def encode_runs(num_chunks: int, chunk_numel: int, device: torch.device):
     """The runs of a part's chunks that a sender encodes with one `encode_chunks` call each. On a device, the whole
     part: there the host work of a call, not its kernel, bounds the encode (on an H200 a 64 MB slice's kernel runs
     ~32 us, the call around it ~55 us, so four slices ran at 0.5 of a device copy and one call at 0.8); its bytes
     still go to host memory a pipeline slice at a time. On the CPU, each pipeline slice just before it is sent."""
     if device.type != "cpu" and num_chunks:
         return [range(num_chunks)]
-    return pipeline_slices(num_chunks)
+    return pipeline_slices(num_chunks, chunk_numel)
 
 
 def is_batched(codec) -> bool:
@@ -160,8 +165,8 @@ class PartSender:
         vector; the next slice is staged before this one is sent when the staging overlaps copies with sends (a
         device)."""
         chunk_numel = self.ctx.partition.chunk_numel
-        slices = pipeline_slices(num_chunks)
-        runs = encode_runs(num_chunks, self.ctx.flat.device)
+        slices = pipeline_slices(num_chunks, chunk_numel)
+        runs = encode_runs(num_chunks, chunk_numel, self.ctx.flat.device)
         stride = codec.row_stride(chunk_numel)
         outbox = self.ctx.staging.outbox(stride * len(slices[0]) if slices else 1)
         # On a device the part is encoded in one call up front (`encode_runs`); its slices are then rows of it.
@@ -244,7 +249,7 @@ class PartSender:
         """Our averaged chunks, a run of final chunks at a time: each run is one stretch of memory (rows of one
         batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
         reducer, n = self.ctx.reducer, self.ctx.num_my_chunks
-        cap = len(pipeline_slices(n)[0]) if n else 1
+        cap = len(pipeline_slices(n, self.ctx.partition.chunk_numel)[0]) if n else 1
         stride = 0 if is_raw(codec) else codec.row_stride(self.ctx.partition.chunk_numel)
         outbox = self.ctx.staging.outbox(max(1, cap * (stride or 4 * self.ctx.partition.chunk_numel)))
         c = 0

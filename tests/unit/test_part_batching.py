@@ -112,9 +112,13 @@ def test_a_bad_chunk_in_a_batch_is_refused_alone(device):
 def test_a_device_encodes_a_part_in_one_call_and_the_cpu_a_slice_at_a_time():
     """part_sender.encode_runs: on a device the host work of a call bounds the encode, so the part is one run; on the
     CPU each pipeline slice is encoded just before it is sent. Both cover every chunk once, in order."""
-    from moshpeer.averaging.part_sender import PART_SLICES, encode_runs
+    from moshpeer.averaging.part_sender import MIN_SLICE_BYTES, PART_SLICES, encode_runs
 
-    assert encode_runs(256, torch.device("cuda")) == [range(256)]
-    on_cpu = encode_runs(256, torch.device("cpu"))
-    assert len(on_cpu) == PART_SLICES and [c for run in on_cpu for c in run] == list(range(256))
-    assert encode_runs(0, torch.device("cuda")) == encode_runs(0, torch.device("cpu")) == []
+    big = MIN_SLICE_BYTES // 64  # values per chunk: 1024 of them hold 64 x MIN_SLICE_BYTES of fp32 values
+    assert encode_runs(1024, big, torch.device("cuda")) == [range(1024)]
+    on_cpu = encode_runs(1024, big, torch.device("cpu"))
+    assert len(on_cpu) == PART_SLICES and [c for run in on_cpu for c in run] == list(range(1024))
+    # A part of less than MIN_SLICE_BYTES is one slice (a batch costs more than overlapping it hides).
+    assert encode_runs(16, MIN_SLICE_BYTES // 64 - 1, torch.device("cpu")) == [range(16)]
+    assert len(encode_runs(16, MIN_SLICE_BYTES // 16, torch.device("cpu"))) == PART_SLICES
+    assert encode_runs(0, 256, torch.device("cuda")) == encode_runs(0, 256, torch.device("cpu")) == []
