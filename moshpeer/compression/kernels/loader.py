@@ -251,9 +251,10 @@ _warned = set()
 
 
 def load_kernels(tensors) -> None:
-    """Load (building if needed) the backend of every device among `tensors` now, so that its first use does not
-    pay for it. Never raises: a backend that cannot load falls back as in `backend_for`, warning once."""
-    for device in {t.device for t in tensors} or {torch.device("cpu")}:
+    """Load (building if needed) the backend of every device among `tensors`, and the CPU's (the data plane's frame
+    pump is in it: frames_cpu.cpp), now, so that a first use does not pay for it. Never raises: a backend that
+    cannot load falls back as in `backend_for`, warning once."""
+    for device in {t.device for t in tensors} | {torch.device("cpu")}:
         try:
             backend_for(device)
         except KernelUnavailable:
