@@ -266,7 +266,7 @@ def encode_bandwidth(device, mbytes: int, codecs: List[str], repeats: int = 20) 
     import moshpeer.compression.quantization as quantization
 
     num_chunks = -(-numel // chunk)
-    runs = encode_runs(num_chunks, device)
+    runs = encode_runs(num_chunks, chunk, device)
 
     def encode_part(codec) -> None:  # what a reduce sender does with the part it sends (part_sender.py):
         encoded = [codec.encode_chunks(source[run[0] * chunk:min(numel, (run[-1] + 1) * chunk)], chunk, list(run))
