@@ -74,10 +74,8 @@ def send_run(sock: socket.socket, auth: FrameAuth, headers: Sequence[bytes], dat
     sequence = auth.take(len(headers))
     _, error = ops.send_frames(sock.fileno(), _key(auth), sequence, packed, payloads,
                                [offset for offset, _ in spans], [nbytes for _, nbytes in spans])
-    if error == _NO_CRYPTO:
-        raise RuntimeError("the compiled frame MAC failed (libcrypto)")
     if error:
-        raise OSError(error, os.strerror(error))
+        raise _failure(error)
 
 
 class RunReader:

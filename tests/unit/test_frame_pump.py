@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ def path(request, monkeypatch):
 
 
 def reader(sock: socket.socket, capacity: int = 4, max_payload: int = 64) -> RunReader:
+    wire.block_until(sock, time.monotonic() + 30)  # as a receiver does: every read has the round's deadline
     inbox = BatchInbox((max_payload + 3) & ~3, capacity)
     return RunReader(FrameReader(sock, FrameAuth(KEY), tag=TAG, max_payload=max_payload, inbox=inbox))
 
@@ -58,6 +60,7 @@ def test_a_run_sent_by_one_path_reads_back_by_the_other(path):
         auth = FrameAuth(KEY)
         handshake.send_frame(a, auth, wire.pack_header(R, 0, 3, 40, TAG), sent[0])  # the Python path, in turn
         auth.take(3)  # (its numbers continue those of the run above)
+        wire.block_until(b, time.monotonic() + 30)
         python_reader = FrameReader(b, FrameAuth(KEY), tag=TAG, max_payload=64, inbox=BatchInbox(64, 8))
         got = [python_reader.read() for _ in range(3)]
         assert [bytes(f.payload.numpy()) for f in got] == sent and [f.chunk for f in got] == [0, 1, 2]
@@ -131,6 +134,7 @@ def test_compiled_tags_are_the_python_tags():
         chunks = [bytes(300), payloads(1, 1000)[0], b"x"]
         send_run(a, FrameAuth(KEY), R, chunks)
         auth = FrameAuth(KEY)
+        b.settimeout(30)
         for c, chunk in enumerate(chunks):
             header = wire.pack_header(R, 0, c, len(chunk), TAG)
             wire_frame = b.recv(len(header) + len(chunk) + handshake.MAC_BYTES, socket.MSG_WAITALL)
