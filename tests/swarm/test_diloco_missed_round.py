@@ -1,7 +1,15 @@
 """A DiLoCo peer that misses a round rejoins with the group's Δ̄, not a state download (issue 27): three `moshpeer
 join` peers, one of which stalls once, longer than the matchmaking window. The other two average without it; it
 fetches their update over its state client, takes their outer step (keeping its own Δ of that epoch for its next
-round), starts its next epoch as far in as they are, and averages with them again. With codec `none` all three end on the same parameters, bit for bit."""
+round), starts its next epoch as far in as they are, and averages with them again. With codec `none` all three end
+on the same parameters, bit for bit.
+
+The first round is a warm-up that the test does not judge beyond "averaged, or missed and took the update": peers
+that passed --min-peers together still start apart, and one whose first micro-batch is slow on a loaded host (CI
+saw one) has no rate in its record when the others end their epoch, so nobody holds that round for it
+(round_timing.stragglers_eta_s: a record without a rate is not waited for). It then misses the round and rejoins
+by the group's update, the mechanism under test, which also lines the peers' epochs up again. The stall comes in
+the epoch after, from lined-up peers."""
 
 from __future__ import annotations
 
@@ -12,16 +20,17 @@ from training_swarm import events, start_trainers, wait_event
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.swarm]
 
-H, EPOCHS, MICRO_BATCH = 12, 4, 32
+H, EPOCHS, MICRO_BATCH = 12, 5, 32
+STALLED_EPOCH = 2  # the first round after the warm-up (module docstring)
 WINDOW_S = 2.0  # matchmaking
 # Every micro-batch takes 0.5 s, so an epoch (6 s) outlasts the stall plus the window: the others are still in the
 # next epoch, holding the update, when the stalled peer asks for it. It then starts that epoch as many steps in as
 # its donor is, so it arrives at the next round up to one step (0.5 s) after them, well inside their window.
 PACE = "constant:mean_s=0.5"
-# 3.5 s more (past the window) in the last micro-batch of the second epoch: the others end that epoch while it
+# 3.5 s more (past the window) in the last micro-batch of the stalled epoch: the others end that epoch while it
 # stalls, and its record, counted before the stall, says it is due now, so their round waits one window for it and
 # no longer. (A stall early in the epoch ends before theirs does, and their straggler hold rightly covers it.)
-STALL = f"{PACE},spike_s=3.5,spike_at={2 * H - 1}"
+STALL = f"{PACE},spike_s=3.5,spike_at={(STALLED_EPOCH + 1) * H - 1}"
 
 
 def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_again(swarm):
@@ -37,21 +46,26 @@ def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_ag
         assert peer.wait_exit(30) == 0, peer.describe()
         assert "Traceback" not in peer.stderr, peer.describe(40)
     *steady, stalled = [events(peer, "epoch") for peer in peers]
-    described = [[(e["ok"], e["error"], e["group_size"], e["samples"]) for e in eps] for eps in (*steady, stalled)]
+    described = "\n".join(str([(e["ok"], e["error"], e["group_size"], e["samples"], round(e["wait_s"], 2),
+                                 round(e["stragglers_eta_s"], 2)) for e in eps]) for eps in (*steady, stalled))
+    warm_up_ok = [eps[0]["ok"] or eps[0]["error"] == MISSED_ROUND_UPDATE for eps in (*steady, stalled)]
+    assert all(warm_up_ok), described
 
-    missed = [i for i, e in enumerate(stalled) if e["error"] == MISSED_ROUND_UPDATE]
-    assert len(missed) == 1 and missed[0] == 1, described  # the round of the stall, and only that one
+    missed = [i for i, e in enumerate(stalled) if e["error"] == MISSED_ROUND_UPDATE and i > 0]
+    assert missed == [STALLED_EPOCH], described  # the round of the stall, and only that one
     assert not any(e["error"] == "missed round; caught up" for e in stalled), described  # no state download
     # Its own work of the missed epoch is carried into its next round, not dropped, and that round weighs it.
-    assert stalled[1]["carried_samples"] == H * MICRO_BATCH and stalled[1]["dropped_samples"] == 0
-    assert stalled[2]["samples_carried_in"] == H * MICRO_BATCH, described
-    assert stalled[2]["round"]["weight"] == stalled[2]["samples"] + H * MICRO_BATCH, described
+    after = stalled[STALLED_EPOCH + 1]
+    assert stalled[STALLED_EPOCH]["carried_samples"] == H * MICRO_BATCH, described
+    assert stalled[STALLED_EPOCH]["dropped_samples"] == 0, described
+    assert after["samples_carried_in"] == H * MICRO_BATCH, described
+    assert after["round"]["weight"] == after["samples"] + H * MICRO_BATCH, described
     assert "fetched the update" in peers[2].stderr
-    assert all(e["ok"] for eps in steady for e in eps), described  # the others averaged every round
+    assert all(e["ok"] for eps in steady for e in eps[1:]), described  # the others averaged every round since
     # Back in step: it started the next epoch as far in as the donor was (anywhere from 0 inner steps: the others'
     # round held its group open for it, by its record, before giving up, so the donor may just have started),
     # and its later rounds averaged with both others.
-    assert 0 < stalled[2]["samples"] <= H * MICRO_BATCH, described
-    assert all(e["ok"] and e["group_size"] == 3 for e in stalled[2:]), described
+    assert 0 < after["samples"] <= H * MICRO_BATCH, described
+    assert all(e["ok"] and e["group_size"] == 3 for e in stalled[STALLED_EPOCH + 1:]), described
     # The same outer steps on the same Δ̄: the three end on the same parameters, bit for bit.
     assert len({summary["params_digest"] for summary in done}) == 1, described

@@ -119,6 +119,24 @@ def test_the_latecomer_starts_its_next_epoch_as_far_in_as_the_donor_is():
     assert [late.epochs.account(8) is None for _ in range(5)] == [True] * 4 + [False]  # 5 steps, not 8
 
 
+def test_a_latecomer_whose_donor_is_past_the_next_epoch_ends_it_after_one_step():
+    # It learned of its miss late (a slow first micro-batch): the donor already ended the next epoch and its round
+    # of it is under way. Computing all H steps would make it as late for that round and every one after.
+    member, late = member_and_latecomer(inner_steps=8)
+    for _ in range(8):
+        member.backward(1.0)
+        member.epochs.account(8)
+    update = member.strategy.kept_update(0)
+    update["phase"] = [2, 0]
+    late.updates = [update]
+    for _ in range(8):
+        late.backward(3.0)
+        record = late.epochs.account(8)
+    assert record.error == MISSED_ROUND_UPDATE and late.strategy.steps_this_epoch == 7
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
+    assert late.epochs.account(8) is not None  # one step, and its round
+
+
 def test_an_update_that_does_not_fit_falls_back_to_a_download():
     member, late = member_and_latecomer()
     member.backward(1.0)

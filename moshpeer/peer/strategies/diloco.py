@@ -248,10 +248,20 @@ class DiLoCoStrategy(AveragingStrategy):
         update = OuterUpdate.from_state(update)
         delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, outer_steps=part.outer.outer_steps,
                                   own_delta=torch.cat([d.reshape(-1) for d in self._own_delta(part)]))
-        # The donor's steps into the epoch this peer starts next (without overlap: the one after the plan's), so
-        # that it meets the next round in time; at most all but one (the epoch still ends by a step).
-        in_next = not self.overlap and update.phase is not None and update.phase[0] == plan.epoch + 1
-        return delta, min(update.phase[1], self.steps_per_epoch - 1) if in_next else 0
+        return delta, self._steps_to_skip(plan, update.phase)
+
+    def _steps_to_skip(self, plan: RoundPlan, phase: Optional[Tuple[int, int]]) -> int:
+        """Inner steps into the epoch after `plan`'s at which a peer that took a donor's update starts it (without
+        overlap), so that it meets that epoch's round in time: the donor's own steps into it, at most all but one
+        (the epoch still ends by a step). A donor already past that epoch (its round of it under way: this peer
+        learned late that it missed one, e.g. after a slow first micro-batch) means all but one: computing the
+        whole epoch would make this peer as late for the next round too, and for every round after."""
+        if self.overlap or phase is None:
+            return 0
+        donor_epoch, donor_steps = phase
+        if donor_epoch == plan.epoch + 1:
+            return min(donor_steps, self.steps_per_epoch - 1)
+        return self.steps_per_epoch - 1 if donor_epoch > plan.epoch + 1 else 0
 
     @torch.no_grad()
     def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:

@@ -16,7 +16,8 @@ is trusted as a state donor is (signed, one donor).
 Phase: a donor also says how far into which epoch it is when it serves (`phase`). A peer that missed a round
 was late by more than the matchmaking window; were it to compute all H inner steps of the next epoch, it would
 be as late for the next round, and miss every round after. It starts the next epoch that many steps in instead,
-as a peer that downloaded a state does (the state carries its donor's steps).
+as a peer that downloaded a state does (the state carries its donor's steps). A donor already past that epoch
+(this peer learned of its miss late, e.g. after a slow first micro-batch) has it start at the epoch's last step.
 
 Exactness: with codec `none` the fetched Δ̄ is the group's, bit for bit. With a quantizer it is Δ̄
 re-encoded: within the codec's error of one update, once (measured in tests/unit/test_diloco_update.py).
