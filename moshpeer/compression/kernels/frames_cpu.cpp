@@ -1,11 +1,10 @@
-// The data plane's frame pump (moshpeer/averaging/frame_pump.py): a run of frames MAC'd and written, or read and
-// checked, in one call, with the GIL released (torch ops run without it). A frame is a 24-byte header, its payload
-// and a 16-byte tag: AES-256-GCM under the connection's frame key, the frame's sequence number (12 bytes, little
-// endian) as nonce, the header as the message (its ciphertext discarded) and the payload as associated data
-// (handshake.FrameAuth computes the same tags with `cryptography`). The MAC is OpenSSL's libcrypto, opened at run
-// time: building needs no OpenSSL headers, and a machine without libcrypto falls back to the Python frame path.
+// The data plane's frame pump (moshpeer/averaging/frame_pump.py): a run of frames written, or read and checked, in
+// one call, with the GIL released (torch ops run without it). A frame is a 24-byte header, its payload and a 16-byte
+// tag. The tags are not computed here: `handshake.FrameAuth` computes every frame's (AES-256-GCM through
+// `cryptography`, whose bundled OpenSSL ran GMAC at 3x the speed of the system's libcrypto 3.0 on the 2-core host:
+// docs/benchmarks.md), so the sender passes a run's tags in and the reader hands them out, with the headers, to be
+// verified before any payload is used.
 #include <ATen/core/Tensor.h>
-#include <dlfcn.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -25,99 +24,19 @@ constexpr int kTagBytes = 16;
 constexpr int kGroupTagBytes = 8;
 constexpr int kPhaseEndReduce = 3;
 constexpr int kPhaseEndGather = 4;
-constexpr int kEvpCtrlGcmGetTag = 0x10;  // EVP_CTRL_GCM_GET_TAG (== EVP_CTRL_AEAD_GET_TAG)
 
 // What a read returns besides frames (frame_pump.py maps these to its exceptions; > 0 is an errno).
-constexpr int64_t kOk = 0, kBadHeader = -1, kOtherRound = -2, kOversized = -3, kEndWithPayload = -4,
-                  kMacMismatch = -5, kClosed = -6, kNoCrypto = -7;
+constexpr int64_t kOk = 0, kBadHeader = -1, kOtherRound = -2, kOversized = -3, kEndWithPayload = -4, kClosed = -6;
 
-// The libcrypto functions the MAC needs; their ABI is the same in OpenSSL 1.1 and 3.
-struct Crypto {
-  void* (*ctx_new)() = nullptr;
-  void (*ctx_free)(void*) = nullptr;
-  const void* (*aes_256_gcm)() = nullptr;
-  int (*init)(void*, const void*, void*, const unsigned char*, const unsigned char*) = nullptr;
-  int (*update)(void*, unsigned char*, int*, const unsigned char*, int) = nullptr;
-  int (*final)(void*, unsigned char*, int*) = nullptr;
-  int (*ctrl)(void*, int, int, void*) = nullptr;
-  bool ok = false;
-};
-
-const Crypto& crypto() {
-  static const Crypto loaded = [] {
-    Crypto c;
-    void* lib = nullptr;
-    for (const char* name : {"libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so"})
-      if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
-    if (lib == nullptr) return c;
-    c.ctx_new = reinterpret_cast<void* (*)()>(dlsym(lib, "EVP_CIPHER_CTX_new"));
-    c.ctx_free = reinterpret_cast<void (*)(void*)>(dlsym(lib, "EVP_CIPHER_CTX_free"));
-    c.aes_256_gcm = reinterpret_cast<const void* (*)()>(dlsym(lib, "EVP_aes_256_gcm"));
-    c.init = reinterpret_cast<decltype(c.init)>(dlsym(lib, "EVP_EncryptInit_ex"));
-    c.update = reinterpret_cast<decltype(c.update)>(dlsym(lib, "EVP_EncryptUpdate"));
-    c.final = reinterpret_cast<decltype(c.final)>(dlsym(lib, "EVP_EncryptFinal_ex"));
-    c.ctrl = reinterpret_cast<decltype(c.ctrl)>(dlsym(lib, "EVP_CIPHER_CTX_ctrl"));
-    c.ok = c.ctx_new && c.ctx_free && c.aes_256_gcm && c.init && c.update && c.final && c.ctrl;
-    return c;
-  }();
-  return loaded;
+void check_bytes(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() >= numel, what,
+              " must be at least ", numel, " contiguous uint8 CPU bytes");
 }
-
-// AES-256-GCM tags of one connection's frames (one key schedule, a fresh nonce per frame).
-class FrameMac {
- public:
-  explicit FrameMac(const uint8_t* key) : c_(crypto()) {
-    if (!c_.ok) return;
-    ctx_ = c_.ctx_new();
-    ok_ = ctx_ != nullptr && c_.init(ctx_, c_.aes_256_gcm(), nullptr, key, nullptr) == 1;
-  }
-  ~FrameMac() {
-    if (ctx_ != nullptr) c_.ctx_free(ctx_);
-  }
-  FrameMac(const FrameMac&) = delete;
-  FrameMac& operator=(const FrameMac&) = delete;
-
-  bool ok() const { return ok_; }
-
-  bool tag(const uint8_t* header, const uint8_t* payload, int64_t payload_len, uint64_t sequence, uint8_t* out) {
-    uint8_t nonce[12] = {0};
-    for (int i = 0; i < 8; ++i) nonce[i] = static_cast<uint8_t>(sequence >> (8 * i));
-    uint8_t discarded[kHeaderBytes + 16];
-    int written = 0;
-    if (c_.init(ctx_, nullptr, nullptr, nullptr, nonce) != 1) return false;
-    while (payload_len > 0) {  // associated data, in pieces that fit EVP's int lengths
-      const int piece = payload_len > (1 << 30) ? (1 << 30) : static_cast<int>(payload_len);
-      if (c_.update(ctx_, nullptr, &written, payload, piece) != 1) return false;
-      payload += piece;
-      payload_len -= piece;
-    }
-    if (c_.update(ctx_, discarded, &written, header, kHeaderBytes) != 1) return false;
-    if (c_.final(ctx_, discarded + written, &written) != 1) return false;
-    return c_.ctrl(ctx_, kEvpCtrlGcmGetTag, kTagBytes, out) == 1;
-  }
-
- private:
-  const Crypto& c_;
-  void* ctx_ = nullptr;
-  bool ok_ = false;
-};
 
 uint32_t read_be(const uint8_t* p, int bytes) {
   uint32_t v = 0;
   for (int i = 0; i < bytes; ++i) v = (v << 8) | p[i];
   return v;
-}
-
-bool same_bytes(const uint8_t* a, const uint8_t* b, int n) {  // constant time: a tag comparison
-  uint8_t diff = 0;
-  for (int i = 0; i < n; ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
-const uint8_t* key_bytes(const at::Tensor& key) {
-  TORCH_CHECK(key.device().is_cpu() && key.scalar_type() == at::kByte && key.is_contiguous() && key.numel() == 32,
-              "key must be 32 contiguous uint8 CPU bytes");
-  return key.data_ptr<uint8_t>();
 }
 
 // Write all of `iov` (advancing it past partial writes). -> 0, or the errno that stopped it; `sent` counts bytes.
@@ -144,32 +63,28 @@ int write_all(int fd, std::vector<iovec>& iov, int64_t& sent) {
   return 0;
 }
 
-// Frames k = 0..n-1: header k (headers[24k:24k+24]) and payload data[offsets[k]:offsets[k]+lengths[k]], tagged with
-// sequence numbers sequence..sequence+n-1 and written in as few syscalls as the socket takes. The socket's own
-// timeouts (wire.block_until) bound the call. -> [frames written whole, 0 or the errno that stopped the writing].
-std::vector<int64_t> send_frames(int64_t fd, const at::Tensor& key, int64_t sequence, const at::Tensor& headers,
-                                 const at::Tensor& data, at::IntArrayRef offsets, at::IntArrayRef lengths) {
+// Frames k = 0..n-1: header k (headers[24k:24k+24]), payload data[offsets[k]:offsets[k]+lengths[k]] and tag k
+// (tags[16k:16k+16]), written in as few syscalls as the socket takes. The socket's own timeouts (wire.block_until)
+// bound the call. -> [frames written whole, 0 or the errno that stopped the writing].
+std::vector<int64_t> send_frames(int64_t fd, const at::Tensor& headers, const at::Tensor& data, const at::Tensor& tags,
+                                 at::IntArrayRef offsets, at::IntArrayRef lengths) {
   const int64_t n = static_cast<int64_t>(offsets.size());
   TORCH_CHECK(static_cast<int64_t>(lengths.size()) == n, "one length per offset");
-  TORCH_CHECK(headers.device().is_cpu() && headers.scalar_type() == at::kByte && headers.is_contiguous() &&
-                  headers.numel() == n * kHeaderBytes, "headers must be n * 24 contiguous uint8 CPU bytes");
-  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "data must be contiguous uint8 CPU bytes");
+  check_bytes(headers, n * kHeaderBytes, "headers");
+  check_bytes(tags, n * kTagBytes, "tags");
+  check_bytes(data, 0, "data");
   for (int64_t k = 0; k < n; ++k)
     TORCH_CHECK(offsets[k] >= 0 && lengths[k] >= 0 && offsets[k] + lengths[k] <= data.numel(),
                 "frame ", k, " lies outside data");
-  FrameMac mac(key_bytes(key));
-  if (!mac.ok()) return {0, kNoCrypto};
   const uint8_t* header = headers.data_ptr<uint8_t>();
   const uint8_t* bytes = data.data_ptr<uint8_t>();
-  std::vector<uint8_t> tags(static_cast<size_t>(n) * kTagBytes);
+  const uint8_t* tag = tags.data_ptr<uint8_t>();
   std::vector<iovec> iov;
   iov.reserve(static_cast<size_t>(n) * 3);
   for (int64_t k = 0; k < n; ++k) {
     const uint8_t* h = header + k * kHeaderBytes;
     const uint8_t* p = bytes + offsets[k];
-    uint8_t* t = tags.data() + k * kTagBytes;
-    if (!mac.tag(h, p, lengths[k], static_cast<uint64_t>(sequence + k), t)) return {0, kNoCrypto};
+    uint8_t* t = const_cast<uint8_t*>(tag + k * kTagBytes);
     iov.push_back({const_cast<uint8_t*>(h), static_cast<size_t>(kHeaderBytes)});
     if (lengths[k] > 0) iov.push_back({const_cast<uint8_t*>(p), static_cast<size_t>(lengths[k])});
     iov.push_back({t, static_cast<size_t>(kTagBytes)});
@@ -203,28 +118,24 @@ int64_t read_exactly(int fd, uint8_t* out, int64_t size) {
 // apart), an end marker was read (it is the last frame returned), a frame of another phase than `phase` (0: the first
 // frame's) was read (the last returned), or the connection stayed quiet `idle_ms` after at least one frame. The first
 // frame waits as long as the socket's timeout allows. Every frame is checked (magic, version, phase, the round's
-// 8-byte tag, size) and its MAC verified before it is returned.
+// 8-byte tag, size); its header and tag go to headers[24k:] and tags[16k:] (room for free_rows + 1 frames: the rows'
+// and an end marker), for the caller to verify its MAC before it uses the payload.
 // -> [status, frames, then phase, part, chunk, payload_len per frame]; status 0, an errno, or a negative code above
-// (frames read before the failure are valid and returned).
-std::vector<int64_t> recv_frames(int64_t fd, const at::Tensor& key, int64_t sequence, const at::Tensor& round_tag,
-                                 int64_t version, at::Tensor rows, int64_t row_stride, int64_t first_row,
-                                 int64_t free_rows, int64_t max_payload, int64_t phase, int64_t idle_ms) {
-  TORCH_CHECK(round_tag.device().is_cpu() && round_tag.scalar_type() == at::kByte && round_tag.is_contiguous() &&
-                  round_tag.numel() == kGroupTagBytes, "round_tag must be 8 uint8 CPU bytes");
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.is_contiguous(),
-              "rows must be contiguous uint8 CPU bytes");
+// (frames read before the failure passed these checks and are returned).
+std::vector<int64_t> recv_frames(int64_t fd, const at::Tensor& round_tag, int64_t version, at::Tensor rows,
+                                 int64_t row_stride, int64_t first_row, int64_t free_rows, int64_t max_payload,
+                                 int64_t phase, int64_t idle_ms, at::Tensor headers, at::Tensor tags) {
+  TORCH_CHECK(round_tag.numel() == kGroupTagBytes, "round_tag must be 8 bytes");
+  check_bytes(round_tag, kGroupTagBytes, "round_tag");
+  check_bytes(rows, 0, "rows");
   TORCH_CHECK(free_rows >= 1 && first_row >= 0 && max_payload <= row_stride &&
                   (first_row + free_rows) * row_stride <= rows.numel(), "rows too small for the frames asked for");
+  check_bytes(headers, (free_rows + 1) * kHeaderBytes, "headers");
+  check_bytes(tags, (free_rows + 1) * kTagBytes, "tags");
   std::vector<int64_t> out = {kOk, 0};
-  FrameMac mac(key_bytes(key));
-  if (!mac.ok()) {
-    out[0] = kNoCrypto;
-    return out;
-  }
   const int sock = static_cast<int>(fd);
   const uint8_t* expected_tag = round_tag.data_ptr<uint8_t>();
   uint8_t* row_base = rows.data_ptr<uint8_t>();
-  uint8_t header[kHeaderBytes], tag[kTagBytes], computed[kTagBytes];
   int64_t received = 0;
   for (int64_t frames = 0;; ++frames) {
     if (frames > 0) {  // more only while they keep coming: a pause means the sender has a slice to encode
@@ -234,6 +145,7 @@ std::vector<int64_t> recv_frames(int64_t fd, const at::Tensor& key, int64_t sequ
       while (ready < 0 && errno == EINTR);
       if (ready == 0) break;
     }
+    uint8_t* header = headers.data_ptr<uint8_t>() + frames * kHeaderBytes;
     int64_t status = read_exactly(sock, header, kHeaderBytes);
     if (status != 0) {
       out[0] = status;
@@ -263,16 +175,8 @@ std::vector<int64_t> recv_frames(int64_t fd, const at::Tensor& key, int64_t sequ
       out[0] = status;
       break;
     }
-    if ((status = read_exactly(sock, tag, kTagBytes)) != 0) {
+    if ((status = read_exactly(sock, tags.data_ptr<uint8_t>() + frames * kTagBytes, kTagBytes)) != 0) {
       out[0] = status;
-      break;
-    }
-    if (!mac.tag(header, payload, payload_len, static_cast<uint64_t>(sequence + frames), computed)) {
-      out[0] = kNoCrypto;
-      break;
-    }
-    if (!same_bytes(tag, computed, kTagBytes)) {
-      out[0] = kMacMismatch;
       break;
     }
     out[1] += 1;
@@ -285,18 +189,12 @@ std::vector<int64_t> recv_frames(int64_t fd, const at::Tensor& key, int64_t sequ
   return out;
 }
 
-bool frame_mac_available() {
-  const uint8_t key[32] = {0};
-  return FrameMac(key).ok();
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moshpeer_cpu, m) {
-  m.def("send_frames(int fd, Tensor key, int sequence, Tensor headers, Tensor data, int[] offsets, int[] lengths) "
-        "-> int[]", &send_frames);
-  m.def("recv_frames(int fd, Tensor key, int sequence, Tensor round_tag, int version, Tensor(a!) rows, "
-        "int row_stride, int first_row, int free_rows, int max_payload, int phase, int idle_ms) -> int[]",
+  m.def("send_frames(int fd, Tensor headers, Tensor data, Tensor tags, int[] offsets, int[] lengths) -> int[]",
+        &send_frames);
+  m.def("recv_frames(int fd, Tensor round_tag, int version, Tensor(a!) rows, int row_stride, int first_row, "
+        "int free_rows, int max_payload, int phase, int idle_ms, Tensor(b!) headers, Tensor(c!) tags) -> int[]",
         &recv_frames);
-  m.def("frame_mac_available() -> bool", &frame_mac_available);
 }
