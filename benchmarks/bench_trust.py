@@ -6,8 +6,8 @@
    `clipped_over_mean`. MAC cost is an A/B of whole rounds, not a stopwatch around the MAC calls (with 4
    members as threads of one process, such a stopwatch also counts the time a thread waits for the GIL or
    a core): "without MACs" swaps `FrameAuth.tag` for one that returns a constant 16 bytes, so the frames,
-   the handshake and every other step stay the same. All three run the Python frame path (`PythonFrames`: the
-   compiled frame pump computes its MACs where the swap cannot reach them; bench_allreduce.py times the pump). `mac_overhead` = 1 - median(round without MACs) /
+   the handshake and every other step stay the same (both frame paths tag and check through `FrameAuth`, see
+   frame_pump.py). `mac_overhead` = 1 - median(round without MACs) /
    median(round with MACs), the share of the round the MACs cost; `mac_cpu_overhead` is the same ratio of
    the process's CPU seconds per round (less sensitive to other load on the machine).
 2. Training: 4 (`--peers`) `moshpeer join` peers on digits (bench_training's runner): all honest; one peer hostile
@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from moshpeer.averaging import DataPlane, GroupAllReduce, GroupMember, frame_pump, handshake, wire  # noqa: E402
+from moshpeer.averaging import DataPlane, GroupAllReduce, GroupMember, handshake, wire  # noqa: E402
 from moshpeer.averaging.handshake import RoundCredentials  # noqa: E402
 from moshpeer.averaging.scratch import ScratchPool  # noqa: E402
 from moshpeer.compression import get_compression  # noqa: E402
@@ -99,19 +99,6 @@ class ConstantMacs:
         handshake.FrameAuth.tag = self._original
 
 
-class PythonFrames:
-    """While entered, frames go through the Python path (handshake.py), not the compiled frame pump (frame_pump.py),
-    so that `ConstantMacs` reaches every MAC."""
-
-    def __enter__(self):
-        self._original = frame_pump.compiled
-        frame_pump.compiled = lambda: None
-        return self
-
-    def __exit__(self, *exc):
-        frame_pump.compiled = self._original
-
-
 def one_round(identities: List[Identity], inputs: List[torch.Tensor], aggregation: str, chunk_numel: int,
               scratch: List[ScratchPool]) -> float:
     """One all-reduce of `inputs` among MEMBERS threads -> the slowest member's data-plane seconds."""
@@ -145,11 +132,6 @@ def round_costs(args) -> dict:
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(args.numel, generator=g) for _ in range(MEMBERS)]
     scratch = [ScratchPool(keep=2 + 3 * MEMBERS) for _ in range(MEMBERS)]  # kept as an averager keeps them
-    with PythonFrames():
-        return _round_costs(args, identities, inputs, scratch)
-
-
-def _round_costs(args, identities: List[Identity], inputs: List[torch.Tensor], scratch: List[ScratchPool]) -> dict:
     one_round(identities, inputs, "mean", args.chunk_numel, scratch)  # warm-up: threads, allocator, sockets
     times = {"mean": [], "clipped": [], "mean_no_mac": []}
     cpu = {"mean": [], "mean_no_mac": []}

@@ -206,7 +206,6 @@ def _build(kind: str) -> Backend:
             sources=[str(SOURCE_DIR / s) for s in sources],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=["-ldl"] if kind == "cpp" else [],  # frames_cpu.cpp opens libcrypto at run time
             extra_include_paths=[str(SOURCE_DIR)],
             build_directory=str(build_dir),
             is_python_module=False,
