@@ -135,19 +135,13 @@ class FrameAuth:
     """The MACs of one connection's frames, in order (each side keeps its own counter: TCP keeps order)."""
 
     def __init__(self, connection_key: bytes):
-        self.frame_key = hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest()
-        self._aead = AESGCM(self.frame_key)
-        self.sequence = 0  # the next frame's; frame_pump.py tags runs of frames with the same key and numbers
-
-    def take(self, frames: int) -> int:
-        """Reserve the sequence numbers of the next `frames` frames (tagged elsewhere); -> the first."""
-        first = self.sequence
-        self.sequence += frames
-        return first
+        self._aead = AESGCM(hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest())
+        self.sequence = 0  # the next frame's (its nonce)
 
     def tag(self, header: bytes, payload=b"") -> bytes:
         """The MAC of the next frame (a header and its payload, any bytes-like object)."""
-        nonce = self.take(1).to_bytes(12, "little")
+        nonce = self.sequence.to_bytes(12, "little")
+        self.sequence += 1
         return self._aead.encrypt(nonce, bytes(header), payload if len(payload) else None)[-MAC_BYTES:]
 
     def check(self, header: bytes, payload, mac: bytes) -> None:

@@ -59,7 +59,7 @@ def test_a_run_sent_by_one_path_reads_back_by_the_other(path):
         send_run(a, FrameAuth(KEY), R, sent)  # this test's path
         auth = FrameAuth(KEY)
         handshake.send_frame(a, auth, wire.pack_header(R, 0, 3, 40, TAG), sent[0])  # the Python path, in turn
-        auth.take(3)  # (its numbers continue those of the run above)
+        auth.sequence = 3  # (its numbers continue those of the run above)
         wire.block_until(b, time.monotonic() + 30)
         python_reader = FrameReader(b, FrameAuth(KEY), tag=TAG, max_payload=64, inbox=BatchInbox(64, 8))
         got = [python_reader.read() for _ in range(3)]
@@ -130,7 +130,7 @@ def test_a_bad_frame_fails_the_run_after_the_good_ones(path, fault):
         assert runs.inbox.count == len(good)  # no row of the failed frame or after it was taken
 
 
-def test_compiled_tags_are_the_python_tags():
+def test_the_compiled_writer_lays_out_frames_as_send_frame_does():
     if frame_pump.compiled() is None:
         pytest.skip("the CPU extension is unavailable here")
     a, b = socket.socketpair()
