@@ -99,42 +99,29 @@ def test_a_download_drops_the_carried_work_too():
     assert late.counters.dropped_samples == 16 and late.counters.carried == {}
 
 
-def test_the_latecomer_starts_its_next_epoch_as_far_in_as_the_donor_is():
-    # Late by more than the matchmaking window, a peer that computed all H steps of the next epoch would be as
-    # late for the next round: it starts as many steps in as the donor was when it served the update.
+@pytest.mark.parametrize("donor_at, skipped", [((1, 3), 3), ((2, 0), 7)])
+def test_the_latecomer_starts_its_next_epoch_where_it_meets_the_next_round(donor_at, skipped):
+    # Late by more than the matchmaking window, a peer that computed all H steps of the next epoch would be as late
+    # for the next round, and every one after: it starts as many steps in as the donor was when it served the
+    # update ((1, 3)), or at the epoch's last step when the donor had already ended that epoch ((2, 0): it learned
+    # of its miss late, e.g. after a slow first micro-batch, and the donor's round of epoch 1 is under way).
     member, late = member_and_latecomer(inner_steps=8)
     for _ in range(8):
         member.backward(1.0)
         member.epochs.account(8)
-    for _ in range(3):  # the member is 3 steps into epoch 1 when the latecomer asks
+    for _ in range(donor_at[1]):
         assert member.epochs.account(8) is None
     update = member.strategy.kept_update(0)
-    assert update["phase"] == [1, 3]
+    assert update["phase"] == [1, donor_at[1]]  # what a donor says of itself
+    update["phase"] = list(donor_at)  # (a donor whose round of epoch 1 ended would serve that round's update)
     late.updates = [update]
     for _ in range(8):
         late.backward(3.0)
         record = late.epochs.account(8)
-    assert record.error == MISSED_ROUND_UPDATE and late.strategy.steps_this_epoch == 3
+    assert record.error == MISSED_ROUND_UPDATE and late.strategy.steps_this_epoch == skipped
     late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
-    assert [late.epochs.account(8) is None for _ in range(5)] == [True] * 4 + [False]  # 5 steps, not 8
-
-
-def test_a_latecomer_whose_donor_is_past_the_next_epoch_ends_it_after_one_step():
-    # It learned of its miss late (a slow first micro-batch): the donor already ended the next epoch and its round
-    # of it is under way. Computing all H steps would make it as late for that round and every one after.
-    member, late = member_and_latecomer(inner_steps=8)
-    for _ in range(8):
-        member.backward(1.0)
-        member.epochs.account(8)
-    update = member.strategy.kept_update(0)
-    update["phase"] = [2, 0]
-    late.updates = [update]
-    for _ in range(8):
-        late.backward(3.0)
-        record = late.epochs.account(8)
-    assert record.error == MISSED_ROUND_UPDATE and late.strategy.steps_this_epoch == 7
-    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("pseudo_gradient",)))
-    assert late.epochs.account(8) is not None  # one step, and its round
+    steps = 8 - skipped  # to the next round
+    assert [late.epochs.account(8) is None for _ in range(steps)] == [True] * (steps - 1) + [False]
 
 
 def test_an_update_that_does_not_fit_falls_back_to_a_download():
