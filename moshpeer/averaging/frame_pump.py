@@ -99,6 +99,7 @@ class RunReader:
         room = self.inbox.capacity + 1 if self._ops is not None else 0
         self._headers = torch.empty(room * wire.HEADER.size, dtype=torch.uint8)
         self._tags = torch.empty(room * handshake.MAC_BYTES, dtype=torch.uint8)
+        self._header_bytes, self._tag_bytes = memoryview(self._headers.numpy()), memoryview(self._tags.numpy())
         self._failure: Optional[BaseException] = None
 
     def read_run(self, phase: int = 0, idle_s: float = 0.0) -> List[Frame]:
@@ -116,20 +117,19 @@ class RunReader:
                                        max(0, int(idle_s * 1000)), self._headers, self._tags)
         status, count = result[0], result[1]
         failure = _failure(status) if status else None
-        headers, tags = memoryview(self._headers.numpy()), memoryview(self._tags.numpy())
-        rows, frames, row = memoryview(buffer.numpy()), [], first_row
+        rows, frames = memoryview(buffer.numpy()), []
         for k in range(count):
             phase_k, part, chunk, nbytes = result[2 + 4 * k: 6 + 4 * k]
             end = phase_k in (wire.PHASE_END_REDUCE, wire.PHASE_END_GATHER)
-            payload = b"" if end else rows[row * self.inbox.stride:][:nbytes]
+            # Data frames fill rows first_row.. in order; an end marker is always a run's last frame.
+            payload = b"" if end else rows[(first_row + k) * self.inbox.stride:][:nbytes]
             try:
-                self.frames.auth.check(headers[k * wire.HEADER.size:][:wire.HEADER.size], payload,
-                                       tags[k * handshake.MAC_BYTES:][:handshake.MAC_BYTES])
+                self.frames.auth.check(self._header_bytes[k * wire.HEADER.size:][:wire.HEADER.size], payload,
+                                       self._tag_bytes[k * handshake.MAC_BYTES:][:handshake.MAC_BYTES])
             except ProtocolError as e:
                 failure = e  # this frame and any after it are never handed out
                 break
             frames.append(Frame(phase_k, part, chunk, nbytes, None if end else self.inbox.payload(nbytes)))
-            row += 0 if end else 1
         if failure is not None:
             if not frames:
                 raise failure

@@ -5,11 +5,11 @@ round), starts its next epoch as far in as they are, and averages with them agai
 on the same parameters, bit for bit.
 
 The first round is a warm-up that the test does not judge beyond "averaged, or missed and took the update": peers
-that passed --min-peers together still start apart, and one whose first micro-batch is slow on a loaded host (CI
-saw one) has no rate in its record when the others end their epoch, so nobody holds that round for it
-(round_timing.stragglers_eta_s: a record without a rate is not waited for). It then misses the round and rejoins
-by the group's update, the mechanism under test, which also lines the peers' epochs up again. The stall comes in
-the epoch after, from lined-up peers."""
+that passed --min-peers together still start apart, and one whose first micro-batch is slow on a loaded host (the
+signature of this test's one CI failure) has no rate in its record when the others end their epoch, so nobody holds
+that round for it (round_timing.stragglers_eta_s: a record without a rate is not waited for). It then misses the
+round and rejoins by the group's update, the mechanism under test, which also lines the peers' epochs up again. The
+stall comes in the epoch after, from lined-up peers."""
 
 from __future__ import annotations
 
