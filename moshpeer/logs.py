@@ -37,6 +37,7 @@ EXPECTED_PEER_FAILURES: Tuple[type, ...] = (
     concurrent.futures.TimeoutError,
     asyncio.IncompleteReadError,
     EOFError,
+    StopAsyncIteration,  # a peer's answer stream ended before its first message (hivemind's join request)
     P2PDaemonError,
     P2PHandlerError,
 )

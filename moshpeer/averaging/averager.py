@@ -310,7 +310,7 @@ class MoshpitAverager(ServicerBase):
             async for response in responses:
                 yield response
         finally:
-            await responses.aclose()  # closes hivemind's handler too: a withdrawn or dropped asker leaves our group
+            await responses.aclose()  # closes hivemind's handler too: an asker that closed the stream leaves our group
 
     # ---- one round ----------------------------------------------------------------------------
 

@@ -71,6 +71,9 @@ COMMITMENT_POLL_S = 0.02
 # A join request we could only accept after this fraction of request_timeout is refused (see `join_group`):
 # the asker's own wait started earlier and the answer still has to travel back.
 LATE_ACCEPTANCE_FRACTION = 0.5
+# How long a leader keeps a join request's stream open after its last answer, for the asker to read it and close
+# the stream (see `join_group`): an asker that vanished without closing it holds a task that long at most.
+ANSWERED_STREAM_HOLD_S = 10.0
 # How long a robust follower skips a leader that started a group too small to average (module docstring), and
 # how many such leaders it remembers (the oldest forgotten first: identities are cheap).
 AVOID_LEADER_S = 600.0
@@ -288,7 +291,26 @@ class MatchmakingAdapter:
 
     async def join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
                          ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Another peer asks us to lead its group: refused if a private run does not admit it, or if its configured
+        """Another peer asks us to lead its group: our answers (`_answers`), then the stream held open until the
+        asker closes it (the p2p layer then cancels this handler), for ANSWERED_STREAM_HOLD_S at most.
+
+        Why hold it: when a handler returns, hivemind closes our end of the stream, and the p2p daemon pipes
+        that close on and may reset the stream before the asker's daemon has read our last messages (a
+        reset discards what the receiving side has not read yet). The asker then sees the stream end with
+        no answer while we count it in our group: a leader and a follower that disagree (seen on a loaded
+        2-core machine: the leader waited for its follower's data, the follower missed the round). Once the
+        asker has read everything, it closes the stream itself."""
+        answers = self._answers(request, context, arrived)
+        try:
+            async for answer in answers:
+                yield answer
+        finally:
+            await answers.aclose()
+        await asyncio.sleep(ANSWERED_STREAM_HOLD_S)
+
+    async def _answers(self, request: averaging_pb2.JoinRequest, context: P2PContext, arrived: float
+                       ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """Our answers to a join request: refused if a private run does not admit the asker, or if its configured
         group size is below this round's target (it could not take part in a larger group); else hivemind's
         matchmaking decides, except for a late acceptance.
 

@@ -35,6 +35,7 @@ from moshpeer.testing.orphans import ProcInfo, Reaper, all_processes, tagged_pro
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
 PROC_TAG = "MOSHPEER_TEST_PROC"
+SWARM_LOG_DIR = "SWARM_LOG_DIR"  # a folder: every spawned process's stdout and stderr are copied there
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # How long a peer may take from spawn to readiness on a slow shared machine (imports torch + p2pd).
 READY_TIMEOUT = 60.0
@@ -116,23 +117,36 @@ class Proc:
         self.stderr_lines: List[str] = []
         self._changed = threading.Condition()
         self._readers = [
-            threading.Thread(target=self._read, args=(self.popen.stdout, self.stdout_lines, self.stdout_times),
-                             daemon=True),
-            threading.Thread(target=self._read, args=(self.popen.stderr, self.stderr_lines, None), daemon=True),
+            threading.Thread(target=self._read, args=(self.popen.stdout, self.stdout_lines, self.stdout_times,
+                                                      self._log_file("stdout")), daemon=True),
+            threading.Thread(target=self._read, args=(self.popen.stderr, self.stderr_lines, None,
+                                                      self._log_file("stderr")), daemon=True),
         ]
         for reader in self._readers:
             reader.start()
         self.ready: Optional[dict] = None
         watch_stderr(f"{self.name} ({' '.join(self.args[:1])})", lambda: self.stderr)
 
-    def _read(self, stream, lines: List[str], times: Optional[List[float]]) -> None:
+    def _log_file(self, stream: str) -> Optional[Path]:
+        """Where this process's `stream` is copied, line by line, when SWARM_LOG_DIR names a folder (to read a
+        failed run's whole logs: a failure message shows only their tails)."""
+        folder = os.environ.get(SWARM_LOG_DIR)
+        return Path(folder) / f"{self.tag}.{stream}.log" if folder else None
+
+    def _read(self, stream, lines: List[str], times: Optional[List[float]], copy_to: Optional[Path]) -> None:
+        copy = copy_to.open("w", buffering=1) if copy_to else None
         for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            if copy:
+                copy.write(f"{line}\n")
             with self._changed:
-                lines.append(raw.decode(errors="replace").rstrip("\n"))
+                lines.append(line)
                 if times is not None:
                     times.append(time.monotonic())
                 self._changed.notify_all()
         stream.close()
+        if copy:
+            copy.close()
         with self._changed:
             self._changed.notify_all()
 

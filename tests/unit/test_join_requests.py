@@ -13,14 +13,16 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
+from moshpeer.averaging import matchmaking_adapter
 from moshpeer.averaging.matchmaking_adapter import MatchmakingAdapter
 from moshpeer.averaging.member_info import NONCE_BYTES, pack_member_info, parse_member_info
 from moshpeer.errors import ProtocolError
 
 
-def join_answers(asker_wait: float, waited_s: float, request_timeout: float = 2.0):
-    """The codes a leader (our request timeout `request_timeout`) answers a join request with, `waited_s` after it
-    arrived, from an asker whose member info says it waits `asker_wait` for a first answer (0: not said)."""
+def adapter_and_request(asker_wait: float = 0.0, request_timeout: float = 2.0):
+    """A leader (our request timeout `request_timeout`) whose hivemind, faked, accepts every request and begins the
+    group, and a join request from an asker whose member info says it waits `asker_wait` for a first answer (0: not
+    said)."""
     async def hivemind_accepts(request, context):
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE)
@@ -31,10 +33,22 @@ def join_answers(asker_wait: float, waited_s: float, request_timeout: float = 2.
                                         rpc_join_group=hivemind_accepts)
     request = averaging_pb2.JoinRequest(gather=pack_member_info("127.0.0.1", 4000, 1.0, os.urandom(NONCE_BYTES),
                                                                 answer_wait_s=asker_wait))
-    context = types.SimpleNamespace(remote_id=PeerID(os.urandom(32)))
+    return adapter, request, types.SimpleNamespace(remote_id=PeerID(os.urandom(32)))
+
+
+def join_answers(asker_wait: float, waited_s: float) -> list:
+    """The codes the leader answers that request with, `waited_s` after it arrived, read as an asker does: up to a
+    final answer, then the asker closes the stream."""
+    adapter, request, context = adapter_and_request(asker_wait)
 
     async def answers():
-        return [m.code async for m in adapter.join_group(request, context, time.monotonic() - waited_s)]
+        codes, stream = [], adapter.join_group(request, context, time.monotonic() - waited_s)
+        async for message in stream:
+            codes.append(message.code)
+            if message.code != averaging_pb2.ACCEPTED:
+                break
+        await stream.aclose()
+        return codes
     return asyncio.run(answers())
 
 
@@ -59,3 +73,25 @@ def test_member_info_says_how_long_the_member_waits_for_an_answer():
         info["wait"] = bad
         with pytest.raises(ProtocolError, match="answer wait"):
             parse_member_info(msgpack.packb(info))
+
+
+def test_a_leader_holds_the_stream_open_after_its_last_answer_until_the_asker_closes_it(monkeypatch):
+    """Closing our end right after the last answer lets the p2p daemon reset the stream before the asker has read
+    it (`join_group`): the handler ends when the asker closes the stream, or after ANSWERED_STREAM_HOLD_S."""
+    adapter, request, context = adapter_and_request()
+
+    async def answers_then_whether_it_ended(hold_s: float):
+        monkeypatch.setattr(matchmaking_adapter, "ANSWERED_STREAM_HOLD_S", hold_s)
+        stream = adapter.join_group(request, context, time.monotonic())
+        codes = [(await stream.__anext__()).code for _ in range(2)]
+        end = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait({end}, timeout=0.2)
+        ended = end.done() and isinstance(end.exception(), StopAsyncIteration)
+        if not end.done():
+            end.cancel()  # the asker closed the stream: the p2p layer cancels our handler
+            await asyncio.gather(end, return_exceptions=True)
+        return codes, ended
+
+    answers = [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE]
+    assert asyncio.run(answers_then_whether_it_ended(60.0)) == (answers, False)  # held until the asker closes it
+    assert asyncio.run(answers_then_whether_it_ended(0.0)) == (answers, True)  # or the hold runs out
