@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing.util
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
@@ -351,8 +352,12 @@ def exit_now(code: int) -> NoReturn:
 
     Tearing down an interpreter that has loaded torch and hivemind takes 0.5 s on an idle machine
     and several seconds on a busy one, which would break the promise to exit within 5 s of SIGTERM.
-    Whatever must happen on exit runs before this, as a PeerDaemon shutdown hook, not in atexit.
+    Whatever must happen on exit runs before this, as a PeerDaemon shutdown hook, not in atexit; except
+    multiprocessing's own finalizers, which remove the folder it made in the temp dir (hivemind's DHT calls
+    pass pipes to the DHT process, which starts multiprocessing's fd-sharing listener there): without them
+    every peer that ran left a `pymp-*` folder behind.
     """
+    multiprocessing.util._run_finalizers()  # what its atexit hook runs, without the joins of child processes
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -173,17 +173,14 @@ class Parts:
         self.epochs.report_progress(force=True)
         self.exchange.advertise(force=True)
 
-    def shutdown(self, close_averager: bool = True) -> None:
+    def shutdown(self) -> None:
         """Stop the state server, the averager, the progress thread and (if it is ours) the DHT. Idempotent; a
-        failing stop is logged (debug) and the others still run. `close_averager=False` leaves the averager's
-        loop to die with the process (stopping it while hivemind's P2P replica has pending tasks prints
-        asyncio tracebacks, which a process about to exit can do without)."""
+        failing stop is logged (debug) and the others still run."""
         self.exchange.shutdown()
-        if close_averager:
-            try:
-                self.averager.shutdown()
-            except Exception:
-                logger.debug("shutting down the averager failed", exc_info=True)
+        try:
+            self.averager.shutdown()
+        except Exception:
+            logger.debug("shutting down the averager failed", exc_info=True)
         self.swarm.close()
 
 

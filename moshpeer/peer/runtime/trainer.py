@@ -149,8 +149,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         averager_kwargs=averager_kwargs, host=_loopback_or_any(daemon), assigned_data=assigned,
         **({"max_epoch_lag": max(config.checkpoint.max_staleness, 1)} if config.checkpoint else {}),
     )
-    # The process exits right after the daemon's shutdown: see CollaborativeOptimizer.shutdown.
-    daemon.add_shutdown_hook(lambda: optimizer.shutdown(close_averager=False), name="collaborative optimizer")
+    daemon.add_shutdown_hook(optimizer.shutdown, name="collaborative optimizer")
     seed = config.seed if config.seed is not None else int(hashlib.sha256(daemon.peer_id.encode()).hexdigest()[:8], 16)
     stream = checker = None
     if assigned:  # the data follows from the run, the peer id and the epoch (accountability/assignment.py)
