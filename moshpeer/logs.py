@@ -88,11 +88,18 @@ class PeerFailureFilter(logging.Filter):
 
 
 def _raised_while_cancelled(error: BaseException) -> bool:
-    """Was `error` raised while its task was being cancelled (a CancelledError in its context chain)?
+    """Was `error` raised while its task was being cancelled (it is, or has in its context chain, a CancelledError)?
+
+    A CancelledError itself reaches a log through Python 3.11's asyncio streams: the done-callback of a
+    connection handler's task calls `task.exception()`, which raises for a cancelled task ("Exception in callback
+    StreamReaderProtocol.connection_made.<locals>.callback"); our averager's loop cancels the p2p daemon's stream
+    handlers still running when it stops (a leader's join-request handler holds its answered stream open).
 
     Our averager cancels hivemind's matchmaking search when the round's deadline passes; hivemind's
     cleanup can then fail on the half-torn-down search, and `cancel_and_wait` logs that with a traceback.
     The cancellation was the intent, so what its cleanup raised is not a bug of this peer."""
+    if isinstance(error, asyncio.CancelledError):
+        return True
     seen = set()
     link = error.__context__
     while link is not None and id(link) not in seen:

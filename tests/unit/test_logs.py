@@ -134,3 +134,42 @@ def test_a_task_that_outlives_the_p2p_daemon_of_a_stopping_peer_is_one_debug_lin
     assert "Traceback" not in output and output.count("\n") == 1, output
     assert "a task outlived this peer's p2p daemon" in output
     assert "Traceback" in log_failed_task(FileNotFoundError("elsewhere"), logging.WARNING)  # not from the daemon
+
+
+def test_a_cancelled_connection_handler_is_one_debug_line(tmp_path):
+    """Python 3.11's asyncio logs "Exception in callback" with the CancelledError of a connection handler cancelled
+    while it runs (what the averager's loop does to hivemind's stream handlers when it stops): one debug line."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("asyncio")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    quiet_expected_peer_failures(handlers=[handler])
+
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def serve(reader, writer) -> None:
+            started.set()
+            await asyncio.sleep(60)  # e.g. an answered join request's stream, held open
+
+        server = await asyncio.start_unix_server(serve, path=str(tmp_path / "handler.sock"))
+        _, writer = await asyncio.open_unix_connection(str(tmp_path / "handler.sock"))
+        await started.wait()
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the done-callbacks run
+        writer.close()
+        server.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+    output = stream.getvalue()
+    assert "Traceback" not in output, output
+    assert all("a cancelled task ended" in line for line in output.splitlines() if "callback" in line), output
