@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
+from typing import Iterator
 
 import pytest
 from hivemind.utils.asyncio import await_cancelled
@@ -12,17 +14,26 @@ from hivemind.utils.asyncio import await_cancelled
 from moshpeer.logs import PeerFailureFilter, quiet_expected_peer_failures
 
 
-def log_failed_task(error: BaseException, level: int) -> str:
-    """What hivemind's `await_cancelled` logs for a task that raised `error`, through a filtered handler."""
+@contextlib.contextmanager
+def filtered_log(name: str, level: int) -> Iterator[io.StringIO]:
+    """What logger `name`, set to `level`, writes through a handler with the filter installed, while open."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("hivemind.utils.asyncio")
+    logger = logging.getLogger(name)
     saved_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(level)
     quiet_expected_peer_failures(handlers=[handler])
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
 
+
+def log_failed_task(error: BaseException, level: int) -> str:
+    """What hivemind's `await_cancelled` logs for a task that raised `error`, through a filtered handler."""
     async def request_join_potential_leaders() -> None:
         raise error
 
@@ -31,11 +42,8 @@ def log_failed_task(error: BaseException, level: int) -> str:
         await asyncio.sleep(0)
         await await_cancelled(task)  # logs "Exception in <Task ...>:" with the traceback
 
-    try:
+    with filtered_log("hivemind.utils.asyncio", level) as stream:
         asyncio.run(main())
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
     return stream.getvalue()
 
 
@@ -86,25 +94,14 @@ def test_what_a_task_raises_while_cancelled_is_one_debug_line():
         finally:
             raise KeyError("half-torn-down search")  # raised while the CancelledError propagates
 
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("hivemind.utils.asyncio")
-    saved_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    quiet_expected_peer_failures(handlers=[handler])
-
     async def main() -> None:
         task = asyncio.create_task(cleanup_fails_after_cancel())
         await asyncio.sleep(0)
         task.cancel()
         await await_cancelled(task)
 
-    try:
+    with filtered_log("hivemind.utils.asyncio", logging.DEBUG) as stream:
         asyncio.run(main())
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
     output = stream.getvalue()
     assert "Traceback" not in output and output.count("\n") == 1, output
     assert "a cancelled task ended in" in output and "KeyError" in output
@@ -139,14 +136,6 @@ def test_a_task_that_outlives_the_p2p_daemon_of_a_stopping_peer_is_one_debug_lin
 def test_a_cancelled_connection_handler_is_one_debug_line(tmp_path):
     """Python 3.11's asyncio logs "Exception in callback" with the CancelledError of a connection handler cancelled
     while it runs (what the averager's loop does to hivemind's stream handlers when it stops): one debug line."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("asyncio")
-    saved_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    quiet_expected_peer_failures(handlers=[handler])
-
     async def main() -> None:
         started = asyncio.Event()
 
@@ -165,11 +154,8 @@ def test_a_cancelled_connection_handler_is_one_debug_line(tmp_path):
         writer.close()
         server.close()
 
-    try:
+    with filtered_log("asyncio", logging.DEBUG) as stream:
         asyncio.run(main())
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
     output = stream.getvalue()
     assert "Traceback" not in output, output
     assert all("a cancelled task ended" in line for line in output.splitlines() if "callback" in line), output
