@@ -19,6 +19,7 @@ import concurrent.futures
 import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -344,4 +345,22 @@ def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_pe
         ) from None
     if type(error).__name__ == "P2PDaemonError":
         raise UserError(f"could not start p2pd: {_first_line(error)}") from None
+    if "local time must be within" in text:  # hivemind pings the initial peers and compares their clocks with ours
+        raise UserError(_clock_error(text)) from None
+    if "can't access this node" in text:
+        raise UserError("the initial peers cannot connect back to this machine (a NAT or a firewall in the way): "
+                        "join with --client-mode, or --behind-nat to be reachable through a relay") from None
     raise error
+
+
+def _clock_error(text: str) -> str:
+    """The user's line for hivemind's "local time must be within N seconds of others(local: T1, peer: T2)"."""
+    match = re.search(r"within ([\d.]+) seconds.*local: ([\d.]+), peer: ([\d.]+)", text, re.S)
+    if match is None:
+        return f"this machine's clock disagrees with the initial peers' ({text.strip().splitlines()[0]}): set it " \
+               "right (e.g. `timedatectl set-ntp true`) and start again"
+    allowed, local, peer = (float(group) for group in match.groups())
+    offset = local - peer
+    return (f"this machine's clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} the initial "
+            f"peers' (peers must agree within {allowed:g} s): set it right (e.g. `timedatectl set-ntp true`) and "
+            "start again")

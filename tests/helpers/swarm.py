@@ -313,13 +313,14 @@ class Swarm:
 
     # -- spawning --
 
-    def spawn(self, *args: str, name: Optional[str] = None, preexec: Optional[Callable[[], None]] = None) -> Proc:
+    def spawn(self, *args: str, name: Optional[str] = None, preexec: Optional[Callable[[], None]] = None,
+              env: Optional[Dict[str, str]] = None) -> Proc:
         """Start `python -m moshpeer *args`; returns at once (use wait_ready / wait_for_line / wait_exit).
-        `preexec` runs in the child before it starts (e.g. joining a cgroup)."""
+        `preexec` runs in the child before it starts (e.g. joining a cgroup); `env` adds to the swarm's environment."""
         self._counter += 1
         command = next((arg for arg in args if not arg.startswith("-")), "moshpeer")
-        proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env=self.env, cwd=self.cwd,
-                    preexec=preexec)
+        proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env={**self.env, **(env or {})},
+                    cwd=self.cwd, preexec=preexec)
         self.procs.append(proc)
         return proc
 

@@ -334,3 +334,23 @@ def test_status_counts_each_flagging_record_once(alice, mallory):
                         updated_at=0.0)
     liar = honest.updated(peer_id=mallory.peer_id, flagged={alice.peer_id: 1 << 62, mallory.peer_id: 5})
     assert flagged_by([honest, liar]) == {alice.peer_id: 1}  # one reporter; claims about oneself ignored
+
+
+def test_a_clock_or_firewall_refusal_at_start_is_a_user_error():
+    from hivemind.dht.protocol import ValidationError
+
+    from moshpeer.dht.node import _raise_user_error_unless_unreachable
+
+    # hivemind's words when the initial peers' clocks differ from ours by more than it allows (its ping, at start)
+    ahead = ValidationError("local time must be within 3 seconds  of others(local: 1796538386.50570, peer: "
+                            "1796538376.51467)")
+    with pytest.raises(UserError, match=r"clock is 10\.0 s ahead of the initial peers' \(peers must agree within 3 s\)"):
+        _raise_user_error_unless_unreachable(ahead, has_initial_peers=True)
+    behind = ValidationError("local time must be within 3 seconds  of others(local: 100.0, peer: 104.5)")
+    with pytest.raises(UserError, match=r"clock is 4\.5 s behind the initial peers'"):
+        _raise_user_error_unless_unreachable(behind, has_initial_peers=True)
+    firewall = ValidationError("Peer QmX can't access this node. Probably, libp2p has failed to bypass the firewall")
+    with pytest.raises(UserError, match="cannot connect back to this machine.*--client-mode"):
+        _raise_user_error_unless_unreachable(firewall, has_initial_peers=True)
+    with pytest.raises(ValidationError):  # anything else is not the user's to fix: raised as it is
+        _raise_user_error_unless_unreachable(ValidationError("something new"), has_initial_peers=True)
