@@ -62,6 +62,7 @@ from moshpeer.compression.codec import get_compression
 from moshpeer.compression.kernels import load_kernels
 from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.dht import admission as private_runs
+from moshpeer.dht.clock import ClockWatch, measure_offsets
 from moshpeer.dht.keys import averaging_prefix
 from moshpeer.errors import ProtocolError, UserError
 
@@ -162,6 +163,7 @@ class MoshpitAverager(ServicerBase):
         self.suspects = SuspectTracker()  # "clipped": peers flagged round after round, weighed at zero
         self.tensors: List[torch.Tensor] = list(tensors)
         self.dht, self.run_id = dht, run_id
+        self._clock = ClockWatch(lambda: measure_offsets(dht))  # asked why after a round without a group
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.compression_spec = compression
         self.compression = get_compression(compression)
@@ -398,8 +400,9 @@ class MoshpitAverager(ServicerBase):
         if group is None:
             if error is not None:
                 logger.warning(f"matchmaking: {error}")
-            return RoundResult(ok=False, error=error or "no group found", group_bits=bits_before,
-                               coordinates=self.coordinates, **common)
+            clock = self._clock.after_no_group()  # a clock that jumped since the start keeps every group away
+            return RoundResult(ok=False, error="; ".join(filter(None, (error or "no group found", clock))),
+                               group_bits=bits_before, coordinates=self.coordinates, **common)
         try:
             return self._round_with_group(group, tensors, deadline, bits_before, common)
         finally:

@@ -6,12 +6,12 @@ case checks its own outcome.
 
 from __future__ import annotations
 
-import glob
 import socket
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Dict, Optional, Sequence
 
+import faketime
 import pytest
 
 from moshpeer.dht import Identity
@@ -27,10 +27,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-# libfaketime (Debian package faketime) shifts a process's clock: a machine whose clock is wrong.
-FAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 
 
 @dataclass(frozen=True)
@@ -154,8 +150,7 @@ CASES = {
     "clock 10 s ahead of the swarm's": Case(
         "join", lambda c: (*JOIN, "--initial-peers", *c.boot_maddrs),
         lambda c: "this machine's clock is 10.0 s ahead of the initial peers' (peers must agree within 3 s)",
-        env={"LD_PRELOAD": FAKETIME or "", "FAKETIME": "+10"},
-        missing="" if FAKETIME else "libfaketime (Debian package faketime)",
+        env=faketime.offset_env("+10"), missing=faketime.MISSING,
     ),
     "adaptive deadline floor above its cap": Case(
         "join",
