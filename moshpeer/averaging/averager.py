@@ -165,8 +165,7 @@ class MoshpitAverager(ServicerBase):
         self.dht, self.run_id = dht, run_id
         self._clock = ClockWatch(lambda: measure_offsets(dht))  # asked why after a round without a group
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
-        self.compression_spec = compression
-        self.compression = get_compression(compression)
+        self.compression_spec, self.compression = compression, get_compression(compression)
         load_kernels(self.tensors)  # now, not in the first round: there every member would load them at once
         self.chunk_numel = max(chunk_bytes // 4, 16)
         self.matchmaking_time, self.round_timeout = matchmaking_time, round_timeout
@@ -178,8 +177,7 @@ class MoshpitAverager(ServicerBase):
         self.client_mode = client_mode or self.behind_nat  # so a peer nobody can connect to never leads
         if upload_bandwidth is not None and not 0 < upload_bandwidth <= MAX_BANDWIDTH:
             raise UserError(f"upload bandwidth must be positive bytes/s, got {upload_bandwidth}")
-        self.partition = partition
-        self._upload = UploadEstimate(upload_bandwidth)
+        self.partition, self._upload = partition, UploadEstimate(upload_bandwidth)
         self.loss_budget: LossBudget = parse_loss_budget(loss_budget)
         self.prefix = averaging_prefix(run_id)
         self._bits_per_axis = max(1, (target_group_size - 1).bit_length())
