@@ -71,10 +71,11 @@ def clock_offset(samples: Sequence[float], allowed: float = ALLOWED_OFFSET_S) ->
     return offset if abs(offset) > allowed else None
 
 
-def describe_offset(offset: float) -> str:
-    return (f"this machine's clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} its peers' "
-            f"(they must agree within {ALLOWED_OFFSET_S:g} s): no group can form until it is set right "
-            "(e.g. `timedatectl set-ntp true`)")
+def describe_offset(offset: float, peers: str = "its peers'", allowed: float = ALLOWED_OFFSET_S,
+                    consequence: str = "no group can form until it is set right") -> str:
+    """The problem in one line: `offset` is our clock minus `peers`' in seconds."""
+    return (f"this machine's clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} {peers} "
+            f"(they must agree within {allowed:g} s): {consequence} (e.g. `timedatectl set-ntp true`)")
 
 
 class ClockWatch:

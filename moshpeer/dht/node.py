@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Sequence
 import hivemind
 
 from moshpeer.dht.admission import Admission
+from moshpeer.dht.clock import describe_offset
 from moshpeer.dht.fork_locks import repair_fork_locks
 from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import validate_run_id
@@ -360,7 +361,4 @@ def _clock_error(text: str) -> str:
         return f"this machine's clock disagrees with the initial peers' ({text.strip().splitlines()[0]}): set it " \
                "right (e.g. `timedatectl set-ntp true`) and start again"
     allowed, local, peer = (float(group) for group in match.groups())
-    offset = local - peer
-    return (f"this machine's clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} the initial "
-            f"peers' (peers must agree within {allowed:g} s): set it right (e.g. `timedatectl set-ntp true`) and "
-            "start again")
+    return describe_offset(local - peer, "the initial peers'", allowed, "set it right and start again")

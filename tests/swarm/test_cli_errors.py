@@ -149,7 +149,7 @@ CASES = {
     ),
     "clock 10 s ahead of the swarm's": Case(
         "join", lambda c: (*JOIN, "--initial-peers", *c.boot_maddrs),
-        lambda c: "this machine's clock is 10.0 s ahead of the initial peers' (peers must agree within 3 s)",
+        lambda c: "this machine's clock is 10.0 s ahead of the initial peers' (they must agree within 3 s)",
         env=faketime.offset_env("+10"), missing=faketime.MISSING,
     ),
     "adaptive deadline floor above its cap": Case(

@@ -344,7 +344,7 @@ def test_a_clock_or_firewall_refusal_at_start_is_a_user_error():
     # hivemind's words when the initial peers' clocks differ from ours by more than it allows (its ping, at start)
     ahead = ValidationError("local time must be within 3 seconds  of others(local: 1796538386.50570, peer: "
                             "1796538376.51467)")
-    with pytest.raises(UserError, match=r"clock is 10\.0 s ahead of the initial peers' \(peers must agree within 3 s\)"):
+    with pytest.raises(UserError, match=r"clock is 10\.0 s ahead of the initial peers' \(they must agree within 3 s\)"):
         _raise_user_error_unless_unreachable(ahead, has_initial_peers=True)
     behind = ValidationError("local time must be within 3 seconds  of others(local: 100.0, peer: 104.5)")
     with pytest.raises(UserError, match=r"clock is 4\.5 s behind the initial peers'"):
