@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import List, Optional
+from typing import List, Optional, Set, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -19,7 +19,7 @@ from moshpeer.dht.keys import peers_key
 from moshpeer.dht.node import SwarmDHT
 from moshpeer.dht.records import ROLES, PeerRecord
 from moshpeer.dht.validation import RecordRejected, parse_owned_entry
-from moshpeer.version import PROTOCOL_VERSION
+from moshpeer.version import PROTOCOL_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +101,37 @@ def list_peers(
     if admission is not None and admission.owner is not None:
         for record in parsed:
             admission.note_revocations(record.revocations)
-    records = []
+    records, other_protocols = [], []
     for record in parsed:
         if record.leaving and not include_leaving:
             continue
         if record.protocol != PROTOCOL_VERSION and not any_protocol:
+            if not record.leaving:
+                other_protocols.append(record)
             continue
         if admission is not None and admission.private \
                 and not admission.check("records", record.peer_id, record.member_tag, once=True):
             continue
         records.append(record)
     records.sort(key=lambda r: (ROLES.index(r.role), r.peer_id))
+    _warn_of_other_protocols(run_id, other_protocols)
     return records
+
+
+_warned_of: Set[Tuple[str, Tuple[int, ...]]] = set()  # (run, the other protocol generations) already warned of
+
+
+def _warn_of_other_protocols(run_id: str, others: List[PeerRecord]) -> None:
+    """One warning per run and set of other protocol generations seen: their peers are left out of every list, and
+    no group ever mixes generations (the group key hashes the protocol), so a peer among them would only ever
+    find itself alone, and say nothing. Versions are strangers' strings: quoted, and at most three named."""
+    protocols = tuple(sorted({record.protocol for record in others}))
+    if not protocols or (run_id, protocols) in _warned_of:
+        return
+    _warned_of.add((run_id, protocols))
+    versions = sorted({(record.protocol, record.version) for record in others})
+    theirs = ", ".join(f"protocol {protocol} (moshpeer {version!r})" for protocol, version in versions[:3])
+    more = f" and {len(versions) - 3} more" if len(versions) > 3 else ""
+    logger.warning(f"run {run_id!r}: {len(others)} peer(s) speak {theirs}{more}, this one protocol {PROTOCOL_VERSION} "
+                   f"(moshpeer {__version__}): peers of different protocols never average together; run one moshpeer "
+                   "version across the swarm")

@@ -3,6 +3,7 @@ forgery attempts by another identity, persistent identities, and the PeerDaemon 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import hivemind
@@ -72,6 +73,20 @@ def test_publish_list_withdraw(dht_node):
     assert ids(list_peers(boot, RUN)) == {alice.identity.peer_id}, "a withdrawn peer stops counting at once"
     leaving = [r for r in list_peers(boot, RUN, include_leaving=True) if r.leaving]
     assert ids(leaving) == {bob.identity.peer_id}
+
+
+def test_peers_of_another_protocol_are_left_out_and_named_once(dht_node, caplog):
+    run = "membership-protocols"
+    boot = dht_node(run_ids=[run])
+    alice = dht_node(initial_peers=maddrs(boot), run_ids=[run])
+    assert publish_record(alice, run, own_record(alice, protocol=PROTOCOL_VERSION + 1, version="9.9.9"), expiration=30)
+    with caplog.at_level(logging.WARNING, logger="moshpeer.dht.membership"):
+        wait_for(lambda: list_peers(boot, run, any_protocol=True), 10)
+        assert list_peers(boot, run) == [] and list_peers(boot, run) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # once, not at every listing
+    assert (f"1 peer(s) speak protocol {PROTOCOL_VERSION + 1} (moshpeer '9.9.9'), this one protocol {PROTOCOL_VERSION}"
+            in warnings[0]), warnings
 
 
 def test_record_expires_without_heartbeat(dht_node):
