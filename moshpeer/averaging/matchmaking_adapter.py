@@ -151,6 +151,7 @@ class MatchmakingAdapter:
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
         self._avoided: Dict[str, float] = {}  # leader peer id -> time.monotonic() until which it is skipped
+        self._other_schemas: Dict[str, None] = {}  # askers we refused for another schema, named once each (bounded)
         self._hide_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
@@ -342,6 +343,8 @@ class MatchmakingAdapter:
         responses = self._mm.rpc_join_group(request, context)
         try:
             async for response in responses:
+                if response.code == averaging_pb2.BAD_SCHEMA_HASH:
+                    self._note_other_schema(str(context.remote_id))
                 waited = time.monotonic() - arrived
                 if response.code == averaging_pb2.ACCEPTED and waited > LATE_ACCEPTANCE_FRACTION * wait:
                     logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
@@ -351,3 +354,11 @@ class MatchmakingAdapter:
         finally:
             await responses.aclose()
 
+    def _note_other_schema(self, asker: str) -> None:
+        """hivemind refused `asker` for averaging another schema (schema_hash): the two never group, every round,
+        and without a word the user would only see "no group found". Named once per peer (bounded memory)."""
+        if asker in self._other_schemas:
+            return
+        remember(self._other_schemas, asker, limit=MAX_AVOIDED_LEADERS)
+        logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
+                       "--compression, --chunk-bytes or moshpeer version): the two never average together")

@@ -96,3 +96,25 @@ def test_a_leader_holds_the_stream_open_after_its_last_answer_until_the_asker_cl
     answers = [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE]
     assert asyncio.run(answers_then_whether_it_ended(60.0)) == (answers, False)  # held until the asker closes it
     assert asyncio.run(answers_then_whether_it_ended(0.0)) == (answers, True)  # or the hold runs out
+
+
+def test_a_leader_names_once_each_asker_that_averages_another_schema(caplog):
+    """hivemind refuses an asker whose tensors, codec or chunk size differ (BAD_SCHEMA_HASH): the two never group,
+    and the leader says so once per asker, not once per request."""
+    async def hivemind_refuses(request, context):
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_SCHEMA_HASH)
+
+    adapter, request, context = adapter_and_request()
+    adapter._mm.rpc_join_group = hivemind_refuses
+    adapter._other_schemas = {}
+    other = types.SimpleNamespace(remote_id=PeerID(os.urandom(32)))
+
+    async def ask(asker) -> list:
+        return [message.code async for message in adapter._answers(request, asker, time.monotonic())]
+
+    with caplog.at_level("WARNING", logger="moshpeer.averaging.matchmaking_adapter"):
+        for asker in (context, context, other, context):
+            assert asyncio.run(ask(asker)) == [averaging_pb2.BAD_SCHEMA_HASH]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert [str(asker.remote_id) in w for w, asker in zip(warnings, (context, other))] == [True, True], warnings
+    assert len(warnings) == 2 and "never average together" in warnings[0], warnings
