@@ -78,6 +78,8 @@ ANSWERED_STREAM_HOLD_S = 10.0
 # how many such leaders it remembers (the oldest forgotten first: identities are cheap).
 AVOID_LEADER_S = 600.0
 MAX_AVOIDED_LEADERS = 1024
+# Askers of another schema named in the log, remembered so that each is named once (bounded the same way).
+MAX_NAMED_ASKERS = 1024
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -359,6 +361,6 @@ class MatchmakingAdapter:
         and without a word the user would only see "no group found". Named once per peer (bounded memory)."""
         if asker in self._other_schemas:
             return
-        remember(self._other_schemas, asker, limit=MAX_AVOIDED_LEADERS)
+        remember(self._other_schemas, asker, limit=MAX_NAMED_ASKERS)
         logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
                        "--compression, --chunk-bytes or moshpeer version): the two never average together")

@@ -33,6 +33,8 @@ PEERS_TO_ASK = 3
 PING_TIMEOUT_S = 5.0
 CHECK_INTERVAL_S = 60.0
 
+Starter = Callable[[Callable[[], None]], None]  # runs a callable in the background
+
 
 async def _ping_offsets(_dht: DHT, node: DHTNode, peers: int, timeout: float) -> List[float]:
     """(In the DHT process.) Each answering neighbour's clock minus ours, at most `peers` of them."""
@@ -88,7 +90,7 @@ class ClockWatch:
     """
 
     def __init__(self, measure: Callable[[], List[float]], interval_s: float = CHECK_INTERVAL_S,
-                 now: Callable[[], float] = time.monotonic, start: Optional[Callable[[Callable[[], None]], None]] = None):
+                 now: Callable[[], float] = time.monotonic, start: Optional[Starter] = None):
         self._measure, self._interval_s, self._now = measure, interval_s, now
         self._start = start or (lambda work: threading.Thread(target=work, name="moshpeer-clock-check",
                                                               daemon=True).start())
@@ -113,7 +115,9 @@ class ClockWatch:
             offset = clock_offset(self._measure())
         except Exception as e:  # the verdict stays as it was
             logger.debug(f"clock check failed: {e!r}")
-            offset = self.offset
+            with self._lock:
+                self._running = False
+            return
         with self._lock:
             self._running = False
             changed, self.offset = (offset is None) != (self.offset is None), offset

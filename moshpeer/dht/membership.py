@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht.keys import peers_key
 from moshpeer.dht.node import SwarmDHT
 from moshpeer.dht.records import ROLES, PeerRecord
+from moshpeer.bounded_memory import remember
 from moshpeer.dht.validation import RecordRejected, parse_owned_entry
+from moshpeer.ratelimited_log import RateLimitedLog
 from moshpeer.version import PROTOCOL_VERSION, __version__
 
 logger = logging.getLogger(__name__)
@@ -118,7 +120,11 @@ def list_peers(
     return records
 
 
-_warned_of: Set[Tuple[str, Tuple[int, ...]]] = set()  # (run, the other protocol generations) already warned of
+# (run, the other protocol generations) already warned of. Records are strangers' and their protocol any number, so
+# the memory is bounded and the warnings rate-limited: churning generations cannot grow one or flood the other.
+_warned_of: Dict[Tuple[str, Tuple[int, ...]], None] = {}
+MAX_WARNED_GENERATIONS = 64
+_other_protocols_log = RateLimitedLog(logger)
 
 
 def _warn_of_other_protocols(run_id: str, others: List[PeerRecord]) -> None:
@@ -128,10 +134,11 @@ def _warn_of_other_protocols(run_id: str, others: List[PeerRecord]) -> None:
     protocols = tuple(sorted({record.protocol for record in others}))
     if not protocols or (run_id, protocols) in _warned_of:
         return
-    _warned_of.add((run_id, protocols))
+    remember(_warned_of, (run_id, protocols), limit=MAX_WARNED_GENERATIONS)
     versions = sorted({(record.protocol, record.version) for record in others})
     theirs = ", ".join(f"protocol {protocol} (moshpeer {version!r})" for protocol, version in versions[:3])
     more = f" and {len(versions) - 3} more" if len(versions) > 3 else ""
-    logger.warning(f"run {run_id!r}: {len(others)} peer(s) speak {theirs}{more}, this one protocol {PROTOCOL_VERSION} "
-                   f"(moshpeer {__version__}): peers of different protocols never average together; run one moshpeer "
-                   "version across the swarm")
+    _other_protocols_log.warning(
+        f"run {run_id!r}: {len(others)} peer(s) speak {theirs}{more}, this one protocol {PROTOCOL_VERSION} (moshpeer "
+        f"{__version__}): peers of different protocols never average together; run one moshpeer version across the "
+        "swarm")

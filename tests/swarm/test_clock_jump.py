@@ -25,8 +25,12 @@ def step(swarm: AveragingSwarm) -> list:
 def test_a_peer_whose_clock_jumped_names_it_when_no_group_forms_and_averages_again_once_set_right(tmp_path):
     offset = tmp_path / "offset"
     offset.write_text("+0\n")
-    wrap = lambda k, argv: ["env", *(f"{k}={v}" for k, v in faketime.offset_file_env(offset).items()), *argv] \
-        if k == SKEWED else argv  # noqa: E731
+
+    def wrap(index: int, argv: list) -> list:  # only the skewed worker runs with its clock read from `offset`
+        if index != SKEWED:
+            return argv
+        return ["env", *(f"{name}={value}" for name, value in faketime.offset_file_env(offset).items()), *argv]
+
     with AveragingSwarm(3, "--numel", "4096", "--target-group-size", "3", "--min-group-size", "2", "--chunk-bytes",
                         "2048", "--matchmaking-time", FULL_GROUP_MATCHMAKING_S, wrap=wrap) as swarm:
         swarm.all("set", 30, cmd="set", seed=11)
