@@ -107,7 +107,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--identity",
         metavar="PATH",
-        help="private key file that keeps this peer's id across restarts (created if missing)",
+        help="private key file that keeps this peer's id across restarts (created if missing; one per machine, "
+             "never copied to another)",
     )
     group.add_argument(
         "--connect-timeout",

@@ -301,7 +301,7 @@ def _start_dht_node(identity: Identity, identity_lock, persistent: bool, *, init
                 dht.stop(timeout=1.0)
                 if isinstance(e, KeyboardInterrupt):
                     raise
-                _raise_user_error_unless_unreachable(e, has_initial_peers=bool(initial_peers))
+                _raise_user_error_unless_unreachable(e, has_initial_peers=bool(initial_peers), persistent=persistent)
                 if should_stop is not None and should_stop():
                     raise StartCancelled() from None
                 if time.monotonic() + _RETRY_PAUSE_SECONDS >= deadline:
@@ -324,8 +324,10 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_peers: bool) -> None:
-    """Turn a DHT startup failure into a `UserError`, unless it means "initial peers not reachable yet"."""
+def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_peers: bool,
+                                        persistent: bool = False) -> None:
+    """Turn a DHT startup failure into a `UserError`, unless it means "initial peers not reachable yet".
+    `persistent`: the identity came from a file (which another machine may have a copy of)."""
     text = str(error)
     if isinstance(error, concurrent.futures.TimeoutError):  # the DHT process never reported back
         if has_initial_peers:
@@ -349,7 +351,10 @@ def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_pe
     if "local time must be within" in text:  # hivemind pings the initial peers and compares their clocks with ours
         raise UserError(_clock_error(text)) from None
     if "can't access this node" in text:
-        raise UserError("the initial peers cannot connect back to this machine (a NAT or a firewall in the way): "
+        # The initial peer dialed this peer id back and reached another node. Measured: also what two machines
+        # starting together with copies of one identity file see (twins.py).
+        twin = ", or another machine runs with a copy of this --identity file" if persistent else ""
+        raise UserError(f"the initial peers cannot connect back to this machine (a NAT or a firewall in the way{twin}): "
                         "join with --client-mode, or --behind-nat to be reachable through a relay") from None
     raise error
 

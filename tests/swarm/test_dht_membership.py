@@ -4,6 +4,7 @@ forgery attempts by another identity, persistent identities, and the PeerDaemon 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import hivemind
@@ -183,3 +184,38 @@ def test_daemon_stops_when_its_dht_process_dies(dht_node):
         assert "DHT process died" in daemon.stop_reason
     finally:
         daemon.shutdown()
+
+
+def test_of_two_daemons_with_one_identity_the_newer_stops_and_the_older_warns(dht_node, caplog):
+    """The same key on two machines, both past hivemind's start check (as two instances launched together from one
+    image): within a few heartbeats the newer peer's `run` raises UserError and leaves the twin's entry alone; the
+    older one warns and goes on (twins.py)."""
+    boot = dht_node(run_ids=[RUN])
+    key = Identity.generate()
+    older = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], identity=key, heartbeat=0.5)
+    newer = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], identity=key, heartbeat=0.5)
+    outcome = []
+
+    def run_newer() -> None:
+        try:
+            outcome.append(newer.run())
+        except UserError as e:
+            outcome.append(e)
+
+    older.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpeer.dht.twins"):
+            thread = threading.Thread(target=run_newer)
+            thread.start()
+            thread.join(timeout=40)
+            assert outcome and isinstance(outcome[0], UserError), f"the newer twin ran on: {outcome}"
+            assert "another machine runs with this peer's identity" in str(outcome[0])
+            assert "before this one" in str(outcome[0])
+            wait_for(lambda: any("The newer one stops itself" in r.getMessage() for r in caplog.records), timeout=10)
+        assert not older.stop_requested
+        # The newer one did not withdraw the entry under the shared key: the older one stays listed, not leaving.
+        listed = wait_for(lambda: [r for r in list_peers(boot, RUN) if r.peer_id == key.peer_id], timeout=5)
+        assert listed[0].started_at == older.record.started_at
+    finally:
+        older.shutdown()
+        newer.shutdown()

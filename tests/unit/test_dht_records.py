@@ -350,7 +350,11 @@ def test_a_clock_or_firewall_refusal_at_start_is_a_user_error():
     with pytest.raises(UserError, match=r"clock is 4\.5 s behind the initial peers'"):
         _raise_user_error_unless_unreachable(behind, has_initial_peers=True)
     firewall = ValidationError("Peer QmX can't access this node. Probably, libp2p has failed to bypass the firewall")
-    with pytest.raises(UserError, match="cannot connect back to this machine.*--client-mode"):
+    with pytest.raises(UserError, match=r"cannot connect back to this machine \(a NAT or a firewall in the way\): "
+                                        ".*--client-mode"):
         _raise_user_error_unless_unreachable(firewall, has_initial_peers=True)
+    # With an identity file, a copy of it on another machine is the other cause seen (twins.py).
+    with pytest.raises(UserError, match="firewall in the way, or another machine runs with a copy of this --identity"):
+        _raise_user_error_unless_unreachable(firewall, has_initial_peers=True, persistent=True)
     with pytest.raises(ValidationError):  # anything else is not the user's to fix: raised as it is
         _raise_user_error_unless_unreachable(ValidationError("something new"), has_initial_peers=True)

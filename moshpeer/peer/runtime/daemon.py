@@ -9,8 +9,10 @@ shutdown a fixed sequence of steps, each bounded in time:
            4. stop the DHT and its p2pd (graceful, then kill whatever is left of their process group)
 
 The training layer updates the record's mutable fields (step, epoch, samples, grid, ...) with
-`update_record`; the heartbeat thread re-publishes the record every `heartbeat` seconds with an
-expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself.
+`update_record`; the heartbeat thread (heartbeat.py) re-publishes the record every `heartbeat` seconds with an
+expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself. It also stops
+the peer, with an error `run` raises after the shutdown, when another machine runs with this peer's identity
+and started first (moshpeer/dht/twins.py).
 
 Signals (and the preemption notice file) have one owner: the daemon's `PreemptionWatcher`.
 Without a grace period, a signal that arrives after a stop was already requested skips whatever is
@@ -37,6 +39,7 @@ from moshpeer.dht import (DEFAULT_HOST_MADDRS, MUTABLE_FIELDS, PeerRecord, Role,
                           validate_run_id)
 from moshpeer.errors import UserError
 from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
+from moshpeer.peer.runtime.heartbeat import Heartbeat
 from moshpeer.peer.runtime.preemption import PreemptionNotice, PreemptionWatcher
 
 logger = logging.getLogger(__name__)
@@ -127,9 +130,7 @@ class PeerDaemon:
         self._stop_at: Optional[float] = None  # time.monotonic() of the stop request
         self._watcher: Optional[PreemptionWatcher] = None
         self._watchdog: Optional[threading.Timer] = None
-        self._wake_heartbeat = threading.Event()
-        self._heartbeat_stopped = threading.Event()
-        self._heartbeat_thread: Optional[threading.Thread] = None
+        self._heartbeat: Optional[Heartbeat] = None
         self._shutdown_hooks: List[Tuple[str, ShutdownHook]] = []
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
@@ -215,10 +216,10 @@ class PeerDaemon:
         self._publisher = RecordPublisher(self._dht, self.run_id,
                                           fresh_record(self._dht, self.role, self._visible_maddrs), self.expiration)
         # Publish once before returning, so that whoever waits for "ready" finds the record.
-        if not self._publish():
+        if not self._publisher.publish(timeout=self.heartbeat):
             logger.warning("could not publish this peer's record yet; the heartbeat will keep trying")
-        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="moshpeer-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
+        self._heartbeat = Heartbeat(self._dht, self.run_id, self._publisher, self.heartbeat, self.request_stop)
+        self._heartbeat.start()
         logger.info(f"peer {self.peer_id} is in run {self.run_id!r} as {self.role}")
 
     def configure_preemption(
@@ -247,7 +248,7 @@ class PeerDaemon:
             raise RuntimeError("PeerDaemon is not started")
         record = self._publisher.update(**fields)
         if publish_now:
-            self._wake_heartbeat.set()
+            self._heartbeat.wake()
         return record
 
     def add_shutdown_hook(self, hook: ShutdownHook, name: Optional[str] = None) -> None:
@@ -279,6 +280,9 @@ class PeerDaemon:
 
         Signal handlers run in the main thread between Python bytecodes, so `work` should not block
         in one call for long (use timeouts on waits) or the stop request is noticed late.
+
+        :raises UserError: after the shutdown, when this peer stopped because another machine runs with its
+            identity (twins.py)
         """
         with self._signals_handled():
             try:
@@ -299,6 +303,8 @@ class PeerDaemon:
                     logger.info(f"stopping: {self.stop_reason}")
             finally:
                 self.shutdown()
+        if self._heartbeat is not None and self._heartbeat.fatal is not None:
+            raise self._heartbeat.fatal
         return 0
 
     def shutdown(self) -> None:
@@ -338,9 +344,6 @@ class PeerDaemon:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _publish(self) -> bool:
-        return self._publisher.publish(timeout=self.heartbeat)
-
     def _idle_until_stopped(self) -> None:
         # Python runs signal handlers in the main thread, between bytecodes. A signal the kernel
         # delivers to another thread (heartbeat, hivemind's) does not interrupt a main thread blocked
@@ -348,40 +351,15 @@ class PeerDaemon:
         while not self._stop_event.wait(_SIGNAL_CHECK_SECONDS):
             pass
 
-    def _heartbeat_loop(self) -> None:
-        failing = False
-        while True:
-            self._wake_heartbeat.wait(self.heartbeat)
-            self._wake_heartbeat.clear()
-            if self._heartbeat_stopped.is_set():
-                return
-            if not self.dht.is_alive():
-                # Without its DHT process this peer can neither be seen nor see the swarm: stop.
-                logger.error("the DHT process died; stopping this peer")
-                self.request_stop("the DHT process died")
-                return
-            try:
-                ok = self._publish()
-            except Exception as e:  # the DHT process died or its pipe closed: keep the thread alive
-                logger.debug("heartbeat failed", exc_info=True)
-                ok, error = False, e
-            else:
-                error = None
-            if not ok and not failing:
-                logger.warning(f"heartbeat could not publish this peer's record ({error or 'no node accepted it'})")
-            elif ok and failing:
-                logger.info("heartbeat publishes again")
-            failing = not ok
-
     def _stop_heartbeat(self, deadline: float) -> None:
-        self._heartbeat_stopped.set()
-        self._wake_heartbeat.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if self._heartbeat is not None:
+            self._heartbeat.stop(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
 
     def _withdraw(self, deadline: float) -> None:
         if self._dht is None or self._publisher is None or not self._dht.is_alive():
             return
+        if self._heartbeat is not None and self._heartbeat.fatal is not None:
+            return  # the entry under this key is also the twin's, which goes on
         timeout = max(0.1, min(1.5, deadline - time.monotonic()))
         # The publisher's expiration is the heartbeats': the leaving version must outlive every live one.
         if not self._publisher.withdraw(timeout=timeout):
