@@ -96,14 +96,15 @@ class Proc:
     """One spawned `python -m moshpeer ...` process, with its stdout and stderr collected line by line."""
 
     def __init__(self, args: Sequence[str], *, name: str, swarm_tag: str, env: Dict[str, str], cwd: str,
-                 preexec: Optional[Callable[[], None]] = None):
+                 preexec: Optional[Callable[[], None]] = None, prefix: Sequence[str] = ()):
         self.args = list(args)
         self.name = name
         self.tag = f"{name}-{uuid.uuid4().hex[:8]}"
         env = {**env, SWARM_TAG: swarm_tag, PROC_TAG: self.tag}
         self.started_at = time.monotonic()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "moshpeer", *(["-v"] if os.environ.get("SWARM_VERBOSE") else []), *self.args],
+            [*prefix, sys.executable, "-m", "moshpeer", *(["-v"] if os.environ.get("SWARM_VERBOSE") else []),
+             *self.args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -314,13 +315,14 @@ class Swarm:
     # -- spawning --
 
     def spawn(self, *args: str, name: Optional[str] = None, preexec: Optional[Callable[[], None]] = None,
-              env: Optional[Dict[str, str]] = None) -> Proc:
+              env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = ()) -> Proc:
         """Start `python -m moshpeer *args`; returns at once (use wait_ready / wait_for_line / wait_exit).
-        `preexec` runs in the child before it starts (e.g. joining a cgroup); `env` adds to the swarm's environment."""
+        `preexec` runs in the child before it starts (e.g. joining a cgroup); `env` adds to the swarm's environment;
+        `prefix` is what the command runs under (e.g. `Netlab.command(k, [])`: in lab peer k's namespace)."""
         self._counter += 1
         command = next((arg for arg in args if not arg.startswith("-")), "moshpeer")
         proc = Proc(args, name=name or f"{command}{self._counter}", swarm_tag=self.tag, env={**self.env, **(env or {})},
-                    cwd=self.cwd, preexec=preexec)
+                    cwd=self.cwd, preexec=preexec, prefix=prefix)
         self.procs.append(proc)
         return proc
 

@@ -1,7 +1,8 @@
 """`Heartbeat`: the thread that keeps this peer's record alive in its run's membership dictionary.
 
 Every `interval` seconds (at once when woken: a record change to publish now) it re-publishes the record through
-the peer's `RecordPublisher`, and logs when publications start and stop failing. It asks the peer to stop when
+the peer's `RecordPublisher`, and logs when publications start and stop failing. A peer whose DHT lost every
+neighbour (an outage) asks its contacts again first (reconnect.py). It asks the peer to stop when
 the DHT process died, and when another machine runs with this peer's identity and this one is the newer
 (twins.py: every few heartbeats it reads the run's records just before it publishes); `fatal` then holds the
 error the peer exits with.
@@ -12,9 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 from moshpeer.dht import SwarmDHT, list_peers
+from moshpeer.dht.reconnect import Reconnector, neighbour_count, recent_contacts, rejoin
 from moshpeer.dht.twins import TwinWatch
 from moshpeer.errors import UserError
 from moshpeer.peer.record_publisher import RecordPublisher
@@ -23,13 +25,17 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Publishes `publisher`'s record every `interval` seconds until `stop`; `request_stop(reason)` stops the peer."""
+    """Publishes `publisher`'s record every `interval` seconds until `stop`; `request_stop(reason)` stops the peer;
+    `initial_peers` are contacts to ask again after an outage."""
 
     def __init__(self, dht: SwarmDHT, run_id: str, publisher: RecordPublisher, interval: float,
-                 request_stop: Callable[[str], None]):
+                 request_stop: Callable[[str], None], initial_peers: Sequence[str] = ()):
         self.dht, self.run_id, self.publisher, self.interval = dht, run_id, publisher, interval
         self._request_stop = request_stop
         self._twins = TwinWatch()
+        self._reconnector = Reconnector()
+        self._initial_peers = list(initial_peers)
+        self._recent_contacts: List[str] = []  # peers of the last listing, in case the initial ones are gone
         self.fatal: Optional[UserError] = None  # why the peer must not go on (another machine has its identity)
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -61,7 +67,8 @@ class Heartbeat:
                 logger.error("the DHT process died; stopping this peer")
                 self._request_stop("the DHT process died")
                 return
-            if self._twins.due() and self._stopped_for_twin():
+            self._reconnect_if_cut_off()
+            if self._twins.due() and self._stop_after_reading_records():
                 return
             try:
                 ok = self.publisher.publish(timeout=self.interval)
@@ -76,15 +83,23 @@ class Heartbeat:
                 logger.info("heartbeat publishes again")
             failing = not ok
 
-    def _stopped_for_twin(self) -> bool:
-        """Read the run's records before this beat publishes (see twins.py); True if this peer must stop."""
+    def _reconnect_if_cut_off(self) -> None:
+        contacts = self._initial_peers + self._recent_contacts
+        if self._reconnector.observe(neighbour_count(self.dht), len(contacts)):
+            self._reconnector.observe(rejoin(self.dht, contacts), len(contacts))
+
+    def _stop_after_reading_records(self) -> bool:
+        """Read the run's records before this beat publishes: look for a twin (twins.py), and keep the other peers
+        as contacts for an outage (reconnect.py). True if this peer must stop."""
         started = time.monotonic()
         try:
             records = list_peers(self.dht, self.run_id, timeout=self.interval)
         except Exception as e:  # a DHT timeout under load: the next check tries again
-            logger.debug(f"could not read the run's records to look for a twin: {e}")
+            logger.debug(f"could not read the run's records: {e}")
             return False
-        logger.debug(f"read {len(records)} records in {time.monotonic() - started:.2f} s to look for a twin")
+        logger.debug(f"read {len(records)} records in {time.monotonic() - started:.2f} s")
+        # A listing made while cut off holds nobody else: the last peers seen stay contacts.
+        self._recent_contacts = recent_contacts(records, self.publisher.record.peer_id) or self._recent_contacts
         self.fatal = self._twins.check(records, self.publisher.record)
         if self.fatal is not None:
             self._request_stop("another machine runs with this peer's identity")

@@ -1,0 +1,58 @@
+"""A peer whose network goes away for a while and comes back (wifi lost, a cable pulled): it finds the swarm again
+by itself and the swarm lists it again (moshpeer/dht/reconnect.py). Real `moshpeer dht` processes, each in a netlab
+namespace; the outage takes one peer's link down. Before the fix that peer stayed a swarm of one for good."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from moshpeer.testing import netlab
+from moshpeer.testing.netlab import Netlab, outage
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netlab.unavailable()))]
+
+RUN = "outage"
+
+
+def listed_peers(swarm, lab: Netlab, k: int, initial_peers) -> set:
+    """The run's live peers as `moshpeer status` in lab peer k's namespace sees them."""
+    status = swarm.spawn("status", "--initial-peers", *initial_peers, "--run-id", RUN, "--json",
+                         prefix=lab.command(k, []))
+    assert status.wait_exit(60) == 0, status.describe()
+    return {entry["peer_id"] for entry in json.loads(status.stdout)["peers"]}
+
+
+def wait_until(swarm, lab: Netlab, k: int, initial_peers, peer_id: str, listed: bool, timeout: float) -> None:
+    """Until `peer_id` is (`listed`) or is not among the live peers that lab peer k sees."""
+    deadline = time.monotonic() + timeout
+    while (peer_id in listed_peers(swarm, lab, k, initial_peers)) != listed:
+        assert time.monotonic() < deadline, f"{peer_id} {'not ' if listed else ''}listed after {timeout:g} s"
+
+
+def test_a_peer_cut_off_for_a_while_finds_the_swarm_again(swarm):
+    with Netlab([None, None, None]) as lab:
+        def spawn(k: int, *extra: str):
+            return swarm.spawn("dht", "--run-id", RUN, "--host-maddrs", f"/ip4/{lab.addresses[k]}/tcp/0",
+                               "--heartbeat", "1", *extra, prefix=lab.command(k, []), name=f"peer{k}")
+
+        boot = spawn(0)
+        boot.wait_ready()
+        mate, cut = spawn(1, "--initial-peers", *boot.maddrs), spawn(2, "--initial-peers", *boot.maddrs)
+        for proc in (mate, cut):
+            proc.wait_ready()
+        assert cut.peer_id in listed_peers(swarm, lab, 1, boot.maddrs)
+        # Long enough for the connections to end (a short outage, whose connections survive, heals by itself).
+        with outage(lab, 2, connections_survive=False):
+            # hivemind drops a neighbour at its first unanswered request: the peer's routing table empties.
+            cut.wait_for_line(lambda line: "no DHT neighbours left" in line, timeout=60, stream="stderr")
+            # The others forget it too: its record expires, their requests to it fail.
+            wait_until(swarm, lab, 1, boot.maddrs, cut.peer_id, listed=False, timeout=60)
+        cut.wait_for_line(lambda line: "back in the swarm" in line, timeout=60, stream="stderr")
+        # Its heartbeats reach the swarm again (one a second, each record living 3 s): the others list it.
+        wait_until(swarm, lab, 1, boot.maddrs, cut.peer_id, listed=True, timeout=30)
+        for proc in (cut, mate, boot):
+            assert proc.terminate() == 0, proc.describe()
