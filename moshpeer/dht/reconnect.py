@@ -147,3 +147,33 @@ class Reconnector:
             self._wait = min(2 * self._wait, self.max_retry_s)
         self._next_try = now + self._wait
         return True
+
+
+class SwarmReconnection:
+    """One DHT node's way back after an outage: its contacts (the DHT's initial peers, and the peers of its latest
+    listings: `note_listing`) and a `Reconnector`. `check` (from a thread that may block for `REJOIN_TIMEOUT_S`)
+    asks the DHT process for its neighbour count, at most once per `min_interval_s`, and rejoins when it is time."""
+
+    def __init__(self, dht: DHT, min_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        self.dht, self.min_interval_s, self._clock = dht, min_interval_s, clock
+        self._reconnector = Reconnector(clock=clock)
+        self._recent: List[str] = []
+        self._last_check = float("-inf")
+
+    @property
+    def cut_off(self) -> bool:
+        """Whether the node had no neighbour at the last check."""
+        return self._reconnector.cut_off
+
+    def note_listing(self, records: Sequence[PeerRecord], own_peer_id: str) -> None:
+        # A listing made while cut off holds nobody else: the last peers seen stay contacts.
+        self._recent = recent_contacts(records, own_peer_id) or self._recent
+
+    def check(self) -> None:
+        now = self._clock()
+        if now - self._last_check < self.min_interval_s:
+            return
+        self._last_check = now
+        contacts = [str(maddr) for maddr in getattr(self.dht, "initial_peers", None) or ()] + self._recent
+        if self._reconnector.observe(neighbour_count(self.dht), len(contacts)):
+            self._reconnector.observe(rejoin(self.dht, contacts), len(contacts))

@@ -3,10 +3,12 @@ logs, and which peers of a listing become contacts."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 
 from moshpeer.dht.identity import Identity
-from moshpeer.dht.reconnect import Reconnector, recent_contacts
+from moshpeer.dht.reconnect import Reconnector, SwarmReconnection, recent_contacts
 from moshpeer.dht.records import PeerRecord
 
 
@@ -75,3 +77,39 @@ def test_contacts_are_other_live_peers_most_recently_seen_first_with_their_peer_
         f"/ip4/10.0.0.2/tcp/2/p2p/{old.peer_id}", f"/ip4/10.0.0.2/tcp/3/p2p/{old.peer_id}",  # two per peer
     ]
     assert recent_contacts(records, me.peer_id, limit=1) == [f"/ip4/10.0.0.3/tcp/5/p2p/{fresh.peer_id}"]
+
+
+class FakeDHT:
+    """Answers `run_coroutine` as the DHT process would: the neighbour count, or a rejoin's (recording its contacts)."""
+
+    def __init__(self, initial_peers, neighbours: int, after_rejoin: int):
+        self.initial_peers, self.neighbours, self.after_rejoin = initial_peers, neighbours, after_rejoin
+        self.rejoined_with = []
+
+    def run_coroutine(self, coroutine, return_future: bool = False):
+        future = concurrent.futures.Future()
+        if isinstance(coroutine, functools.partial):  # rejoin
+            self.rejoined_with.append(coroutine.keywords["contacts"])
+            self.neighbours = self.after_rejoin
+        future.set_result(self.neighbours)
+        return future
+
+
+def test_a_node_cut_off_asks_its_initial_peers_and_the_peers_it_listed_last():
+    me, other = Identity.generate(), Identity.generate()
+    initial = f"/ip4/10.0.0.9/tcp/9/p2p/{Identity.generate().peer_id}"
+    clock = FakeClock()
+    dht = FakeDHT([initial], neighbours=3, after_rejoin=2)
+    reconnection = SwarmReconnection(dht, min_interval_s=5, clock=clock)
+    reconnection.note_listing([record(me, 1.0, []), record(other, 2.0, ["/ip4/10.0.0.2/tcp/2"])], me.peer_id)
+    reconnection.check()
+    assert dht.rejoined_with == []
+    dht.neighbours = 0  # the outage
+    reconnection.note_listing([record(me, 3.0, [])], me.peer_id)  # listed while cut off: only itself
+    clock.now += 1
+    reconnection.check()
+    assert dht.rejoined_with == [], "checked at most once per min_interval_s"
+    clock.now += 5
+    reconnection.check()
+    assert dht.rejoined_with == [[initial, f"/ip4/10.0.0.2/tcp/2/p2p/{other.peer_id}"]]
+    assert not reconnection.cut_off, "back: the rejoin found 2 neighbours"

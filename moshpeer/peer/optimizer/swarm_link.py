@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from moshpeer.dht import Admission, SwarmDHT, start_dht
 from moshpeer.dht.admission import install as install_admission
+from moshpeer.dht.reconnect import SwarmReconnection
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.progress import SwarmProgress
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 # Without a daemon's heartbeat, our record lives this long per publication (SwarmProgress's refresh thread
 # re-publishes it every third of that).
 OWN_RECORD_EXPIRATION_S = 15.0
+# ... and that thread looks this often whether the DHT lost every neighbour, as a daemon's heartbeat does.
+RECONNECT_CHECK_S = 5.0
 
 
 @dataclass
@@ -113,7 +116,13 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     record = fresh_record(dht, role).updated(training=role == "trainer")
     publisher = RecordPublisher(dht, run_id, record, expiration=OWN_RECORD_EXPIRATION_S)
     publisher.publish_quietly()
+    reconnection = SwarmReconnection(dht, min_interval_s=RECONNECT_CHECK_S)
+
+    def after_refresh() -> None:  # in the progress thread, after each read of the records
+        publisher.refresh_if_stale()
+        reconnection.note_listing(progress.snapshot().peers, publisher.record.peer_id)
+        reconnection.check()
+
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
-                             publish=publisher.update_and_publish, cadence=cadence,
-                             on_refresh=publisher.refresh_if_stale)
+                             publish=publisher.update_and_publish, cadence=cadence, on_refresh=after_refresh)
     return SwarmLink(dht, progress, publisher.update_and_publish, own_dht, publisher)

@@ -218,8 +218,7 @@ class PeerDaemon:
         # Publish once before returning, so that whoever waits for "ready" finds the record.
         if not self._publisher.publish(timeout=self.heartbeat):
             logger.warning("could not publish this peer's record yet; the heartbeat will keep trying")
-        self._heartbeat = Heartbeat(self._dht, self.run_id, self._publisher, self.heartbeat, self.request_stop,
-                                    initial_peers=self._dht_options["initial_peers"])
+        self._heartbeat = Heartbeat(self._dht, self.run_id, self._publisher, self.heartbeat, self.request_stop)
         self._heartbeat.start()
         logger.info(f"peer {self.peer_id} is in run {self.run_id!r} as {self.role}")
 

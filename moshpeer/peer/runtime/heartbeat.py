@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional
 
 from moshpeer.dht import SwarmDHT, list_peers
-from moshpeer.dht.reconnect import Reconnector, neighbour_count, recent_contacts, rejoin
+from moshpeer.dht.reconnect import SwarmReconnection
 from moshpeer.dht.twins import TwinWatch
 from moshpeer.errors import UserError
 from moshpeer.peer.record_publisher import RecordPublisher
@@ -25,17 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Publishes `publisher`'s record every `interval` seconds until `stop`; `request_stop(reason)` stops the peer;
-    `initial_peers` are contacts to ask again after an outage."""
+    """Publishes `publisher`'s record every `interval` seconds until `stop`; `request_stop(reason)` stops the peer."""
 
     def __init__(self, dht: SwarmDHT, run_id: str, publisher: RecordPublisher, interval: float,
-                 request_stop: Callable[[str], None], initial_peers: Sequence[str] = ()):
+                 request_stop: Callable[[str], None]):
         self.dht, self.run_id, self.publisher, self.interval = dht, run_id, publisher, interval
         self._request_stop = request_stop
         self._twins = TwinWatch()
-        self._reconnector = Reconnector()
-        self._initial_peers = list(initial_peers)
-        self._recent_contacts: List[str] = []  # peers of the last listing, in case the initial ones are gone
+        self._reconnection = SwarmReconnection(dht)
         self.fatal: Optional[UserError] = None  # why the peer must not go on (another machine has its identity)
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -67,7 +64,7 @@ class Heartbeat:
                 logger.error("the DHT process died; stopping this peer")
                 self._request_stop("the DHT process died")
                 return
-            self._reconnect_if_cut_off()
+            self._reconnection.check()
             if self._twins.due() and self._stop_after_reading_records():
                 return
             try:
@@ -83,11 +80,6 @@ class Heartbeat:
                 logger.info("heartbeat publishes again")
             failing = not ok
 
-    def _reconnect_if_cut_off(self) -> None:
-        contacts = self._initial_peers + self._recent_contacts
-        if self._reconnector.observe(neighbour_count(self.dht), len(contacts)):
-            self._reconnector.observe(rejoin(self.dht, contacts), len(contacts))
-
     def _stop_after_reading_records(self) -> bool:
         """Read the run's records before this beat publishes: look for a twin (twins.py), and keep the other peers
         as contacts for an outage (reconnect.py). True if this peer must stop."""
@@ -98,8 +90,7 @@ class Heartbeat:
             logger.debug(f"could not read the run's records: {e}")
             return False
         logger.debug(f"read {len(records)} records in {time.monotonic() - started:.2f} s")
-        # A listing made while cut off holds nobody else: the last peers seen stay contacts.
-        self._recent_contacts = recent_contacts(records, self.publisher.record.peer_id) or self._recent_contacts
+        self._reconnection.note_listing(records, self.publisher.record.peer_id)
         self.fatal = self._twins.check(records, self.publisher.record)
         if self.fatal is not None:
             self._request_stop("another machine runs with this peer's identity")
