@@ -78,8 +78,13 @@ ANSWERED_STREAM_HOLD_S = 10.0
 # how many such leaders it remembers (the oldest forgotten first: identities are cheap).
 AVOID_LEADER_S = 600.0
 MAX_AVOIDED_LEADERS = 1024
-# Askers of another schema named in the log, remembered so that each is named once (bounded the same way).
+# Askers refused for another schema, and how many times in a row (bounded the same way).
 MAX_NAMED_ASKERS = 1024
+# A peer a phase apart is refused for a round or two and then groups again: gradients mode sends the parameters too
+# every --params-every epochs, and a peer back from an outage at another epoch does that in other rounds (measured:
+# the warning below, false, within 2 s of such a peer's return). A peer of another model or codec is refused in
+# every round. So an asker is named once refused this many times in a row, never accepted in between.
+SCHEMA_REFUSALS_TO_NAME = 5
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
@@ -153,7 +158,7 @@ class MatchmakingAdapter:
                                min_matchmaking_time=matchmaking_time, request_timeout=request_timeout,
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
         self._avoided: Dict[str, float] = {}  # leader peer id -> time.monotonic() until which it is skipped
-        self._other_schemas: Dict[str, None] = {}  # askers we refused for another schema, named once each (bounded)
+        self._schema_refusals: Dict[str, int] = {}  # asker -> refusals for another schema in a row (bounded)
         self._hide_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
@@ -345,8 +350,8 @@ class MatchmakingAdapter:
         responses = self._mm.rpc_join_group(request, context)
         try:
             async for response in responses:
-                if response.code == averaging_pb2.BAD_SCHEMA_HASH:
-                    self._note_other_schema(str(context.remote_id))
+                if response.code in (averaging_pb2.BAD_SCHEMA_HASH, averaging_pb2.ACCEPTED):
+                    self._note_schema(str(context.remote_id), refused=response.code == averaging_pb2.BAD_SCHEMA_HASH)
                 waited = time.monotonic() - arrived
                 if response.code == averaging_pb2.ACCEPTED and waited > LATE_ACCEPTANCE_FRACTION * wait:
                     logger.debug(f"withdrawing a late acceptance ({waited:.2f} s after the request)")
@@ -356,11 +361,16 @@ class MatchmakingAdapter:
         finally:
             await responses.aclose()
 
-    def _note_other_schema(self, asker: str) -> None:
-        """hivemind refused `asker` for averaging another schema (schema_hash): the two never group, every round,
-        and without a word the user would only see "no group found". Named once per peer (bounded memory)."""
-        if asker in self._other_schemas:
+    def _note_schema(self, asker: str, refused: bool) -> None:
+        """hivemind refused (or accepted) `asker`: one of another schema (schema_hash) would never group with this
+        peer, round after round, and the user would only see "no group found". Named once it was refused
+        SCHEMA_REFUSALS_TO_NAME times in a row."""
+        if not refused:
+            self._schema_refusals.pop(asker, None)
             return
-        remember(self._other_schemas, asker, limit=MAX_NAMED_ASKERS)
-        logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
-                       "--compression, --chunk-bytes or moshpeer version): the two never average together")
+        refusals = self._schema_refusals.get(asker, 0) + 1
+        remember(self._schema_refusals, asker, refusals, limit=MAX_NAMED_ASKERS)
+        if refusals == SCHEMA_REFUSALS_TO_NAME:
+            logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
+                           "--compression, --chunk-bytes or moshpeer version): the two never average together "
+                           f"({refusals} of its requests refused in a row)")

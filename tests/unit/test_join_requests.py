@@ -29,6 +29,7 @@ def adapter_and_request(asker_wait: float = 0.0, request_timeout: float = 2.0):
 
     adapter = MatchmakingAdapter.__new__(MatchmakingAdapter)
     adapter._admission = types.SimpleNamespace(private=False)
+    adapter._schema_refusals = {}
     adapter._mm = types.SimpleNamespace(request_timeout=request_timeout, target_group_size=4,
                                         rpc_join_group=hivemind_accepts)
     request = averaging_pb2.JoinRequest(gather=pack_member_info("127.0.0.1", 4000, 1.0, os.urandom(NONCE_BYTES),
@@ -98,23 +99,34 @@ def test_a_leader_holds_the_stream_open_after_its_last_answer_until_the_asker_cl
     assert asyncio.run(answers_then_whether_it_ended(0.0)) == (answers, True)  # or the hold runs out
 
 
-def test_a_leader_names_once_each_asker_that_averages_another_schema(caplog):
+def test_a_leader_names_an_asker_refused_for_another_schema_round_after_round(caplog):
     """hivemind refuses an asker whose tensors, codec or chunk size differ (BAD_SCHEMA_HASH): the two never group,
-    and the leader says so once per asker, not once per request."""
-    async def hivemind_refuses(request, context):
-        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_SCHEMA_HASH)
+    and the leader says so once that asker was refused SCHEMA_REFUSALS_TO_NAME times in a row. A peer only a phase
+    apart (its parameters in another round: gradients mode's --params-every, a return from an outage) is refused a
+    round or two and then accepted: it is not named."""
+    answer = {"code": averaging_pb2.BAD_SCHEMA_HASH}
+
+    async def hivemind_answers(request, context):
+        yield averaging_pb2.MessageFromLeader(code=answer["code"])
 
     adapter, request, context = adapter_and_request()
-    adapter._mm.rpc_join_group = hivemind_refuses
-    adapter._other_schemas = {}
+    adapter._mm.rpc_join_group = hivemind_answers
     other = types.SimpleNamespace(remote_id=PeerID(os.urandom(32)))
 
     async def ask(asker) -> list:
         return [message.code async for message in adapter._answers(request, asker, time.monotonic())]
 
+    refusals = matchmaking_adapter.SCHEMA_REFUSALS_TO_NAME
     with caplog.at_level("WARNING", logger="moshpeer.averaging.matchmaking_adapter"):
-        for asker in (context, context, other, context):
-            assert asyncio.run(ask(asker)) == [averaging_pb2.BAD_SCHEMA_HASH]
+        for _ in range(refusals - 1):
+            assert asyncio.run(ask(other)) == [averaging_pb2.BAD_SCHEMA_HASH]
+        answer["code"] = averaging_pb2.ACCEPTED
+        asyncio.run(ask(other))  # a phase apart: grouped at last
+        answer["code"] = averaging_pb2.BAD_SCHEMA_HASH
+        for _ in range(2 * refusals):
+            asyncio.run(ask(context))
+        for _ in range(refusals - 1):
+            asyncio.run(ask(other))
     warnings = [r.getMessage() for r in caplog.records]
-    assert [str(asker.remote_id) in w for w, asker in zip(warnings, (context, other))] == [True, True], warnings
-    assert len(warnings) == 2 and "never average together" in warnings[0], warnings
+    assert len(warnings) == 1 and str(context.remote_id) in warnings[0], warnings
+    assert "never average together" in warnings[0] and f"{refusals} of its requests refused in a row" in warnings[0]

@@ -74,6 +74,8 @@ class Heartbeat:
                 ok, error = False, e
             else:
                 error = None
+            if ok and self._reconnection.cut_off:  # only this node took it (a DHT of one stores locally)
+                ok, error = False, "this peer has no DHT neighbours"
             if not ok and not failing:
                 logger.warning(f"heartbeat could not publish this peer's record ({error or 'no node accepted it'})")
             elif ok and failing:
