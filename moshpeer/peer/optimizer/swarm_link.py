@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Without a daemon's heartbeat, our record lives this long per publication (SwarmProgress's refresh thread
 # re-publishes it every third of that).
 OWN_RECORD_EXPIRATION_S = 15.0
-# ... and that thread looks this often whether the DHT lost every neighbour, as a daemon's heartbeat does.
+# ... and that thread looks at most this often whether the DHT lost every neighbour, as a daemon's heartbeat does.
 RECONNECT_CHECK_S = 5.0
 
 

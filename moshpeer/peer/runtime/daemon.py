@@ -10,9 +10,10 @@ shutdown a fixed sequence of steps, each bounded in time:
 
 The training layer updates the record's mutable fields (step, epoch, samples, grid, ...) with
 `update_record`; the heartbeat thread (heartbeat.py) re-publishes the record every `heartbeat` seconds with an
-expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself. It also stops
-the peer, with an error `run` raises after the shutdown, when another machine runs with this peer's identity
-and started first (moshpeer/dht/twins.py).
+expiration of `expiration` seconds, so a peer that dies without withdrawing disappears by itself. It also brings
+a peer whose network went away back into the swarm (moshpeer/dht/reconnect.py), and stops the peer, with an
+error `run` raises after the shutdown, when another machine runs with this peer's identity and started first
+(moshpeer/dht/twins.py).
 
 Signals (and the preemption notice file) have one owner: the daemon's `PreemptionWatcher`.
 Without a grace period, a signal that arrives after a stop was already requested skips whatever is
