@@ -99,7 +99,8 @@ def rejoin(dht: DHT, contacts: Sequence[str], timeout: float = REJOIN_TIMEOUT_S)
 
 def recent_contacts(records: Sequence[PeerRecord], own_peer_id: str, limit: int = MAX_RECENT_CONTACTS) -> List[str]:
     """Multiaddrs (with /p2p/, two at most per peer) of up to `limit` other live peers of a listing, the most
-    recently seen first."""
+    recently seen first. A record's addresses are its owner's word: a contact is only dialed, a few times while cut
+    off, and libp2p's handshake refuses an address where the named peer id does not answer."""
     others = [r for r in records if r.peer_id != own_peer_id and not r.leaving]
     others.sort(key=lambda r: r.updated_at, reverse=True)
     return [address if "/p2p/" in address else f"{address}/p2p/{record.peer_id}"
