@@ -37,6 +37,7 @@ from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
 from moshpeer.dht.validation import run_validator
+from moshpeer.logs import quiet_abandoned_dht_requests
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class SwarmDHT(hivemind.DHT):
         # simply die on SIGTERM / SIGHUP. (hivemind makes it ignore SIGINT: Ctrl-C is the main's job.)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        quiet_abandoned_dht_requests()  # the requests its loop abandons when it stops are no error
         parent = os.getppid()
         threading.Thread(
             target=_exit_when_orphaned, args=(parent,), name="moshpeer-orphan-watchdog", daemon=True
@@ -354,8 +356,8 @@ def _raise_user_error_unless_unreachable(error: BaseException, *, has_initial_pe
         # The initial peer dialed this peer id back and reached another node. Measured: also what two machines
         # starting together with copies of one identity file see (twins.py).
         twin = ", or another machine runs with a copy of this --identity file" if persistent else ""
-        raise UserError(f"the initial peers cannot connect back to this machine (a NAT or a firewall in the way{twin}): "
-                        "join with --client-mode, or --behind-nat to be reachable through a relay") from None
+        raise UserError(f"the initial peers cannot connect back to this machine (a NAT or a firewall in the way"
+                        f"{twin}): join with --client-mode, or --behind-nat to be reachable through a relay") from None
     raise error
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 import logging
+import warnings
 from typing import Iterator
 
 import pytest
 from hivemind.utils.asyncio import await_cancelled
 
-from moshpeer.logs import PeerFailureFilter, quiet_expected_peer_failures
+from moshpeer.logs import (AbandonedRpcFilter, PeerFailureFilter, quiet_abandoned_dht_requests,
+                           quiet_expected_peer_failures)
 
 
 @contextlib.contextmanager
@@ -159,3 +162,44 @@ def test_a_cancelled_connection_handler_is_one_debug_line(tmp_path):
     output = stream.getvalue()
     assert "Traceback" not in output, output
     assert all("a cancelled task ended" in line for line in output.splitlines() if "callback" in line), output
+
+
+class DHTProtocol:  # named like hivemind's: what a DHT process's abandoned request handlers are
+    async def rpc_ping(self) -> None:
+        await asyncio.sleep(1)
+
+
+async def our_own_work() -> None:
+    await asyncio.sleep(1)
+
+
+def destroy_pending_task(coroutine) -> None:
+    """What a DHT process whose loop closes under a request does: the task is freed while still pending."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(coroutine)
+    loop.close()
+    del task
+    gc.collect()
+
+
+def test_a_dht_request_abandoned_by_a_closing_loop_is_no_error_but_our_own_pending_task_is(caplog):
+    """A DHT process whose start failed (CI, session 36: a refused clock) closed its loop under a peer's ping, and
+    asyncio's "Task was destroyed but it is pending!" and "never awaited" reached stderr beside our one line."""
+    asyncio_logger = logging.getLogger("asyncio")
+    filters = list(asyncio_logger.filters)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_abandoned_dht_requests()
+            quiet_abandoned_dht_requests()  # once is enough
+            assert sum(isinstance(f, AbandonedRpcFilter) for f in asyncio_logger.filters) == 1
+            with caplog.at_level(logging.ERROR, logger="asyncio"):
+                destroy_pending_task(DHTProtocol().rpc_ping())
+                assert not caplog.records
+                destroy_pending_task(our_own_work())
+            assert [r.getMessage().splitlines()[0] for r in caplog.records] == ["Task was destroyed but it is pending!"]
+            assert "our_own_work" in caplog.records[0].getMessage()
+        unawaited = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert unawaited == ["coroutine 'our_own_work' was never awaited"], unawaited
+    finally:
+        asyncio_logger.filters[:] = filters
