@@ -48,6 +48,8 @@ _FILTERED_LOGGERS = ("hivemind", "asyncio")
 _DAEMON_CONTROL = os.path.join("p2p_daemon_bindings", "control.py")
 # hivemind names a failed task in its message: "Exception in <Task ... coro=<Matchmaking._request_join...() ...>"
 _CORO_NAME = re.compile(r"coro=<([^\s(]+)\(")
+# hivemind's DHT request handlers, the tasks a stopping DHT process abandons (AbandonedRpcFilter).
+_DHT_RPC_PREFIX = "DHTProtocol.rpc_"
 
 
 def is_expected_peer_failure(error: BaseException) -> bool:
@@ -152,9 +154,6 @@ class AbandonedRpcFilter(logging.Filter):
         where = _CORO_NAME.search(message)
         return not (where and where.group(1).startswith(_DHT_RPC_PREFIX))
 
-
-# hivemind's DHT request handlers, the tasks a stopping DHT process abandons (AbandonedRpcFilter).
-_DHT_RPC_PREFIX = "DHTProtocol.rpc_"
 
 
 def quiet_abandoned_dht_requests() -> None:

@@ -79,7 +79,7 @@ ANSWERED_STREAM_HOLD_S = 10.0
 AVOID_LEADER_S = 600.0
 MAX_AVOIDED_LEADERS = 1024
 # Askers refused for another schema, and how many times in a row (bounded the same way).
-MAX_NAMED_ASKERS = 1024
+MAX_REFUSED_ASKERS = 1024
 # A peer a phase apart is refused for a round or two and then groups again: gradients mode sends the parameters too
 # every --params-every epochs, and a peer back from an outage at another epoch does that in other rounds (measured:
 # the warning below, false, within 2 s of such a peer's return). A peer of another model or codec is refused in
@@ -369,7 +369,7 @@ class MatchmakingAdapter:
             self._schema_refusals.pop(asker, None)
             return
         refusals = self._schema_refusals.get(asker, 0) + 1
-        remember(self._schema_refusals, asker, refusals, limit=MAX_NAMED_ASKERS)
+        remember(self._schema_refusals, asker, refusals, limit=MAX_REFUSED_ASKERS)
         if refusals == SCHEMA_REFUSALS_TO_NAME:
             logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
                            "--compression, --chunk-bytes or moshpeer version): the two never average together "

@@ -146,9 +146,8 @@ class Reconnector:
                            f"it sees no swarm; asking {contacts} contacts again, every {self.retry_s:g} s at first")
         if now < self._next_try:
             return False
-        if self._next_try > float("-inf"):  # not the first attempt: the next one waits longer
-            self._wait = min(2 * self._wait, self.max_retry_s)
         self._next_try = now + self._wait
+        self._wait = min(2 * self._wait, self.max_retry_s)
         return True
 
 

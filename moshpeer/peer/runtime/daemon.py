@@ -304,8 +304,8 @@ class PeerDaemon:
                     logger.info(f"stopping: {self.stop_reason}")
             finally:
                 self.shutdown()
-        if self._heartbeat is not None and self._heartbeat.fatal is not None:
-            raise self._heartbeat.fatal
+        if self._twin_error is not None:
+            raise self._twin_error
         return 0
 
     def shutdown(self) -> None:
@@ -345,6 +345,11 @@ class PeerDaemon:
 
     # ---- internals -----------------------------------------------------------------------------
 
+    @property
+    def _twin_error(self) -> Optional[UserError]:
+        """Why this peer stopped, if another machine runs with its identity (the heartbeat found out)."""
+        return None if self._heartbeat is None else self._heartbeat.fatal
+
     def _idle_until_stopped(self) -> None:
         # Python runs signal handlers in the main thread, between bytecodes. A signal the kernel
         # delivers to another thread (heartbeat, hivemind's) does not interrupt a main thread blocked
@@ -359,7 +364,7 @@ class PeerDaemon:
     def _withdraw(self, deadline: float) -> None:
         if self._dht is None or self._publisher is None or not self._dht.is_alive():
             return
-        if self._heartbeat is not None and self._heartbeat.fatal is not None:
+        if self._twin_error is not None:
             return  # the entry under this key is also the twin's, which goes on
         timeout = max(0.1, min(1.5, deadline - time.monotonic()))
         # The publisher's expiration is the heartbeats': the leaving version must outlive every live one.
