@@ -35,7 +35,8 @@ _Seconds = Annotated[float, Field(ge=0.0)]
 # Fields the owning peer may change while it runs; the rest are fixed when it starts.
 MUTABLE_FIELDS = frozenset(
     {"addresses", "grid", "group_bits", "epoch", "step", "samples_accumulated", "samples_per_second", "flagged",
-     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at", "witnessed"}
+     "round_health", "target_batch_size", "upload_bps", "training", "samples_counted_at", "witnessed",
+     "apart_since"}
 )
 
 
@@ -104,6 +105,9 @@ class PeerRecord(BaseModel):
     witnessed: List[Annotated[bytes, Field(min_length=WITNESS_TAG_BYTES, max_length=WITNESS_TAG_BYTES)]] = Field(
         default_factory=list, max_length=MAX_WITNESSED)
     target_batch_size: _Count = 0
+    # A trainer back from an outage, until it took the swarm's state: the epoch it lost the swarm at. Its epochs
+    # since were trained alone, so readers do not let them move the swarm epoch (trained_apart.py, progress.py).
+    apart_since: Optional[_Count] = None
     # In a private run: proof that this peer is a member, a swarm-key tag or the run owner's credential
     # (admission.py; b"" in open runs). In a run with an owner, the newest revocation list this peer knows: every
     # member passes it on (credentials.py).

@@ -35,9 +35,11 @@ class FakeClock:
         self.now += seconds
 
 
-def swarm_view(trainers: int = 2, aux: int = 0, epoch: int = 0, samples: int = 0, target: int = 64) -> ProgressSnapshot:
+def swarm_view(trainers: int = 2, aux: int = 0, epoch: int = 0, samples: int = 0, target: int = 64,
+               others_epoch: Optional[int] = None) -> ProgressSnapshot:
     return ProgressSnapshot(global_epoch=epoch, samples_accumulated=samples, target_batch_size=target,
-                            num_trainers=trainers, num_aux=aux, samples_per_second=0.0, fetched_at=0.0)
+                            num_trainers=trainers, num_aux=aux, samples_per_second=0.0, fetched_at=0.0,
+                            others_epoch=others_epoch)
 
 
 class _Deadline:
@@ -137,6 +139,14 @@ class FakeSwarm:
         self.moved_on = False
         self.flagged: List[Dict[str, int]] = []
         self.peer_id = "self"
+        self.is_cut_off = False  # the DHT has no neighbour (an outage)
+        self.published: List[Dict[str, Any]] = []  # record fields published through `publish`
+
+    def cut_off(self) -> bool:
+        return self.is_cut_off
+
+    def publish(self, **fields: Any) -> None:
+        self.published.append(fields)
 
     def publish_flagged(self, flagged: Dict[str, int]) -> None:
         self.flagged.append(dict(flagged))
@@ -196,8 +206,8 @@ class FakeHost:
     def should_stop(self) -> bool:
         return self.stop
 
-    def catch_up(self, min_epoch: int) -> Optional[Any]:
-        self.downloads.append(min_epoch)
+    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None) -> Optional[Any]:
+        self.downloads.append(min_epoch if max_epoch is None else (min_epoch, max_epoch))
         if self.donor_state is None:
             return None
         self.counters.epoch = max(min_epoch, self.counters.epoch)

@@ -45,8 +45,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     :param error_feedback: error feedback around a sparsifying codec (EF21M; DiLoCo: residual feedback);
         loss_budget, phase_threshold, phase_window: the rounds' DBLP loss budget; swarm_key, allow_peers: a private
         run (docs/security.md)
-    :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating and downloading
-        state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
+    :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating (never behind a
+        NAT: nobody could connect) and downloading state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
         shortest interval (seconds) between reads of the swarm's progress, used near an epoch's end (further
         from it, and in large swarms, reads come less often: `progress_cadence.py`)
     :param assigned_data: this peer's micro-batches of `batch_size_per_step` samples are its data assignment

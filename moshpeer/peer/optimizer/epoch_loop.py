@@ -49,6 +49,7 @@ from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_eta_s, stragglers_eta_s
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.optimizer.speed_meter import SpeedMeter
+from moshpeer.peer.optimizer.trained_apart import TrainedApart
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan
 from moshpeer.peer.optimizer.swarm_link import SwarmLink
 
@@ -115,8 +116,9 @@ class EpochHost(Protocol):
     def inner_step(self) -> None:
         """One step of the wrapped optimizer, counted in `counters.steps`."""
 
-    def catch_up(self, min_epoch: int) -> Optional[Any]:
-        """Adopt a donor's state of `min_epoch` or later; None if none delivered."""
+    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None) -> Optional[Any]:
+        """Adopt a donor's state of `min_epoch` or later (up to `max_epoch`; default: just past the swarm epoch);
+        None if none delivered."""
 
     def fetch_updates(self, epoch: int) -> Iterator[Any]:
         """Updates other peers kept of their round of `epoch` (`AveragingStrategy.kept_update`), one per donor
@@ -148,6 +150,8 @@ class EpochLoop:
         self.rounds: Deque[CollaborativeRound] = collections.deque(maxlen=ROUND_HISTORY)
         self.rounds_total = self.rounds_ok = 0
         self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
+        self.apart = TrainedApart()  # epochs trained cut off from the swarm (an outage)
+        self._apart_published: Optional[int] = None  # what our record's `apart_since` says
         # Overlapping strategies: (round future or None if alone, plan, facts, error) of the round to settle.
         self._in_flight: Optional[tuple] = None
 
@@ -221,6 +225,9 @@ class EpochLoop:
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
                      swarm_samples_capped=snapshot.samples_capped, num_trainers=snapshot.num_trainers)
         epoch = self.counters.epoch
+        back = self._rejoin_after_outage(snapshot, facts)
+        if back is not None:
+            return back
         if snapshot.global_epoch > epoch + self.max_epoch_lag:
             # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
             caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, "caught up", facts)
@@ -395,11 +402,13 @@ class EpochLoop:
         return CollaborativeRound(result=result, error=error, param_spread=spread, loss_phase=phase,
                                   loss_budget=budget, grad_norm=norm, settings=strategy.settings(), **facts)
 
-    def _catch_up_instead(self, min_epoch: int, why: str, facts: dict) -> Optional[CollaborativeRound]:
-        """Drop this epoch's samples and adopt a donor's state of `min_epoch` or later; None if no donor."""
-        stale, epoch = self.counters.samples, self.counters.epoch
+    def _catch_up_instead(self, min_epoch: int, why: str, facts: dict, max_epoch: Optional[int] = None,
+                          earlier_dropped: int = 0) -> Optional[CollaborativeRound]:
+        """Drop this epoch's samples (and `earlier_dropped` more, of earlier epochs) and adopt a donor's state of
+        `min_epoch` or later (up to `max_epoch`); None if no donor."""
+        stale, epoch = self.counters.samples + earlier_dropped, self.counters.epoch
         self.settle()  # a round still in the background must not land on the downloaded state
-        if self.host.catch_up(min_epoch) is None:
+        if self.host.catch_up(min_epoch, max_epoch) is None:
             return None
         stale += sum(self.counters.carried.values())  # the downloaded parameters replace the carried work too
         self.counters.carried.clear()
@@ -409,6 +418,29 @@ class EpochLoop:
                                        "settings": self.host.strategy.settings()})
         self._remember(record)
         return record
+
+    def _rejoin_after_outage(self, snapshot: ProgressSnapshot, facts: dict) -> Optional[CollaborativeRound]:
+        """Back from an outage ahead of the other trainers: adopt their state instead of pulling them to the epochs
+        this peer trained alone (trained_apart.py); None when that is not the case or no donor delivered."""
+        apart, epoch, cut_off = self.apart, self.counters.epoch, self.host.swarm.cut_off()
+        apart.observe(cut_off, epoch, self.counters.total_samples - self.counters.samples)
+        target = apart.rejoin_epoch(epoch, snapshot.others_epoch, self.max_epoch_lag, cut_off)
+        back = None
+        if target is not None:
+            solo = apart.samples_apart(self.counters.total_samples)
+            logger.warning(f"back from an outage {epoch - target} epochs ahead of the other trainers (epoch {epoch}, "
+                           f"theirs {target}): this peer trained alone since epoch {apart.since_epoch}; taking "
+                           f"their state ({solo} samples of its own dropped)")
+            back = self._catch_up_instead(target - self.max_epoch_lag, "back from an outage; took the swarm's state",
+                                          facts, max_epoch=target + self.max_epoch_lag,
+                                          earlier_dropped=max(0, solo - self.counters.samples))
+            if apart.attempted(back is not None) and back is None:
+                logger.warning(f"no donor at the others' epoch after {apart.max_attempts} tries: training on from "
+                               f"epoch {epoch}; the others will follow this peer")
+        if apart.since_epoch != self._apart_published:  # readers leave our epochs out while we are apart
+            self._apart_published = apart.since_epoch
+            self.host.swarm.publish(apart_since=apart.since_epoch)
+        return back
 
     def _next_epoch(self) -> None:
         self.counters.epoch += 1

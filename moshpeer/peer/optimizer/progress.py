@@ -7,7 +7,8 @@ dictionary. From those records each peer derives the same view:
 - the collaborative epoch is a robust statistic of the other live trainers' epochs (those this peer counts,
   below), their upper median, or this peer's own epoch if that is higher (a peer that is behind it must catch
   up by downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
-  however far they claim to be ahead, and a minority of laggards cannot hold it back;
+  however far they claim to be ahead, and a minority of laggards cannot hold it back. A trainer back from an
+  outage (its record's `apart_since`) is left out until it has taken the swarm's state (trained_apart.py);
 - claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
   (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
@@ -84,6 +85,9 @@ class ProgressSnapshot:
     samples_capped: int = 0
     # Live trainers past their startup (`PeerRecord.training`), this peer included if it is; None: all of them.
     started_trainers: Optional[int] = None
+    # Where the other peers are: `global_epoch` before this peer's own epoch raised it; None when no other peer's
+    # epoch counts (a peer back from an outage compares its own with it: trained_apart.py).
+    others_epoch: Optional[int] = None
 
     @property
     def contributing_trainers(self) -> int:
@@ -190,8 +194,9 @@ class EpochCredit:
 
 def _epoch_sources(records: Sequence[PeerRecord], own_peer_id: Optional[str]) -> list:
     """Whose epochs say where the swarm is: the other trainers (this peer asks whether it is behind them),
-    else the other aux peers, else this peer itself."""
-    others = [r for r in records if r.peer_id != own_peer_id]
+    else the other aux peers, else this peer itself. A peer back from an outage that has not taken the swarm's
+    state yet (`apart_since`) is nobody's source: it trained its later epochs alone (trained_apart.py)."""
+    others = [r for r in records if r.peer_id != own_peer_id and r.apart_since is None]
     return ([r for r in others if r.role == "trainer"] or [r for r in others if r.role == "aux"]
             or [r for r in records if r.peer_id == own_peer_id])
 
@@ -222,9 +227,10 @@ def summarize(
     global_epoch = robust_epoch([r.epoch for r in epoch_sources]) if epoch_sources else 0
     if max_epoch is not None:
         global_epoch = min(global_epoch, max_epoch)
+    own_id = own.peer_id if own is not None else None
+    others_epoch = global_epoch if any(r.peer_id != own_id for r in epoch_sources) else None
     if own is not None:  # this peer's own epoch is no claim: the swarm is at least where it is
         global_epoch = max(global_epoch, own.epoch)
-    own_id = own.peer_id if own is not None else None
     counted = [r for r in trainers if r.peer_id not in uncounted or r.peer_id == own_id]
     at_epoch = [r for r in counted if r.epoch == global_epoch]
     samples = sum(r.samples_accumulated for r in at_epoch)
@@ -241,6 +247,7 @@ def summarize(
         counted_trainers=len(counted),
         samples_capped=sum(capped.get(r.peer_id, 0) for r in at_epoch if r.peer_id != own_id),
         started_trainers=sum(r.training for r in trainers),
+        others_epoch=others_epoch,
     )
 
 

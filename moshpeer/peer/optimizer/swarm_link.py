@@ -35,6 +35,8 @@ class SwarmLink:
     dht: SwarmDHT
     progress: SwarmProgress
     publish: Callable[..., Any]  # update fields of our record and publish it
+    # Whether the DHT had no neighbour at its last check (an outage: reconnect.py).
+    cut_off: Callable[[], bool] = lambda: False
     own_dht: Optional[SwarmDHT] = None  # started for this optimizer: stopped at its shutdown
     publisher: Optional[RecordPublisher] = None  # None when a daemon publishes the record
     _published_flagged: Dict[str, int] = field(default_factory=dict)
@@ -105,7 +107,7 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
                                  own_record=lambda: daemon.record, cadence=cadence, publish=publish)
         if role == "trainer":
             publish(training=True)  # the daemon published our record at its start: now we can train
-        return SwarmLink(daemon.dht, progress, publish)
+        return SwarmLink(daemon.dht, progress, publish, cut_off=lambda: daemon.cut_off)
     own_dht = None
     if dht is None:
         if not initial_peers:
@@ -125,4 +127,4 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
 
     progress = SwarmProgress(dht, run_id, target_batch_size=target_batch_size, own_record=lambda: publisher.record,
                              publish=publisher.update_and_publish, cadence=cadence, on_refresh=after_refresh)
-    return SwarmLink(dht, progress, publisher.update_and_publish, own_dht, publisher)
+    return SwarmLink(dht, progress, publisher.update_and_publish, lambda: reconnection.cut_off, own_dht, publisher)

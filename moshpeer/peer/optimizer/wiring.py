@@ -156,12 +156,13 @@ class Parts:
         self.epochs.report_progress(force=True)
         self.timing.begin_epoch()
 
-    def catch_up(self, min_epoch: int = 0) -> Optional[DownloadedState]:
-        """Settle any round in flight, then download the most advanced donor's state (no further than the swarm
-        epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered."""
+    def catch_up(self, min_epoch: int = 0, max_epoch: Optional[int] = None) -> Optional[DownloadedState]:
+        """Settle any round in flight, then download the most advanced donor's state up to `max_epoch` (default:
+        the swarm epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered."""
         self.epochs.settle()
-        swarm_epoch = self.swarm.progress.refresh_now(timeout=2.0).global_epoch
-        downloaded = self.exchange.download(min_epoch, max_epoch=swarm_epoch + 1)
+        if max_epoch is None:
+            max_epoch = self.swarm.progress.refresh_now(timeout=2.0).global_epoch + 1
+        downloaded = self.exchange.download(min_epoch, max_epoch=max_epoch)
         if downloaded is not None:
             self.epochs.report_progress(force=True)
         return downloaded
@@ -201,7 +202,10 @@ def assemble(host: OptimizerHost, prepared: Prepared, s: Settings) -> Parts:
         round_timeout=round_timeout, host=s.host, **prepared.averager_options)
     if averager.aggregation == "clipped":  # samples whose gradients are weighed at zero do not count
         swarm.progress.count_samples_except(lambda: host.averager.suspects.suspects)
-    exchange = StateExchange(host, dht=swarm.dht, run_id=run_id, role=s.role, serve=s.serve_state, address=s.host,
+    # Nobody can dial a peer behind a NAT (its DHT's `behind_nat`): it downloads state but offers none (an offer
+    # others cannot reach made every catch-up from it fail with "Network is unreachable", measured in netlab).
+    serve = s.serve_state and not getattr(swarm.dht, "behind_nat", False)
+    exchange = StateExchange(host, dht=swarm.dht, run_id=run_id, role=s.role, serve=serve, address=s.host,
                              download_timeout=s.state_download_timeout, show_progress=s.show_progress,
                              bytes_per_second=s.state_bytes_per_second)
     epochs = EpochLoop(host, target_batch_size=int(s.target_batch_size), group_size=s.group_size,

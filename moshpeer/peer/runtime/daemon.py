@@ -167,6 +167,11 @@ class PeerDaemon:
         return self._publisher.record
 
     @property
+    def cut_off(self) -> bool:
+        """Whether this peer's DHT had no neighbour at the last heartbeat (an outage: moshpeer/dht/reconnect.py)."""
+        return self._heartbeat is not None and self._heartbeat.cut_off
+
+    @property
     def stop_requested(self) -> bool:
         """True once a signal, the notice file or `request_stop` asked this peer to stop; work loops must
         check it. (True from inside the signal handler on: the watcher's callback only adds the reason.)"""

@@ -38,6 +38,11 @@ class Heartbeat:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moshpeer-heartbeat", daemon=True)
 
+    @property
+    def cut_off(self) -> bool:
+        """Whether the DHT had no neighbour at the last beat (an outage: reconnect.py)."""
+        return self._reconnection.cut_off
+
     def start(self) -> None:
         self._thread.start()
 

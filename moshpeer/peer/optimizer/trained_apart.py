@@ -1,0 +1,72 @@
+"""`TrainedApart`: epochs a trainer trained cut off from its swarm (an outage), and when it gives them up.
+
+A peer whose network goes away trains alone: its DHT lists only itself, every round is "alone", and its epochs
+end at its own pace (reconnect.py brings it back once the network returns). Back in the swarm it is ahead of the
+others by what it trained alone, and the others used to follow it: in a swarm of three, two peers take the upper
+median of their two others, which is the returning peer's epoch, so they downloaded its state and dropped what
+the two of them trained meanwhile (measured, session 36: caught up 3 s after its return; behind a NAT its lead was
+~450 epochs, and the pair spent 40 s in "could not catch up", the swarm view rising at most 10 epochs a second).
+The majority's work is worth more than one peer's, so the returning peer gives way instead:
+
+- while its DHT has no neighbour (`cut_off`), the peer notes the epoch it was at (`since_epoch`) and says so in
+  its record (`PeerRecord.apart_since`), so readers do not let its later epochs move the swarm epoch (progress.py);
+- back, once it sees other trainers (`others_epoch`: their robust epoch, this peer left out) and is ahead of them
+  by more than `max_epoch_lag`, it downloads the state of a peer at their epoch (`rejoin_epoch`), dropping its
+  work since `since_epoch` (counted in `dropped_samples` and logged);
+- it keeps its state instead when the others are behind the epoch it left them at (the swarm restarted, or only
+  newcomers are left: its state is then the more advanced), when it is not ahead by more than the lag (nothing to
+  give up), or after MAX_REJOIN_ATTEMPTS downloads found no donor (the others then follow it, as before).
+
+Only an outage this peer saw (no DHT neighbour at a check) marks its epochs: a peer that is ahead for any other
+reason (the others' rounds failed, a swarm of newcomers that did not download) never drops its state here.
+
+This module decides; the epoch loop feeds it and acts (no I/O here).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+MAX_REJOIN_ATTEMPTS = 3  # downloads tried (one per epoch end) before the peer keeps its own state
+
+
+class TrainedApart:
+    """Whether this trainer's lead over its swarm was trained cut off from it (see the module docstring)."""
+
+    def __init__(self, max_attempts: int = MAX_REJOIN_ATTEMPTS):
+        self.max_attempts = max_attempts
+        self.since_epoch: Optional[int] = None  # the epoch this peer lost the swarm at; None: not apart
+        self._samples_at_cut = 0
+        self._attempts = 0
+
+    def observe(self, cut_off: bool, epoch: int, samples_before: int) -> bool:
+        """Note whether the DHT has no neighbour now, at `epoch`, with `samples_before` computed before it (its own
+        samples are this peer's alone if it ends cut off); True when this starts a stretch apart."""
+        if not cut_off or self.since_epoch is not None:
+            return False
+        self.since_epoch, self._samples_at_cut, self._attempts = epoch, samples_before, 0
+        return True
+
+    def rejoin_epoch(self, epoch: int, others_epoch: Optional[int], max_epoch_lag: int, cut_off: bool) -> Optional[int]:
+        """The swarm epoch whose state this peer should adopt now, at its own `epoch`, or None. `others_epoch` is
+        the robust epoch of the other trainers it sees (None: it sees none yet). Clears the stretch (`since_epoch`)
+        when there is nothing to give up or the others are behind where this peer left them."""
+        if self.since_epoch is None or cut_off or others_epoch is None:
+            return None
+        if epoch - others_epoch <= max_epoch_lag or others_epoch < self.since_epoch - max_epoch_lag:
+            self.since_epoch = None
+            return None
+        return others_epoch
+
+    def samples_apart(self, total_samples: int) -> int:
+        """Samples this peer computed since it lost the swarm."""
+        return max(0, total_samples - self._samples_at_cut) if self.since_epoch is not None else 0
+
+    def attempted(self, adopted: bool) -> bool:
+        """A download of the swarm's state was tried; True when the stretch is over (adopted, or the last attempt
+        failed: the peer keeps its state)."""
+        self._attempts += 1
+        if adopted or self._attempts >= self.max_attempts:
+            self.since_epoch = None
+            return True
+        return False

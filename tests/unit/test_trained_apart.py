@@ -1,0 +1,87 @@
+"""A trainer back from an outage gives up the epochs it trained alone (trained_apart.py): the decisions, the
+epoch loop acting on them, and how the others read its record (progress.py)."""
+
+from __future__ import annotations
+
+from moshpeer.peer.optimizer.progress import EpochCredit
+from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS, TrainedApart
+from moshpeer.peer.strategies.gradients import GradientsStrategy
+from peer_fakes import FakeHost, swarm_view
+from test_progress_trust import record, view
+
+
+def cut_off_at(epoch: int, samples: int = 0) -> TrainedApart:
+    apart = TrainedApart()
+    assert apart.observe(True, epoch, samples)
+    return apart
+
+
+def test_a_peer_never_cut_off_is_never_apart():
+    apart = TrainedApart()
+    assert not apart.observe(False, 50, 0)
+    assert apart.rejoin_epoch(500, others_epoch=50, max_epoch_lag=1, cut_off=False) is None
+
+
+def test_back_from_an_outage_far_ahead_the_peer_takes_the_others_epoch():
+    apart = cut_off_at(100, samples=1000)
+    assert not apart.observe(True, 130, 4000)  # still the same stretch: it started at epoch 100
+    assert apart.rejoin_epoch(600, others_epoch=140, max_epoch_lag=1, cut_off=True) is None  # not back yet
+    assert apart.rejoin_epoch(600, others_epoch=None, max_epoch_lag=1, cut_off=False) is None  # sees nobody yet
+    assert apart.since_epoch == 100
+    assert apart.rejoin_epoch(600, others_epoch=140, max_epoch_lag=1, cut_off=False) == 140
+    assert apart.samples_apart(9000) == 8000
+    assert apart.attempted(adopted=True) and apart.since_epoch is None and apart.samples_apart(9500) == 0
+
+
+def test_nothing_is_given_up_within_the_lag_or_when_the_others_are_behind_where_it_left_them():
+    within = cut_off_at(100)
+    assert within.rejoin_epoch(141, others_epoch=140, max_epoch_lag=1, cut_off=False) is None
+    assert within.since_epoch is None
+    restarted = cut_off_at(100)  # the swarm it left restarted (or only newcomers are left): its state is ahead
+    assert restarted.rejoin_epoch(600, others_epoch=3, max_epoch_lag=1, cut_off=False) is None
+    assert restarted.since_epoch is None
+
+
+def test_without_a_donor_the_peer_keeps_its_state_after_a_few_tries():
+    apart = cut_off_at(100)
+    for _ in range(MAX_REJOIN_ATTEMPTS - 1):
+        assert apart.rejoin_epoch(600, others_epoch=140, max_epoch_lag=1, cut_off=False) == 140
+        assert not apart.attempted(adopted=False)
+    assert apart.rejoin_epoch(600, others_epoch=140, max_epoch_lag=1, cut_off=False) == 140
+    assert apart.attempted(adopted=False) and apart.since_epoch is None
+    assert apart.rejoin_epoch(600, others_epoch=140, max_epoch_lag=1, cut_off=False) is None
+
+
+def test_the_epoch_loop_marks_its_record_and_adopts_the_swarms_state_on_its_return():
+    host = FakeHost(GradientsStrategy(average_parameters=False))
+    host.donor_state = object()
+    host.swarm.is_cut_off = True
+    host.swarm.progress.view = swarm_view(trainers=1)  # cut off: its DHT lists only itself
+    for _ in range(5):
+        host.backward()
+        assert host.epochs.account(64).error == "alone"
+    assert host.swarm.published == [{"apart_since": 0}] and host.counters.epoch == 5
+    host.swarm.is_cut_off = False  # back: the others are at epoch 2
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=5, others_epoch=2)
+    host.backward()
+    back = host.epochs.account(22)  # its share of 64 among 3
+    assert back.error == "back from an outage; took the swarm's state"
+    assert host.downloads == [(1, 3)]  # a donor within the lag of the others' epoch
+    assert back.dropped_samples == 5 * 64 + 22 and host.counters.dropped_samples == 5 * 64 + 22
+    assert host.swarm.published[-1] == {"apart_since": None}  # others count its epochs again
+    assert host.averager.calls == []
+
+
+def test_others_leave_a_peer_back_from_an_outage_out_of_the_swarm_epoch():
+    """Three trainers, one back from an outage far ahead: the other two do not chase it (they used to take the
+    upper median of their two others, its epoch); it compares its epoch with theirs."""
+    own, mate = record(0, 40), record(1, 40)
+    returning = record(2, 490).model_copy(update={"apart_since": 30})
+    mates_view = view(EpochCredit(), [mate, returning], own)
+    assert mates_view.global_epoch == 40 and mates_view.others_epoch == 40
+    returning_view = view(EpochCredit(), [own, mate], returning)
+    assert returning_view.global_epoch == 490 and returning_view.others_epoch == 40
+    alone = view(EpochCredit(), [returning], own)  # of two, the other one is apart: no other epoch counts
+    assert alone.global_epoch == 40 and alone.others_epoch is None
+    rejoined = returning.model_copy(update={"apart_since": None, "epoch": 40})
+    assert view(EpochCredit(), [mate, rejoined], own).others_epoch == 40
