@@ -16,7 +16,8 @@ import torch
 
 from moshpeer.averaging.loss_budget import parse_loss_budget
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochLoop
+from moshpeer.peer.optimizer.counters import EpochCounters
+from moshpeer.peer.optimizer.epoch_loop import EpochLoop
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming
 from moshpeer.peer.strategies.base import AveragingStrategy
@@ -206,7 +207,8 @@ class FakeHost:
     def should_stop(self) -> bool:
         return self.stop
 
-    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None) -> Optional[Any]:
+    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None,
+                 offer_wait_s: Optional[float] = None) -> Optional[Any]:
         self.downloads.append(min_epoch if max_epoch is None else (min_epoch, max_epoch))
         if self.donor_state is None:
             return None

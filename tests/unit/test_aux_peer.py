@@ -7,7 +7,7 @@ from typing import Any, List
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.aux_peer import AuxPeer
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters
+from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.strategies.base import RoundPlan
 from peer_fakes import FakeFuture, swarm_view
 

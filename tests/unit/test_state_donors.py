@@ -1,8 +1,13 @@
 """Which donors a state download asks, and when identical signatures are enough (peer/state/donors.py): plain
-functions of the offers, checked without a DHT."""
+functions of the offers, checked without a DHT; and when a download stops waiting for one."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
+from moshpeer.peer.state import sync
 from moshpeer.peer.state.donors import cross_checkable_first, dissenters
 from moshpeer.peer.state.framing import StateOffer
 
@@ -21,3 +26,15 @@ def test_dissenters_are_the_untried_donors_at_the_same_epoch_only():
     tried = {"sybil1", "sybil2"}  # the group that signed one manifest, just downloaded
     assert [o.peer_id for o in dissenters(listed, tried, 5)] == ["honest"]
     assert dissenters(listed, tried | {"honest"}, 5) == []  # nobody contradicts: the signatures confirm
+
+
+def test_a_training_peer_does_not_wait_out_the_timeout_for_a_donor_nobody_offers(monkeypatch):
+    """The donors on offer are all behind the epochs asked for (the peer ahead of them offers nothing: behind a
+    NAT): with `offer_wait_s` the download gives up then, not at its 60 s timeout."""
+    listings = []
+    monkeypatch.setattr(sync, "list_state_offers", lambda dht, run_id, timeout: listings.append(1) or [offer("b", 5)])
+    started = time.monotonic()
+    with pytest.raises(sync.StateDownloadFailed, match=r"no donor offers epochs 9\.\.12 \(on offer: \[5\]\)"):
+        sync.download_state(None, "run", min_epoch=9, max_epoch=12, timeout=60.0, offer_wait_s=0.6,
+                            show_progress=False)
+    assert time.monotonic() - started < 5.0 and 2 <= len(listings) <= 4  # listed again every 0.5 s meanwhile

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Optional, Protocol
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters
+from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
 from moshpeer.peer.strategies.base import RoundPlan

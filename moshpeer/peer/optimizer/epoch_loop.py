@@ -35,7 +35,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
@@ -44,6 +43,7 @@ from moshpeer.averaging.loss_budget import LossBudget
 from moshpeer.averaging.report import RoundResult
 from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
+from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_eta_s, stragglers_eta_s
@@ -58,32 +58,14 @@ logger = logging.getLogger(__name__)
 # The error of a round this peer missed and made up for with the others' update (`_fetch_update`).
 MISSED_ROUND_UPDATE = "missed round; took the group's update"
 
+# A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at
+# its next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's
+# whole timeout (60 s) stopped training that long at every epoch end (measured in netlab).
+OFFER_WAIT_S = 5.0
+
 # Records kept in `EpochLoop.rounds` (the trainer's round health reads the last 20): a long run must not
 # grow a list per epoch. `rounds_total` and `rounds_ok` count them all.
 ROUND_HISTORY = 256
-
-
-@dataclass
-class EpochCounters:
-    """This peer's own place in training, shared by the epoch loop (which advances it), the state exchange
-    (which saves and adopts it) and the strategies (which read the accumulators through their host)."""
-
-    grad_sums: List[torch.Tensor]  # per parameter: gradients x samples summed over this epoch, fp32
-    epoch: int = 0
-    steps: int = 0  # inner optimizer steps taken
-    samples: int = 0  # samples accumulated in this epoch
-    total_samples: int = 0  # ever, by this peer
-    dropped_samples: int = 0  # computed but left out of the swarm's average (missed rounds)
-    # Per fragment (`RoundPlan.fragment`): samples of missed rounds whose work the parameters still hold (the
-    # others' update was taken, this peer's own Δ kept), weighed into that fragment's next round. A checkpoint does
-    # not keep it: a resumed peer weighs its first round by that epoch's samples alone.
-    carried: Dict[int, int] = field(default_factory=dict)
-
-    def reset_epoch(self) -> None:
-        """Forget this epoch's accumulated gradients and samples."""
-        for acc in self.grad_sums:
-            acc.zero_()
-        self.samples = 0
 
 
 class RoundRunner(Protocol):
@@ -116,9 +98,10 @@ class EpochHost(Protocol):
     def inner_step(self) -> None:
         """One step of the wrapped optimizer, counted in `counters.steps`."""
 
-    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None) -> Optional[Any]:
+    def catch_up(self, min_epoch: int, max_epoch: Optional[int] = None,
+                 offer_wait_s: Optional[float] = None) -> Optional[Any]:
         """Adopt a donor's state of `min_epoch` or later (up to `max_epoch`; default: just past the swarm epoch);
-        None if none delivered."""
+        None if none delivered, or none in range was on offer within `offer_wait_s`."""
 
     def fetch_updates(self, epoch: int) -> Iterator[Any]:
         """Updates other peers kept of their round of `epoch` (`AveragingStrategy.kept_update`), one per donor
@@ -408,7 +391,7 @@ class EpochLoop:
         `min_epoch` or later (up to `max_epoch`); None if no donor."""
         stale, epoch = self.counters.samples + earlier_dropped, self.counters.epoch
         self.settle()  # a round still in the background must not land on the downloaded state
-        if self.host.catch_up(min_epoch, max_epoch) is None:
+        if self.host.catch_up(min_epoch, max_epoch, offer_wait_s=OFFER_WAIT_S) is None:
             return None
         stale += sum(self.counters.carried.values())  # the downloaded parameters replace the carried work too
         self.counters.carried.clear()
@@ -432,7 +415,7 @@ class EpochLoop:
                            f"theirs {target}): this peer trained alone since epoch {apart.since_epoch}; taking "
                            f"their state ({solo} samples of its own dropped)")
             back = self._catch_up_instead(target - self.max_epoch_lag, "back from an outage; took the swarm's state",
-                                          facts, max_epoch=target + self.max_epoch_lag,
+                                          facts, max_epoch=epoch,
                                           earlier_dropped=max(0, solo - self.counters.samples))
             if apart.attempted(back is not None) and back is None:
                 logger.warning(f"no donor at the others' epoch after {apart.max_attempts} tries: training on from "

@@ -24,7 +24,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Protocol
 
 import torch
 
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters
+from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.error_feedback import (error_feedback_state, fresh_error_feedback_state,
                                                     shared_error_feedback_state)
 from moshpeer.peer.state.framing import serialize_state
@@ -170,17 +170,22 @@ class StateExchange:
             host.error_feedback.check_state(feedback)
         host.strategy.check_state_dict(state.get("strategy") or {})
 
-    def download(self, min_epoch: int, max_epoch: int) -> Optional[DownloadedState]:
+    def download(self, min_epoch: int, max_epoch: int, offer_wait_s: Optional[float] = None
+                 ) -> Optional[DownloadedState]:
         """Download the state of the most advanced donor at `min_epoch`..`max_epoch` and adopt it; None (logged)
-        if no donor delivered a state that fits. The caller makes sure no round is in flight."""
+        if no donor delivered a state that fits, or none in range was on offer within `offer_wait_s` (default:
+        the download timeout). Peers back from an outage (their records' `apart_since`) are not asked: they
+        trained alone. The caller makes sure no round is in flight."""
         # Never more bytes than a state of our model plausibly takes (ours, with room for optimizer state that
         # ours has not built yet).
         max_bytes = STATE_SIZE_FACTOR * len(self.serialized_state()[1]) + (1 << 20)
         try:
-            downloaded = download_state(self.dht, self.run_id, exclude=(self.dht.identity.peer_id,),
+            apart = tuple(r.peer_id for r in self.host.swarm.progress.snapshot().peers if r.apart_since is not None)
+            downloaded = download_state(self.dht, self.run_id, exclude=(self.dht.identity.peer_id, *apart),
                                         prefer=self.host.swarm.progress.corroborated_peers(),
                                         min_epoch=min_epoch, max_epoch=max_epoch, max_bytes=max_bytes,
                                         timeout=self.download_timeout, show_progress=self.show_progress,
+                                        offer_wait_s=offer_wait_s,
                                         # A donor may move on one epoch between its offer and its manifest.
                                         validate=lambda state: self.check_state_fits(state, max_epoch=max_epoch + 1))
         except StateDownloadFailed as e:

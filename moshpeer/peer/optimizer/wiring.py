@@ -34,7 +34,8 @@ from moshpeer.dht import Admission, SwarmDHT, validate_run_id
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.aux_peer import AuxPeer
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
-from moshpeer.peer.optimizer.epoch_loop import EpochCounters, EpochHost, EpochLoop
+from moshpeer.peer.optimizer.counters import EpochCounters
+from moshpeer.peer.optimizer.epoch_loop import EpochHost, EpochLoop
 from moshpeer.peer.optimizer.round_timing import RoundTiming
 from moshpeer.peer.optimizer.settings import averager_options, checked_params
 from moshpeer.peer.optimizer.state_exchange import StateExchange, StateHost
@@ -156,13 +157,15 @@ class Parts:
         self.epochs.report_progress(force=True)
         self.timing.begin_epoch()
 
-    def catch_up(self, min_epoch: int = 0, max_epoch: Optional[int] = None) -> Optional[DownloadedState]:
+    def catch_up(self, min_epoch: int = 0, max_epoch: Optional[int] = None,
+                 offer_wait_s: Optional[float] = None) -> Optional[DownloadedState]:
         """Settle any round in flight, then download the most advanced donor's state up to `max_epoch` (default:
-        the swarm epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered."""
+        the swarm epoch this peer confirms, plus one) and adopt it; None (logged) if no donor delivered, or none
+        in range was on offer within `offer_wait_s` (default: the whole download timeout)."""
         self.epochs.settle()
         if max_epoch is None:
             max_epoch = self.swarm.progress.refresh_now(timeout=2.0).global_epoch + 1
-        downloaded = self.exchange.download(min_epoch, max_epoch=max_epoch)
+        downloaded = self.exchange.download(min_epoch, max_epoch=max_epoch, offer_wait_s=offer_wait_s)
         if downloaded is not None:
             self.epochs.report_progress(force=True)
         return downloaded

@@ -16,12 +16,11 @@ Wire protocol (version 3), every message framed as a 4-byte big-endian length + 
   server -> client  msgpack {"ok": true, "epoch": int, "total_bytes": int, "sha256": hex, "chunk_bytes": int,
                              "public_key": OpenSSH RSA key, "signature": over the challenge and those fields}
                     then raw chunks, each framed, each at most chunk_bytes, summing to total_bytes
-The donor's public key must hash to the peer id of its offer (the same identity check as the data
-plane's), and its signature binds the state's digest to the client's fresh challenge, so a
-connection cannot be answered by anyone but the advertised donor. The state itself is `torch.save`
-of a dict of tensors and plain values, read back with `torch.load(weights_only=True)`, so a
-malicious donor cannot run code here. The receive loop enforces one deadline for the whole
-download (every recv gets the time left), and memory grows only as bytes arrive (never from the
+The donor's public key must hash to the peer id of its offer (the same identity check as the data plane's), and its
+signature binds the state's digest to the client's fresh challenge, so a connection cannot be answered by anyone but
+the advertised donor. The state itself is `torch.save` of a dict of tensors and plain values, read back with
+`torch.load(weights_only=True)`, so a malicious donor cannot run code here. The receive loop enforces one deadline
+for the whole download (every recv gets the time left), and memory grows only as bytes arrive (never from the
 announced size), up to `max_bytes`.
 
 In a private run (`dht.admission`, moshpeer/dht/admission.py) a donor serves only clients whose signed request names
@@ -29,7 +28,7 @@ an admitted peer, and a downloader ignores offers of peers it does not admit (an
 membership proof); both refusals are counted at "state".
 
 Why TCP and not a libp2p stream: the transfer is bulk, one-shot and pull-based; a plain socket is simpler to bound
-in time and to throttle for tests. Peers behind NAT cannot donate (they do not advertise), but can download.
+in time and to throttle for tests. Peers behind NAT cannot donate (they offer nothing: wiring.py), but download.
 """
 
 from __future__ import annotations
@@ -357,16 +356,16 @@ def download_state(
     show_progress: bool = True,
     validate: Optional[Callable[[Dict[str, Any]], None]] = None,
     prefer: Optional[Collection[str]] = None,
+    offer_wait_s: Optional[float] = None,
 ) -> DownloadedState:
     """Download a verified state from the most advanced donor, trying the next one on failure.
 
-    When more than one donor offers a state within one epoch of the first valid one, a second one is
-    downloaded too (one of the same epoch when there is one) and the two must agree on a sample of parameters
-    drawn from a secret seed (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are
-    tried. Donors that signed the very same bytes count as one such confirmation only when no other donor at
-    that epoch offers something else. Donors are asked in `donors.cross_checkable_first` order. A lone donor's
-    validated state is taken as is. Once every donor on offer was tried, the download fails at once rather than
-    at `timeout`.
+    When more than one donor offers a state within one epoch of the first valid one, a second one is downloaded
+    too (one of the same epoch when there is one) and the two must agree on a sample of parameters drawn from a
+    secret seed (`disagreeing_tensors`); a disagreeing pair is set aside and the next donors are tried. Donors that
+    signed the very same bytes count as one such confirmation only when no other donor at that epoch offers
+    something else. Donors are asked in `donors.cross_checkable_first` order. A lone donor's validated state is
+    taken as is. Once every donor on offer was tried, the download fails at once rather than at `timeout`.
 
     :param exclude: peer ids not to ask (this peer)
     :param min_epoch: ignore donors behind this epoch; max_epoch: ignore donors claiming more (what the
@@ -375,8 +374,9 @@ def download_state(
     :param validate: raises if a decoded state does not fit this peer's model (then the next donor)
     :param prefer: peers with evidence that they average (witnesses.py): while one offers a state in range, no other
         donor is asked, so Sybil donors that never average cannot contradict or outvote them
-    :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was
-        set aside, or every donor on offer is past `max_epoch` (at once)
+    :param offer_wait_s: how long to wait for a donor in range to be on offer (default: `timeout`)
+    :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was set
+        aside, or every donor on offer is past `max_epoch` (at once), or none was in range for `offer_wait_s`
     """
 
     deadline = time.monotonic() + timeout
@@ -415,6 +415,9 @@ def download_state(
             # caller, who trains on and asks again later, when donors may be at one epoch.
             break
         if not offers:
+            if offer_wait_s is not None and time.monotonic() - started >= offer_wait_s:
+                raise StateDownloadFailed(f"no donor offers epochs {min_epoch}..{max_epoch} (on offer: "
+                                          f"{sorted(o.epoch for o in on_offer)[:8]})")
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             continue
         offer = offers[0]
