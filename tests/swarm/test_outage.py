@@ -1,6 +1,8 @@
 """A peer whose network goes away for a while and comes back (wifi lost, a cable pulled): it finds the swarm again
-by itself and the swarm lists it again (moshpeer/dht/reconnect.py). Real `moshpeer dht` processes, each in a netlab
-namespace; the outage takes one peer's link down. Before the fix that peer stayed a swarm of one for good."""
+by itself and the swarm lists it again (moshpeer/dht/reconnect.py); a trainer then gives up the epochs it trained
+alone for the swarm's state (moshpeer/peer/optimizer/trained_apart.py). Real `moshpeer dht` and `moshpeer join`
+processes, each in a netlab namespace; the outage takes one peer's link down. Before the fixes that peer stayed a
+swarm of one for good, and once back, its mates chased the epochs it had trained alone."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from moshpeer.testing import netlab
 from moshpeer.testing.netlab import Netlab, outage
+from training_swarm import FAST_TRAINING, events, wait_event
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netlab.unavailable()))]
@@ -55,4 +58,36 @@ def test_a_peer_cut_off_for_a_while_finds_the_swarm_again(swarm):
         # Its heartbeats reach the swarm again (one a second, each record living 3 s): the others list it.
         wait_until(swarm, lab, 1, boot.maddrs, cut.peer_id, listed=True, timeout=30)
         for proc in (cut, mate, boot):
+            assert proc.terminate() == 0, proc.describe()
+
+
+@pytest.mark.swarm  # three trainers and a bootstrap node: ~60 s on the 2-core machine
+def test_a_trainer_back_from_an_outage_takes_the_swarms_state_instead_of_pulling_the_others_to_its_own(swarm):
+    run = "outage-training"
+    with Netlab([None, None, None, None]) as lab:
+        def spawn(k: int, command: str, *extra: str):
+            return swarm.spawn(command, "--run-id", run, "--host-maddrs", f"/ip4/{lab.addresses[k]}/tcp/0",
+                               "--heartbeat", "1", *extra, prefix=lab.command(k, []), name=f"peer{k}")
+
+        boot = spawn(0, "dht")
+        boot.wait_ready()
+        trainers = [spawn(k, "join", "--initial-peers", *boot.maddrs, *FAST_TRAINING, "--min-peers", "3")
+                    for k in (1, 2, 3)]
+        mates, cut = trainers[:2], trainers[2]
+        wait_event(cut, "epoch", timeout=120, predicate=lambda e: e.get("group_size") == 3)
+        before = [len(mate.stderr_lines) for mate in mates]
+        with outage(lab, 3, connections_survive=False):
+            cut.wait_for_line(lambda line: "no DHT neighbours left" in line, timeout=60, stream="stderr")
+            apart_at = events(cut, "epoch")[-1]["round_epoch"]
+            # Alone, its epochs end at its own pace: it gets well ahead of the pair.
+            wait_event(cut, "epoch", timeout=60, predicate=lambda e: e["round_epoch"] >= apart_at + 10)
+        cut.wait_for_line(lambda line: "back from an outage" in line, timeout=90, stream="stderr")
+        caught = cut.wait_for_line(lambda line: "caught up: epoch" in line, timeout=30, stream="stderr")
+        # ... and averages with them again, at their epochs.
+        wait_event(cut, "epoch", timeout=60, predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] > int(
+            caught.split("caught up: epoch ")[1].split()[0]))
+        for mate, seen in zip(mates, before):  # the pair never took the returning peer's epochs for the swarm's
+            assert not [line for line in mate.stderr_lines[seen:] if "caught up" in line or "catch up" in line], \
+                mate.describe()
+        for proc in (*trainers, boot):
             assert proc.terminate() == 0, proc.describe()
