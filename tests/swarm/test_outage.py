@@ -62,32 +62,44 @@ def test_a_peer_cut_off_for_a_while_finds_the_swarm_again(swarm):
 
 
 @pytest.mark.swarm  # three trainers and a bootstrap node: ~60 s on the 2-core machine
+@pytest.mark.skipif(netlab.unavailable(delays=True) is not None, reason=str(netlab.unavailable(delays=True)))
 def test_a_trainer_back_from_an_outage_takes_the_swarms_state_instead_of_pulling_the_others_to_its_own(swarm):
     run = "outage-training"
-    with Netlab([None, None, None, None]) as lab:
+    # The pair is 100 ms from everyone (an internet swarm): their rounds take a few round trips, so the peer cut off,
+    # whose lone epochs take none, comes back ahead of them, as it did in the 30 s netlab outages recorded in
+    # docs/operations.md (with no delay at all its lone epochs and their rounds took about as long).
+    with Netlab([None, None, None, None], rtt=[None, "100ms", "100ms", None]) as lab:
         def spawn(k: int, command: str, *extra: str):
             return swarm.spawn(command, "--run-id", run, "--host-maddrs", f"/ip4/{lab.addresses[k]}/tcp/0",
                                "--heartbeat", "1", *extra, prefix=lab.command(k, []), name=f"peer{k}")
+
+        def newest_epoch(proc) -> int:
+            return max((e["round_epoch"] for e in events(proc, "epoch")), default=0)
 
         boot = spawn(0, "dht")
         boot.wait_ready()
         trainers = [spawn(k, "join", "--initial-peers", *boot.maddrs, *FAST_TRAINING, "--min-peers", "3")
                     for k in (1, 2, 3)]
+        for trainer in trainers:
+            trainer.wait_ready()
         mates, cut = trainers[:2], trainers[2]
-        wait_event(cut, "epoch", timeout=120, predicate=lambda e: e.get("group_size") == 3)
+        wait_event(cut, "epoch", timeout=120, predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] >= 20)
         before = [len(mate.stderr_lines) for mate in mates]
         with outage(lab, 3, connections_survive=False):
             cut.wait_for_line(lambda line: "no DHT neighbours left" in line, timeout=60, stream="stderr")
-            apart_at = events(cut, "epoch")[-1]["round_epoch"]
-            # Alone, its epochs end at its own pace: it gets well ahead of the pair.
-            wait_event(cut, "epoch", timeout=60, predicate=lambda e: e["round_epoch"] >= apart_at + 10)
+            # Alone, it gets well ahead of the pair.
+            wait_event(cut, "epoch", timeout=90,
+                       predicate=lambda e: e["round_epoch"] >= max(map(newest_epoch, mates)) + 10)
         cut.wait_for_line(lambda line: "back from an outage" in line, timeout=90, stream="stderr")
         caught = cut.wait_for_line(lambda line: "caught up: epoch" in line, timeout=30, stream="stderr")
-        # ... and averages with them again, at their epochs.
-        wait_event(cut, "epoch", timeout=60, predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] > int(
-            caught.split("caught up: epoch ")[1].split()[0]))
-        for mate, seen in zip(mates, before):  # the pair never took the returning peer's epochs for the swarm's
-            assert not [line for line in mate.stderr_lines[seen:] if "caught up" in line or "catch up" in line], \
-                mate.describe()
+        taken = int(caught.split("caught up: epoch ")[1].split()[0])
+        # ... and averages with them again, from the epoch it took.
+        wait_event(cut, "epoch", timeout=60, predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] > taken)
+        # The pair never took the returning peer's epochs for the swarm's: none of them downloaded its state or
+        # found every donor past its view (a catch-up between the two of them is fine: one may lag a little).
+        chased = (f"from {cut.peer_id[-8:]}", "every donor offers an epoch above")
+        for mate, seen in zip(mates, before):
+            assert not [line for line in mate.stderr_lines[seen:] if any(s in line for s in chased)], mate.describe()
+            assert newest_epoch(mate) < newest_epoch(cut) + 10  # it is at their epochs now, not they at its own
         for proc in (*trainers, boot):
             assert proc.terminate() == 0, proc.describe()

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-MAX_REJOIN_ATTEMPTS = 3  # downloads tried (one per epoch end) before the peer keeps its own state
+# Downloads tried (one per epoch end) before the peer keeps its own state. Early in training the two donors of a small
+# swarm, one epoch apart, can fail the download's cross-check (measured in netlab: 3 tries within 7 s refused at
+# epochs 10-14); each try costs one or two downloads of the state.
+MAX_REJOIN_ATTEMPTS = 5
 
 
 class TrainedApart:
