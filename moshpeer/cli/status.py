@@ -227,7 +227,8 @@ def build_table(run_id: str, peers: List[PeerRecord], now: float):
             short_peer_id(peer.peer_id),
             peer.role,
             _display_address(peer),
-            f"{peer.epoch}/{peer.step}",
+            # A trainer back from an outage: its epochs since `apart_since` were trained alone (trained_apart.py).
+            f"{peer.epoch}/{peer.step}" + ("" if peer.apart_since is None else f", apart since {peer.apart_since}"),
             f"{peer.samples_per_second:.1f}",
             _describe_health(peer),
             _describe_path(peer),
