@@ -3,6 +3,7 @@ epoch loop acting on them, and how the others read its record (progress.py)."""
 
 from __future__ import annotations
 
+from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.progress import EpochCredit
 from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS, TrainedApart
 from moshpeer.peer.strategies.gradients import GradientsStrategy
@@ -33,6 +34,17 @@ def test_back_from_an_outage_far_ahead_the_peer_takes_the_others_epoch():
     assert apart.attempted(adopted=True) and apart.since_epoch is None and apart.samples_apart(9500) == 0
 
 
+def test_the_stretch_counts_from_the_last_round_with_a_group_not_from_when_the_outage_was_seen():
+    """The outage is seen a heartbeat late: lone epochs may have raced ahead of the others meanwhile. The others'
+    epoch 12 is past where this peer last averaged with them (epoch 4), though behind where it saw the outage (20)."""
+    apart = TrainedApart()
+    apart.synced(4, samples_before=400)
+    assert apart.observe(True, 20, samples_before=2000)
+    assert apart.since_epoch == 4 and apart.samples_apart(2500) == 2100
+    apart.synced(21, samples_before=2100)  # a round with a group while apart does not end the stretch
+    assert apart.rejoin_epoch(30, others_epoch=12, max_epoch_lag=1, cut_off=False) == 12
+
+
 def test_nothing_is_given_up_within_the_lag_or_when_the_others_are_behind_where_it_left_them():
     within = cut_off_at(100)
     assert within.rejoin_epoch(141, others_epoch=140, max_epoch_lag=1, cut_off=False) is None
@@ -55,21 +67,24 @@ def test_without_a_donor_the_peer_keeps_its_state_after_a_few_tries():
 def test_the_epoch_loop_marks_its_record_and_adopts_the_swarms_state_on_its_return():
     host = FakeHost(GradientsStrategy(average_parameters=False))
     host.donor_state = object()
+    host.averager.queue(RoundResult(ok=True, group_size=2, contributors=["QmOther"]))
+    host.backward()
+    assert host.epochs.account(32).ok  # epoch 0 with a group: in step with the swarm from epoch 1 on
     host.swarm.is_cut_off = True
     host.swarm.progress.view = swarm_view(trainers=1)  # cut off: its DHT lists only itself
     for _ in range(5):
         host.backward()
         assert host.epochs.account(64).error == "alone"
-    assert host.swarm.published == [{"apart_since": 0}] and host.counters.epoch == 5
-    host.swarm.is_cut_off = False  # back: the others are at epoch 2
-    host.swarm.progress.view = swarm_view(trainers=3, epoch=5, others_epoch=2)
+    assert host.swarm.published == [{"apart_since": 1}] and host.counters.epoch == 6
+    host.swarm.is_cut_off = False  # back: the others are at epoch 3
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=6, others_epoch=3)
     host.backward()
     back = host.epochs.account(22)  # its share of 64 among 3
     assert back.error == "back from an outage; took the swarm's state"
-    assert host.downloads == [(1, 5)]  # a donor of the others' epoch or later, never past its own
+    assert host.downloads == [(2, 6)]  # a donor of the others' epoch or later, never past its own
     assert back.dropped_samples == 5 * 64 + 22 and host.counters.dropped_samples == 5 * 64 + 22
     assert host.swarm.published[-1] == {"apart_since": None}  # others count its epochs again
-    assert host.averager.calls == []
+    assert len(host.averager.calls) == 1  # only the round of epoch 0
 
 
 def test_others_leave_a_peer_back_from_an_outage_out_of_the_swarm_epoch():

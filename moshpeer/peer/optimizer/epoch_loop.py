@@ -351,6 +351,8 @@ class EpochLoop:
         with self.host.lock:
             record = self._resolve(plan, result, error, update=update, **facts)
             self._next_epoch()
+        if record.ok:
+            self.apart.synced(self.counters.epoch, self.counters.total_samples)
         self._remember(record)
         return record
 
@@ -395,6 +397,7 @@ class EpochLoop:
             return None
         stale += sum(self.counters.carried.values())  # the downloaded parameters replace the carried work too
         self.counters.carried.clear()
+        self.apart.synced(self.counters.epoch, self.counters.total_samples - self.counters.samples)
         self.counters.dropped_samples += stale
         self.report_progress(force=True)
         record = CollaborativeRound(**{**facts, "epoch": epoch, "samples": 0, "error": why, "dropped_samples": stale,

@@ -8,14 +8,17 @@ the two of them trained meanwhile (measured, session 36: caught up 3 s after its
 ~450 epochs, and the pair spent 40 s in "could not catch up", the swarm view rising at most 10 epochs a second).
 The majority's work is worth more than one peer's, so the returning peer gives way instead:
 
-- while its DHT has no neighbour (`cut_off`), the peer notes the epoch it was at (`since_epoch`) and says so in
-  its record (`PeerRecord.apart_since`), so readers do not let its later epochs move the swarm epoch (progress.py);
+- while its DHT has no neighbour (`cut_off`), the peer notes since which epoch it is apart (`since_epoch`): the
+  epoch after its last round with a group, or after the state it last took (`synced`), since the outage is seen
+  a heartbeat late and its lone epochs may have raced ahead meanwhile. Its record says so
+  (`PeerRecord.apart_since`), so readers do not let its later epochs move the swarm epoch (progress.py);
 - back, once it sees other trainers (`others_epoch`: their robust epoch, this peer left out) and is ahead of them
   by more than `max_epoch_lag`, it downloads the state of a peer at their epoch (`rejoin_epoch`), dropping its
   work since `since_epoch` (counted in `dropped_samples` and logged);
 - it keeps its state instead when the others are behind the epoch it left them at (the swarm restarted, or only
-  newcomers are left: its state is then the more advanced), when it is not ahead by more than the lag (nothing to
-  give up), or after MAX_REJOIN_ATTEMPTS downloads found no donor (the others then follow it, as before).
+  newcomers are left: its state is then the more advanced; a peer that never averaged with a group counts from
+  the epoch the outage was seen at), when it is not ahead by more than the lag (nothing to give up), or after
+  MAX_REJOIN_ATTEMPTS downloads found no donor (the others then follow it, as before).
 
 Only an outage this peer saw (no DHT neighbour at a check) marks its epochs: a peer that is ahead for any other
 reason (the others' rounds failed, a swarm of newcomers that did not download) never drops its state here.
@@ -25,7 +28,7 @@ This module decides; the epoch loop feeds it and acts (no I/O here).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 # Downloads tried (one per epoch end) before the peer keeps its own state. Early in training the two donors of a small
 # swarm, one epoch apart, can fail the download's cross-check (measured in netlab: 3 tries within 7 s refused at
@@ -39,15 +42,23 @@ class TrainedApart:
     def __init__(self, max_attempts: int = MAX_REJOIN_ATTEMPTS):
         self.max_attempts = max_attempts
         self.since_epoch: Optional[int] = None  # the epoch this peer lost the swarm at; None: not apart
+        self._synced: Optional[Tuple[int, int]] = None  # (epoch, samples computed before it) of the last sync
         self._samples_at_cut = 0
         self._attempts = 0
 
+    def synced(self, epoch: int, samples_before: int) -> None:
+        """This peer starts `epoch` in step with its swarm (a round with a group, or a state taken), having computed
+        `samples_before` samples in all; ignored while apart (one such round does not undo the epochs ahead)."""
+        if self.since_epoch is None:
+            self._synced = (epoch, samples_before)
+
     def observe(self, cut_off: bool, epoch: int, samples_before: int) -> bool:
-        """Note whether the DHT has no neighbour now, at `epoch`, with `samples_before` computed before it (its own
-        samples are this peer's alone if it ends cut off); True when this starts a stretch apart."""
+        """Note whether the DHT has no neighbour now, at `epoch`, with `samples_before` computed before it; True when
+        this starts a stretch apart, counted from the last sync (from now if there was none)."""
         if not cut_off or self.since_epoch is not None:
             return False
-        self.since_epoch, self._samples_at_cut, self._attempts = epoch, samples_before, 0
+        self.since_epoch, self._samples_at_cut = self._synced or (epoch, samples_before)
+        self._attempts = 0
         return True
 
     def rejoin_epoch(self, epoch: int, others_epoch: Optional[int], max_epoch_lag: int, cut_off: bool) -> Optional[int]:
