@@ -105,8 +105,8 @@ class PeerRecord(BaseModel):
     witnessed: List[Annotated[bytes, Field(min_length=WITNESS_TAG_BYTES, max_length=WITNESS_TAG_BYTES)]] = Field(
         default_factory=list, max_length=MAX_WITNESSED)
     target_batch_size: _Count = 0
-    # A trainer back from an outage, until it took the swarm's state: the epoch it lost the swarm at. Its epochs
-    # since were trained alone, so readers do not let them move the swarm epoch (trained_apart.py, progress.py).
+    # A trainer back from an outage, until it took the swarm's state: the epoch since which it trained apart (after
+    # its last round with a group). Readers do not let its later epochs move the swarm epoch (trained_apart.py).
     apart_since: Optional[_Count] = None
     # In a private run: proof that this peer is a member, a swarm-key tag or the run owner's credential
     # (admission.py; b"" in open runs). In a run with an owner, the newest revocation list this peer knows: every

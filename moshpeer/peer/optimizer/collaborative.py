@@ -46,9 +46,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         loss_budget, phase_threshold, phase_window: the rounds' DBLP loss budget; swarm_key, allow_peers: a private
         run (docs/security.md)
     :param serve_state, state_download_timeout, state_bytes_per_second, show_progress: donating (never behind a
-        NAT: nobody could connect) and downloading state; should_stop: polled while a round is in flight (True abandons it); progress_refresh: the
-        shortest interval (seconds) between reads of the swarm's progress, used near an epoch's end (further
-        from it, and in large swarms, reads come less often: `progress_cadence.py`)
+        NAT: nobody could connect) and downloading state; should_stop: polled while a round is in flight (True
+        abandons it); progress_refresh: the shortest interval (seconds) between reads of the swarm's progress, used
+        near an epoch's end (further from it, and in large swarms, reads come less often: `progress_cadence.py`)
     :param assigned_data: this peer's micro-batches of `batch_size_per_step` samples are its data assignment
         (`moshpeer.peer.accountability.AssignedBatches`), so its gradient rounds tell their group (epoch, batch size)
         and the group's owners may spot-check them (docs/security.md); gradients mode without error feedback only

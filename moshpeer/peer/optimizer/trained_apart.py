@@ -41,7 +41,7 @@ class TrainedApart:
 
     def __init__(self, max_attempts: int = MAX_REJOIN_ATTEMPTS):
         self.max_attempts = max_attempts
-        self.since_epoch: Optional[int] = None  # the epoch this peer lost the swarm at; None: not apart
+        self.since_epoch: Optional[int] = None  # apart since this epoch (its last sync); None: not apart
         self._synced: Optional[Tuple[int, int]] = None  # (epoch, samples computed before it) of the last sync
         self._samples_at_cut = 0
         self._attempts = 0
@@ -73,7 +73,7 @@ class TrainedApart:
         return others_epoch
 
     def samples_apart(self, total_samples: int) -> int:
-        """Samples this peer computed since it lost the swarm."""
+        """Samples this peer computed since `since_epoch` began."""
         return max(0, total_samples - self._samples_at_cut) if self.since_epoch is not None else 0
 
     def attempted(self, adopted: bool) -> bool:
