@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -93,7 +93,7 @@ class MoshpitAverager(ServicerBase):
         `round_timeout` as caps. None (default): that deadline is fixed at its cap
     :param links: how this peer's chunks reach the wire (`averaging/links.py`): the real transport by default;
         `FaultyLinks(FaultConfig(...))` injects faults into its outgoing chunks (tests, benchmarks, `join --faults`)
-    :param host: address of the data-plane listener, announced to group mates
+    :param host: the data-plane listener's address, announced to group mates (`announce_host()`, if given, instead)
     :param client_mode: never lead matchmaking (peers that cannot accept libp2p connections; always behind NAT)
     :param start: start the background loop now (else call `start()`)
     :param loss_budget: DBLP loss budget: a `LossBudget` (phase-aware; call `averager.loss_budget.on_window(
@@ -137,6 +137,7 @@ class MoshpitAverager(ServicerBase):
         min_round_timeout: Optional[float] = None,
         links: Links = PLAIN_LINKS,
         host: str = "127.0.0.1",
+        announce_host: Optional[Callable[[], str]] = None,
         client_mode: bool = False,
         start: bool = True,
         loss_budget: Union[LossBudget, float, None] = None,
@@ -188,7 +189,7 @@ class MoshpitAverager(ServicerBase):
             raise UserError("error_feedback needs a sparsifying codec (arc-topk) and one value per averaged value")
         self.error_feedback = error_feedback
 
-        self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission))
+        self._plane = DataPlane(host, strict=True, admit=dataplane_check(self.admission), announce_host=announce_host)
         # Behind NAT: hold a slot on a relay and announce it; public: serve as a relay (tcp_relay/).
         self._nat = RelayRole(dht, run_id, self._plane, behind_nat=self.behind_nat,
                               serve=transport != "libp2p" and not client_mode, admit=dataplane_check(self.admission))
@@ -272,8 +273,8 @@ class MoshpitAverager(ServicerBase):
 
     @property
     def data_address(self) -> Tuple[str, int]:
-        """The data-plane listener's address; announced to group mates unless transport is "libp2p"."""
-        return self._plane.address
+        """Where group mates reach the data plane now; ("", 0): through our relay, or over libp2p streams."""
+        return ("", 0) if self.transport == "libp2p" or self.behind_nat else self._plane.reachable_address()
 
     @property
     def upload_bandwidth(self) -> Optional[float]:
@@ -284,9 +285,6 @@ class MoshpitAverager(ServicerBase):
         """Behind NAT: the relay through which group mates reach this peer, waiting up to `timeout` seconds for
         one to hold a slot for it; None if none does by then (always None for a public peer)."""
         return self._nat.wait_for_relay(timeout)
-
-    def _announced_address(self) -> Tuple[str, int]:  # ("", 0): reach us through our relay, or over libp2p
-        return ("", 0) if self.transport == "libp2p" or self.behind_nat else self._plane.address
 
     def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:
         """The fastest recent assembly of a full group of `target_group_size` (default: the averager's), learned
@@ -378,7 +376,7 @@ class MoshpitAverager(ServicerBase):
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
                tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
-        started, (host, port) = time.monotonic(), self._announced_address()
+        started, (host, port) = time.monotonic(), self.data_address
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,

@@ -69,19 +69,23 @@ class DataPlane:
     """Listens on (host, port); `register(tag, session)` makes a session reachable for its round.
 
     :param admit: raises ProtocolError unless a hello's public key may connect (a private run); None: anyone
+    :param announce_host: asked for the host peers reach this listener at (`reachable_address`), when it listens on
+        every interface and the machine's address may change (moshpeer/dht/local_address.py); None: `host`
     :param strict: refuse at once a connection for a group that is not open (`open_group`) while no
         matchmaking is in progress (`matchmaking()`); if False (standalone use), an unknown tag waits up to
         HANDSHAKE_TIMEOUT for its session to be registered
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, strict: bool = False,
-                 admit: Optional[Callable[[bytes], None]] = None):
+                 admit: Optional[Callable[[bytes], None]] = None,
+                 announce_host: Optional[Callable[[], str]] = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
         self._listener.listen(256)
         self.address: Tuple[str, int] = (host, self._listener.getsockname()[1])
+        self._announce_host = announce_host
         self._sessions: Dict[bytes, object] = {}
         self.strict = strict
         self._admit = admit  # a private run's check of a hello's public key (averaging/private.py)
@@ -98,6 +102,10 @@ class DataPlane:
         self._protocols: Dict[bytes, Callable[[socket.socket, object], None]] = {}
         self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
         self._thread.start()
+
+    def reachable_address(self) -> Tuple[str, int]:
+        """Where peers reach this listener now: `address`, with the host `announce_host` gives when there is one."""
+        return (self._announce_host() if self._announce_host else self.address[0]), self.address[1]
 
     # -- sessions --
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -61,9 +61,10 @@ def list_relays(dht, run_id: str, *, timeout: float = 5.0) -> List[Tuple[str, in
 
 
 class RelayPublisher:
-    """Keeps this peer's relay offer fresh in the directory, on a thread of its own, until `stop`."""
+    """Keeps this peer's relay offer fresh in the directory, on a thread of its own, until `stop`; `address()` says
+    where the relay is at each refresh (the machine's address may change: moshpeer.dht.local_address)."""
 
-    def __init__(self, dht, run_id: str, address: Tuple[str, int]):
+    def __init__(self, dht, run_id: str, address: Callable[[], Tuple[str, int]]):
         self._dht, self._run_id, self._address = dht, run_id, address
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moshpeer-relay-offer", daemon=True)
@@ -73,7 +74,7 @@ class RelayPublisher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            offer_relay(self._dht, self._run_id, self._address)
+            offer_relay(self._dht, self._run_id, self._address())
             self._stop.wait(REPUBLISH_S)
 
     def stop(self) -> None:

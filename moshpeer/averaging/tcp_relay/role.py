@@ -54,7 +54,7 @@ class RelayRole:
         elif serve:
             self.service = RelayService(admit)
             plane.serve_protocol(protocol.MAGIC, self.service.handle)
-            self._publisher = RelayPublisher(dht, run_id, plane.address)
+            self._publisher = RelayPublisher(dht, run_id, plane.reachable_address)
 
     @property
     def relay(self) -> Optional[Tuple[str, int]]:

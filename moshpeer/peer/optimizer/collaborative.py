@@ -37,6 +37,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         behind a `step()` without `batch_size=`
     :param daemon / dht / initial_peers: a started `PeerDaemon`, a running `SwarmDHT`, or multiaddrs for a DHT
         node of this optimizer's own; host: the address this peer's data plane and state server listen on
+        ("0.0.0.0": every interface; they then announce the address this machine reaches the DHT's initial peers
+        from, asked anew, as the machine's address may change: moshpeer/dht/local_address.py)
     :param averaging: an `AveragingStrategy` instance (with its options), or a name in `strategies.STRATEGIES`
     :param compression, group_size, min_group_size, matchmaking_time, round_timeout, averager_kwargs: the
         rounds' codec, group sizes, deadlines (seconds) and further `MoshpitAverager` arguments

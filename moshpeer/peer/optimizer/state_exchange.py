@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -68,19 +68,22 @@ class StateExchange:
     :param host: the optimizer (`StateHost`)
     :param dht: the swarm's DHT (offers and downloads); run_id: the training run
     :param serve: run a `StateServer` that donates our state to newcomers (trainers only advertise it)
-    :param address: the address the state server listens on
+    :param address: the address the state server listens on; announce_host: asked for the address to offer it at
+        instead (a server on every interface: moshpeer/dht/local_address.py)
     :param download_timeout: seconds a download may take in all
     :param bytes_per_second: throttle our donations (None: as fast as the link goes)
     """
 
     def __init__(self, host: StateHost, *, dht: Any, run_id: str, role: str, serve: bool, address: str,
-                 download_timeout: float, bytes_per_second: Optional[float] = None, show_progress: bool = False):
+                 download_timeout: float, bytes_per_second: Optional[float] = None, show_progress: bool = False,
+                 announce_host: Optional[Callable[[], str]] = None):
         self.host, self.counters = host, host.counters
         self.dht, self.run_id, self.role = dht, run_id, role
         self.download_timeout, self.show_progress = download_timeout, show_progress
         self.downloads: List[DownloadedState] = []
         self._cache: Optional[Tuple[int, bytes]] = None  # (epoch, serialized state) served to newcomers
         self._advertised_at = 0.0
+        self._announce_host = announce_host
         self.server: Optional[StateServer] = None
         if serve:
             self.server = StateServer(self.serialized_state, run_id=run_id, identity=dht.identity, host=address,
@@ -243,7 +246,8 @@ class StateExchange:
         if self.server is None or self.role != "trainer":
             return
         if force or time.monotonic() - self._advertised_at > ADVERTISE_EVERY_S:
-            self.server.advertise(self.dht, self.counters.epoch)
+            self.server.advertise(self.dht, self.counters.epoch,
+                                  host=self._announce_host() if self._announce_host else None)
             self._advertised_at = time.monotonic()
 
     def shutdown(self) -> None:

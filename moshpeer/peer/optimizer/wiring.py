@@ -31,6 +31,7 @@ import torch
 from moshpeer.averaging.averager import MoshpitAverager
 from moshpeer.averaging.loss_budget import DEFAULT_WINDOW, LossBudget, parse_loss_budget
 from moshpeer.dht import Admission, SwarmDHT, validate_run_id
+from moshpeer.dht.local_address import announced_host
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.aux_peer import AuxPeer
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
@@ -199,16 +200,20 @@ def assemble(host: OptimizerHost, prepared: Prepared, s: Settings) -> Parts:
                           initial_peers=s.initial_peers, host=s.host, progress_refresh=s.progress_refresh,
                           admission=prepared.admission)
     strategy.bind(host)
+    # Listeners on every interface announce the address the machine reaches the swarm from, asked anew (it may
+    # change mid-run: dht/local_address.py); on one address, that address.
+    announce = announced_host(s.host, swarm.dht)
     averager = MoshpitAverager(
         [strategy.buffer], dht=swarm.dht, run_id=f"{run_id}.{strategy.name}", target_group_size=s.group_size,
         min_group_size=s.min_group_size, compression=s.compression, matchmaking_time=s.matchmaking_time,
-        round_timeout=round_timeout, host=s.host, **prepared.averager_options)
+        round_timeout=round_timeout, host=s.host, announce_host=announce, **prepared.averager_options)
     if averager.aggregation == "clipped":  # samples whose gradients are weighed at zero do not count
         swarm.progress.count_samples_except(lambda: host.averager.suspects.suspects)
     # Nobody can dial a peer behind a NAT (its DHT's `behind_nat`): it downloads state but offers none (an offer
     # others cannot reach made every catch-up from it fail with "Network is unreachable", measured in netlab).
     serve = s.serve_state and not getattr(swarm.dht, "behind_nat", False)
     exchange = StateExchange(host, dht=swarm.dht, run_id=run_id, role=s.role, serve=serve, address=s.host,
+                             announce_host=announce,
                              download_timeout=s.state_download_timeout, show_progress=s.show_progress,
                              bytes_per_second=s.state_bytes_per_second)
     epochs = EpochLoop(host, target_batch_size=int(s.target_batch_size), group_size=s.group_size,

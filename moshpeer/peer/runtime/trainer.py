@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
+from moshpeer.dht.local_address import ALL_INTERFACES, ipv4_hosts, listens_on_all_interfaces
 from moshpeer.peer.accountability import AssignedBatches, SpotChecker
 from moshpeer.peer.accountability.spot_checks import FAILED, PASSED
 from moshpeer.peer.checkpoint.staleness import Start, start_decision
@@ -146,7 +147,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
-        averager_kwargs=averager_kwargs, host=_loopback_or_any(daemon), assigned_data=assigned,
+        averager_kwargs=averager_kwargs, host=_listen_host(daemon), assigned_data=assigned,
         **({"max_epoch_lag": max(config.checkpoint.max_staleness, 1)} if config.checkpoint else {}),
     )
     daemon.add_shutdown_hook(optimizer.shutdown, name="collaborative optimizer")
@@ -392,6 +393,15 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
     if visible < config.min_peers and not daemon.stop_requested:
         logger.warning(f"only {visible} of {config.min_peers} trainers showed up within "
                        f"{config.wait_peers_timeout:g} s; training anyway")
+
+
+def _listen_host(daemon: Any) -> str:
+    """Where this peer's data plane and state server listen: on every interface when its DHT does and it joined
+    through a peer beyond loopback (they then announce the address the machine reaches that peer from, asked anew:
+    it may change mid-run, moshpeer/dht/local_address.py), else on one address (`_loopback_or_any`)."""
+    listen = [str(m) for m in getattr(daemon.dht, "kwargs", {}).get("host_maddrs") or ()]
+    contacts = [h for h in ipv4_hosts([str(m) for m in daemon.dht.initial_peers or ()]) if not h.startswith("127.")]
+    return ALL_INTERFACES if listens_on_all_interfaces(listen) and contacts else _loopback_or_any(daemon)
 
 
 def _loopback_or_any(daemon: Any) -> str:

@@ -226,10 +226,10 @@ class StateServer:
         """The bytes sent for data[start:end] (a test's corrupt donor overrides it)."""
         return bytes(view[start:end])
 
-    def advertise(self, dht: SwarmDHT, epoch: int, *, expiration: float = 15.0) -> bool:
-        """Publish (or refresh) this donor's offer in the DHT; re-call at least every `expiration`/2."""
-        offer = {"peer_id": dht.identity.peer_id, "host": self.host, "port": int(self.port), "epoch": int(epoch),
-                 "protocol": STATE_PROTOCOL, "tag": dht.admission.tag(dht.identity.peer_id)}
+    def advertise(self, dht: SwarmDHT, epoch: int, *, expiration: float = 15.0, host: Optional[str] = None) -> bool:
+        """Publish (or refresh) this donor's offer at `host` (default: its own); re-call every `expiration`/2."""
+        offer = {"peer_id": dht.identity.peer_id, "host": host or self.host, "port": int(self.port),
+                 "epoch": int(epoch), "protocol": STATE_PROTOCOL, "tag": dht.admission.tag(dht.identity.peer_id)}
         try:
             return bool(dht.store(state_offers_key(self.run_id), offer, expiration_time=get_dht_time() + expiration,
                                   subkey=dht.owner_subkey, return_future=True).result(timeout=2.0))
