@@ -2,7 +2,8 @@
 by itself and the swarm lists it again (moshpeer/dht/reconnect.py); a trainer then gives up the epochs it trained
 alone for the swarm's state (moshpeer/peer/optimizer/trained_apart.py). Real `moshpeer dht` and `moshpeer join`
 processes, each in a netlab namespace; the outage takes one peer's link down. Before the fixes that peer stayed a
-swarm of one for good, and once back, its mates chased the epochs it had trained alone."""
+swarm of one for good, and once back, its mates chased the epochs it had trained alone; a peer whose address
+changed (a roaming laptop) averaged nothing more (moshpeer/dht/local_address.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from moshpeer.testing import netlab
-from moshpeer.testing.netlab import Netlab, outage
+from moshpeer.testing.netlab import Netlab, outage, readdress
 from training_swarm import FAST_TRAINING, events, wait_event
 
 pytestmark = [pytest.mark.timeout(180),
@@ -101,5 +102,28 @@ def test_a_trainer_back_from_an_outage_takes_the_swarms_state_instead_of_pulling
         for mate, seen in zip(mates, before):
             assert not [line for line in mate.stderr_lines[seen:] if any(s in line for s in chased)], mate.describe()
             assert newest_epoch(mate) < newest_epoch(cut) + 10  # it is at their epochs now, not they at its own
+        for proc in (*trainers, boot):
+            assert proc.terminate() == 0, proc.describe()
+
+
+@pytest.mark.swarm  # three trainers and a bootstrap node: ~50 s on the 2-core machine
+def test_a_trainer_whose_address_changes_averages_again_at_its_new_one(swarm):
+    run = "roaming"
+    with Netlab([None, None, None, None]) as lab:
+        boot = swarm.spawn("dht", "--run-id", run, "--host-maddrs", f"/ip4/{lab.addresses[0]}/tcp/0",
+                           prefix=lab.command(0, []), name="boot")
+        boot.wait_ready()
+        # Every interface, as `join` listens by default: its data plane and state server must follow the machine.
+        trainers = [swarm.spawn("join", "--run-id", run, "--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--initial-peers",
+                                *boot.maddrs, *FAST_TRAINING, "--min-peers", "3", prefix=lab.command(k, []),
+                                name=f"peer{k}") for k in (1, 2, 3)]
+        moved = trainers[2]
+        wait_event(moved, "epoch", timeout=120, predicate=lambda e: e.get("group_size") == 3)
+        before = max(e["round_epoch"] for e in events(moved, "epoch"))
+        readdress(lab, 3)
+        # Before the fix every round it joined lost all its chunks for the rest of the run.
+        for trainer in trainers:
+            wait_event(trainer, "epoch", timeout=90, predicate=lambda e: e["round_epoch"] > before + 5
+                       and e.get("group_size") == 3 and e.get("lost_fraction") == 0.0)
         for proc in (*trainers, boot):
             assert proc.terminate() == 0, proc.describe()

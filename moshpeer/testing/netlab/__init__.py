@@ -6,6 +6,7 @@
                              f"/ip4/{lab.nodes[0].address}/tcp/0", ...])
         lab.tx_bytes(0)                                # bytes this peer has put on its link
         with outage(lab, 3): ...                       # peer 3's link down in the block (outage.py)
+        readdress(lab, 2)                              # peer 2's address changes (a roaming laptop)
     # leaving the block: every process in the lab is killed, every namespace, link and cgroup is deleted
 
 Topology: one namespace per peer, each with one interface (`IFNAME`) to a router namespace, directly (a
@@ -32,8 +33,9 @@ skip with it and `Netlab.up()` raises `NetlabError` with it.
 from moshpeer.testing.netlab.commands import NetlabError
 from moshpeer.testing.netlab.lab import (IFNAME, MAX_PEERS, SUBNET_CANDIDATES, Netlab, Node, cleanup, cpu_budget,
                                          pick_subnet, unavailable)
-from moshpeer.testing.netlab.outage import outage
+from moshpeer.testing.netlab.outage import outage, readdress
 from moshpeer.testing.netlab.spec import SITE_KINDS, parse_ms, parse_rate, parse_rates, parse_share, parse_site
 
 __all__ = ["IFNAME", "MAX_PEERS", "SITE_KINDS", "SUBNET_CANDIDATES", "Netlab", "NetlabError", "Node", "cleanup", "cpu_budget",
-           "outage", "parse_ms", "parse_rate", "parse_rates", "parse_share", "parse_site", "pick_subnet", "unavailable"]
+           "outage", "parse_ms", "parse_rate", "parse_rates", "parse_share", "parse_site", "pick_subnet", "readdress",
+           "unavailable"]
