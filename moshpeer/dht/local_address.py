@@ -42,6 +42,11 @@ def ipv4_hosts(maddrs: Sequence[str]) -> List[str]:
     return hosts
 
 
+def remote_hosts(maddrs: Sequence[Any]) -> List[str]:
+    """`ipv4_hosts` of multiaddrs other machines could reach (not loopback, not 0.0.0.0)."""
+    return [host for host in ipv4_hosts([str(m) for m in maddrs]) if not _unusable(host)]
+
+
 def listens_on_all_interfaces(maddrs: Sequence[str]) -> bool:
     """Whether listen multiaddrs include every IPv4 interface (/ip4/0.0.0.0/...)."""
     return ALL_INTERFACES in ipv4_hosts(maddrs)
@@ -71,7 +76,10 @@ class AnnouncedHost:
 
 
 def _unusable(host: str) -> bool:
-    address = ipaddress.ip_address(host)
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # not an address at all
+        return True
     return address.is_unspecified or address.is_loopback
 
 
@@ -81,6 +89,6 @@ def announced_host(host: str, dht: Any) -> Optional[AnnouncedHost]:
     address beyond loopback (127.0.0.1 without one)."""
     if host != ALL_INTERFACES:
         return None
-    towards = [h for h in ipv4_hosts([str(m) for m in getattr(dht, "initial_peers", None) or ()]) if not _unusable(h)]
-    visible = [h for h in ipv4_hosts([str(m) for m in dht.get_visible_maddrs()]) if not _unusable(h)]
-    return AnnouncedHost(towards, fallback=visible[0] if visible else "127.0.0.1")
+    visible = remote_hosts(dht.get_visible_maddrs())
+    return AnnouncedHost(remote_hosts(getattr(dht, "initial_peers", None) or ()),
+                         fallback=visible[0] if visible else "127.0.0.1")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
-from moshpeer.dht.local_address import ALL_INTERFACES, ipv4_hosts, listens_on_all_interfaces
+from moshpeer.dht.local_address import ALL_INTERFACES, listens_on_all_interfaces, remote_hosts
 from moshpeer.peer.accountability import AssignedBatches, SpotChecker
 from moshpeer.peer.accountability.spot_checks import FAILED, PASSED
 from moshpeer.peer.checkpoint.staleness import Start, start_decision
@@ -400,8 +400,8 @@ def _listen_host(daemon: Any) -> str:
     through a peer beyond loopback (they then announce the address the machine reaches that peer from, asked anew:
     it may change mid-run, moshpeer/dht/local_address.py), else on one address (`_loopback_or_any`)."""
     listen = [str(m) for m in getattr(daemon.dht, "kwargs", {}).get("host_maddrs") or ()]
-    contacts = [h for h in ipv4_hosts([str(m) for m in daemon.dht.initial_peers or ()]) if not h.startswith("127.")]
-    return ALL_INTERFACES if listens_on_all_interfaces(listen) and contacts else _loopback_or_any(daemon)
+    beyond_loopback = remote_hosts(daemon.dht.initial_peers or ())
+    return ALL_INTERFACES if listens_on_all_interfaces(listen) and beyond_loopback else _loopback_or_any(daemon)
 
 
 def _loopback_or_any(daemon: Any) -> str:
