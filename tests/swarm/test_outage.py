@@ -106,7 +106,7 @@ def test_a_trainer_back_from_an_outage_takes_the_swarms_state_instead_of_pulling
             assert proc.terminate() == 0, proc.describe()
 
 
-@pytest.mark.swarm  # three trainers and a bootstrap node: ~35 s on the 2-core machine
+@pytest.mark.swarm  # three trainers and a bootstrap node: 35-50 s on the 2-core machine
 def test_a_trainer_whose_address_changes_averages_again_at_its_new_one(swarm):
     run = "roaming"
     with Netlab([None, None, None, None]) as lab:
