@@ -155,7 +155,6 @@ class AbandonedRpcFilter(logging.Filter):
         return not (where and where.group(1).startswith(_DHT_RPC_PREFIX))
 
 
-
 def quiet_abandoned_dht_requests() -> None:
     """In a DHT process: no asyncio noise for the requests its closing event loop abandons (AbandonedRpcFilter),
     nor the warning that their coroutines were never awaited."""

@@ -47,6 +47,15 @@ def remote_hosts(maddrs: Sequence[Any]) -> List[str]:
     return [host for host in ipv4_hosts([str(m) for m in maddrs]) if not _unusable(host)]
 
 
+def visible_host(maddrs: Sequence[Any]) -> str:
+    """The IPv4 address others reach this peer at, from its DHT's visible multiaddrs: one beyond loopback if there
+    is one (peers in other network namespaces or on other machines cannot reach 127.0.0.1), else the first one (a
+    local swarm), else 127.0.0.1."""
+    remote = remote_hosts(maddrs)
+    local = [host for host in ipv4_hosts([str(m) for m in maddrs]) if host != ALL_INTERFACES]
+    return remote[0] if remote else local[0] if local else "127.0.0.1"
+
+
 def listens_on_all_interfaces(maddrs: Sequence[str]) -> bool:
     """Whether listen multiaddrs include every IPv4 interface (/ip4/0.0.0.0/...)."""
     return ALL_INTERFACES in ipv4_hosts(maddrs)
@@ -85,10 +94,8 @@ def _unusable(host: str) -> bool:
 
 def announced_host(host: str, dht: Any) -> Optional[AnnouncedHost]:
     """For listeners on `host`, next to `dht`: None when `host` is one address (announce it as it is), else (every
-    interface) an `AnnouncedHost` towards the DHT's initial peers beyond loopback, falling back to its first visible
-    address beyond loopback (127.0.0.1 without one)."""
+    interface) an `AnnouncedHost` towards the DHT's initial peers beyond loopback, falling back to `visible_host`."""
     if host != ALL_INTERFACES:
         return None
-    visible = remote_hosts(dht.get_visible_maddrs())
     return AnnouncedHost(remote_hosts(getattr(dht, "initial_peers", None) or ()),
-                         fallback=visible[0] if visible else "127.0.0.1")
+                         fallback=visible_host(dht.get_visible_maddrs()))

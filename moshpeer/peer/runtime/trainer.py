@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
-from moshpeer.dht.local_address import ALL_INTERFACES, listens_on_all_interfaces, remote_hosts
+from moshpeer.dht.local_address import ALL_INTERFACES, listens_on_all_interfaces, remote_hosts, visible_host
 from moshpeer.peer.accountability import AssignedBatches, SpotChecker
 from moshpeer.peer.accountability.spot_checks import FAILED, PASSED
 from moshpeer.peer.checkpoint.staleness import Start, start_decision
@@ -398,19 +398,9 @@ def _wait_for_peers(daemon: Any, optimizer: CollaborativeOptimizer, config: Trai
 def _listen_host(daemon: Any) -> str:
     """Where this peer's data plane and state server listen: on every interface when its DHT does and it joined
     through a peer beyond loopback (they then announce the address the machine reaches that peer from, asked anew:
-    it may change mid-run, moshpeer/dht/local_address.py), else on one address (`_loopback_or_any`)."""
+    it may change mid-run, moshpeer/dht/local_address.py), else on one address (`visible_host`)."""
     listen = [str(m) for m in getattr(daemon.dht, "kwargs", {}).get("host_maddrs") or ()]
     beyond_loopback = remote_hosts(daemon.dht.initial_peers or ())
-    return ALL_INTERFACES if listens_on_all_interfaces(listen) and beyond_loopback else _loopback_or_any(daemon)
-
-
-def _loopback_or_any(daemon: Any) -> str:
-    """The IPv4 address others reach this peer at (from its DHT's visible multiaddrs) for averaging and
-    state donations: a non-loopback one if the DHT listens on any (e.g. on all interfaces: peers in other
-    network namespaces or on other machines cannot reach 127.0.0.1); 127.0.0.1 in local swarms."""
-    addresses = []
-    for maddr in daemon.visible_maddrs:
-        parts = maddr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            addresses.append(parts[2])
-    return next((a for a in addresses if not a.startswith("127.")), addresses[0] if addresses else "127.0.0.1")
+    if listens_on_all_interfaces(listen) and beyond_loopback:
+        return ALL_INTERFACES
+    return visible_host(daemon.visible_maddrs)

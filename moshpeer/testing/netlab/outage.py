@@ -18,8 +18,9 @@ def outage(lab: Netlab, index: int, *, connections_survive: bool = True) -> Iter
     kernel drops with a link that goes down (on a real machine, DHCP or the network manager puts them back).
 
     Established TCP connections outlive a short outage (between idle DHT nodes libp2p ended them ~38 s after the
-    link went down, measured here; sooner with traffic in flight); with `connections_survive=False` the peer's end of each is killed first, as a long outage, a new
-    address or a restarted NAT would end them. The other ends learn it from the reset their next packet gets."""
+    link went down, measured here; sooner with traffic in flight); with `connections_survive=False` the peer's end
+    of each is killed first, as a long outage, a new address or a restarted NAT would end them. The other ends learn
+    it from the reset their next packet gets."""
     netns = lab.nodes[index].netns
     routes = [line.split() for line in run(["ip", "-n", netns, "route"]).stdout.splitlines() if line.strip()]
     run(["ip", "-n", netns, "link", "set", IFNAME, "down"])
