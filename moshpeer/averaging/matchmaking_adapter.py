@@ -248,6 +248,11 @@ class MatchmakingAdapter:
         search = asyncio.run_coroutine_threadsafe(self.look_for_group(request, errors.append), loop)
         try:
             group = search.result(max(0.0, end - time.monotonic()))
+        except TimeoutError:  # the search ends itself before `end`: its loop stalled, or this process was paused
+            search.cancel()
+            logger.warning(f"matchmaking did not end by the round's deadline ({time.monotonic() - end:.1f} s past "
+                           f"it); no group this round")
+            group = None
         except Exception as e:
             search.cancel()
             logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")

@@ -108,6 +108,8 @@ class FakeProgress:
         self.view = swarm_view()
         self.reports: List[Dict[str, Any]] = []
         self.rounds_noted: List[Any] = []  # (epoch, contributors) of each round that averaged
+        self.view_after_pause: Optional[ProgressSnapshot] = None  # what `current` reads (then `view`)
+        self.current_calls = 0
 
     def snapshot(self) -> ProgressSnapshot:
         return self.view
@@ -115,6 +117,12 @@ class FakeProgress:
     @property
     def swarm_epoch_reached(self) -> int:
         return self.view.global_epoch
+
+    def current(self, timeout: float = 5.0) -> ProgressSnapshot:
+        self.current_calls += 1
+        if self.view_after_pause is not None:  # this process was paused: the read brings the swarm's new view
+            self.view, self.view_after_pause = self.view_after_pause, None
+        return self.view
 
     def refresh_now(self, timeout: float = 2.0, **kwargs: Any) -> ProgressSnapshot:
         return self.view

@@ -123,6 +123,19 @@ def test_a_peer_behind_the_swarm_without_a_donor_averages_as_usual():
     assert host.downloads == [2] and record.ok and host.counters.dropped_samples == 0
 
 
+def test_a_peer_whose_process_was_paused_reads_the_swarm_again_and_catches_up_instead_of_averaging():
+    """SIGSTOP for 30 s at epoch 0: the cached view still says the swarm is at epoch 0 (in step), the swarm is at
+    90. The epoch end decides on a fresh read (`current`), so the peer takes a donor's state; on the cached view it
+    averaged its stale gradients with the swarm."""
+    host = gradients_host()
+    host.swarm.progress.view_after_pause = swarm_view(trainers=2, epoch=90)
+    host.donor_state = object()
+    host.backward()
+    record = host.epochs.account(32)
+    assert host.swarm.progress.current_calls == 1
+    assert host.downloads == [89] and record.error == "caught up" and host.averager.calls == []
+
+
 def test_a_spent_compute_budget_ends_the_epoch_and_says_so():
     host = gradients_host(budget=1.0)
     host.timing.begin_epoch()

@@ -14,6 +14,7 @@ from test_dht_records import make_record
 from moshpeer.dht import MUTABLE_FIELDS, Identity
 import moshpeer.peer.optimizer.progress as progress_module
 from moshpeer.peer.optimizer.progress import SwarmProgress
+from moshpeer.peer.optimizer.pause_watch import PauseWatch
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 
 pytestmark = pytest.mark.timeout(60)
@@ -157,3 +158,43 @@ def test_an_epoch_of_its_own_count_publishes_at_the_longest_interval_but_its_end
     finally:
         progress.shutdown()
         swarm.shutdown()
+
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_after_a_pause_the_view_an_epoch_end_decides_on_comes_from_a_complete_read_begun_after_it(monkeypatch,
+                                                                                                   paused):
+    """`current()` is the cached view unless this process was paused since the read behind it; then it waits for
+    a complete read begun after the pause (an incomplete one, lacking this peer's own record, which expired from
+    the DHT during the pause, does not count)."""
+    own = make_record(Identity.generate(), epoch=3)
+    others = [make_record(Identity.generate(), epoch=3) for _ in range(2)]
+    reads = iter([[own, *others], [], [others[0]]] + [[own, others[0]]] * 100)  # then one of the others left
+    monkeypatch.setattr(progress_module, "list_peers", lambda *args, **kwargs: next(reads))
+    clock = FakeClock()
+    pauses = PauseWatch(clock=clock)
+    progress = SwarmProgress(_EmptyDHT(), "unit-run", target_batch_size=1000, own_record=lambda: own,
+                             publish=lambda **fields: None, pauses=pauses,
+                             cadence=ProgressCadence(min_interval_s=0.01, max_interval_s=60.0))
+    try:
+        assert progress.refresh_now(timeout=1.0).num_trainers == 3
+        if paused:
+            clock.advance(30.0)  # stopped for 30 s: whichever of the ticker and the epoch end runs first sees it
+        started = time.monotonic()
+        assert progress.current(timeout=20.0).num_trainers == (2 if paused else 3)
+        assert time.monotonic() - started < 10.0
+    finally:
+        progress.shutdown()
+
+
+def test_a_tick_late_by_more_than_the_threshold_ends_a_pause():
+    clock = FakeClock(now=0.0)
+    watch = PauseWatch(clock=clock, pause_s=3.0)
+    clock.advance(0.5)
+    assert watch.tick() is None and not watch.paused_since(0.0)
+    clock.advance(20.0)  # stopped: every thread resumes at once, the ticker maybe last
+    assert watch.paused_since(0.4)  # the ticker is late itself
+    assert watch.tick() == 20.0 and watch.last_pause_end == 20.5
+    assert watch.paused_since(20.0) and not watch.paused_since(20.5)  # a read begun after it is fresh
+    clock.advance(0.5)
+    assert watch.tick() is None and not watch.paused_since(20.5)

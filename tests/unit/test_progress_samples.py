@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from moshpeer.dht import PeerRecord
-from moshpeer.peer.optimizer.progress import EpochCredit, ProgressSnapshot, summarize
+from moshpeer.peer.optimizer.epoch_credit import EpochCredit
+from moshpeer.peer.optimizer.progress import ProgressSnapshot, summarize
 from moshpeer.peer.optimizer.sample_credit import RATE_FACTOR, START_SLACK_S, SampleCredit
 
 REFRESH_S = 0.5

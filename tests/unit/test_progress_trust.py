@@ -4,7 +4,8 @@ epochs, a record is credited only plausible steps, and an established view rises
 from __future__ import annotations
 
 from moshpeer.dht import PeerRecord
-from moshpeer.peer.optimizer.progress import EpochCredit, summarize
+from moshpeer.peer.optimizer.epoch_credit import EpochCredit
+from moshpeer.peer.optimizer.progress import summarize
 
 TARGET = 256
 
@@ -49,6 +50,20 @@ def test_the_view_keeps_up_with_a_swarm_faster_than_its_refreshes():
     assert view(credit, [record(1, 10), record(2, 10)], own, now=0.0).global_epoch == 10
     assert view(credit, [record(1, 14), record(2, 14)], own, now=2.0).global_epoch == 14
     assert view(credit, [record(1, 1 << 62), record(2, 1 << 62)], own, now=4.0).global_epoch == 14 + 20
+
+
+def test_a_view_after_a_pause_sees_how_far_the_swarm_ran_meanwhile():
+    """The frozen peer (SIGSTOP for 30 s in a swarm at 3 epochs per second): its next view came 30 s after the
+    last one, and the swarm had run 90 epochs. The whole gap counts: the view jumps there at once (it was allowed 20
+    epochs, then 10 a second, and averaged stale gradients with the swarm for the 12 s that took). Saved-up
+    allowance is still capped: a view that kept up, then sees a sudden majority claim, rises 20 at most."""
+    own = record(0, 10)
+    credit = EpochCredit()
+    assert view(credit, [record(1, 10), record(2, 10)], own, now=0.0).global_epoch == 10
+    assert view(credit, [record(1, 100), record(2, 100)], own, now=30.0).global_epoch == 100
+    for k in range(1, 31):  # 30 s of views every second, the swarm at 100: the allowance is not saved up
+        assert view(credit, [record(1, 100), record(2, 100)], own, now=30.0 + k).global_epoch == 100
+    assert view(credit, [record(1, 1 << 62), record(2, 1 << 62)], own, now=61.0).global_epoch == 100 + 20
 
 
 def test_a_view_refreshed_often_follows_a_swarm_of_2_6_epochs_per_second():

@@ -8,7 +8,8 @@ from typing import List, Optional
 
 from moshpeer.dht import PeerRecord
 from moshpeer.dht.records import MAX_WITNESSED
-from moshpeer.peer.optimizer.progress import EpochCredit, summarize
+from moshpeer.peer.optimizer.epoch_credit import EpochCredit
+from moshpeer.peer.optimizer.progress import summarize
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
 from moshpeer.peer.optimizer.witnesses import MIN_ROUNDS, WINDOW_EPOCHS, TrainerWitnesses, witness_tag
 

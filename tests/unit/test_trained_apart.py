@@ -4,7 +4,7 @@ epoch loop acting on them, and how the others read its record (progress.py)."""
 from __future__ import annotations
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.optimizer.progress import EpochCredit
+from moshpeer.peer.optimizer.epoch_credit import EpochCredit
 from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS, TrainedApart
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view

@@ -204,7 +204,7 @@ class EpochLoop:
         a lone step included: it too is taken at the next epoch end), or at the first epoch end, whose round is
         still in flight, a record with error "round in flight" that `rounds` does not keep."""
         host = self.host
-        snapshot = host.swarm.progress.snapshot()
+        snapshot = host.swarm.progress.current()  # read again if this process was paused since the last read
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
                      swarm_samples_capped=snapshot.samples_capped, num_trainers=snapshot.num_trainers)
         epoch = self.counters.epoch

@@ -9,7 +9,7 @@ dictionary. From those records each peer derives the same view:
   up by downloading state, not average stale gradients): fewer than half of the trainers cannot raise it,
   however far they claim to be ahead, and a minority of laggards cannot hold it back. A trainer back from an
   outage (its record's `apart_since`) is left out until it has taken the swarm's state (trained_apart.py);
-- claims only move forward by plausible steps (`EpochCredit`): across refreshes, a record is
+- claims only move forward by plausible steps (`EpochCredit`, epoch_credit.py): across refreshes, a record is
   credited with at most one epoch beyond the swarm epoch or beyond what it was credited before
   (so catching up to the swarm is fine, jumping past it is not), and this peer's view of the swarm
   epoch itself rises by at most one per refresh or `MAX_EPOCHS_PER_SECOND`, whichever is more (a majority
@@ -26,6 +26,10 @@ dictionary. From those records each peer derives the same view:
   claiming the target at every refresh cannot end every epoch at once; the refused samples are counted
   (`ProgressSnapshot.samples_capped`);
 - the estimated time to the target comes from the summed `samples_per_second`.
+
+An epoch's end decides on `current()`: the view, and after a pause of this process (SIGSTOP, a suspended VM, a
+laptop asleep: pause_watch.py) first a complete read begun after it. Deciding on the view from before the pause, a
+peer 60-90 epochs behind took itself for one in step and averaged its stale gradients with the swarm.
 
 A read that does not return this peer's own record (`holds_own_record`) is incomplete and leaves the view as it
 was: the record is republished every heartbeat, so a read without it is one whose requests timed out, not a swarm
@@ -53,11 +57,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Collection, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht import PeerRecord, SwarmDHT, list_peers
+from moshpeer.peer.optimizer.epoch_credit import EpochCredit, epoch_sources, robust_epoch
+from moshpeer.peer.optimizer.pause_watch import PauseWatch
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.optimizer.sample_credit import SampleCredit
 from moshpeer.peer.optimizer.witnesses import TrainerWitnesses
@@ -123,82 +129,9 @@ class ProgressSnapshot:
         }
 
 
-def robust_epoch(epochs: Sequence[int]) -> int:
-    """The upper median of `epochs` (non-empty). Raising it above every honest claim takes lies from at least
-    half of the records; lowering it below every up-to-date one takes more than half lagging behind (peers
-    that just joined, or resumed from an old checkpoint, still show old epochs)."""
-    ordered = sorted(epochs)
-    return ordered[len(ordered) // 2]
-
-
-# How fast this peer's view of the swarm epoch may rise: this many epochs per second (at least one per
-# refresh). An epoch is a group round; the 2-core soak's swarm of small models ran 2.6 per second, and a
-# limit of 4 whose fractions were dropped at every refresh held a peer's view below that, so it fell ever
-# further behind without catching up. Sybils claiming epoch 2^62 still gain only this many per second.
-MAX_EPOCHS_PER_SECOND = 10.0
-# ... and the unused allowance it may save up, in seconds (a view that waited gets no burst beyond this).
-RISE_ALLOWANCE_S = 2.0
-
-
-class EpochCredit:
-    """How far this peer believes each record's epoch claim, across refreshes (see the module docstring)."""
-
-    def __init__(self):
-        self._credited: Dict[str, int] = {}
-        self.swarm_epoch: Optional[int] = None  # the last view's swarm epoch; None before the first
-        self._viewed_at: Optional[float] = None
-        self._allowance = 0.0  # epochs the view may still rise by (MAX_EPOCHS_PER_SECOND, fractions kept)
-        self.reached = 0  # the highest epoch the swarm is known to have reached, also after its trainers left
-
-    def apply(self, records: Sequence[PeerRecord], own_peer_id: Optional[str] = None,
-              now: Optional[float] = None, uncorroborated: Collection[str] = ()) -> Tuple[PeerRecord, ...]:
-        """`records` with each epoch capped at what is plausible; remembers the caps for the next call. The
-        records of `uncorroborated` peers (nobody this peer averaged with saw them average: witnesses.py) do not
-        move the swarm epoch."""
-        now = time.monotonic() if now is None else now
-        corroborated = [r for r in records if r.peer_id not in uncorroborated]
-        sources = [r for r in _epoch_sources(corroborated, own_peer_id) if r.peer_id != own_peer_id]
-        if not sources:
-            # Nobody else's claim yet (a newcomer whose DHT has not found the swarm): no anchor. Anchoring on
-            # this peer's own epoch 0 would then let its view of a swarm at epoch 200 rise one step per refresh.
-            return tuple(records)
-        swarm = robust_epoch([r.epoch for r in sources])
-        if self.swarm_epoch is not None:
-            self._allowance = min(self._allowance + (now - self._viewed_at) * MAX_EPOCHS_PER_SECOND,
-                                  RISE_ALLOWANCE_S * MAX_EPOCHS_PER_SECOND)
-            swarm = min(swarm, self.swarm_epoch + max(1, int(self._allowance)))
-            self._allowance = max(0.0, self._allowance - max(0, swarm - self.swarm_epoch))
-        credited = []
-        for record in records:
-            before = self._credited.get(record.peer_id)
-            limit = swarm + 1 if before is None else max(before + 1, swarm)
-            epoch = min(record.epoch, limit)
-            self._credited[record.peer_id] = epoch
-            if epoch != record.epoch:
-                logger.debug(f"crediting {record.peer_id[-8:]} with epoch {epoch}, not its claimed {record.epoch}")
-                record = record.model_copy(update={"epoch": epoch, "samples_accumulated": 0})
-            credited.append(record)
-        self.swarm_epoch, self._viewed_at = swarm, now
-        self.reached = max(self.reached, swarm)
-        return tuple(credited)
-
-    def note_departures(self, leaving: Sequence[PeerRecord]) -> None:
-        """Trainers that withdrew: the epoch each left at counts towards `reached`, at most one above what this
-        peer credited it with while it was live (a record never seen live, or a leaving claim of epoch 2^62,
-        raises nothing)."""
-        for record in leaving:
-            before = self._credited.get(record.peer_id)
-            if record.role == "trainer" and before is not None:
-                self.reached = max(self.reached, min(record.epoch, before + 1))
-
-
-def _epoch_sources(records: Sequence[PeerRecord], own_peer_id: Optional[str]) -> list:
-    """Whose epochs say where the swarm is: the other trainers (this peer asks whether it is behind them),
-    else the other aux peers, else this peer itself. A peer back from an outage that has not taken the swarm's
-    state yet (`apart_since`) is nobody's source: it trained its later epochs alone (trained_apart.py)."""
-    others = [r for r in records if r.peer_id != own_peer_id and r.apart_since is None]
-    return ([r for r in others if r.role == "trainer"] or [r for r in others if r.role == "aux"]
-            or [r for r in records if r.peer_id == own_peer_id])
+# How long `SwarmProgress.current` waits for a complete read after a pause of this process: its own record may have
+# expired from the DHT meanwhile, and reads lacking it are incomplete until its next heartbeat (5 s by default).
+PAUSED_READ_WAIT_S = 10.0
 
 
 def summarize(
@@ -222,13 +155,13 @@ def summarize(
         by_id[own.peer_id] = own
     trainers = [r for r in by_id.values() if r.role == "trainer"]
     aux = [r for r in by_id.values() if r.role == "aux"]
-    epoch_sources = _epoch_sources([r for r in by_id.values() if r.peer_id not in uncounted],
-                                   own.peer_id if own is not None else None)
-    global_epoch = robust_epoch([r.epoch for r in epoch_sources]) if epoch_sources else 0
+    sources = epoch_sources([r for r in by_id.values() if r.peer_id not in uncounted],
+                            own.peer_id if own is not None else None)
+    global_epoch = robust_epoch([r.epoch for r in sources]) if sources else 0
     if max_epoch is not None:
         global_epoch = min(global_epoch, max_epoch)
     own_id = own.peer_id if own is not None else None
-    others_epoch = global_epoch if any(r.peer_id != own_id for r in epoch_sources) else None
+    others_epoch = global_epoch if any(r.peer_id != own_id for r in sources) else None
     if own is not None:  # this peer's own epoch is no claim: the swarm is at least where it is
         global_epoch = max(global_epoch, own.epoch)
     counted = [r for r in trainers if r.peer_id not in uncounted or r.peer_id == own_id]
@@ -264,6 +197,7 @@ class SwarmProgress:
     :param publish: `publish(**fields)` sends this peer's progress fields out (throttled here)
     :param cadence: when to read and publish (default: `ProgressCadence()`)
     :param on_refresh: called in the refresh thread after every fetch (e.g. re-publish heartbeats)
+    :param pauses: notices this process's pauses (default: a `PauseWatch` of its own); its ticker runs here
     """
 
     def __init__(
@@ -276,6 +210,7 @@ class SwarmProgress:
         publish: Publish,
         cadence: ProgressCadence = ProgressCadence(),
         on_refresh: Optional[Callable[[], None]] = None,
+        pauses: Optional[PauseWatch] = None,
     ):
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -295,11 +230,16 @@ class SwarmProgress:
         self._last_publish = 0.0
         self._last_published_epoch = -1
         self._last_fetch = 0.0
+        self._pauses = pauses or PauseWatch()
+        self._view_started = -math.inf  # when the read behind the current view began (by the pause watch's clock)
         self._epoch_eta: Optional[Tuple[float, float]] = None  # (seconds left in this peer's epoch, as of when)
         self._stop = threading.Event()
         self._wanted = threading.Event()  # someone waits for a refresh: fetch now (within the byte budget)
         self._thread = threading.Thread(target=self._refresh_loop, name="moshpeer-progress", daemon=True)
         self._thread.start()
+        self._ticker = threading.Thread(target=self._pauses.run, args=(self._stop,), name="moshpeer-pause-watch",
+                                        daemon=True)
+        self._ticker.start()
 
     # ---- local progress -------------------------------------------------------------------------
 
@@ -349,6 +289,26 @@ class SwarmProgress:
         return summarize(records, own=self._own_record(), target_batch_size=self.target_batch_size,
                          now=time.monotonic(), max_epoch=last, uncounted=unwitnessed | frozenset(self._uncounted()),
                          capped=capped)
+
+    def current(self, timeout: float = PAUSED_READ_WAIT_S) -> ProgressSnapshot:
+        """`snapshot`, but when this process was paused since the read behind it (pause_watch.py), first a complete
+        read begun after the pause, waiting up to `timeout`: the view from before the pause is where the swarm was,
+        and a peer that decides on it mixes stale work into the swarm. If none comes in time, the last view (logged)."""
+        if not self._pauses.paused_since(self._view_started):
+            return self.snapshot()
+        asked = self._pauses.now()
+        logger.info("back from a pause: reading the swarm's progress again before deciding anything")
+        deadline = time.monotonic() + timeout
+        with self._fetched:
+            while self._view_started < asked:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning(f"no complete read of the swarm's progress within {timeout:g} s after a pause; "
+                                   f"going on with the view from before it")
+                    break
+                self._wanted.set()  # again after an incomplete read: the refresh thread reads once per request
+                self._fetched.wait(min(remaining, 0.5))
+        return self.snapshot()
 
     def corroborated_peers(self) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
@@ -420,10 +380,12 @@ class SwarmProgress:
         self._stop.set()
         self._wanted.set()
         self._thread.join(timeout=1.0)
+        self._ticker.join(timeout=1.0)
 
     def _fetch(self, timeout: float) -> bool:
         """One DHT read of the records into the view; False (the previous view kept) if it failed or was
         incomplete (`holds_own_record`). Waiters (`wait_for_refresh`) are woken by every read that answered."""
+        started = self._pauses.now()
         try:
             listed = list_peers(self.dht, self.run_id, timeout=timeout, include_leaving=True)
         except Exception as e:  # timeouts, DHT shutting down: keep the previous view
@@ -444,6 +406,7 @@ class SwarmProgress:
                 self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch,
                                                     now=now)
                 self._credit.note_departures([r for r in listed if r.leaving])
+                self._view_started = started
             self._fetch_count += 1
             self._fetched.notify_all()
         return complete
