@@ -96,6 +96,28 @@ def test_round_trip_keeps_everything(tmp_path):
     assert_same(optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"])
 
 
+def test_a_write_that_fails_is_counted_and_logged_with_what_a_resume_would_start_from(tmp_path, caplog, monkeypatch):
+    """A full disk: the write raises (the temp file is gone), the store counts it, the log line says which checkpoint
+    a resume would start from, and the previous checkpoint stays the newest valid one."""
+    state = {Parts.MODEL: small_training_state()[0].state_dict()}
+    with CheckpointStore(tmp_path) as store:
+        first = store.save(state, step=1, epoch=0)
+
+        def no_space(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr("moshpeer.peer.checkpoint.store.write_checkpoint_file", no_space)
+        with pytest.raises(OSError):
+            store.save(state, step=2, epoch=0)
+        with caplog.at_level(logging.ERROR, logger="moshpeer.peer.checkpoint.store"):
+            handle = store.save_async(state, step=3, epoch=0)
+            assert handle.wait(10) and isinstance(handle.exception(), OSError)
+        assert store.stats.failed == 2 and store.stats.saved == 1
+    [line] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert "No space left on device" in line and f"the newest checkpoint is {first.name}" in line
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == first.suffix] == [first.name]
+
+
 def test_load_latest_of_missing_or_empty_directory(tmp_path):
     assert CheckpointStore(tmp_path / "missing").load_latest() is None
     assert CheckpointStore(tmp_path).load_latest() is None

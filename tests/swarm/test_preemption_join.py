@@ -7,6 +7,7 @@ enough for the checkpoint and signal path; tests/swarm/test_preemption_swarm.py 
 
 from __future__ import annotations
 
+import resource
 import signal
 import time
 
@@ -83,6 +84,29 @@ def test_sigterm_checkpoints_in_time_restart_resumes_exactly_and_a_notice_file_d
     state, meta = CheckpointStore(directory).load_latest()
     assert meta.path.name == second["file"] and state_digest(state) == second["state_digest"]
     assert "preemption notice" in restarted.stderr
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+
+def test_a_final_checkpoint_that_cannot_be_written_is_one_error_line_and_exit_code_1(swarm, tmp_path):
+    """A full disk, made here with a file size limit below a checkpoint's size (RLIMIT_FSIZE: Python ignores
+    SIGXFSZ, so a write fails with EFBIG as it would with ENOSPC; the reference kernels, so that no compiled
+    extension is built under the limit). Before: a line per failure, the final one twice, and exit code 0, so a
+    supervisor took the stop for a clean one. Now the peer trains on through failed periodic writes, and on SIGTERM
+    says once that the training since the last checkpoint is lost and what a resume would start from, and exits 1."""
+    peer = swarm.spawn("join", "--run-id", "full-disk", "--host-maddrs", LOOPBACK, "--heartbeat", "1",
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--grace-period", str(GRACE),
+                       "--checkpoint-every-steps", "7", preexec=_limit_file_size, env={"MOSHPEER_KERNELS": "torch"})
+    peer.wait_for_line(lambda line: "background checkpoint for step" in line and "failed" in line, timeout=STARTUP,
+                       stream="stderr")
+    wait_event(peer, "epoch", timeout=60, predicate=lambda e: e["epoch"] >= 2)  # training goes on
+    peer.send_signal(signal.SIGTERM)
+    assert peer.wait_exit(GRACE + 15) == 1, peer.describe(40)
+    failed = [line for line in peer.stderr_lines if "final checkpoint failed" in line]
+    assert len(failed) == 1 and "there is no checkpoint yet" in failed[0] and "exiting with code 1" in failed[0]
+    assert not events(peer, "checkpoint") and "Traceback" not in peer.stderr, peer.describe(40)
 
 
 @pytest.mark.slow  # two more peer processes; the skipping itself is unit-tested in test_checkpoint.py

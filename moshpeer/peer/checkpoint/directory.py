@@ -129,6 +129,16 @@ def scan_directory(directory: Path) -> DirectoryListing:
     return DirectoryListing(checkpoints, sorted(temp_files), sorted(misnamed))
 
 
+def newest_on_disk(directory: Path) -> str:
+    """What a resume would start from, in words, for messages about a failed write: the newest checkpoint file's
+    name (unverified), or that there is none."""
+    try:
+        checkpoints = scan_directory(directory).checkpoints
+    except OSError as e:
+        return f"the checkpoint directory cannot be read ({e.strerror or e})"
+    return f"the newest checkpoint is {checkpoints[-1][1].name}" if checkpoints else "there is no checkpoint yet"
+
+
 def inspect_file(path: PathLike, *, verify: bool = True) -> CheckpointInfo:
     """Check one checkpoint file: header, size, and (if `verify`) the payload checksum."""
     path = Path(path)

@@ -30,6 +30,7 @@ from moshpeer.peer.checkpoint.directory import (
     active_writer_pid,
     list_checkpoints,
     load_checkpoint,
+    newest_on_disk,
     scan_directory,
     temp_file_reason,
 )
@@ -201,7 +202,11 @@ class CheckpointStore:
         self._settle_in_flight(abort=abort_in_flight)
         path, meta_json = self._prepare(state, step=step, epoch=epoch, extra=extra)
         started = time.perf_counter()
-        size = write_checkpoint_file(path, state, meta_json)
+        try:
+            size = write_checkpoint_file(path, state, meta_json)
+        except BaseException:
+            self.stats.failed += 1
+            raise
         self._after_write(path, size, time.perf_counter() - started, step=step, epoch=epoch)
         return path
 
@@ -441,7 +446,8 @@ class CheckpointStore:
             handle._finish(e)
         except BaseException as e:  # reported through the handle; the training thread keeps going
             self.stats.failed += 1
-            logger.error(f"background checkpoint for step {handle.step} failed: {type(e).__name__}: {e}")
+            logger.error(f"background checkpoint for step {handle.step} failed: {type(e).__name__}: {e} "
+                         f"({newest_on_disk(self.directory)}; training goes on)")
             handle._finish(e)
         else:
             handle._finish()

@@ -37,7 +37,7 @@ from moshpeer.peer.checkpoint.format import CheckpointError, UnsupportedCheckpoi
 from moshpeer.peer.checkpoint.staleness import DEFAULT_MAX_STALENESS
 from moshpeer.peer.checkpoint.rng import capture_rng_state, restore_rng_state
 from moshpeer.peer.checkpoint.directory import CheckpointMeta
-from moshpeer.peer.checkpoint.store import CheckpointStore, Parts
+from moshpeer.peer.checkpoint.store import CheckpointStore, Parts, SaveHandle
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class PeerCheckpointer:
         self.optimizer: Any = None  # a CollaborativeOptimizer
         self.stream: Optional[Iterator[Any]] = None
         self.final_path: Optional[Path] = None
+        self.final_error: Optional[BaseException] = None  # why the final checkpoint could not be written
         self._final_lock = threading.Lock()
         self._last_step = 0
         self._last_time = time.monotonic()
@@ -226,9 +227,10 @@ class PeerCheckpointer:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_time >= policy.every_seconds
 
-    def maybe_save(self, step: int) -> Optional[Path]:
-        """A periodic checkpoint if one is due: snapshot now, write in the background. The path it
-        will have once durable, or None (not due, or the previous write is still running)."""
+    def maybe_save(self, step: int) -> Optional[SaveHandle]:
+        """A periodic checkpoint if one is due: snapshot now, write in the background. Its handle (`done()`,
+        `exception()`: a write may fail, e.g. on a full disk, which the store logs), or None (not due, or the
+        previous write is still running)."""
         if not self.due(step):
             return None
         self._last_step, self._last_time = step, time.monotonic()
@@ -237,7 +239,7 @@ class PeerCheckpointer:
         handle = self.store.save_async(self.capture(step, clone_buffers=True), step=step,
                                        epoch=self.optimizer.local_epoch, extra=self._extra("periodic"),
                                        copy_in_background=True)
-        return handle.path if handle is not None else None
+        return handle
 
     def fence(self) -> None:
         """Call before changing the training state (the optimizer step): waits until a periodic
@@ -246,19 +248,27 @@ class PeerCheckpointer:
 
     def save_final(self, step: int, reason: str) -> Optional[Path]:
         """The checkpoint on the way out, written now and durable on return; a background write in
-        flight is abandoned (this one supersedes it). Runs once: a second call returns the first's path.
+        flight is abandoned (this one supersedes it). Runs once: a second call returns the first's path, or
+        raises the first's error again (`final_error`; a full disk stays full) without writing.
 
         Safe to call from another thread than the training loop's (the shutdown path does when the loop
         did not finish in time): the optimizer's lock keeps the state still while it is captured and
-        written.
+        written. Raises what the write raised (OSError: no space, no permission); the previous checkpoint
+        stays the newest valid one.
         """
         with self._final_lock:
+            if self.final_error is not None:
+                raise self.final_error
             if self.final_path is not None:
                 return self.final_path
-            with self.optimizer.lock:
-                state = self.capture(step)
-                self.final_path = self.store.save(state, step=step, epoch=self.optimizer.local_epoch,
-                                                  extra=self._extra(reason), abort_in_flight=True)
+            try:
+                with self.optimizer.lock:
+                    state = self.capture(step)
+                    self.final_path = self.store.save(state, step=step, epoch=self.optimizer.local_epoch,
+                                                      extra=self._extra(reason), abort_in_flight=True)
+            except Exception as e:
+                self.final_error = e
+                raise
             return self.final_path
 
     def estimated_save_s(self) -> float:

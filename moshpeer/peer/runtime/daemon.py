@@ -133,6 +133,7 @@ class PeerDaemon:
         self._watchdog: Optional[threading.Timer] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._shutdown_hooks: List[Tuple[str, ShutdownHook]] = []
+        self._exit_code = 0  # what `run` returns (`fail`)
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
         self._visible_maddrs: List[str] = []
@@ -277,7 +278,8 @@ class PeerDaemon:
         return self._stop_event.wait(timeout)
 
     def run(self, work: Optional[Work] = None, on_ready: Optional[Work] = None) -> int:
-        """Run this peer until a signal (or `request_stop`), then shut down; returns the exit code (0).
+        """Run this peer until a signal (or `request_stop`), then shut down; returns the exit code (0, or what
+        `fail` set).
 
         Call from the main thread. Starts the peer if needed, calls `on_ready(self)` once it is in the
         swarm, then `work(self)` in this thread (it must return soon after `stop_requested` turns
@@ -311,7 +313,12 @@ class PeerDaemon:
                 self.shutdown()
         if self._twin_error is not None:
             raise self._twin_error
-        return 0
+        return self._exit_code
+
+    def fail(self, exit_code: int = 1) -> None:
+        """Make `run` return `exit_code` instead of 0 after its shutdown (e.g. a shutdown hook could not write the
+        final checkpoint: a supervisor must not take the stop for a clean one). The caller logs why."""
+        self._exit_code = exit_code
 
     def shutdown(self) -> None:
         """The shutdown sequence (see module docstring); idempotent, bounded by `shutdown_budget`."""

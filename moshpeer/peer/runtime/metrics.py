@@ -82,9 +82,13 @@ class PeerMetrics:
                                                   "write.", buckets=TRANSFER_BUCKETS, registry=r)
         self.checkpoint_bytes = Counter("moshpeer_checkpoint_bytes", "Bytes of checkpoint files written.",
                                         registry=r)
+        self.checkpoint_failures = Counter("moshpeer_checkpoint_failures", "Checkpoint writes that failed (a full "
+                                           "disk, no permission): the newest checkpoint is older than planned.",
+                                           registry=r)
         self._server = None
         self.port: Optional[int] = None  # where `serve` listens
         self._checkpoints_seen = 0
+        self._checkpoint_failures_seen = 0
         self._refusals_seen: Dict[str, int] = {}
 
     def set_identity(self, *, run_id: str, peer_id: str, role: str, command: str) -> None:
@@ -171,9 +175,12 @@ class PeerMetrics:
             self.state_download_bytes.inc(nbytes)
 
     def observe_checkpoints(self, stats: Any, *, kind: str = "periodic") -> None:
-        """Checkpoint writes finished since the last call, read from a checkpoint store's `StoreStats`
-        (saved, last_write_s, last_size). Polled: writes that finish between two calls are all counted,
+        """Checkpoint writes finished (and failed) since the last call, read from a checkpoint store's `StoreStats`
+        (saved, failed, last_write_s, last_size). Polled: writes that finish between two calls are all counted,
         with the duration and size of the latest."""
+        if stats.failed > self._checkpoint_failures_seen:
+            self.checkpoint_failures.inc(stats.failed - self._checkpoint_failures_seen)
+            self._checkpoint_failures_seen = stats.failed
         new = stats.saved - self._checkpoints_seen
         if new <= 0:
             return

@@ -37,7 +37,9 @@ import torch
 from moshpeer.dht.local_address import ALL_INTERFACES, listens_on_all_interfaces, remote_hosts, visible_host
 from moshpeer.peer.accountability import AssignedBatches, SpotChecker
 from moshpeer.peer.accountability.spot_checks import FAILED, PASSED
+from moshpeer.peer.checkpoint.directory import newest_on_disk
 from moshpeer.peer.checkpoint.staleness import Start, start_decision
+from moshpeer.peer.checkpoint.store import SaveHandle
 from moshpeer.peer.checkpoint.training import CheckpointPolicy, PeerCheckpointer, ResumePoint, state_digest
 from moshpeer.peer.optimizer.dropcompute import BudgetSetting
 from moshpeer.peer.runtime.straggler import StragglerDelay
@@ -143,7 +145,8 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         task.make_optimizer(model.parameters()), run_id=daemon.run_id, daemon=daemon, model=model,
         target_batch_size=target, batch_size_per_step=micro, averaging=config.averaging,
         compression=config.compression, error_feedback=config.error_feedback, group_size=config.group_size,
-        compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold, phase_window=config.phase_window,
+        compute_budget=config.compute_budget, loss_budget=config.loss_budget, phase_threshold=config.phase_threshold,
+        phase_window=config.phase_window,
         role=config.role, matchmaking_time=config.matchmaking_time, round_timeout=config.round_timeout,
         state_bytes_per_second=config.state_bytes_per_second, show_progress=config.show_progress,
         should_stop=lambda: daemon.stop_requested and not _round_may_finish(daemon, checkpointer, in_step),
@@ -206,6 +209,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
     reason = "stopped"
     loss_sum, loss_count = 0.0, 0
     trainers_seen_at: Optional[float] = None  # an aux: when it last saw a live trainer
+    writing: Optional[SaveHandle] = None  # the periodic checkpoint being written in the background
     while True:
         if daemon.stop_requested:
             reason = "stopped"
@@ -235,10 +239,7 @@ def run_training(daemon: Any, task: Task, config: TrainerConfig, emit: Emit = em
         # resolved now, the previous epoch's (a "round in flight" record at the first epoch end).
         round_ = optimizer.ended_round
         if checkpointer is not None and not daemon.stop_requested:
-            path = checkpointer.maybe_save(micro_steps)
-            if path is not None:
-                emit({"event": "checkpoint", "kind": "periodic", "file": path.name, "step": micro_steps,
-                      "epoch": optimizer.local_epoch, "snapshot_s": round(checkpointer.store.stats.last_snapshot_s, 4)})
+            writing = _announce_written(writing, emit) or checkpointer.maybe_save(micro_steps)
         if peer_metrics is not None and checkpointer is not None:
             peer_metrics.observe_checkpoints(checkpointer.store.stats)  # background writes that finished
         if round_ is None and optimizer.local_epoch == epoch_before:
@@ -355,15 +356,19 @@ def _should_download(swarm_epoch: int, local_epoch: int, resume: Optional[Resume
 
 def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, emit: Emit,
                       reason: Optional[str] = None) -> None:
-    """Write the checkpoint on the way out (once) and say so."""
-    if checkpointer.final_path is not None:
+    """Write the checkpoint on the way out (once) and say so. If it cannot be written, say what a restart would
+    resume from, and make the process exit with code 1: whatever supervises it must not take the stop for a clean
+    one (the previous checkpoint stays the newest valid one)."""
+    if checkpointer.final_path is not None or checkpointer.final_error is not None:
         return
     why = reason or daemon.stop_reason or "stopped"
     started = time.monotonic()
     try:
         path = checkpointer.save_final(step, reason=why)
-    except Exception as e:  # reported, and the previous checkpoint stays the newest valid one
-        logger.error(f"final checkpoint failed: {type(e).__name__}: {e}")
+    except Exception as e:
+        logger.error(f"final checkpoint failed: {type(e).__name__}: {e}; the training since the last checkpoint is "
+                     f"lost ({newest_on_disk(checkpointer.store.directory)}); exiting with code 1")
+        daemon.fail(exit_code=1)
         return
     left = daemon.seconds_left_for_work()
     emit({"event": "checkpoint", "kind": "final", "file": path.name, "step": step,
@@ -371,6 +376,18 @@ def _final_checkpoint(checkpointer: PeerCheckpointer, step: int, daemon: Any, em
           "state_digest": state_digest(checkpointer.capture(step)),
           "params_digest": params_digest(checkpointer.model),
           "seconds_left": None if left == float("inf") else round(left, 3)})
+
+
+def _announce_written(writing: Optional[SaveHandle], emit: Emit) -> Optional[SaveHandle]:
+    """A periodic checkpoint's event once its background write is durable (one that failed is logged by the store
+    and counted in the metrics, not announced) -> the handle while the write is still running, else None."""
+    if writing is None or not writing.done():
+        return writing
+    if writing.exception() is None:
+        emit({"event": "checkpoint", "kind": "periodic", "file": writing.path.name, "step": writing.step,
+              "epoch": writing.epoch, "snapshot_s": round(writing.snapshot_s, 4),
+              "write_s": round(writing.write_s or 0.0, 4)})
+    return None
 
 
 def _trainers_finished(local_epoch: int, max_epochs: Optional[int], trainers_seen_at: Optional[float],
