@@ -25,6 +25,9 @@ from moshpeer.version import PROTOCOL_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 
+# How often `refresh_addresses` asks the DHT for this peer's visible addresses (one call to the DHT process).
+ADDRESS_CHECK_S = 10.0
+
 
 def fresh_record(dht: SwarmDHT, role: str, addresses: Optional[Sequence[str]] = None) -> PeerRecord:
     """A new record for this DHT node's identity, started now."""
@@ -45,6 +48,7 @@ class RecordPublisher:
         self._record = record
         self._lock = threading.Lock()
         self._last_publish = 0.0
+        self._addresses_checked = time.monotonic()  # the record was just made with the current addresses
 
     @property
     def record(self) -> PeerRecord:
@@ -77,6 +81,26 @@ class RecordPublisher:
         """`update`, then `publish_quietly`."""
         self.update(**fields)
         self.publish_quietly()
+
+    def refresh_addresses(self, now: Optional[float] = None) -> bool:
+        """Take the DHT's visible addresses into the record (published with the next `publish`) if they changed
+        since the record was made: a machine whose address changes (a roaming laptop, a new DHCP lease) is still
+        listed where it is, and others that lost the swarm dial it there (reconnect.py). Asks the DHT at most every
+        ADDRESS_CHECK_S; True if the addresses changed. A DHT that does not answer leaves them as they were."""
+        now = time.monotonic() if now is None else now
+        if now - self._addresses_checked < ADDRESS_CHECK_S:
+            return False
+        self._addresses_checked = now
+        try:
+            addresses = [str(m) for m in self.dht.get_visible_maddrs(latest=True)][:MAX_ADDRESSES]  # not cached
+        except Exception as e:  # the DHT process is gone or busy: the heartbeat says so
+            logger.debug(f"could not read this peer's addresses: {e}")
+            return False
+        if not addresses or addresses == list(self.record.addresses):
+            return False
+        logger.info(f"this peer's addresses changed: now {', '.join(addresses[:2])}")
+        self.update(addresses=addresses)
+        return True
 
     def refresh_if_stale(self) -> None:
         """Re-publish when a third of the expiration passed since the last publication (the record never lapses

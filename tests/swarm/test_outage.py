@@ -22,12 +22,23 @@ pytestmark = [pytest.mark.timeout(180),
 RUN = "outage"
 
 
-def listed_peers(swarm, lab: Netlab, k: int, initial_peers) -> set:
-    """The run's live peers as `moshpeer status` in lab peer k's namespace sees them."""
-    status = swarm.spawn("status", "--initial-peers", *initial_peers, "--run-id", RUN, "--json",
+def status_records(swarm, lab: Netlab, k: int, initial_peers, run: str = RUN) -> list:
+    """The run's live peers' records as `moshpeer status --json` in lab peer k's namespace shows them."""
+    status = swarm.spawn("status", "--initial-peers", *initial_peers, "--run-id", run, "--json",
                          prefix=lab.command(k, []))
     assert status.wait_exit(60) == 0, status.describe()
-    return {entry["peer_id"] for entry in json.loads(status.stdout)["peers"]}
+    return json.loads(status.stdout)["peers"]
+
+
+def listed_peers(swarm, lab: Netlab, k: int, initial_peers) -> set:
+    """The run's live peers as `moshpeer status` in lab peer k's namespace sees them."""
+    return {entry["peer_id"] for entry in status_records(swarm, lab, k, initial_peers)}
+
+
+def record_of(swarm, lab: Netlab, k: int, initial_peers, peer_id: str, run: str) -> dict:
+    """`peer_id`'s record as lab peer k's `moshpeer status --json` shows it (empty addresses if not listed)."""
+    return next((entry for entry in status_records(swarm, lab, k, initial_peers, run) if entry["peer_id"] == peer_id),
+                {"addresses": []})
 
 
 def wait_until(swarm, lab: Netlab, k: int, initial_peers, peer_id: str, listed: bool, timeout: float) -> None:
@@ -125,5 +136,12 @@ def test_a_trainer_whose_address_changes_averages_again_at_its_new_one(swarm):
         for trainer in trainers:
             wait_event(trainer, "epoch", timeout=90, predicate=lambda e: e["round_epoch"] > before + 5
                        and e.get("group_size") == 3 and e.get("lost_fraction") == 0.0)
+        # ... and its record says where it is now (`moshpeer status`, the contacts of peers cut off).
+        new_address = f"/ip4/{lab.addresses[3]}/"
+        moved.wait_ready()  # its ready line, with its peer id, came long ago
+        deadline = time.monotonic() + 30
+        while not any(new_address in address for address in record_of(swarm, lab, 1, boot.maddrs, moved.peer_id,
+                                                                        run)["addresses"]):
+            assert time.monotonic() < deadline, moved.describe(40)
         for proc in (*trainers, boot):
             assert proc.terminate() == 0, proc.describe()

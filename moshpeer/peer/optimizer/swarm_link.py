@@ -121,6 +121,7 @@ def link_to_swarm(run_id: str, role: str, target_batch_size: int, *, daemon: Any
     reconnection = SwarmReconnection(dht, min_interval_s=RECONNECT_CHECK_S)
 
     def after_refresh() -> None:  # in the progress thread, after each read of the records
+        publisher.refresh_addresses()
         publisher.refresh_if_stale()
         reconnection.note_listing(progress.snapshot().peers, publisher.record.peer_id)
         reconnection.check()

@@ -1,7 +1,7 @@
 """`Heartbeat`: the thread that keeps this peer's record alive in its run's membership dictionary.
 
 Every `interval` seconds (at once when woken: a record change to publish now) it re-publishes the record through
-the peer's `RecordPublisher`, and logs when publications start and stop failing. A peer whose DHT lost every
+the peer's `RecordPublisher`, with the peer's current addresses, and logs when publications start and stop failing. A peer whose DHT lost every
 neighbour (an outage) asks its contacts again first (reconnect.py). It asks the peer to stop when
 the DHT process died, and when another machine runs with this peer's identity and this one is the newer
 (twins.py: every few heartbeats it reads the run's records just before it publishes); `fatal` then holds the
@@ -70,6 +70,7 @@ class Heartbeat:
                 self._request_stop("the DHT process died")
                 return
             self._reconnection.check()
+            self.publisher.refresh_addresses()
             if self._twins.due() and self._stop_after_reading_records():
                 return
             try:
