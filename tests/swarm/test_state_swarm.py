@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moshpeer.peer.state import sync as state_sync
+from moshpeer.peer.state.progress_bar import DownloadProgressBar
 from moshpeer.peer.state.sync import download_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -98,7 +99,7 @@ def _once_a_third_arrived(monkeypatch, action) -> threading.Event:
             done.set()
             action()
 
-    monkeypatch.setattr(state_sync._progress_bar, "_update", hook)
+    monkeypatch.setattr(DownloadProgressBar, "_update", hook)
     return done
 
 
@@ -123,6 +124,20 @@ def test_a_corrupt_piece_is_refetched_and_its_donor_named(donors):
     liar = started[1].peer_id
     assert [why for peer, why in downloaded.failed_donors if peer == liar][0].startswith("CorruptPiece")
     assert liar not in downloaded.donors and set(downloaded.donors) <= {started[0].peer_id, started[2].peer_id}
+
+
+def test_a_state_that_does_not_fit_names_every_donor_that_signed_it(donors):
+    """A newcomer configured unlike the swarm (another --task-arg): every donor's state fails its validation. The
+    failure names them as misfits, with why, so that the optimizer stops downloading from them (donors.py)."""
+    newcomer, started = donors(2)
+
+    def another_model(state) -> None:
+        raise ValueError("state tensor w does not match the model")
+
+    with pytest.raises(state_sync.StateDownloadFailed) as failed:
+        download_state(newcomer, RUN, timeout=60, show_progress=False, validate=another_model)
+    assert failed.value.misfits == {donor.peer_id: "ValueError: state tensor w does not match the model"
+                                    for donor in started}
 
 
 def test_a_stalled_donor_does_not_hold_the_download_to_its_deadline(donors, monkeypatch):

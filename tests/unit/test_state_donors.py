@@ -8,7 +8,7 @@ import time
 import pytest
 
 from moshpeer.peer.state import sync
-from moshpeer.peer.state.donors import cross_checkable_first, dissenters
+from moshpeer.peer.state.donors import MisfitDonors, cross_checkable_first, dissenters
 from moshpeer.peer.state.framing import StateOffer
 
 
@@ -38,3 +38,12 @@ def test_a_training_peer_does_not_wait_out_the_timeout_for_a_donor_nobody_offers
         sync.download_state(None, "run", min_epoch=9, max_epoch=12, timeout=60.0, offer_wait_s=0.6,
                             show_progress=False)
     assert time.monotonic() - started < 5.0 and 2 <= len(listings) <= 4  # listed again every 0.5 s meanwhile
+
+
+def test_donors_whose_state_does_not_fit_are_set_aside_for_a_while_and_named_once():
+    misfits = MisfitDonors(set_aside_s=600.0)
+    assert misfits.note(["a", "b"], now=0.0) == ["a", "b"]  # named in the log
+    assert sorted(misfits.excluded(now=10.0)) == ["a", "b"]
+    assert misfits.note(["a", "c"], now=20.0) == ["c"]  # "a" was set aside already: not named again
+    assert sorted(misfits.excluded(now=601.0)) == ["a", "c"]  # "b" is asked again after 10 minutes
+    assert misfits.excluded(now=621.0) == []

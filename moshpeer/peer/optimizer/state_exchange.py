@@ -27,12 +27,14 @@ import torch
 from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.error_feedback import (error_feedback_state, fresh_error_feedback_state,
                                                     shared_error_feedback_state)
+from moshpeer.peer.state.donors import MisfitDonors
 from moshpeer.peer.state.framing import serialize_state
 from moshpeer.peer.state.sync import DownloadedState, StateDownloadFailed, StateServer, download_state
 from moshpeer.peer.state.updates import UPDATE_OP, fetch_updates, update_handler
 from moshpeer.peer.state.validation import MAX_COUNTER, validate_counters, validate_model_state
 from moshpeer.peer.strategies.base import AveragingStrategy
 from moshpeer.peer.tensor_checks import validate_optimizer_state
+from moshpeer.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class StateExchange:
         self.dht, self.run_id, self.role = dht, run_id, role
         self.download_timeout, self.show_progress = download_timeout, show_progress
         self.downloads: List[DownloadedState] = []
+        self._misfits = MisfitDonors()  # donors whose state does not fit our model: not asked for a while
+        # A peer that cannot catch up tries at every epoch end: a few lines a minute say so, not one per epoch.
+        self._catch_up_failures = RateLimitedLog(logger, interval_s=60.0, per_interval=3)
         self._cache: Optional[Tuple[int, bytes]] = None  # (epoch, serialized state) served to newcomers
         self._advertised_at = 0.0
         self._announce_host = announce_host
@@ -184,7 +189,8 @@ class StateExchange:
         max_bytes = STATE_SIZE_FACTOR * len(self.serialized_state()[1]) + (1 << 20)
         try:
             apart = tuple(r.peer_id for r in self.host.swarm.progress.snapshot().peers if r.apart_since is not None)
-            downloaded = download_state(self.dht, self.run_id, exclude=(self.dht.identity.peer_id, *apart),
+            misfits = self._misfits.excluded(time.monotonic())
+            downloaded = download_state(self.dht, self.run_id, exclude=(self.dht.identity.peer_id, *apart, *misfits),
                                         prefer=self.host.swarm.progress.corroborated_peers(),
                                         min_epoch=min_epoch, max_epoch=max_epoch, max_bytes=max_bytes,
                                         timeout=self.download_timeout, show_progress=self.show_progress,
@@ -192,7 +198,12 @@ class StateExchange:
                                         # A donor may move on one epoch between its offer and its manifest.
                                         validate=lambda state: self.check_state_fits(state, max_epoch=max_epoch + 1))
         except StateDownloadFailed as e:
-            logger.warning(f"could not catch up: {e}; training on from epoch {self.counters.epoch}")
+            new = self._misfits.note(e.misfits, time.monotonic())
+            if new:
+                logger.error(f"the state of {len(new)} donor(s) does not fit this peer's model "
+                             f"({e.misfits[new[0]]}): does this peer run the swarm's --task and --task-arg? "
+                             f"Not asking them again for {self._misfits.set_aside_s / 60:g} min")
+            self._catch_up_failures.warning(f"could not catch up: {e}; training on from epoch {self.counters.epoch}")
             return None
         with self.host.lock:
             self.load_collaborative_state(downloaded.state)

@@ -1,9 +1,11 @@
 """Which donors a state download asks, and when their signatures confirm each other: plain functions of the
-offers on the DHT (no I/O), used by `sync.download_state`."""
+offers on the DHT (no I/O), used by `sync.download_state`; and which donors a peer sets aside because their state
+does not fit its model (`MisfitDonors`, used by the optimizer's state exchange)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+import math
+from typing import Dict, Iterable, List
 
 from moshpeer.peer.state.framing import StateOffer
 
@@ -22,3 +24,32 @@ def cross_checkable_first(offers: List[StateOffer]) -> List[StateOffer]:
     for offer in offers:
         counts[offer.epoch] = counts.get(offer.epoch, 0) + 1
     return sorted(offers, key=lambda o: (counts[o.epoch] < 2, -o.epoch, o.peer_id))
+
+
+# How long a donor whose state did not fit this peer's model is not asked again, and how many such donors are kept.
+MISFIT_SET_ASIDE_S = 600.0
+MAX_MISFITS = 1024
+
+
+class MisfitDonors:
+    """Donors whose state did not fit this peer's model (another --task-arg, another task), set aside for
+    MISFIT_SET_ASIDE_S: a peer configured unlike the swarm downloaded the whole state from every donor at every
+    epoch end before (measured: 12 downloads and 24 warnings in 30 s), and would hammer donors of a large model."""
+
+    def __init__(self, set_aside_s: float = MISFIT_SET_ASIDE_S):
+        self.set_aside_s = set_aside_s
+        self._until: Dict[str, float] = {}
+
+    def note(self, misfits: Iterable[str], now: float) -> List[str]:
+        """Set these donors aside from `now` -> those that were not set aside already (to be named in the log)."""
+        new = [peer_id for peer_id in misfits if self._until.get(peer_id, -math.inf) <= now]
+        for peer_id in misfits:
+            self._until[peer_id] = now + self.set_aside_s
+        if len(self._until) > MAX_MISFITS:  # identities are cheap: keep the ones set aside last
+            self._until = dict(sorted(self._until.items(), key=lambda kv: -kv[1])[:MAX_MISFITS])
+        return new
+
+    def excluded(self, now: float) -> List[str]:
+        """The donors not to ask at `now`."""
+        self._until = {peer_id: until for peer_id, until in self._until.items() if until > now}
+        return list(self._until)

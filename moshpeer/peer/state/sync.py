@@ -56,6 +56,7 @@ from moshpeer.peer.state.framing import (OPS, STATE_KIND, STATE_PROTOCOL, StateO
                                          deserialize_state, parse_header, recv_frame_length, recv_msgpack, remaining,
                                          send_frame, signed_fields, signed_request)
 from moshpeer.peer.state.pieces import serve_piece_request
+from moshpeer.peer.state.progress_bar import DownloadProgressBar
 from moshpeer.peer.state.swarm import SwarmedState, download_swarmed
 from moshpeer.peer.state.donors import cross_checkable_first, dissenters
 from moshpeer.peer.state.validation import disagreeing_tensors
@@ -263,7 +264,12 @@ class DownloadedState:
 
 
 class StateDownloadFailed(Exception):
-    """No donor delivered a verified state in time."""
+    """No donor delivered a verified state in time. `misfits`: donor -> why its state did not fit this peer's model
+    (`validate` refused it): a peer configured unlike the swarm (another --task-arg) gets nothing from them, ever."""
+
+    def __init__(self, message: str, misfits: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.misfits = dict(misfits or {})
 
 
 def list_state_offers(dht: SwarmDHT, run_id: str, *, timeout: float = 5.0) -> List[StateOffer]:
@@ -376,11 +382,13 @@ def download_state(
         donor is asked, so Sybil donors that never average cannot contradict or outvote them
     :param offer_wait_s: how long to wait for a donor in range to be on offer (default: `timeout`)
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was set
-        aside, or every donor on offer is past `max_epoch` (at once), or none was in range for `offer_wait_s`
+        aside, or every donor on offer is past `max_epoch` (at once), or none was in range for `offer_wait_s`; its
+        `misfits` name the donors whose state `validate` refused, and why
     """
 
     deadline = time.monotonic() + timeout
     failed: List[Tuple[str, str]] = []
+    misfits: Dict[str, str] = {}  # donor -> why `validate` refused its state
     tried: set = set()
     candidate: Optional[DownloadedState] = None  # validated, waiting for a second donor to confirm it
     started = time.monotonic()
@@ -424,13 +432,15 @@ def download_state(
         same_epoch = [o for o in offers if o.epoch == offer.epoch]
         attempt_failed: List[Tuple[str, str]] = []
         swarmed: Optional[SwarmedState] = None
+        decoded = False
         try:
-            with _progress_bar(show_progress, offer, len(same_epoch)) as update:
+            with DownloadProgressBar(show_progress, offer, len(same_epoch)) as update:
                 swarmed = download_swarmed(
                     same_epoch, run_id, timeout=min(per_donor_timeout, max(0.5, deadline - time.monotonic())),
                     max_bytes=max_bytes, failed=attempt_failed, progress=update, identity=dht.identity,
                     tag=dht.admission.tag(dht.identity.peer_id), min_epoch=min_epoch)
             state = deserialize_state(swarmed.data)
+            decoded = True
             if validate is not None:
                 validate(state)
         except Exception as e:
@@ -441,6 +451,8 @@ def download_state(
             blamed = swarmed.agreeing if swarmed is not None else (() if named else (offer.peer_id,))
             logger.warning(f"state download of epoch {offer.epoch} failed ({reason}); trying other donors")
             attempt_failed.extend((peer_id, reason) for peer_id in blamed)
+            if decoded:  # `validate` refused it: a state of another model
+                misfits.update(dict.fromkeys(blamed, reason))
             continue
         finally:
             failed.extend(attempt_failed)
@@ -469,32 +481,5 @@ def download_state(
         failed.extend([(candidate.donor, reason), (offer.peer_id, reason)])
         candidate = None
     raise StateDownloadFailed(f"no donor delivered the state within {time.monotonic() - started:.1f} s "
-                              f"(failed: {failed})")
+                              f"(failed: {failed})", misfits)
 
-
-class _progress_bar:
-    """A rich progress bar on stderr while a download runs (a no-op when disabled)."""
-
-    def __init__(self, enabled: bool, offer: StateOffer, donors: int = 1):
-        self.enabled, self.offer, self.donors = enabled, offer, donors
-        self._progress, self._task = None, None
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-            self._progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), console=Console(stderr=True), transient=True)
-            self._progress.start()
-            self._task = self._progress.add_task(f"state of epoch {self.offer.epoch} from {self.donors} donor(s)",
-                                                 total=None)
-        return self._update
-
-    def _update(self, received: int, total: int) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=received, total=total)
-
-    def __exit__(self, *exc_info) -> None:
-        if self._progress is not None:
-            self._progress.stop()
