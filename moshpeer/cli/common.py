@@ -12,6 +12,7 @@ import logging
 import multiprocessing.util
 import os
 import sys
+import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
 
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, maddrs_for_port
@@ -259,15 +260,17 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def check_directory_flag(flag: str, path: str) -> None:
-    """UserError unless `path` is a directory, or one this user can create."""
+    """UserError unless `path` is a directory this process can write a file in (created if missing). Writes and
+    removes a probe file: permission bits say nothing of a read-only mount or of /proc, which root may "write"."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is not a directory")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: cannot write in {existing}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".moshpeer-write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def check_file_flag(flag: str, path: str) -> None:

@@ -131,6 +131,14 @@ CASES = {
     "checkpoint dir is a file": Case(
         "join", lambda c: ("--run-id", "r", "--checkpoint-dir", str(c.garbage_key)), lambda c: "is not a directory"
     ),
+    "checkpoint dir that cannot be written": Case(  # root may write anywhere by its permission bits, not in /proc
+        "join", lambda c: ("--run-id", "r", "--checkpoint-dir", str(c.garbage_key) + "/ckpt"),
+        lambda c: "cannot write there (Not a directory)"
+    ),
+    "checkpoint dir on a file system that refuses it": Case(
+        "join", lambda c: ("--run-id", "r", "--checkpoint-dir", "/proc/moshpeer-checkpoints"),
+        lambda c: "cannot write there"
+    ),
     "preemption notice in a missing directory": Case(
         "join", lambda c: ("--run-id", "r", "--preemption-notice", str(c.tmp / "nope" / "notice")),
         lambda c: "does not exist",
