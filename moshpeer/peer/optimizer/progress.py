@@ -402,7 +402,9 @@ class SwarmProgress:
             if complete:
                 records = tuple(r for r in listed if not r.leaving)
                 self._unwitnessed = self._witnesses.uncounted(records, own_peer_id=own.peer_id, epoch=own.epoch)
-                credited = self._credit.apply(records, own.peer_id, now=now, uncorroborated=self._unwitnessed)
+                # The pause watch's clock runs on through a suspend (time.monotonic does not): the swarm did too.
+                credited = self._credit.apply(records, own.peer_id, now=self._pauses.now(),
+                                              uncorroborated=self._unwitnessed)
                 self._records = self._samples.apply(credited, own=own, swarm_epoch=self._credit.swarm_epoch,
                                                     now=now)
                 self._credit.note_departures([r for r in listed if r.leaving])

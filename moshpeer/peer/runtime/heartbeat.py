@@ -1,10 +1,10 @@
 """`Heartbeat`: the thread that keeps this peer's record alive in its run's membership dictionary.
 
 Every `interval` seconds (at once when woken: a record change to publish now) it re-publishes the record through
-the peer's `RecordPublisher`, with the peer's current addresses, and logs when publications start and stop failing. A peer whose DHT lost every
-neighbour (an outage) asks its contacts again first (reconnect.py). It asks the peer to stop when
-the DHT process died, and when another machine runs with this peer's identity and this one is the newer
-(twins.py: every few heartbeats it reads the run's records just before it publishes); `fatal` then holds the
+the peer's `RecordPublisher`, with the peer's current addresses, and logs when publications start and stop failing.
+A peer whose DHT lost every neighbour (an outage) asks its contacts again first (reconnect.py). It asks the peer
+to stop when the DHT process died, and when another machine runs with this peer's identity and this one is the
+newer (twins.py: every few heartbeats it reads the run's records just before it publishes); `fatal` then holds the
 error the peer exits with.
 """
 
