@@ -43,8 +43,7 @@ class PauseWatch:
         self._clock, self.pause_s = clock, pause_s
         self._lock = threading.Lock()
         self._last_tick = clock()
-        self.last_pause_end = -math.inf  # when the last pause ended (by `now`), and how long it was
-        self.last_pause_s = 0.0
+        self.last_pause_end = -math.inf  # when the last pause ended (by `now`)
 
     def now(self) -> float:
         """The watch's clock (compare `paused_since` arguments with it, not with `time.monotonic`)."""
@@ -57,7 +56,7 @@ class PauseWatch:
             gap, self._last_tick = now - self._last_tick, now
             if gap <= self.pause_s:
                 return None
-            self.last_pause_end, self.last_pause_s = now, gap
+            self.last_pause_end = now
             return gap
 
     def paused_since(self, t: float) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List
 
+from moshpeer.bounded_memory import remember
 from moshpeer.peer.state.framing import StateOffer
 
 
@@ -42,11 +43,11 @@ class MisfitDonors:
 
     def note(self, misfits: Iterable[str], now: float) -> List[str]:
         """Set these donors aside from `now` -> those that were not set aside already (to be named in the log)."""
-        new = [peer_id for peer_id in misfits if self._until.get(peer_id, -math.inf) <= now]
+        new = []
         for peer_id in misfits:
-            self._until[peer_id] = now + self.set_aside_s
-        if len(self._until) > MAX_MISFITS:  # identities are cheap: keep the ones set aside last
-            self._until = dict(sorted(self._until.items(), key=lambda kv: -kv[1])[:MAX_MISFITS])
+            if self._until.get(peer_id, -math.inf) <= now:
+                new.append(peer_id)
+            remember(self._until, peer_id, now + self.set_aside_s, limit=MAX_MISFITS)  # identities are cheap
         return new
 
     def excluded(self, now: float) -> List[str]:
