@@ -21,3 +21,8 @@ class UserError(MoshpeerError):
 
 class ProtocolError(MoshpeerError):
     """A message from the network violated the protocol; it is dropped and counted."""
+
+
+class SwarmLost(MoshpeerError):
+    """This peer's DHT process is gone (killed, or its libp2p daemon was): it can reach no one. Training cannot go
+    on with the swarm; save what you need and start the peer again."""

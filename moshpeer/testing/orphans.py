@@ -18,49 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
+
+from moshpeer.processes import ProcInfo, all_pids, read_proc_info
 
 DEFAULT_GRACE_S = 3.0
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    pid: int
-    ppid: int
-    pgid: int
-    name: str
-    state: str  # one letter, as in /proc/PID/stat: R, S, D, Z (zombie), ...
-
-    @property
-    def alive(self) -> bool:
-        return self.state not in ("Z", "X")
-
-
-def read_proc_info(pid: int) -> Optional[ProcInfo]:
-    """The /proc/PID/stat facts of `pid`; None if it is gone (or /proc is not there)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The name is in parentheses and may itself contain spaces or parentheses.
-    name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return ProcInfo(pid=pid, ppid=int(fields[1]), pgid=int(fields[2]), name=name, state=fields[0])
-
-
-def _pids() -> List[int]:
-    try:
-        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return []
-
-
-def all_processes() -> List[ProcInfo]:
-    """Every process visible in /proc."""
-    infos = (read_proc_info(pid) for pid in _pids())
-    return [info for info in infos if info is not None]
 
 
 def _environ_has(pid: int, key: str, value: str) -> bool:
@@ -74,7 +36,7 @@ def _environ_has(pid: int, key: str, value: str) -> bool:
 def tagged_processes(key: str, value: str, *, include_zombies: bool = False) -> List[ProcInfo]:
     """Processes whose environment holds `key=value`, wherever they were re-parented to."""
     found = []
-    for pid in _pids():
+    for pid in all_pids():
         if pid == os.getpid() or not _environ_has(pid, key, value):
             continue
         info = read_proc_info(pid)

@@ -16,6 +16,7 @@ import torch
 
 from moshpeer.averaging.loss_budget import parse_loss_budget
 from moshpeer.averaging.report import RoundResult
+from moshpeer.errors import SwarmLost
 from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.epoch_loop import EpochLoop
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
@@ -150,9 +151,14 @@ class FakeSwarm:
         self.peer_id = "self"
         self.is_cut_off = False  # the DHT has no neighbour (an outage)
         self.published: List[Dict[str, Any]] = []  # record fields published through `publish`
+        self.dht_gone = False  # the DHT process died
 
     def cut_off(self) -> bool:
         return self.is_cut_off
+
+    def check_alive(self) -> None:
+        if self.dht_gone:
+            raise SwarmLost("the DHT process is gone")
 
     def publish(self, **fields: Any) -> None:
         self.published.append(fields)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from moshpeer.testing.orphans import ProcInfo, Reaper, all_processes, tagged_processes  # noqa: F401 (re-exported)
+from moshpeer.processes import ProcInfo, all_processes  # noqa: F401 (re-exported)
+from moshpeer.testing.orphans import Reaper, tagged_processes  # noqa: F401 (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"

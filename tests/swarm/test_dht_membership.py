@@ -4,6 +4,8 @@ forgery attempts by another identity, persistent identities, and the PeerDaemon 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -12,8 +14,10 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht import Identity, PeerRecord, list_peers, peers_key, publish_record, withdraw
+from moshpeer.dht.node import P2PD_NAME
 from moshpeer.errors import UserError
 from moshpeer.peer.runtime.daemon import PeerDaemon
+from moshpeer.processes import live_children
 from moshpeer.version import PROTOCOL_VERSION, __version__
 from swarm import LOOPBACK
 
@@ -184,6 +188,21 @@ def test_daemon_stops_when_its_dht_process_dies(dht_node):
         assert "DHT process died" in daemon.stop_reason
     finally:
         daemon.shutdown()
+
+
+def test_a_daemon_whose_p2pd_dies_stops_with_an_error(dht_node):
+    """Before the DHT process watched its p2pd, a peer whose p2pd was killed trained alone for ever, "cut off"."""
+    boot = dht_node(run_ids=[RUN])
+    daemon = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], heartbeat=0.3, expiration=1.0)
+
+    def kill_p2pd(started: PeerDaemon) -> None:
+        (p2pd,) = live_children(P2PD_NAME, parent=started.dht.pid)
+        os.kill(p2pd.pid, signal.SIGKILL)
+        threading.Timer(15.0, started.request_stop, args=("the test's deadline",)).start()
+
+    assert daemon.run(on_ready=kill_p2pd) == 1, "a stop for a lost DHT is not a clean one"
+    assert "DHT process died" in daemon.stop_reason
+    assert not daemon.dht.is_alive()
 
 
 def test_of_two_daemons_with_one_identity_the_newer_stops_and_the_older_warns(dht_node, caplog):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moshpeer.averaging.report import RoundResult
+from moshpeer.errors import SwarmLost
 from moshpeer.peer.optimizer.epoch_loop import ROUND_HISTORY
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
@@ -39,6 +40,17 @@ def test_a_lone_peer_steps_on_its_sample_weighted_mean_gradient():
     assert all(float(acc.abs().sum()) == 0 for acc in host.counters.grad_sums)
     assert host.averager.calls == []  # nobody to average with: no round was started
     assert list(host.epochs.rounds) == [record] and host.epochs.rounds_total == 1 and host.epochs.rounds_ok == 0
+
+
+def test_an_epoch_end_without_a_dht_raises_instead_of_training_alone():
+    host = gradients_host(lr=0.1)
+    host.swarm.progress.view = swarm_view(trainers=2)
+    host.swarm.dht_gone = True
+    before = snapshot_params(host)
+    host.backward(1.0)
+    with pytest.raises(SwarmLost):
+        host.epochs.account(64)
+    assert all(torch.equal(p, q) for p, q in zip(host.params, before)) and host.averager.calls == []
 
 
 def test_a_group_round_applies_the_groups_average_gradient():

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List
 
+import pytest
+
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
+from moshpeer.errors import SwarmLost
 from moshpeer.peer.optimizer.swarm_link import SwarmLink
 from peer_fakes import swarm_view
 
@@ -89,3 +92,21 @@ def test_close_runs_every_step_even_when_one_fails_and_only_once():
     assert swarm.progress.stopped and publisher.calls == 1 and own_dht.calls == 1
     swarm.close()
     assert own_dht.calls == 1  # the DHT is stopped once
+
+
+class ProcessAlive:
+    def __init__(self, alive: bool):
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_link_without_a_daemon_says_when_its_dht_process_is_gone():
+    own = SwarmLink(dht=ProcessAlive(True), progress=None, publish=print, publisher=object())
+    own.check_alive()
+    own.dht.alive = False
+    with pytest.raises(SwarmLost):
+        own.check_alive()
+    # With a daemon (no publisher of its own), the daemon's heartbeat stops the peer instead.
+    SwarmLink(dht=ProcessAlive(False), progress=None, publish=print).check_alive()

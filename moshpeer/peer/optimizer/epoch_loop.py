@@ -202,8 +202,10 @@ class EpochLoop:
         """End this peer's epoch now: catch up if behind, else average and step (alone if no group). Returns the
         epoch's record; with an overlapping strategy the record of the round resolved now (the previous epoch's,
         a lone step included: it too is taken at the next epoch end), or at the first epoch end, whose round is
-        still in flight, a record with error "round in flight" that `rounds` does not keep."""
+        still in flight, a record with error "round in flight" that `rounds` does not keep. SwarmLost when this
+        peer's DHT process is gone (swarm_link.py)."""
         host = self.host
+        host.swarm.check_alive()
         snapshot = host.swarm.progress.current()  # read again if this process was paused since the last read
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
                      swarm_samples_capped=snapshot.samples_capped, num_trainers=snapshot.num_trainers)

@@ -12,7 +12,7 @@ from moshpeer.dht import Admission, SwarmDHT, start_dht
 from moshpeer.dht.admission import install as install_admission
 from moshpeer.dht.reconnect import SwarmReconnection
 from moshpeer.dht.records import MAX_FLAGGED_PEERS
-from moshpeer.errors import UserError
+from moshpeer.errors import SwarmLost, UserError
 from moshpeer.peer.optimizer.progress import SwarmProgress
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.record_publisher import RecordPublisher, fresh_record
@@ -51,6 +51,13 @@ class SwarmLink:
         if flagged != self._published_flagged:
             self._published_flagged = dict(flagged)
             self.publish(flagged=dict(sorted(flagged.items(), key=lambda kv: -kv[1])[:MAX_FLAGGED_PEERS]))
+
+    def check_alive(self) -> None:
+        """Raise `SwarmLost` if the DHT process is gone (this peer would train alone for ever). With a daemon, its
+        heartbeat stops the peer instead, and this does nothing."""
+        if self.publisher is not None and not self.dht.is_alive():
+            raise SwarmLost("this peer's DHT process is gone (killed, or its libp2p daemon was): it can reach no "
+                            "one; start it again to rejoin the swarm")
 
     def wait_for_trainers(self, min_trainers: int, timeout: float, should_stop: Callable[[], bool]) -> int:
         """Wait until at least `min_trainers` trainers past their startup are visible (`PeerRecord.training`:

@@ -278,8 +278,8 @@ class PeerDaemon:
         return self._stop_event.wait(timeout)
 
     def run(self, work: Optional[Work] = None, on_ready: Optional[Work] = None) -> int:
-        """Run this peer until a signal (or `request_stop`), then shut down; returns the exit code (0, or what
-        `fail` set).
+        """Run this peer until a signal (or `request_stop`), then shut down; returns the exit code (0, what `fail`
+        set, or 1 when the peer stopped because its DHT process died).
 
         Call from the main thread. Starts the peer if needed, calls `on_ready(self)` once it is in the
         swarm, then `work(self)` in this thread (it must return soon after `stop_requested` turns
@@ -313,6 +313,8 @@ class PeerDaemon:
                 self.shutdown()
         if self._twin_error is not None:
             raise self._twin_error
+        if self._heartbeat is not None and self._heartbeat.dht_died:
+            return max(self._exit_code, 1)  # not a clean stop: a supervisor should restart this peer
         return self._exit_code
 
     def fail(self, exit_code: int = 1) -> None:

@@ -3,9 +3,9 @@
 Every `interval` seconds (at once when woken: a record change to publish now) it re-publishes the record through
 the peer's `RecordPublisher`, with the peer's current addresses, and logs when publications start and stop failing.
 A peer whose DHT lost every neighbour (an outage) asks its contacts again first (reconnect.py). It asks the peer
-to stop when the DHT process died, and when another machine runs with this peer's identity and this one is the
-newer (twins.py: every few heartbeats it reads the run's records just before it publishes); `fatal` then holds the
-error the peer exits with.
+to stop when the DHT process died (`dht_died`: the peer then exits with an error), and when another machine runs with
+this peer's identity and this one is the newer (twins.py: every few heartbeats it reads the run's records just before
+it publishes); `fatal` then holds the error the peer exits with.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Heartbeat:
         self._twins = TwinWatch()
         self._reconnection = SwarmReconnection(dht)
         self.fatal: Optional[UserError] = None  # why the peer must not go on (another machine has its identity)
+        self.dht_died = False  # the DHT process ended while this peer ran (killed, or its p2pd was)
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moshpeer-heartbeat", daemon=True)
@@ -67,6 +68,7 @@ class Heartbeat:
             if not self.dht.is_alive():
                 # Without its DHT process this peer can neither be seen nor see the swarm: stop.
                 logger.error("the DHT process died; stopping this peer")
+                self.dht_died = True
                 self._request_stop("the DHT process died")
                 return
             self._reconnection.check()
