@@ -39,6 +39,7 @@ next group keys.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import time
@@ -252,6 +253,8 @@ class MatchmakingAdapter:
             search.cancel()
             logger.warning(f"matchmaking did not end by the round's deadline ({time.monotonic() - end:.1f} s past "
                            f"it); no group this round")
+            group = None
+        except concurrent.futures.CancelledError:  # the averager is shutting down: its loop cancelled the search
             group = None
         except Exception as e:
             search.cancel()
