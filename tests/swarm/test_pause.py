@@ -2,7 +2,11 @@
 SIGSTOP and SIGCONT of its process group). It wakes up with its view of the swarm from before the pause. Before the
 fix (progress.py's `current`, epoch_credit.py's gap), it took itself for a peer in step with a swarm 60 epochs ahead
 and averaged its stale gradients with it for several seconds (in a 30 s pause, for 12 s, and the pair's loss rose
-10x); now its first epoch end reads the swarm again and takes a donor's state instead."""
+10x); now its first epoch end reads the swarm again and takes a donor's state instead.
+
+The same when only its p2pd stalls (a wedged libp2p daemon: SIGSTOP of p2pd alone): the trainer runs on, but every read
+of the swarm's progress fails. Before the fix (a view that reads have not renewed for long is stale), it averaged the
+gradients of epochs 10-15 with a swarm at epoch 26 for 1.4 s after the stall ended."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from training_swarm import start_trainers, timed_events, wait_event
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 # The pause: at least this long (a pause is a duration: the stimulus itself), and until the pair is this far ahead.
-MIN_PAUSE_S = 15.0
+# A stalled p2pd must outlast 3 of the progress cadence's longest intervals (5 s) for the view to count as stale.
+MIN_PAUSE_S = {"process": 15.0, "p2pd": 20.0}
 EPOCHS_AHEAD = 30
 
 
@@ -25,8 +30,9 @@ def newest_epoch(proc, before: float = float("inf")) -> int:
     return max((e["round_epoch"] for arrived, e in timed_events(proc, "epoch") if arrived < before), default=0)
 
 
-def test_a_trainer_paused_for_a_while_takes_the_swarms_state_before_it_averages_again(swarm):
-    run = "paused"
+@pytest.mark.parametrize("stopped", ["process", "p2pd"])
+def test_a_trainer_paused_for_a_while_takes_the_swarms_state_before_it_averages_again(swarm, stopped):
+    run = f"paused-{stopped}"
     boot = swarm.bootstrap(run)
     trainers = start_trainers(swarm, 3, run, boot.maddrs, "--min-peers", "3")
     for trainer in trainers:
@@ -36,14 +42,18 @@ def test_a_trainer_paused_for_a_while_takes_the_swarms_state_before_it_averages_
     # (a training step moves the parameters too much), as in test_outage.
     started = wait_event(paused, "epoch", timeout=120,
                          predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] >= 20)
-    os.killpg(paused.pid, signal.SIGSTOP)
+    stop, cont = ((lambda: os.killpg(paused.pid, signal.SIGSTOP)), (lambda: os.killpg(paused.pid, signal.SIGCONT)))
+    if stopped == "p2pd":
+        (p2pd,) = paused.p2pd_processes()
+        stop, cont = (lambda: os.kill(p2pd.pid, signal.SIGSTOP)), (lambda: os.kill(p2pd.pid, signal.SIGCONT))
+    stop()
     try:
         stopped_at = time.monotonic()
         wait_event(pair[0], "epoch", timeout=120,
                    predicate=lambda e: e["round_epoch"] >= started["round_epoch"] + EPOCHS_AHEAD)
-        time.sleep(max(0.0, stopped_at + MIN_PAUSE_S - time.monotonic()))
+        time.sleep(max(0.0, stopped_at + MIN_PAUSE_S[stopped] - time.monotonic()))
     finally:
-        os.killpg(paused.pid, signal.SIGCONT)
+        cont()
     resumed_at = time.monotonic()
     at_pause = newest_epoch(paused, before=resumed_at)  # every line it printed before the stop has arrived by now
     swarm_epoch = max(newest_epoch(mate, before=resumed_at) for mate in pair)

@@ -9,7 +9,7 @@ import torch
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.errors import SwarmLost
-from moshpeer.peer.optimizer.epoch_loop import ROUND_HISTORY
+from moshpeer.peer.optimizer.epoch_loop import NO_FRESH_VIEW, ROUND_HISTORY
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view
@@ -146,6 +146,14 @@ def test_a_peer_whose_process_was_paused_reads_the_swarm_again_and_catches_up_in
     record = host.epochs.account(32)
     assert host.swarm.progress.current_calls == 1
     assert host.downloads == [89] and record.error == "caught up" and host.averager.calls == []
+
+
+def test_on_a_stale_view_of_the_swarm_a_peer_steps_alone_and_says_why():
+    host = gradients_host(lr=0.1)
+    host.swarm.progress.view = dataclasses.replace(swarm_view(trainers=3), stale=True)
+    host.backward(1.0)
+    record = host.epochs.account(64)
+    assert record.error == NO_FRESH_VIEW and record.group_size == 1 and host.averager.calls == []
 
 
 def test_a_spent_compute_budget_ends_the_epoch_and_says_so():

@@ -187,6 +187,43 @@ def test_after_a_pause_the_view_an_epoch_end_decides_on_comes_from_a_complete_re
         progress.shutdown()
 
 
+def test_a_view_that_reads_have_not_renewed_for_long_is_read_again_and_else_marked_stale(monkeypatch):
+    """Reads failing in a row (a stalled DHT process or p2pd) age the view while this process runs on: past
+    STALE_VIEW_INTERVALS longest intervals an epoch end waits for a complete read; without one it gets the old view
+    marked `stale` (waiting in full once per view), and the first read that answers ends it."""
+    own = make_record(Identity.generate(), epoch=3)
+    others = [make_record(Identity.generate(), epoch=3) for _ in range(2)]
+    answers = {"records": [own, *others]}
+
+    def list_peers(*args, **kwargs):
+        if answers["records"] is None:
+            raise TimeoutError("the DHT did not answer")
+        return answers["records"]
+
+    monkeypatch.setattr(progress_module, "list_peers", list_peers)
+    monkeypatch.setattr(progress_module, "STALE_REWAIT_S", 0.2)
+    clock = FakeClock()
+    progress = SwarmProgress(_EmptyDHT(), "unit-run", target_batch_size=1000, own_record=lambda: own,
+                             publish=lambda **fields: None, pauses=PauseWatch(clock=clock, pause_s=math.inf),
+                             cadence=ProgressCadence(min_interval_s=0.01, max_interval_s=5.0))
+    try:
+        assert progress.refresh_now(timeout=1.0).num_trainers == 3
+        answers["records"] = None
+        clock.advance(14.0)  # within 3 x 5 s: a read is due, the view still counts
+        assert not progress.current(timeout=5.0).stale
+        clock.advance(2.0)
+        started = time.monotonic()
+        view = progress.current(timeout=0.6)
+        assert view.stale and view.num_trainers == 3 and time.monotonic() - started >= 0.6
+        started = time.monotonic()
+        assert progress.current(timeout=5.0).stale and time.monotonic() - started < 1.0  # the same view: a short wait
+        answers["records"] = [own, others[0]]  # the DHT answers again; one of the others left meanwhile
+        view = progress.current(timeout=5.0)
+        assert not view.stale and view.num_trainers == 2
+    finally:
+        progress.shutdown()
+
+
 def test_a_tick_late_by_more_than_the_threshold_ends_a_pause():
     clock = FakeClock(now=0.0)
     watch = PauseWatch(clock=clock, pause_s=3.0)

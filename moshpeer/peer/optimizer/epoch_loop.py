@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 # The error of a round this peer missed and made up for with the others' update (`_fetch_update`).
 MISSED_ROUND_UPDATE = "missed round; took the group's update"
+# ... and of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
+NO_FRESH_VIEW = "no fresh view of the swarm"
 
 # A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at
 # its next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's
@@ -218,7 +220,9 @@ class EpochLoop:
             caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, "caught up", facts)
             if caught is not None:
                 return caught
-        alone = snapshot.num_trainers + snapshot.num_aux <= 1
+        # On a stale view (progress.py's `current`) this peer may be far behind without knowing it: it averages nothing.
+        alone = snapshot.num_trainers + snapshot.num_aux <= 1 or snapshot.stale
+        lone_why = NO_FRESH_VIEW if snapshot.stale else "alone"
         # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
         # would find nobody, or mix gradients of stale parameters into the next epoch.
         if not alone and host.timing.too_late_for_round() and host.swarm.moved_past(epoch, 0.0, host.should_stop):
@@ -234,7 +238,7 @@ class EpochLoop:
         facts.update(epoch=epoch, samples=self.counters.samples, samples_carried_in=carried_in, group_target=target,
                      matchmaking_window_s=window, stragglers_eta_s=stragglers)
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
-            return self.finish_round(plan, None, "alone", wait_s=0.0, **facts)
+            return self.finish_round(plan, None, lone_why, wait_s=0.0, **facts)
         # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
         # Work carried in from an earlier epoch was computed on other data and parameters: not checkable.
         work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
@@ -243,7 +247,7 @@ class EpochLoop:
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
-            self._in_flight = (future, plan, facts, "alone" if alone else None)
+            self._in_flight = (future, plan, facts, lone_why if alone else None)
             with host.lock:
                 self._next_epoch()
             return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",

@@ -55,7 +55,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Collection, FrozenSet, Mapping, Optional, Sequence, Tuple
 
@@ -94,6 +94,9 @@ class ProgressSnapshot:
     # Where the other peers are: `global_epoch` before this peer's own epoch raised it; None when no other peer's
     # epoch counts (a peer back from an outage compares its own with it: trained_apart.py).
     others_epoch: Optional[int] = None
+    # No complete read came in after a pause of this process or after `STALE_VIEW_INTERVALS` of failed reads
+    # (`SwarmProgress.current`): where the swarm is may be long past this view, and nothing is averaged on it.
+    stale: bool = False
 
     @property
     def contributing_trainers(self) -> int:
@@ -132,6 +135,13 @@ class ProgressSnapshot:
 # How long `SwarmProgress.current` waits for a complete read after a pause of this process: its own record may have
 # expired from the DHT meanwhile, and reads lacking it are incomplete until its next heartbeat (5 s by default).
 PAUSED_READ_WAIT_S = 10.0
+# A view whose read began more than this many of the cadence's longest intervals ago is stale too: reads failed in a
+# row meanwhile (the DHT process or its p2pd stalled, a machine starved of CPU), and the swarm ran on without this
+# peer seeing it. Measured (session 39): a peer whose p2pd was stopped for 20 s averaged the gradients of epochs
+# 10-15 with a swarm at epoch 26 for 1.4 s before its first read after the stall made it catch up.
+STALE_VIEW_INTERVALS = 3
+# Once a stale view was waited on in full, later epoch ends on the same view wait this long only (they step alone).
+STALE_REWAIT_S = 1.0
 
 
 def summarize(
@@ -232,6 +242,7 @@ class SwarmProgress:
         self._last_fetch = 0.0
         self._pauses = pauses or PauseWatch()
         self._view_started = -math.inf  # when the read behind the current view began (by the pause watch's clock)
+        self._stale_view: Optional[float] = None  # `_view_started` of the last stale view `current` waited on in full
         self._epoch_eta: Optional[Tuple[float, float]] = None  # (seconds left in this peer's epoch, as of when)
         self._stop = threading.Event()
         self._wanted = threading.Event()  # someone waits for a refresh: fetch now (within the byte budget)
@@ -291,24 +302,39 @@ class SwarmProgress:
                          capped=capped)
 
     def current(self, timeout: float = PAUSED_READ_WAIT_S) -> ProgressSnapshot:
-        """`snapshot`, but when this process was paused since the read behind it (pause_watch.py), first a complete
-        read begun after the pause, waiting up to `timeout`: the view from before the pause is where the swarm was,
-        and a peer that decides on it mixes stale work into the swarm. If none comes in time, the last view (logged)."""
-        if not self._pauses.paused_since(self._view_started):
+        """`snapshot`, unless the read behind it is stale: this process was paused since (pause_watch.py), or it began
+        more than STALE_VIEW_INTERVALS of the cadence's longest intervals ago (reads failed meanwhile). Then first a complete read
+        begun now, waiting up to `timeout` (STALE_REWAIT_S once a wait on the same view came to nothing): the view
+        from before is where the swarm was, and a peer that decides on it mixes stale work into the swarm. If none
+        comes in time, the last view with `stale` set (logged once per view)."""
+        with self._lock:
+            behind, peers = self._view_started, len(self._records)
+        now = self._pauses.now()
+        paused = self._pauses.paused_since(behind)
+        # The longest interval between two reads: the byte budget stretches it in a large swarm.
+        if not paused and now - behind <= STALE_VIEW_INTERVALS * self.cadence.interval(math.inf, peers):
             return self.snapshot()
-        asked = self._pauses.now()
-        logger.info("back from a pause: reading the swarm's progress again before deciding anything")
-        deadline = time.monotonic() + timeout
+        first_wait = self._stale_view != behind
+        if first_wait:
+            logger.info("back from a pause: reading the swarm's progress again before deciding anything" if paused
+                        else f"the swarm's progress was last read {now - behind:.0f} s ago: reading it again before "
+                             f"deciding anything")
+        deadline = time.monotonic() + (timeout if first_wait else min(timeout, STALE_REWAIT_S))
         with self._fetched:
-            while self._view_started < asked:
+            while self._view_started < now:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    logger.warning(f"no complete read of the swarm's progress within {timeout:g} s after a pause; "
-                                   f"going on with the view from before it")
                     break
                 self._wanted.set()  # again after an incomplete read: the refresh thread reads once per request
                 self._fetched.wait(min(remaining, 0.5))
-        return self.snapshot()
+            fresh = self._view_started >= now
+        if fresh:
+            return self.snapshot()
+        if first_wait:
+            logger.warning(f"no complete read of the swarm's progress within {timeout:g} s; averaging nothing until "
+                           f"one comes in")
+            self._stale_view = behind
+        return replace(self.snapshot(), stale=True)
 
     def corroborated_peers(self) -> Optional[FrozenSet[str]]:
         """The peers this peer has evidence for from its rounds (witnesses.py: it or a peer it averaged with saw
