@@ -208,7 +208,7 @@ class EpochLoop:
         peer's DHT process is gone (swarm_link.py)."""
         host = self.host
         host.swarm.check_alive()
-        snapshot = host.swarm.progress.current()  # read again if this process was paused since the last read
+        snapshot = host.swarm.progress.current()  # read again if the view is stale (a pause, failed reads)
         facts = dict(stopped_by_budget=host.timing.end_compute(), swarm_samples=snapshot.samples_accumulated,
                      swarm_samples_capped=snapshot.samples_capped, num_trainers=snapshot.num_trainers)
         epoch = self.counters.epoch

@@ -302,11 +302,11 @@ class SwarmProgress:
                          capped=capped)
 
     def current(self, timeout: float = PAUSED_READ_WAIT_S) -> ProgressSnapshot:
-        """`snapshot`, unless the read behind it is stale: this process was paused since (pause_watch.py), or it began
-        more than STALE_VIEW_INTERVALS of the cadence's longest intervals ago (reads failed meanwhile). Then first a complete read
-        begun now, waiting up to `timeout` (STALE_REWAIT_S once a wait on the same view came to nothing): the view
-        from before is where the swarm was, and a peer that decides on it mixes stale work into the swarm. If none
-        comes in time, the last view with `stale` set (logged once per view)."""
+        """`snapshot`, unless the read behind it is stale: this process was paused since (pause_watch.py), or the
+        read began more than STALE_VIEW_INTERVALS of the cadence's longest intervals ago (reads failed meanwhile).
+        Then first a complete read begun now, waiting up to `timeout` (STALE_REWAIT_S once a wait on the same view
+        came to nothing): the view from before is where the swarm was, and a peer that decides on it mixes stale
+        work into the swarm. If none comes in time, the last view with `stale` set (logged once per view)."""
         with self._lock:
             behind, peers = self._view_started, len(self._records)
         now = self._pauses.now()
