@@ -24,6 +24,11 @@ class ProcInfo:
         return self.state not in ("Z", "X")
 
 
+def proc_available() -> bool:
+    """Whether this system has a Linux /proc to read processes from."""
+    return os.path.exists(f"/proc/{os.getpid()}/stat")
+
+
 def read_proc_info(pid: int) -> Optional[ProcInfo]:
     """The /proc/PID/stat facts of `pid`; None if it is gone (or /proc is not there)."""
     try:

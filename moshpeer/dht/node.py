@@ -41,7 +41,7 @@ from moshpeer.dht.keys import validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
 from moshpeer.dht.validation import run_validator
 from moshpeer.logs import quiet_abandoned_dht_requests
-from moshpeer.processes import ProcInfo, live_children, still_child
+from moshpeer.processes import ProcInfo, live_children, proc_available, still_child
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -162,9 +162,10 @@ def _watch_process_group(parent_pid: int, node_started: Callable[[], bool], stop
     p2pd exits while the node is not stopping (killed, crashed: without it this node can reach no one, and
     hivemind would not notice). The main process then sees its DHT process gone and stops (heartbeat.py)."""
     p2pd: Optional[ProcInfo] = None
+    watch_p2pd = proc_available()  # (elsewhere than Linux, only the orphan watch)
     while os.getppid() == parent_pid:
         time.sleep(_ORPHAN_POLL_SECONDS)
-        if stopping.is_set() or (p2pd is None and not node_started()):
+        if not watch_p2pd or stopping.is_set() or (p2pd is None and not node_started()):
             continue
         if p2pd is None:
             # The node runs, so hivemind started p2pd: if it is not among our children, it is gone already.

@@ -195,12 +195,18 @@ def test_a_daemon_whose_p2pd_dies_stops_with_an_error(dht_node):
     boot = dht_node(run_ids=[RUN])
     daemon = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], heartbeat=0.3, expiration=1.0)
 
+    deadline = threading.Timer(15.0, daemon.request_stop, args=("the test's deadline",))
+    deadline.daemon = True
+
     def kill_p2pd(started: PeerDaemon) -> None:
         (p2pd,) = live_children(P2PD_NAME, parent=started.dht.pid)
         os.kill(p2pd.pid, signal.SIGKILL)
-        threading.Timer(15.0, started.request_stop, args=("the test's deadline",)).start()
+        deadline.start()
 
-    assert daemon.run(on_ready=kill_p2pd) == 1, "a stop for a lost DHT is not a clean one"
+    try:
+        assert daemon.run(on_ready=kill_p2pd) == 1, "a stop for a lost DHT is not a clean one"
+    finally:
+        deadline.cancel()
     assert "DHT process died" in daemon.stop_reason
     assert not daemon.dht.is_alive()
 
