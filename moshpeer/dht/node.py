@@ -10,9 +10,9 @@ only the main process, which stays in charge of an orderly shutdown (it needs th
 withdraw its record). If the main process dies without shutting down (SIGKILL, crash), a watchdog
 thread in the DHT process notices that it was orphaned and takes its whole group, p2pd included,
 down with it; `SwarmDHT.kill` and an atexit hook do the same from the main process. The same watchdog
-ends the group when p2pd exits on its own (killed, crashed): hivemind would carry on without it, a node
-that can reach no one, and its peer would train alone for ever; with the DHT process gone, the peer stops
-with an error (heartbeat.py), and a supervisor can restart it.
+ends the group when p2pd exits on its own or its sockets are deleted, and keeps the sockets from aging
+into a /tmp cleaner's reach (process_watch.py); with the DHT process gone, the peer stops with an error
+(heartbeat.py), and a supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from moshpeer.dht.keys import validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
 from moshpeer.dht.validation import run_validator
 from moshpeer.logs import quiet_abandoned_dht_requests
-from moshpeer.processes import ProcInfo, live_children, proc_available, still_child
+from moshpeer.dht.process_watch import ORPHANED, DhtProcessWatch
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONNECT_TIMEOUT = 30.0
 # How often the DHT process checks that its parent and its p2pd are still alive.
 _ORPHAN_POLL_SECONDS = 0.5
-P2PD_NAME = "p2pd"  # the libp2p daemon's process name (hivemind's bundled binary)
 # How long a pipe error in the DHT process may precede the main process's death being visible to it.
 _ORPHAN_CONFIRM_SECONDS = 2.0
 # Pause between attempts to reach initial peers that are not up yet.
@@ -105,10 +104,8 @@ class SwarmDHT(hivemind.DHT):
         quiet_abandoned_dht_requests()  # the requests its loop abandons when it stops are no error
         parent = os.getppid()
         self._stopping = threading.Event()  # set by `_shutdown`: from then on p2pd's exit is expected
-        threading.Thread(
-            target=_watch_process_group, args=(parent, self._node_started, self._stopping), name="moshpeer-dht-watchdog",
-            daemon=True
-        ).start()
+        watch = DhtProcessWatch(parent, self._node_started, self._stopping, self._p2p_sockets)
+        threading.Thread(target=_watch_process_group, args=(watch,), name="moshpeer-dht-watchdog", daemon=True).start()
         try:
             super().run()
         except (EOFError, OSError):
@@ -121,6 +118,13 @@ class SwarmDHT(hivemind.DHT):
     def _node_started(self) -> bool:
         """In the DHT process: has hivemind started the node (and so its p2pd)?"""
         return getattr(self, "_node", None) is not None
+
+    def _p2p_sockets(self) -> List[str]:
+        """In the DHT process: the paths of p2pd's control socket and of hivemind's client socket (hivemind's
+        private attributes: [] if they are not there)."""
+        p2p = getattr(getattr(self, "_node", None), "p2p", None)
+        maddrs = [getattr(p2p, name, None) for name in ("_daemon_listen_maddr", "_client_listen_maddr")]
+        return [str(m)[len("/unix"):] for m in maddrs if m is not None and str(m).startswith("/unix/")]
 
     async def _shutdown(self) -> None:
         # In the DHT process, on the main process's `shutdown()`: hivemind now stops p2pd, which the watchdog
@@ -157,25 +161,15 @@ class SwarmDHT(hivemind.DHT):
             repair_fork_locks()
 
 
-def _watch_process_group(parent_pid: int, node_started: Callable[[], bool], stopping: threading.Event) -> None:
-    """In the DHT process: terminate this process group (p2pd included) when the main process is gone, or when
-    p2pd exits while the node is not stopping (killed, crashed: without it this node can reach no one, and
-    hivemind would not notice). The main process then sees its DHT process gone and stops (heartbeat.py)."""
-    p2pd: Optional[ProcInfo] = None
-    watch_p2pd = proc_available()  # (elsewhere than Linux, only the orphan watch)
-    while os.getppid() == parent_pid:
+def _watch_process_group(watch: DhtProcessWatch) -> None:
+    """In the DHT process: end this process group (p2pd included) when `watch` says so (process_watch.py)."""
+    while True:
         time.sleep(_ORPHAN_POLL_SECONDS)
-        if not watch_p2pd or stopping.is_set() or (p2pd is None and not node_started()):
-            continue
-        if p2pd is None:
-            # The node runs, so hivemind started p2pd: if it is not among our children, it is gone already.
-            p2pd = next(iter(live_children(P2PD_NAME)), None)
-            alive = p2pd is not None
-        else:
-            alive = still_child(p2pd)
-        if not alive:
-            logger.error("this peer's libp2p daemon (p2pd) exited; ending its DHT process")
+        why = watch.check()
+        if why is not None:
             break
+    if why != ORPHANED:
+        logger.error(f"{why}; ending this peer's DHT process")
     _end_process_group()
 
 

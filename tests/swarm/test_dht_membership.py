@@ -14,7 +14,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht import Identity, PeerRecord, list_peers, peers_key, publish_record, withdraw
-from moshpeer.dht.node import P2PD_NAME
+from moshpeer.dht.process_watch import P2PD_NAME
 from moshpeer.errors import UserError
 from moshpeer.peer.runtime.daemon import PeerDaemon
 from moshpeer.processes import live_children
