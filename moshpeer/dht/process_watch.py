@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Set
 
 from moshpeer.processes import ProcInfo, live_children, proc_available, still_child
 
@@ -40,12 +40,15 @@ class DhtProcessWatch:
                  sockets: Callable[[], Sequence[str]], clock: Callable[[], float] = time.monotonic):
         """:param node_started: whether hivemind runs the node (so p2pd and its sockets exist)
         :param stopping: set when the node is being shut down (p2pd's exit is then expected)
-        :param sockets: the paths of p2pd's control socket and of hivemind's client socket"""
+        :param sockets: the paths of p2pd's control socket and of hivemind's client socket (either may not exist
+            yet: one that existed and is gone was deleted)"""
         self.parent_pid, self.node_started, self.stopping, self.sockets = parent_pid, node_started, stopping, sockets
         self.clock = clock
         self.watch_p2pd = proc_available()
         self._p2pd: Optional[ProcInfo] = None
         self._touched_at = -float("inf")
+        # The sockets seen so far: hivemind creates its client socket only when a first handler is added.
+        self._seen: Set[str] = set()
 
     def check(self) -> Optional[str]:
         if os.getppid() != self.parent_pid:
@@ -60,12 +63,14 @@ class DhtProcessWatch:
             alive = still_child(self._p2pd)
         if not alive:
             return "this peer's libp2p daemon (p2pd) exited"
-        missing = [path for path in self.sockets() if not os.path.exists(path)]
-        if missing:
-            return f"p2pd's socket {missing[0]} was deleted (a /tmp cleaner?)"
+        present = {path for path in self.sockets() if os.path.exists(path)}
+        deleted = sorted(self._seen - present)
+        if deleted:
+            return f"p2pd's socket {deleted[0]} was deleted (a /tmp cleaner?)"
+        self._seen |= present
         if self.clock() - self._touched_at >= SOCKET_TOUCH_S:
             self._touched_at = self.clock()
-            for path in self.sockets():
+            for path in self._seen:
                 try:
                     os.utime(path)
                 except OSError as e:  # gone since the check: the next check says so

@@ -76,6 +76,16 @@ def test_a_deleted_socket_ends_the_process(p2pd, sockets):
     assert sockets[1] in watch.check()
 
 
+def test_a_socket_not_created_yet_is_no_deleted_one(p2pd, sockets):
+    os.unlink(sockets[1])  # hivemind creates its client socket at the first handler
+    watch, _ = watch_of(sockets)
+    assert watch.check() is None
+    open(sockets[1], "w").close()
+    assert watch.check() is None
+    os.unlink(sockets[1])
+    assert sockets[1] in watch.check()
+
+
 def test_the_sockets_are_touched_once_per_interval_so_that_no_tmp_cleaner_finds_them_old(p2pd, sockets):
     clock = FakeClock()
     watch, _ = watch_of(sockets, clock=clock)
