@@ -39,15 +39,15 @@ from moshpeer.dht.fork_locks import repair_fork_locks
 from moshpeer.dht.identity import Identity
 from moshpeer.dht.keys import validate_run_id
 from moshpeer.dht.maddrs import DEFAULT_HOST_MADDRS, check_ports_free, parse_initial_peers, parse_listen_maddrs
+from moshpeer.dht.process_watch import ORPHANED, DhtProcessWatch
 from moshpeer.dht.validation import run_validator
 from moshpeer.logs import quiet_abandoned_dht_requests
-from moshpeer.dht.process_watch import ORPHANED, DhtProcessWatch
 from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
-# How often the DHT process checks that its parent and its p2pd are still alive.
+# How often the DHT process checks its parent, its p2pd and their sockets (process_watch.py).
 _ORPHAN_POLL_SECONDS = 0.5
 # How long a pipe error in the DHT process may precede the main process's death being visible to it.
 _ORPHAN_CONFIRM_SECONDS = 2.0
@@ -163,11 +163,10 @@ class SwarmDHT(hivemind.DHT):
 
 def _watch_process_group(watch: DhtProcessWatch) -> None:
     """In the DHT process: end this process group (p2pd included) when `watch` says so (process_watch.py)."""
-    while True:
+    why = None
+    while why is None:
         time.sleep(_ORPHAN_POLL_SECONDS)
         why = watch.check()
-        if why is not None:
-            break
     if why != ORPHANED:
         logger.error(f"{why}; ending this peer's DHT process")
     _end_process_group()

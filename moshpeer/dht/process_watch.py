@@ -51,6 +51,7 @@ class DhtProcessWatch:
         self._seen: Set[str] = set()
 
     def check(self) -> Optional[str]:
+        """None while all is well, else why the DHT process must end. Touches the sockets when they are due."""
         if os.getppid() != self.parent_pid:
             return ORPHANED
         if not self.watch_p2pd or self.stopping.is_set() or (self._p2pd is None and not self.node_started()):
