@@ -61,6 +61,7 @@ from moshpeer.averaging.member_info import parse_member_info
 from moshpeer.averaging.private import admits_follower, excluded_leader
 from moshpeer.bounded_memory import remember
 from moshpeer.errors import ProtocolError, UserError
+from moshpeer.ratelimited_log import RateLimitedLog
 from moshpeer.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class MatchmakingAdapter:
                                client_mode=client_mode, initial_group_bits=initial_group_bits)
         self._avoided: Dict[str, float] = {}  # leader peer id -> time.monotonic() until which it is skipped
         self._schema_refusals: Dict[str, int] = {}  # asker -> refusals for another schema in a row (bounded)
+        # A broken DHT fails every search at once, round after round: a few lines a minute say so.
+        self._failures = RateLimitedLog(logger, interval_s=60.0, per_interval=3)
         self._hide_leaders(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
@@ -258,7 +261,7 @@ class MatchmakingAdapter:
             group = None
         except Exception as e:
             search.cancel()
-            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+            self._failures.warning(f"matchmaking failed: {type(e).__name__}: {e}")
             group = None
         return group, (errors[0] if errors else None)
 
