@@ -32,6 +32,8 @@ import weakref
 from typing import Callable, List, Optional, Sequence
 
 import hivemind
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.proto import dht_pb2
 
 from moshpeer.dht.admission import Admission
 from moshpeer.dht.clock import describe_offset
@@ -102,6 +104,10 @@ class SwarmDHT(hivemind.DHT):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         quiet_abandoned_dht_requests()  # the requests its loop abandons when it stops are no error
+        # hivemind's DHTProtocol registers its handlers before it sets `node_info`, and a ping served in between
+        # failed with an AttributeError traceback (CI saw one when a twin with this peer id was dialled): until it is
+        # set, answer as a client-mode node does (an empty NodeInfo: the asker does not add this node yet).
+        DHTProtocol.node_info = dht_pb2.NodeInfo()
         parent = os.getppid()
         self._stopping = threading.Event()  # set by `_shutdown`: from then on p2pd's exit is expected
         watch = DhtProcessWatch(parent, self._node_started, self._stopping, self._p2p_sockets)
