@@ -10,6 +10,7 @@ gradients of epochs 10-15 with a swarm at epoch 26 for 1.4 s after the stall end
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -46,18 +47,19 @@ def test_a_trainer_paused_for_a_while_takes_the_swarms_state_before_it_averages_
     # (a training step moves the parameters too much), as in test_outage.
     started = wait_event(paused, "epoch", timeout=120,
                          predicate=lambda e: e.get("group_size") == 3 and e["round_epoch"] >= 20)
-    stop, cont = ((lambda: os.killpg(paused.pid, signal.SIGSTOP)), (lambda: os.killpg(paused.pid, signal.SIGCONT)))
     if stopped == "p2pd":
         (p2pd,) = paused.p2pd_processes()
-        stop, cont = (lambda: os.kill(p2pd.pid, signal.SIGSTOP)), (lambda: os.kill(p2pd.pid, signal.SIGCONT))
-    stop()
+        send = functools.partial(os.kill, p2pd.pid)
+    else:
+        send = functools.partial(os.killpg, paused.pid)
+    send(signal.SIGSTOP)
     try:
         stopped_at = time.monotonic()
         wait_event(pair[0], "epoch", timeout=120,
                    predicate=lambda e: e["round_epoch"] >= started["round_epoch"] + EPOCHS_AHEAD)
         time.sleep(max(0.0, stopped_at + MIN_PAUSE_S[stopped] - time.monotonic()))
     finally:
-        cont()
+        send(signal.SIGCONT)
     resumed_at = time.monotonic()
     at_pause = newest_epoch(paused, before=resumed_at)  # every line it printed before the stop has arrived by now
     swarm_epoch = max(newest_epoch(mate, before=resumed_at) for mate in pair)
