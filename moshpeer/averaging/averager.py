@@ -64,6 +64,7 @@ from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.dht import admission as private_runs
 from moshpeer.dht.clock import ClockWatch, measure_offsets
 from moshpeer.dht.keys import averaging_prefix
+from moshpeer.dht.node import DHT_CALL_TIMEOUT
 from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,8 @@ class MoshpitAverager(ServicerBase):
         # A replica of our own: dht.replicate_p2p() hands every caller in a process the same cached replica,
         # bound to the event loop of its first user, so a second averager's streams would be served by the
         # first one's loop (late, or never once that loop stopped).
-        self._p2p = await P2P.replicate(self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+        daemon = self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True)
+        self._p2p = await P2P.replicate(daemon.result(timeout=DHT_CALL_TIMEOUT))
         self.peer_id = self._p2p.peer_id
         if self.peer_id.to_bytes() != self.identity.peer_id_bytes:
             raise UserError("the DHT's libp2p daemon does not run under the DHT's identity")

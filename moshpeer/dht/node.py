@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -29,11 +30,14 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Awaitable, Callable, List, Optional, Sequence
 
 import hivemind
+from hivemind.dht import DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.proto import dht_pb2
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.multiaddr import Multiaddr
 
 from moshpeer.dht.admission import Admission
 from moshpeer.dht.clock import describe_offset
@@ -55,10 +59,18 @@ _ORPHAN_POLL_SECONDS = 0.5
 _ORPHAN_CONFIRM_SECONDS = 2.0
 # Pause between attempts to reach initial peers that are not up yet.
 _RETRY_PAUSE_SECONDS = 1.0
+# How long a question to the DHT process may go unanswered (`get_visible_maddrs`): a stalled p2pd delays its answer,
+# and a request whose task asyncio destroyed is never answered at all.
+DHT_CALL_TIMEOUT = 10.0
 
 
 class StartCancelled(Exception):
     """`start_dht` gave up because its caller asked to stop (e.g. SIGTERM while connecting)."""
+
+
+class DhtRequestAbandoned(RuntimeError):
+    """The DHT process dropped a request before it finished (its task was cancelled, or destroyed by asyncio while it
+    waited on something that could no longer happen)."""
 
 
 class SwarmDHT(hivemind.DHT):
@@ -120,6 +132,31 @@ class SwarmDHT(hivemind.DHT):
             if not _orphaned_within(parent, _ORPHAN_CONFIRM_SECONDS):
                 raise
             _end_process_group()
+
+    def get_visible_maddrs(self, latest: bool = False, timeout: float = DHT_CALL_TIMEOUT) -> List[Multiaddr]:
+        """This node's addresses as others reach it (hivemind's, with a deadline); `latest` asks p2pd afresh.
+        Raises TimeoutError when the DHT process does not answer within `timeout` (a stalled p2pd), and
+        DhtRequestAbandoned, ValueError (no address yet) or OSError (the process is gone) as it fails."""
+        future = self.run_coroutine(functools.partial(hivemind.DHT._get_visible_maddrs, latest=latest),
+                                    return_future=True)
+        return future.result(timeout=timeout)
+
+    async def _run_coroutine(self, coro: Callable[[hivemind.DHT, DHTNode], Awaitable], future: MPFuture) -> None:
+        # In the DHT process, for `run_coroutine`. hivemind's logs a traceback for every failure and hands its caller
+        # whatever ended the coroutine, GeneratorExit included (asyncio destroyed a task, seen while p2pd was stopped),
+        # which no caller's `except Exception` catches: here the caller alone gets the failure, as an Exception.
+        try:
+            result = await coro(self, self._node)
+        except Exception as e:
+            if not future.done():  # else the caller cancelled it
+                future.set_exception(e)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(DhtRequestAbandoned(f"the DHT process dropped this request ({type(e).__name__})"))
+            raise
+        else:
+            if not future.done():
+                future.set_result(result)
 
     def _node_started(self) -> bool:
         """In the DHT process: has hivemind started the node (and so its p2pd)?"""

@@ -3,6 +3,7 @@ forgery attempts by another identity, persistent identities, and the PeerDaemon 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from moshpeer.dht import Identity, PeerRecord, list_peers, peers_key, publish_record, withdraw
+from moshpeer.dht.node import DhtRequestAbandoned
 from moshpeer.dht.process_watch import P2PD_NAME
 from moshpeer.errors import UserError
 from moshpeer.peer.runtime.daemon import PeerDaemon
@@ -209,6 +211,38 @@ def test_a_daemon_whose_p2pd_dies_stops_with_an_error(dht_node):
         deadline.cancel()
     assert "DHT process died" in daemon.stop_reason
     assert not daemon.dht.is_alive()
+
+
+def test_a_question_to_a_dht_whose_p2pd_stalls_has_a_deadline(dht_node):
+    """A stalled p2pd answers nothing: a question to the DHT process ends at its deadline (before, the heartbeat's
+    address check waited for ever when its request was lost in the stall, and the peer never rejoined), and is
+    answered again once p2pd runs."""
+    node = dht_node()
+    (p2pd,) = live_children(P2PD_NAME, parent=node.pid)
+    os.kill(p2pd.pid, signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        with pytest.raises(TimeoutError):
+            node.get_visible_maddrs(latest=True, timeout=1.0)
+        assert time.monotonic() - asked < 3.0
+    finally:
+        os.kill(p2pd.pid, signal.SIGCONT)
+    assert node.get_visible_maddrs(latest=True)
+
+
+async def _ends_with(_dht, _node, error: BaseException):
+    raise error
+
+
+def test_a_request_the_dht_process_drops_fails_as_an_exception(dht_node, capfd):
+    """A task asyncio destroys ends with GeneratorExit, which no `except Exception` of a caller's thread catches: the
+    caller gets DhtRequestAbandoned instead, and an ordinary error as it is, without a traceback in the log."""
+    node = dht_node()
+    with pytest.raises(DhtRequestAbandoned, match="GeneratorExit"):
+        node.run_coroutine(functools.partial(_ends_with, error=GeneratorExit()), return_future=True).result(timeout=5)
+    with pytest.raises(ValueError, match="bad"):
+        node.run_coroutine(functools.partial(_ends_with, error=ValueError("bad")), return_future=True).result(timeout=5)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_of_two_daemons_with_one_identity_the_newer_stops_and_the_older_warns(dht_node, caplog):
