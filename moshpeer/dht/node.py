@@ -17,6 +17,7 @@ into a /tmp cleaner's reach (process_watch.py); with the DHT process gone, the p
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import fcntl
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Awaitable, Callable, List, Optional, Sequence
+from typing import Awaitable, Callable, List, Optional, Sequence, Set
 
 import hivemind
 from hivemind.dht import DHTNode
@@ -122,6 +123,7 @@ class SwarmDHT(hivemind.DHT):
         DHTProtocol.node_info = dht_pb2.NodeInfo()
         parent = os.getppid()
         self._stopping = threading.Event()  # set by `_shutdown`: from then on p2pd's exit is expected
+        self._requests: Set[asyncio.Task] = set()  # `_run_coroutine`'s tasks, held until they end
         watch = DhtProcessWatch(parent, self._node_started, self._stopping, self._p2p_sockets)
         threading.Thread(target=_watch_process_group, args=(watch,), name="moshpeer-dht-watchdog", daemon=True).start()
         try:
@@ -142,9 +144,14 @@ class SwarmDHT(hivemind.DHT):
         return future.result(timeout=timeout)
 
     async def _run_coroutine(self, coro: Callable[[hivemind.DHT, DHTNode], Awaitable], future: MPFuture) -> None:
-        # In the DHT process, for `run_coroutine`. hivemind's logs a traceback for every failure and hands its caller
-        # whatever ended the coroutine, GeneratorExit included (asyncio destroyed a task, seen while p2pd was stopped),
-        # which no caller's `except Exception` catches: here the caller alone gets the failure, as an Exception.
+        # In the DHT process, for `run_coroutine`. hivemind's pipe loop keeps no reference to a request's task, and
+        # asyncio's loop only a weak one: a request waiting on a connection of its own to a stalled p2pd (`identify`,
+        # `connect`: uvloop does not keep such a transport alive) was garbage-collected mid-wait ("Task was destroyed
+        # but it is pending") and never answered. So the task is held until it ends. hivemind's also logged a
+        # traceback for every failure and handed the caller whatever ended the coroutine, GeneratorExit included,
+        # which no `except Exception` catches: here the caller alone gets the failure, as an Exception.
+        task = asyncio.current_task()
+        self._requests.add(task)
         try:
             result = await coro(self, self._node)
         except Exception as e:
@@ -157,6 +164,8 @@ class SwarmDHT(hivemind.DHT):
         else:
             if not future.done():
                 future.set_result(result)
+        finally:
+            self._requests.discard(task)
 
     def _node_started(self) -> bool:
         """In the DHT process: has hivemind started the node (and so its p2pd)?"""
