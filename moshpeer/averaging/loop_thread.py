@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Awaitable, Callable, Optional
 
 from moshpeer.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class LoopThread:
@@ -63,10 +66,26 @@ class LoopThread:
 def finish_pending_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 1.0) -> None:
     """Cancel the tasks still on `loop` (hivemind's matchmaking leaves waiters behind, our relay its copy
     tasks) and give them `timeout` to end, as asyncio.run does: a task garbage-collected while pending
-    logs "Task was destroyed but it is pending!" """
+    logs "Task was destroyed but it is pending!". Then close the async generators left open, one at a time (each
+    within `timeout`)."""
     pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
     for task in pending:
         task.cancel()
     if pending:
         loop.run_until_complete(asyncio.wait(pending, timeout=timeout))
-    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.run_until_complete(_close_generators_one_by_one(loop, timeout))
+    loop.run_until_complete(loop.shutdown_asyncgens())  # whatever the loop tracks that we could not see
+
+
+async def _close_generators_one_by_one(loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    # A leader's answer to a join request is a chain of generators (hivemind's stream handler, our rpc_join_group,
+    # join_group, hivemind's rpc_join_group), each closing the next in its `finally`. A peer stopped while one was open
+    # left the chain suspended, and asyncio's shutdown_asyncgens closes every generator at once: an inner one was then
+    # already being closed by its outer one, and the loop logged "aclose(): asynchronous generator is already running"
+    # as an ERROR, three times per chain. One at a time, whichever closes an inner generator first, the others find it
+    # closed. (`_asyncgens` is the set asyncio's loops keep for shutdown_asyncgens; a loop without it is left to that.)
+    for generator in list(getattr(loop, "_asyncgens", ())):
+        try:
+            await asyncio.wait_for(generator.aclose(), timeout)
+        except Exception as e:  # its own cleanup failed, or took too long: the loop is closing anyway
+            logger.debug(f"closing {generator!r} at the loop's end failed: {type(e).__name__}: {e}")

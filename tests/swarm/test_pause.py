@@ -7,8 +7,8 @@ and averaged its stale gradients with it for several seconds (in a 30 s pause, f
 The same when only its p2pd stalls (a wedged libp2p daemon: SIGSTOP of p2pd alone): the trainer runs on, but every read
 of the swarm's progress fails. Before the fix (a view that reads have not renewed for long is stale), it averaged the
 gradients of epochs 10-15 with a swarm at epoch 26 for 1.4 s after the stall ended. And in 2 runs of 17 it never read
-the swarm again: its heartbeat waited without a deadline for an answer the DHT process had lost in the stall, so it
-never rejoined (node.py's `SwarmDHT.get_visible_maddrs`)."""
+the swarm again: its heartbeat waited, without a deadline, for an answer the DHT process had lost in the stall (it let
+the request's task be garbage-collected), so it never rejoined (node.py's `SwarmDHT._run_coroutine`)."""
 
 from __future__ import annotations
 
