@@ -60,8 +60,8 @@ _ORPHAN_POLL_SECONDS = 0.5
 _ORPHAN_CONFIRM_SECONDS = 2.0
 # Pause between attempts to reach initial peers that are not up yet.
 _RETRY_PAUSE_SECONDS = 1.0
-# How long a question to the DHT process may go unanswered (`get_visible_maddrs`): a stalled p2pd delays its answer,
-# and a request whose task asyncio destroyed is never answered at all.
+# How long a question to the DHT process may go unanswered (`get_visible_maddrs`): a stalled p2pd delays its answer
+# for as long as it stalls, and the caller (the heartbeat) has other work.
 DHT_CALL_TIMEOUT = 10.0
 
 
@@ -70,8 +70,7 @@ class StartCancelled(Exception):
 
 
 class DhtRequestAbandoned(RuntimeError):
-    """The DHT process dropped a request before it finished (its task was cancelled, or destroyed by asyncio while it
-    waited on something that could no longer happen)."""
+    """The DHT process dropped a request before it finished (its task was cancelled: the process is stopping)."""
 
 
 class SwarmDHT(hivemind.DHT):
@@ -147,7 +146,8 @@ class SwarmDHT(hivemind.DHT):
         # In the DHT process, for `run_coroutine`. hivemind's pipe loop keeps no reference to a request's task, and
         # asyncio's loop only a weak one: a request waiting on a connection of its own to a stalled p2pd (`identify`,
         # `connect`: uvloop does not keep such a transport alive) was garbage-collected mid-wait ("Task was destroyed
-        # but it is pending") and never answered. So the task is held until it ends. hivemind's also logged a
+        # but it is pending") and never answered. So the task is held until it ends. (`get` and `store` wait on
+        # p2pd's persistent connection, which the p2p client holds.) hivemind's also logged a
         # traceback for every failure and handed the caller whatever ended the coroutine, GeneratorExit included,
         # which no `except Exception` catches: here the caller alone gets the failure, as an Exception.
         task = asyncio.current_task()
