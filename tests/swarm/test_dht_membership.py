@@ -249,8 +249,9 @@ async def _ends_with(_dht, _node, error: BaseException):
 
 
 def test_a_request_the_dht_process_drops_fails_as_an_exception(dht_node, capfd):
-    """A task asyncio destroys ends with GeneratorExit, which no `except Exception` of a caller's thread catches: the
-    caller gets DhtRequestAbandoned instead, and an ordinary error as it is, without a traceback in the log."""
+    """A request ended by GeneratorExit (its task closed by asyncio) would end the caller's thread, whose `except
+    Exception` does not catch it: the caller gets DhtRequestAbandoned instead, an ordinary error as it is, and the log
+    no traceback (the caller reports what it handles)."""
     node = dht_node()
     with pytest.raises(DhtRequestAbandoned, match="GeneratorExit"):
         node.run_coroutine(functools.partial(_ends_with, error=GeneratorExit()), return_future=True).result(timeout=5)
