@@ -3,8 +3,11 @@ epoch loop acting on them, and how the others read its record (progress.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.epoch_credit import EpochCredit
+from moshpeer.peer.optimizer.epoch_loop import NO_FRESH_VIEW
 from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS, TrainedApart
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view
@@ -85,6 +88,27 @@ def test_the_epoch_loop_marks_its_record_and_adopts_the_swarms_state_on_its_retu
     assert back.dropped_samples == 5 * 64 + 22 and host.counters.dropped_samples == 5 * 64 + 22
     assert host.swarm.published[-1] == {"apart_since": None}  # others count its epochs again
     assert len(host.averager.calls) == 1  # only the round of epoch 0
+
+
+def test_epochs_stepped_alone_on_a_stale_view_are_given_up_as_after_an_outage():
+    """A peer whose DHT process stalls keeps its neighbours (it is not cut off) but reads nothing: on its stale view
+    it steps alone, far faster than a swarm that averages. Back, it gives those epochs up as after an outage, rather
+    than having the others chase them (its DHT process stopped for 60 s: ~35 s of lone epochs)."""
+    host = FakeHost(GradientsStrategy(average_parameters=False))
+    host.donor_state = object()
+    host.averager.queue(RoundResult(ok=True, group_size=2, contributors=["QmOther"]))
+    host.backward()
+    assert host.epochs.account(32).ok
+    host.swarm.progress.view = dataclasses.replace(swarm_view(trainers=3), stale=True)
+    for _ in range(5):
+        host.backward()
+        assert host.epochs.account(64).error == NO_FRESH_VIEW
+    assert host.swarm.published == [{"apart_since": 1}] and host.counters.epoch == 6
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=6, others_epoch=3)  # a fresh read again
+    host.backward()
+    back = host.epochs.account(22)
+    assert back.error == "back from an outage; took the swarm's state" and host.downloads == [(2, 6)]
+    assert host.swarm.published[-1] == {"apart_since": None}
 
 
 def test_others_leave_a_peer_back_from_an_outage_out_of_the_swarm_epoch():

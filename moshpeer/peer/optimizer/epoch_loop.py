@@ -413,8 +413,10 @@ class EpochLoop:
 
     def _rejoin_after_outage(self, snapshot: ProgressSnapshot, facts: dict) -> Optional[CollaborativeRound]:
         """Back from an outage ahead of the other trainers: adopt their state instead of pulling them to the epochs
-        this peer trained alone (trained_apart.py); None when that is not the case or no donor delivered."""
-        apart, epoch, cut_off = self.apart, self.counters.epoch, self.host.swarm.cut_off()
+        this peer trained alone (trained_apart.py); None when that is not the case or no donor delivered. Without a
+        fresh view of the swarm (its DHT stalled) its epochs end alone too: that is an outage as well."""
+        apart, epoch = self.apart, self.counters.epoch
+        cut_off = self.host.swarm.cut_off() or snapshot.stale
         apart.observe(cut_off, epoch, self.counters.total_samples - self.counters.samples)
         target = apart.rejoin_epoch(epoch, snapshot.others_epoch, self.max_epoch_lag, cut_off)
         back = None

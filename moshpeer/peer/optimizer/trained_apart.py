@@ -20,8 +20,10 @@ The majority's work is worth more than one peer's, so the returning peer gives w
   the epoch the outage was seen at), when it is not ahead by more than the lag (nothing to give up), or after
   MAX_REJOIN_ATTEMPTS downloads found no donor (the others then follow it, as before).
 
-Only an outage this peer saw (no DHT neighbour at a check) marks its epochs: a peer that is ahead for any other
-reason (the others' rounds failed, a swarm of newcomers that did not download) never drops its state here.
+Only an outage this peer saw marks its epochs: no DHT neighbour at a check, or no fresh view of the swarm (its DHT
+process stalled while it kept its neighbours: its epochs end alone the same way, progress.py's stale view). A peer
+that is ahead for any other reason (the others' rounds failed, a swarm of newcomers that did not download) never
+drops its state here.
 
 This module decides; the epoch loop feeds it and acts (no I/O here).
 """
