@@ -416,9 +416,9 @@ class EpochLoop:
         this peer trained alone (trained_apart.py); None when that is not the case or no donor delivered. Without a
         fresh view of the swarm (its DHT stalled) its epochs end alone too: that is an outage as well."""
         apart, epoch = self.apart, self.counters.epoch
-        cut_off = self.host.swarm.cut_off() or snapshot.stale
-        apart.observe(cut_off, epoch, self.counters.total_samples - self.counters.samples)
-        target = apart.rejoin_epoch(epoch, snapshot.others_epoch, self.max_epoch_lag, cut_off)
+        out_of_touch = self.host.swarm.cut_off() or snapshot.stale  # no DHT neighbour, or no fresh read of the swarm
+        apart.observe(out_of_touch, epoch, self.counters.total_samples - self.counters.samples)
+        target = apart.rejoin_epoch(epoch, snapshot.others_epoch, self.max_epoch_lag, out_of_touch)
         back = None
         if target is not None:
             solo = apart.samples_apart(self.counters.total_samples)
