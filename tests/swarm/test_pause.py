@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from moshpeer.peer.optimizer.epoch_loop import CAUGHT_UP, REJOINED
 from training_swarm import start_trainers, timed_events, wait_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -29,7 +30,7 @@ MIN_PAUSE_S = {"process": 15.0, "p2pd": 20.0}
 EPOCHS_AHEAD = 30
 # How its catch-up epoch says it took the swarm's state: "caught up" when its first fresh read shows the swarm ahead;
 # "back from an outage; ..." when its DHT lost every neighbour in the stall and it rejoined (it trained alone since).
-CATCH_UPS = ("caught up", "back from an outage; took the swarm's state")
+CATCH_UPS = (CAUGHT_UP, REJOINED)
 
 
 def newest_epoch(proc, before: float = float("inf")) -> int:

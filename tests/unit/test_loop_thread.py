@@ -31,18 +31,20 @@ def test_a_chain_of_generators_left_open_closes_without_an_error(caplog):
             closed.append("outer")
 
     held = []  # as hivemind's stream handler holds them: no finalizer closes them early
+    answering = asyncio.Event()
 
     async def serve():
         source = inner()
         answers = outer(source)
         held.extend([source, answers])
         async for _ in answers:
-            await asyncio.sleep(60)  # cancelled here, the generators suspended at their yields
+            answering.set()
+            await asyncio.Event().wait()  # cancelled here, the generators suspended at their yields
 
     loop = asyncio.new_event_loop()
     try:
         loop.create_task(serve())
-        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.run_until_complete(asyncio.wait_for(answering.wait(), timeout=5))
         with caplog.at_level(logging.DEBUG, logger="asyncio"):
             finish_pending_tasks(loop)
     finally:

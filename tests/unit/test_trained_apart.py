@@ -7,7 +7,7 @@ import dataclasses
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.epoch_credit import EpochCredit
-from moshpeer.peer.optimizer.epoch_loop import NO_FRESH_VIEW
+from moshpeer.peer.optimizer.epoch_loop import NO_FRESH_VIEW, REJOINED
 from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS, TrainedApart
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view
@@ -107,7 +107,7 @@ def test_epochs_stepped_alone_on_a_stale_view_are_given_up_as_after_an_outage():
     host.swarm.progress.view = swarm_view(trainers=3, epoch=6, others_epoch=3)  # a fresh read again
     host.backward()
     back = host.epochs.account(22)
-    assert back.error == "back from an outage; took the swarm's state" and host.downloads == [(2, 6)]
+    assert back.error == REJOINED and host.downloads == [(2, 6)]
     assert host.swarm.published[-1] == {"apart_since": None}
 
 

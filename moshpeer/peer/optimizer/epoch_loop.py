@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 MISSED_ROUND_UPDATE = "missed round; took the group's update"
 # ... and of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
 NO_FRESH_VIEW = "no fresh view of the swarm"
+# How an epoch that took a donor's state says so: behind the swarm, or back from an outage ahead of it.
+CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
 
 # A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at
 # its next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's
@@ -217,7 +219,7 @@ class EpochLoop:
             return back
         if snapshot.global_epoch > epoch + self.max_epoch_lag:
             # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
-            caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, "caught up", facts)
+            caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, CAUGHT_UP, facts)
             if caught is not None:
                 return caught
         # On a stale view (progress.py's `current`) this peer may be far behind without knowing it: it averages nothing.
@@ -425,8 +427,7 @@ class EpochLoop:
             logger.warning(f"back from an outage {epoch - target} epochs ahead of the other trainers (epoch {epoch}, "
                            f"theirs {target}): this peer trained alone since epoch {apart.since_epoch}; taking "
                            f"their state ({solo} samples of its own dropped)")
-            back = self._catch_up_instead(target - self.max_epoch_lag, "back from an outage; took the swarm's state",
-                                          facts, max_epoch=epoch,
+            back = self._catch_up_instead(target - self.max_epoch_lag, REJOINED, facts, max_epoch=epoch,
                                           earlier_dropped=max(0, solo - self.counters.samples))
             if apart.attempted(back is not None) and back is None:
                 logger.warning(f"no donor at the others' epoch after {apart.max_attempts} tries: training on from "
