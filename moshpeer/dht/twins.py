@@ -8,8 +8,11 @@ two `moshpeer join` with copies of one `--identity` file and a third peer, `--mi
 the peer id answers) catches a copy started after the first is known; two machines started together (instances
 launched from one image) both pass it, or one of them fails it as if behind a NAT.
 
-So a running peer reads its run's records every few heartbeats, just before it publishes its own: whatever stands
-under its key then was published after its own last publication, so a twin's record shows up at the first check.
+So a running peer reads its run's records just before it publishes its own: whatever stands under its key then was
+published after its own last publication, so a twin's record shows up at the first check. It does so at every
+heartbeat for its first EAGER_TWIN_CHECK_S, then every few: the newer twin stops at its second heartbeat and leaves
+its last record standing only until the older one next publishes, so an older peer that read only every few beats
+would miss a twin launched beside it (CI saw it: the newer stopped, the older never warned).
 A record under this peer's id that started at another time and was published after this peer started is a twin's
 (a previous run of this machine stopped publishing before this one could start: the identity file is locked). Of
 the two, the one that started later stops with an error; the earlier one logs a warning and goes on. Both compare
@@ -23,6 +26,7 @@ record under it.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict, Optional, Sequence
 
 from moshpeer.bounded_memory import remember
@@ -31,9 +35,12 @@ from moshpeer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# The first check comes this many heartbeats after the start, then one every TWIN_CHECK_EVERY heartbeats (30 s at
-# the default 5 s heartbeat): a listing of the run's records costs what a progress refresh does.
+# The first check comes this many heartbeats after the start, then one at every heartbeat for the first
+# EAGER_TWIN_CHECK_S seconds (twins launched together meet then, whatever their start-up took), then one every
+# TWIN_CHECK_EVERY heartbeats (30 s at the default 5 s heartbeat): a listing of the run's records costs what a progress
+# refresh does.
 FIRST_TWIN_CHECK = 2
+EAGER_TWIN_CHECK_S = 60.0
 TWIN_CHECK_EVERY = 6
 # Twins this peer already warned of (a twin that restarts comes back with another start time).
 MAX_WARNED_TWINS = 16
@@ -51,15 +58,19 @@ def find_twin(records: Sequence[PeerRecord], own: PeerRecord) -> Optional[PeerRe
 class TwinWatch:
     """When to look for a twin (`due`, once per heartbeat) and what to do about one (`check`)."""
 
-    def __init__(self, first: int = FIRST_TWIN_CHECK, every: int = TWIN_CHECK_EVERY):
+    def __init__(self, heartbeat_s: float, first: int = FIRST_TWIN_CHECK, eager_s: float = EAGER_TWIN_CHECK_S,
+                 every: int = TWIN_CHECK_EVERY):
         self.first, self.every = first, every
+        self.eager_until = max(first, math.ceil(eager_s / heartbeat_s))  # the last beat of the eager checks
         self._beats = 0
         self._warned: Dict[float, None] = {}  # the start times of twins already named in a warning
 
     def due(self) -> bool:
         """Count a heartbeat; True when this one should read the records first."""
         self._beats += 1
-        return self._beats >= self.first and (self._beats - self.first) % self.every == 0
+        if self._beats < self.first:
+            return False
+        return self._beats <= self.eager_until or (self._beats - self.eager_until) % self.every == 0
 
     def check(self, records: Sequence[PeerRecord], own: PeerRecord) -> Optional[UserError]:
         """The error this peer must stop with, if it is the newer of two twins; None otherwise (a warning is logged,

@@ -34,21 +34,21 @@ def test_only_another_live_machine_under_this_id_is_a_twin():
     assert find_twin([newer], OWN) is newer
 
 
-def test_the_first_check_comes_early_then_every_few_heartbeats():
-    watch = TwinWatch(first=2, every=3)
-    assert [beat for beat in range(1, 12) if watch.due()] == [2, 5, 8, 11]
+def test_the_checks_come_at_every_heartbeat_early_then_every_few():
+    watch = TwinWatch(heartbeat_s=2.0, first=2, eager_s=10.0, every=3)
+    assert [beat for beat in range(1, 15) if watch.due()] == [2, 3, 4, 5, 8, 11, 14]
 
 
 def test_the_newer_twin_stops_with_one_clear_error_and_the_older_warns_once(caplog):
     older = record(started_at=990.0, updated_at=1008.0, port=5000)
-    error = TwinWatch().check([older], OWN)
+    error = TwinWatch(heartbeat_s=5.0).check([older], OWN)
     assert error is not None and error.exit_code == 2
     message = str(error)
     assert ME in message and "/ip4/10.0.0.0/tcp/5000" in message and "started 10.0 s before this one" in message
     assert "own --identity file" in message and "\n" not in message
 
     newer = record(started_at=1004.0, updated_at=1009.0, port=5000)
-    watch = TwinWatch()
+    watch = TwinWatch(heartbeat_s=5.0)
     with caplog.at_level(logging.WARNING, logger="moshpeer.dht.twins"):
         assert watch.check([newer], OWN) is None, "the older one goes on"
         assert watch.check([newer.updated(updated_at=1014.0)], OWN) is None
@@ -58,5 +58,5 @@ def test_the_newer_twin_stops_with_one_clear_error_and_the_older_warns_once(capl
 
 @pytest.mark.parametrize("others", [[], [record(OTHER, started_at=0.0, updated_at=1009.0)]])
 def test_no_twin_no_verdict(others):
-    assert TwinWatch().check(others + [OWN], OWN) is None
+    assert TwinWatch(heartbeat_s=5.0).check(others + [OWN], OWN) is None
 

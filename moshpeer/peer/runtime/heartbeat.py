@@ -31,7 +31,7 @@ class Heartbeat:
                  request_stop: Callable[[str], None]):
         self.dht, self.run_id, self.publisher, self.interval = dht, run_id, publisher, interval
         self._request_stop = request_stop
-        self._twins = TwinWatch()
+        self._twins = TwinWatch(heartbeat_s=interval)
         self._reconnection = SwarmReconnection(dht)
         self.fatal: Optional[UserError] = None  # why the peer must not go on (another machine has its identity)
         self.dht_died = False  # the DHT process ended while this peer ran (killed, or its p2pd was)
