@@ -49,8 +49,7 @@ from moshpeer.averaging.loss_budget import LossBudget, group_budget, parse_loss_
 from moshpeer.averaging.loop_thread import LoopThread
 from moshpeer.averaging.matchmaking_adapter import (ASSEMBLY_GRACE_S, MatchmakingAdapter, StepRequest,
                                                     initial_group_bits, schema_hash)
-from moshpeer.averaging.member_info import (MAX_BANDWIDTH, NONCE_BYTES, DeclaredWork, MemberInfo, pack_member_info,
-                                           parse_member_info)
+from moshpeer.averaging.member_info import MAX_BANDWIDTH, NONCE_BYTES, MemberInfo, pack_member_info, parse_member_info
 from moshpeer.averaging.private import dataplane_check, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import DataPlaneStats, RoundResult
@@ -318,7 +317,7 @@ class MoshpitAverager(ServicerBase):
     def step(self, weight: float = 1.0, timeout: Optional[float] = None, *,
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
-             upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[DeclaredWork] = None,
+             upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[Tuple[int, int]] = None,
              wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
@@ -378,7 +377,7 @@ class MoshpitAverager(ServicerBase):
             future.set_exception(e)
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
-               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[DeclaredWork]) -> RoundResult:
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
         started, (host, port) = time.monotonic(), self.data_address
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),

@@ -3,20 +3,18 @@
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
 holding its slot when it is behind NAT, its configured group size, the work its contribution claims to hold
-for a spot check: its epoch, micro-batch size and parameters' digest, moshpeer/peer/accountability/, and how long it waits for a
+for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/, and how long it waits for a
 leader's first answer in matchmaking) travels inside matchmaking over
 libp2p's encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import msgpack
-import torch
 
 from moshpeer.dht import admission as private_runs
 from moshpeer.errors import ProtocolError
@@ -30,30 +28,6 @@ MAX_GROUP_SIZE = 1 << 16
 MAX_EPOCH = 1 << 62
 MAX_BATCH_SIZE = 1 << 24
 MAX_ANSWER_WAIT_S = 3600.0
-PARAMS_DIGEST_BYTES = 8
-
-
-class DeclaredWork(NamedTuple):
-    """What a member's contribution claims to hold, for a spot check (moshpeer/peer/accountability/): the epoch and
-    micro-batch size of its data assignment, and a digest of the parameters it computed at (b"": not said)."""
-
-    epoch: int
-    batch_size: int
-    params_digest: bytes = b""
-
-    @classmethod
-    def of(cls, epoch: int, batch_size: int, params: Sequence[torch.Tensor]) -> "DeclaredWork":
-        """This peer's work of `epoch`, computed at `params` (hashed now: call before they change)."""
-        return cls(epoch, batch_size, parameters_digest(params))
-
-
-def parameters_digest(params: Sequence[torch.Tensor]) -> bytes:
-    """PARAMS_DIGEST_BYTES that differ when two peers' parameters do: their raw bytes in order (a sum would depend
-    on the machine's summation order; equal parameters must give equal digests everywhere)."""
-    digest = hashlib.blake2b(digest_size=PARAMS_DIGEST_BYTES, person=b"moshpeer-params")
-    for p in params:
-        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.digest()
 
 
 @dataclass(frozen=True)
@@ -76,8 +50,8 @@ class MemberInfo:
     # Its configured group size (hivemind's key manager places it among that many buckets and fails on a larger
     # group, so a leader aiming higher refuses it); 0: not said.
     group_size: int = 0
-    # The work its contribution claims to hold (spot checks); None: none declared.
-    work: Optional[DeclaredWork] = None
+    # (epoch, micro-batch size) of the data assignment its contribution was computed on (spot checks); None: none.
+    work: Optional[Tuple[int, int]] = None
     # Seconds it waits for a leader's first answer to its join request this round (its request timeout); a leader
     # withdraws an acceptance it could only give late in that wait (matchmaking_adapter.py). 0: not said.
     answer_wait_s: float = 0.0
@@ -86,7 +60,7 @@ class MemberInfo:
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
                       tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
-                      group_size: int = 0, work: Optional[DeclaredWork] = None, answer_wait_s: float = 0.0
+                      group_size: int = 0, work: Optional[Tuple[int, int]] = None, answer_wait_s: float = 0.0
                       ) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
@@ -103,8 +77,7 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
     if group_size > 0:
         info["gs"] = int(group_size)
     if work is not None:
-        work = DeclaredWork(*work)
-        info["work"] = [int(work.epoch), int(work.batch_size)] + ([work.params_digest] if work.params_digest else [])
+        info["work"] = [int(work[0]), int(work[1])]
     if answer_wait_s > 0:
         info["wait"] = float(answer_wait_s)
     return msgpack.packb(info)
@@ -156,11 +129,10 @@ def parse_member_info(data: bytes) -> MemberInfo:
         raise ProtocolError("bad group size")
     work = info.get("work")
     if work is not None:
-        if not (isinstance(work, list) and len(work) in (2, 3) and all(type(x) is int for x in work[:2])
-                and 0 <= work[0] < MAX_EPOCH and 0 < work[1] <= MAX_BATCH_SIZE
-                and (len(work) == 2 or (type(work[2]) is bytes and len(work[2]) == PARAMS_DIGEST_BYTES))):
+        if not (isinstance(work, list) and len(work) == 2 and all(type(x) is int for x in work)
+                and 0 <= work[0] < MAX_EPOCH and 0 < work[1] <= MAX_BATCH_SIZE):
             raise ProtocolError("bad declared work")
-        work = DeclaredWork(*work)
+        work = (work[0], work[1])
     answer_wait = info.get("wait", 0.0)
     if not isinstance(answer_wait, (int, float)) or not 0 <= answer_wait <= MAX_ANSWER_WAIT_S:
         raise ProtocolError("bad answer wait")

@@ -14,7 +14,6 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from moshpeer.averaging.member_info import DeclaredWork
 from moshpeer.averaging.suspects import MemberEvidence
 
 if TYPE_CHECKING:
@@ -129,7 +128,7 @@ class ContributionSample:
     check (moshpeer/peer/accountability/), which recomputes it from the work the member declared."""
 
     peer_id: str  # base58
-    work: Optional[DeclaredWork]  # what it declared in matchmaking; None: it declared none
+    work: Optional[Tuple[int, int]]  # (epoch, micro-batch size) it declared in matchmaking; None: it declared none
     weight: float  # the weight it declared (samples, for gradients), before any cap
     start: int  # where our part starts in the round's flat vector
     values: "torch.Tensor"  # fp32 on the CPU, NaN where its chunk did not arrive

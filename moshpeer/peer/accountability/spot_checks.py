@@ -10,17 +10,14 @@ peer held during the epoch, and compares (`compare`). A failed check makes the a
 the member at zero until a later check passes (suspects.py); the trainer says so in a `spot_check` event.
 
 Cost: a check recomputes the member's whole contribution (its W samples), so at `rate` r in a swarm of equal peers
-checks take about r of a peer's compute (`SpotCheck.samples` counts it); every peer also hashes its parameters twice
-an epoch (the digest it declares, and the one it checks against: a pass over the model's bytes each). Tolerance: the checker's parameters equal
+checks take about r of a peer's compute (`SpotCheck.samples` counts it). Tolerance: the checker's parameters equal
 the member's when they averaged in the same groups (gradients mode); drift between groups and a lossy codec add a
 relative error, which `TOLERANCE` leaves room for (docs/security.md has the measured errors).
 
 A check is skipped, not failed, when the checker cannot do it fairly: the member declared another epoch than the
-checker's (this peer holds only its own epoch's parameters), or computed at other parameters (its declared digest
-differs from the checker's: one of the two stepped alone after missing a round, which early in a run moves the
-gradient by about the whole tolerance, docs/security.md), or the part holds no gradients (a parameters round's
-second half). An honest member is rarely apart from its group for long, so the MAX_UNFAIR_SKIPS-th such skip of
-one member in a row fails: declaring another epoch or a false digest is no way around the checks either. A member that declares no work in
+checker's (this peer holds only its own epoch's parameters), or the part holds no gradients (a parameters round's
+second half). An honest member is rarely an epoch off its group, so the MAX_OTHER_EPOCH_SKIPS-th such skip of one
+member in a row fails: declaring another epoch is no way around the checks either. A member that declares no work in
 a run with spot checks, a weight that is not its samples, or values that differ fails; so does one that claims more
 than MAX_WORK_FACTOR times the checker's own samples: a claim nobody can afford to recompute would otherwise be a
 way never to be checked (robust aggregation credits no member with more than the group's median weight anyway). The
@@ -40,7 +37,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from moshpeer.averaging.member_info import parameters_digest
 from moshpeer.averaging.report import ContributionSample
 from moshpeer.bounded_memory import remember
 from moshpeer.errors import UserError
@@ -52,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 TOLERANCE = 0.25  # largest ||sent - recomputed|| / ||recomputed|| that passes
 MAX_WORK_FACTOR = 8.0
-MAX_UNFAIR_SKIPS = 3  # checks in a row of one member at another epoch or other parameters
+MAX_OTHER_EPOCH_SKIPS = 3
 MAX_TRACKED_PEERS = 1024  # members whose other-epoch skips are counted (the oldest forgotten first)
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
@@ -109,13 +105,12 @@ class SpotChecker:
         self.task, self.run_id, self.params, self.rate, self.tolerance = task, run_id, list(params), rate, tolerance
         self.rng = rng or random.SystemRandom()
         self._epoch: Optional[int] = None
-        self._digest = b""  # of the parameters of `_epoch` (member_info.parameters_digest)
         # A copy of the model holding the parameters of `_epoch` as this peer trained on them: checks compute on it,
         # never on the live model (which the state server and checkpoints read meanwhile). Made at the first epoch.
         self._model: Optional[torch.nn.Module] = None
         self._params: List[torch.nn.Parameter] = []  # the copy's, in `params` order
         self.checks_run = self.samples_checked = 0  # checks made and the samples they recomputed (their cost)
-        self._unfair: Dict[str, int] = {}  # member -> checks in a row skipped for another epoch or other parameters
+        self._other_epoch: Dict[str, int] = {}  # member -> checks in a row skipped for declaring another epoch
 
     def start_epoch(self, epoch: int) -> None:
         """Keep the parameters of `epoch` (call before its first micro-batch; nothing happens within an epoch)."""
@@ -130,7 +125,7 @@ class SpotChecker:
             self._params = [own[names[id(p)]] for p in self.params]
         with torch.no_grad():
             self._model.load_state_dict(self.task.model.state_dict())
-        self._epoch, self._digest = epoch, parameters_digest(self._params)
+        self._epoch = epoch
 
     def after_round(self, round_: CollaborativeRound, own_samples: Optional[int] = None) -> Optional[SpotCheck]:
         """Maybe check the contribution the round sampled -> the check, or None when none ran."""
@@ -153,17 +148,12 @@ class SpotChecker:
             return verdict(SKIPPED, "weight 0: it contributes nothing (an aux peer)")
         if sample.work is None:
             return verdict(FAILED, "declared no work")
-        declared_epoch, batch_size, digest = sample.work
-        if self._epoch != epoch:  # this peer's own epoch moved on: nothing to hold against the member
-            return verdict(SKIPPED, f"this peer holds the parameters of epoch {self._epoch}")
-        if declared_epoch != epoch or (digest and digest != self._digest):
-            if self._count_unfair(sample.peer_id) >= MAX_UNFAIR_SKIPS:
-                return verdict(FAILED, f"declared another epoch or other parameters than ours in {MAX_UNFAIR_SKIPS} "
-                                       "checks in a row")
-            if declared_epoch != epoch:
-                return verdict(SKIPPED, f"declared epoch {declared_epoch}; this peer holds the parameters of {epoch}")
-            return verdict(SKIPPED, "computed at other parameters than this peer's (one of the two stepped alone)")
-        self._unfair.pop(sample.peer_id, None)
+        declared_epoch, batch_size = sample.work
+        if declared_epoch != epoch or self._epoch != epoch:
+            if declared_epoch != epoch and self._count_other_epoch(sample.peer_id) >= MAX_OTHER_EPOCH_SKIPS:
+                return verdict(FAILED, f"declared another epoch than ours in {MAX_OTHER_EPOCH_SKIPS} checks in a row")
+            return verdict(SKIPPED, f"declared epoch {declared_epoch}; this peer holds the parameters of {self._epoch}")
+        self._other_epoch.pop(sample.peer_id, None)
         samples = sample.weight
         if samples != int(samples) or samples < 1:
             return verdict(FAILED, f"weight {samples} is not a sample count")
@@ -190,9 +180,9 @@ class SpotChecker:
             return verdict(FAILED, f"relative error {error:.3g} over {self.tolerance:g}", error, samples)
         return verdict(PASSED, "", error, samples)
 
-    def _count_unfair(self, peer_id: str) -> int:
-        count = self._unfair.get(peer_id, 0) + 1
-        remember(self._unfair, peer_id, count, limit=MAX_TRACKED_PEERS)
+    def _count_other_epoch(self, peer_id: str) -> int:
+        count = self._other_epoch.get(peer_id, 0) + 1
+        remember(self._other_epoch, peer_id, count, limit=MAX_TRACKED_PEERS)
         return count
 
     def _recompute(self, peer_id: str, epoch: int, batch_size: int, samples: int):

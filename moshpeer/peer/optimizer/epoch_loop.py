@@ -35,12 +35,11 @@ import logging
 import math
 import threading
 import time
-from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol
+from typing import Any, ContextManager, Deque, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
 from moshpeer.averaging.loss_budget import LossBudget
-from moshpeer.averaging.member_info import DeclaredWork
 from moshpeer.averaging.report import RoundResult
 from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
@@ -244,8 +243,7 @@ class EpochLoop:
             return self.finish_round(plan, None, lone_why, wait_s=0.0, **facts)
         # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
         # Work carried in from an earlier epoch was computed on other data and parameters: not checkable.
-        work = DeclaredWork.of(epoch, self.batch_size_per_step, host.params) \
-            if self.declares_work and not carried_in else None
+        work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
         future = None if alone else self.start_round(plan, float(self.counters.samples + carried_in), target,
                                                      window, hold_s=host.timing.straggler_hold(stragglers), work=work)
         if host.strategy.overlaps:
@@ -344,7 +342,7 @@ class EpochLoop:
             return self.host.strategy.plan_round(self.counters.epoch, snapshot)
 
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float, hold_s: float = 0.0,
-                    work: Optional[DeclaredWork] = None) -> Any:
+                    work: Optional[Tuple[int, int]] = None) -> Any:
         """Start one averaging round in the averager's round thread; its `RoundFuture`. The group waits up to
         `window` to fill, and at least `hold_s` (members known to be on their way)."""
         timing = self.host.timing
