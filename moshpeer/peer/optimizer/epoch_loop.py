@@ -17,12 +17,12 @@ Life of an epoch (all from the training thread):
 
 Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with
 the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
-never stops for lack of peers. A strategy whose state must follow the swarm's (DiLoCo) does not step alone when
+never stops for lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when
 the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
 one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`, and that
-round weighs it with its own samples, `samples_carried_in`), else their whole state (a catch-up, which drops that
-work: `dropped_samples`). A catch-up that finds no donor leaves the epoch to end as usual. Nothing here raises for
-network trouble.
+round weighs it with its own samples, `samples_carried_in`); failing that, one whose state must follow the swarm's
+(DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no
+donor leaves the epoch to end as usual. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -261,7 +261,8 @@ class EpochLoop:
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
                                          wait_s=time.monotonic() - started, **facts)
-            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
+            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts) \
+                if host.strategy.catches_up_after_missed_round else None
             if missed is not None:
                 return missed
         return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
@@ -297,11 +298,15 @@ class EpochLoop:
         return steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
-        """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period), for
-        a strategy whose state must then follow theirs."""
-        host = self.host
-        return not (result is not None and result.ok) and host.strategy.catches_up_after_missed_round \
-            and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop)
+        """Whether this peer's round of `epoch` failed while the others averaged it, for a strategy that then
+        follows them. One whose state must follow theirs watches the swarm for a grace period (their round may be
+        finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
+        host, strategy = self.host, self.host.strategy
+        must_follow = strategy.catches_up_after_missed_round
+        if result is not None and result.ok or not (must_follow or strategy.rejoins_by_update):
+            return False
+        grace = host.timing.missed_round_grace() if must_follow else 0.0
+        return host.swarm.moved_past(epoch, grace, host.should_stop)
 
     def _fetch_update(self, plan: RoundPlan) -> Optional[Any]:
         """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer

@@ -223,8 +223,15 @@ class StateExchange:
     # ---- donating ---------------------------------------------------------------------------------
 
     def serialized_update(self, epoch: int) -> Optional[bytes]:
-        """The strategy's kept update of the round of `epoch`, serialized (None if it keeps none)."""
-        update = self.host.strategy.kept_update(epoch)
+        """The strategy's kept update of the round of `epoch`, serialized (None if it keeps none). Read under the
+        optimizer's lock (a strategy may keep it in a buffer its next plan overwrites), waited for at most
+        SNAPSHOT_WAIT_S (then TimeoutError: the server logs one line, the client asks another donor)."""
+        if not self.host.lock.acquire(timeout=SNAPSHOT_WAIT_S):
+            raise TimeoutError(f"the optimizer's lock stayed busy for {SNAPSHOT_WAIT_S} s")
+        try:
+            update = self.host.strategy.kept_update(epoch)
+        finally:
+            self.host.lock.release()
         return None if update is None else serialize_state(update)
 
     def serialized_state(self) -> Tuple[int, bytes]:

@@ -12,7 +12,7 @@ Loss tolerance is the averager's: a chunk of Δ whose contributions partly arriv
 reconstruction, a chunk of Δ̄ this peer never received is its own Δ there. The outer step is linear in
 Δ̄, so it stays unbiased. No group while others averaged (this peer was late): it takes the outer step
 on their Δ̄, fetched from one of them (every member keeps the latest Δ̄ of each fragment, encoded as
-the round sent it: diloco_update.py), so that a missed round costs one round's bytes, and this peer's own
+the round sent it: round_update.py), so that a missed round costs one round's bytes, and this peer's own
 Δ of that round is carried into its next one (late work counts a round later, not never); only if no
 member delivers a Δ̄ that fits does it download their whole state (a lone outer step would leave its
 θ_outer apart from the swarm's for good). No group at all (alone, or nobody else finished the round):
@@ -59,7 +59,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.strategies.diloco_fragments import Fragment, make_fragments
 from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterOptimizerFactory, describe_outer_optimizer
-from moshpeer.peer.strategies.diloco_update import OuterUpdate
+from moshpeer.peer.strategies.round_update import RoundUpdate
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
 
 if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
@@ -139,7 +139,7 @@ class DiLoCoStrategy(AveragingStrategy):
         self.steps_this_epoch = 0
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
         self.planned_epoch = -1  # the epoch of the last plan
-        self.kept: Dict[int, OuterUpdate] = {}  # fragment -> the Δ̄ of its last averaged round (kept_update)
+        self.kept: Dict[int, RoundUpdate] = {}  # fragment -> the Δ̄ of its last averaged round (kept_update)
 
     def bind(self, host: StrategyHost) -> None:
         super().bind(host)
@@ -221,8 +221,8 @@ class DiLoCoStrategy(AveragingStrategy):
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
         part = self.parts[plan.fragment]  # with overlap, the plan of the previous epoch: not `planned`
-        self.kept[plan.fragment] = OuterUpdate.encode(part.buffer, epoch=plan.epoch, fragment=plan.fragment,
-                                                      outer_steps=part.outer.outer_steps,
+        self.kept[plan.fragment] = RoundUpdate.encode(part.buffer, epoch=plan.epoch, fragment=plan.fragment,
+                                                      steps=part.outer.outer_steps,
                                                       compression=self.host.compression)
         # With overlap the previous epoch's plan: the epoch loop resolves a round before it plans the next, so
         # adopt_outer is still that plan's.
@@ -231,7 +231,7 @@ class DiLoCoStrategy(AveragingStrategy):
         return spread  # how far θ_outer was from the group's (rounds that adopt it), else None
 
     def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
-        """The Δ̄ this peer applied in its successful round of `epoch` (`OuterUpdate.to_state()`), while it is
+        """The Δ̄ this peer applied in its successful round of `epoch` (`RoundUpdate.to_state()`), while it is
         the latest of its fragment, with this peer's phase now: (epoch, inner steps into it)."""
         update = self.kept.get(epoch % self.fragments)
         if update is None or update.epoch != epoch:
@@ -242,12 +242,12 @@ class DiLoCoStrategy(AveragingStrategy):
     @torch.no_grad()
     def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
         """(the decoded Δ̄, inner steps to start the next epoch with) of another member's `kept_update` for
-        `plan`'s round, checked against this peer's own Δ of the round (diloco_update.py says what fits);
+        `plan`'s round, checked against this peer's own Δ of the round (round_update.py says what fits);
         ValueError otherwise."""
         part = self.parts[plan.fragment]
-        update = OuterUpdate.from_state(update)
-        delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, outer_steps=part.outer.outer_steps,
-                                  own_delta=torch.cat([d.reshape(-1) for d in self._own_delta(part)]))
+        update = RoundUpdate.from_state(update)
+        delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, steps=part.outer.outer_steps,
+                                  own=torch.cat([d.reshape(-1) for d in self._own_delta(part)]))
         return delta, self._steps_to_skip(plan, update.phase)
 
     def _steps_to_skip(self, plan: RoundPlan, phase: Optional[Tuple[int, int]]) -> int:

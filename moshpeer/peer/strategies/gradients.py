@@ -4,9 +4,12 @@ Every `step()` adds the micro-batch's gradients, weighted by its samples, to the
 the end of the epoch the round averages this peer's mean gradient with its group, weighted by samples,
 and every member applies the same averaged gradient with the inner optimizer.
 
-Members of a full group apply the same average and stay identical. Peers still drift apart: a peer
-that stepped alone (no group that epoch), or groups that received different averages (a swarm larger
-than one group). So every `params_every` epochs the round also averages the parameters and every
+Members of a full group apply the same average and stay identical. A peer whose round failed while the
+others averaged it takes their step instead of one of its own (`rejoins_by_update`): it fetches the averaged
+gradient a member kept (round_update.py; one round's bytes, served only while that member has not planned its
+next round) and steps on it, and its own gradient of the missed epoch is carried into its next contribution,
+weighed by its samples. Peers still drift apart: a peer that stepped alone (no group that epoch, or no member
+served the update), or groups that received different averages (a swarm larger than one group). So every `params_every` epochs the round also averages the parameters and every
 member adopts their average (Moshpit SGD's recipe to pull groups back together); `param_spread` reports
 how far this peer was from its group's mean before that. The other rounds send gradients only: half
 the bytes. The choice depends on the epoch only, so the members of one round agree on it (peers group
@@ -18,13 +21,14 @@ meaningful for gradients only, so parameters are never averaged then).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from moshpeer.errors import UserError
 from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
 from moshpeer.peer.strategies.base import AveragingStrategy, RoundPlan, StrategyHost
+from moshpeer.peer.strategies.round_update import RoundUpdate
 
 if TYPE_CHECKING:  # the swarm view a strategy is handed; strategies do not depend on the optimizer
     from moshpeer.peer.optimizer.progress import ProgressSnapshot
@@ -46,6 +50,10 @@ class GradientsStrategy(AveragingStrategy):
 
     name = "gradients"
     accumulates_gradients = True
+    # A lone step on this peer's own gradient would leave its parameters apart from its group's until the next
+    # parameters round (and spot checks of its work, or its checks of others', would then compare gradients at
+    # different parameters); the group's averaged gradient keeps them together.
+    rejoins_by_update = True
 
     def __init__(self, average_parameters: Union[bool, str] = "auto", params_every: int = DEFAULT_PARAMS_EVERY):
         if average_parameters not in ("auto", True, False):
@@ -62,6 +70,11 @@ class GradientsStrategy(AveragingStrategy):
         n = len(host.params)
         self.grads, self.param_copies = views[:n], views[n:]
         self.grad_part = self.buffer[:sum(p.numel() for p in host.params)]  # a gradients-only round averages this
+        self.kept_epoch: Optional[int] = None  # the epoch whose group average `grads` still hold (kept_update)
+        # Own gradient sums (x samples) of rounds missed and made up for with the group's update (apply_update):
+        # they go into the next contribution, or the next lone step.
+        self.carried_sums: Optional[List[torch.Tensor]] = None
+        self.carried_samples = 0
 
     def _params_round(self, epoch: int) -> bool:
         """Do the parameters travel in this epoch's round? The epoch alone decides, so that all members of
@@ -74,9 +87,9 @@ class GradientsStrategy(AveragingStrategy):
         return True
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
-        scale = 1.0 / max(self.host.samples_accumulated, 1)
-        for buf, acc in zip(self.grads, self.host.grad_sums):
-            buf.copy_(acc).mul_(scale)
+        self.kept_epoch = None  # the buffer is about to hold this epoch's own gradient
+        for buf, mean in zip(self.grads, self._own_mean_gradient()):
+            buf.copy_(mean)
         self.adopt_params = False
         if not self._params_round(epoch):
             return RoundPlan(tensors=(self.grad_part,), averages=("gradients",))
@@ -92,23 +105,72 @@ class GradientsStrategy(AveragingStrategy):
             spread = param_spread(self.host.params, self.param_copies)
             for p, avg in zip(self.host.params, self.param_copies):
                 p.copy_(avg)
-        for p, avg in zip(self.host.params, self.grads):
-            p.grad = avg.to(device=p.device, dtype=p.dtype).clone()
-        self._inner_step()
+        self._step_on(self.grads)
+        self.kept_epoch = plan.epoch
+        self._drop_carried()
         return spread
 
     @torch.no_grad()
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
-        samples = self.host.samples_accumulated
-        if samples > 0:
-            for p, acc in zip(self.host.params, self.host.grad_sums):
-                p.grad = (acc * (1.0 / samples)).to(dtype=p.dtype)
-            self.host.inner_step()
-        self.host.inner.zero_grad(set_to_none=True)  # the next epoch accumulates from scratch
+        # Recomputed, not read from the buffer: an abandoned round may still be writing to it.
+        if self.host.samples_accumulated + self.carried_samples > 0:
+            self._step_on(self._own_mean_gradient())
+        else:
+            self.host.inner.zero_grad(set_to_none=True)  # the next epoch accumulates from scratch
+        self._drop_carried()
 
-    def _inner_step(self) -> None:
+    def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
+        """The averaged gradient this peer stepped on in its successful round of `epoch`, while its buffer still
+        holds it (until it plans its next round), encoded with the run's gather codec. The caller holds the
+        optimizer's lock (the training thread plans under it)."""
+        if self.kept_epoch != epoch:
+            return None
+        return RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0,
+                                  compression=self.host.compression).to_state()
+
+    @torch.no_grad()
+    def fit_update(self, plan: RoundPlan, update: Any) -> torch.Tensor:
+        """The group's averaged gradient of `plan`'s round from another member's `kept_update`, checked against this
+        peer's own mean gradient of the round (round_update.py says what fits; no step count: the epoch places a
+        gradients round); ValueError otherwise."""
+        own = torch.cat([g.reshape(-1) for g in self._own_mean_gradient()])
+        return RoundUpdate.from_state(update).check_fits(epoch=plan.epoch, fragment=0, steps=0, own=own)
+
+    @torch.no_grad()
+    def apply_update(self, plan: RoundPlan, fitted: torch.Tensor) -> None:
+        """The group's step on its averaged gradient (`fit_update`'s); this peer's own gradient sums of the round
+        are carried into its next contribution."""
+        grads, offset = [], 0
+        for p in self.host.params:
+            grads.append(fitted[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        sums = [acc.clone() for acc in self.host.grad_sums]
+        if self.carried_sums is not None:
+            for total, carried in zip(sums, self.carried_sums):
+                total.add_(carried)
+        self.carried_sums, self.carried_samples = sums, self.carried_samples + self.host.samples_accumulated
+        self._step_on(grads)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._drop_carried()  # an adopted state replaces the carried work (the epoch loop counts it dropped)
+
+    def _own_mean_gradient(self) -> List[torch.Tensor]:
+        """This peer's sample-weighted mean gradient of the epoch, with the work carried from missed rounds."""
+        samples = self.host.samples_accumulated + self.carried_samples
+        scale = 1.0 / max(samples, 1)
+        carried = self.carried_sums or [None] * len(self.host.grad_sums)
+        return [(acc if extra is None else acc + extra) * scale for acc, extra in zip(self.host.grad_sums, carried)]
+
+    def _step_on(self, grads: Sequence[torch.Tensor]) -> None:
+        """One inner optimizer step on `grads` (one per parameter); the next epoch accumulates from scratch."""
+        for p, grad in zip(self.host.params, grads):
+            p.grad = grad.to(device=p.device, dtype=p.dtype).clone()
         self.host.inner_step()
         self.host.inner.zero_grad(set_to_none=True)
+
+    def _drop_carried(self) -> None:
+        self.carried_sums, self.carried_samples = None, 0
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:
         return self.grads

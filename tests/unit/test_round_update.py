@@ -15,7 +15,7 @@ from moshpeer.peer.state.framing import deserialize_state, serialize_state
 from moshpeer.peer.state.sync import StateOffer, StateServer, fetch_state_from
 from moshpeer.peer.state.updates import UPDATE_KIND, UPDATE_OP, update_handler
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
-from moshpeer.peer.strategies.diloco_update import UPDATE_NORM_BOUND, OuterUpdate
+from moshpeer.peer.strategies.round_update import UPDATE_NORM_BOUND, RoundUpdate
 from peer_fakes import FakeHost
 
 
@@ -129,7 +129,7 @@ def test_an_update_that_does_not_fit_falls_back_to_a_download():
     member.backward(1.0)
     member.epochs.account(8)
     wrong_epoch = {**member.strategy.kept_update(0), "epoch": 5}
-    too_large = OuterUpdate.encode(torch.full((8,), 100.0), epoch=0, fragment=0, outer_steps=0,
+    too_large = RoundUpdate.encode(torch.full((8,), 100.0), epoch=0, fragment=0, steps=0,
                                    compression="none").to_state()
     late.updates = [wrong_epoch, too_large, {"format": 99}]
     late.backward(1.0)
@@ -166,19 +166,19 @@ def test_a_member_keeps_the_latest_update_of_each_fragment():
     # Rounds 0 and 2 averaged fragment 0, round 1 fragment 1: round 0's Δ̄ is gone, 1 and 2 are kept.
     assert host.strategy.kept_update(0) is None
     for epoch, fragment in ((1, 1), (2, 0)):
-        kept = OuterUpdate.from_state(host.strategy.kept_update(epoch))
+        kept = RoundUpdate.from_state(host.strategy.kept_update(epoch))
         assert (kept.epoch, kept.fragment, kept.numel) == (epoch, fragment, host.strategy.parts[fragment].buffer.numel())
-    assert OuterUpdate.from_state(host.strategy.kept_update(2)).outer_steps == 1  # fragment 0's second step
+    assert RoundUpdate.from_state(host.strategy.kept_update(2)).steps == 1  # fragment 0's second step
 
 
 def test_check_fits_names_what_is_wrong():
     own = torch.ones(8)
-    update = OuterUpdate.encode(torch.full((8,), 0.5), epoch=3, fragment=1, outer_steps=2, compression="int8")
-    fits = dict(epoch=3, fragment=1, outer_steps=2, own_delta=own)
+    update = RoundUpdate.encode(torch.full((8,), 0.5), epoch=3, fragment=1, steps=2, compression="int8")
+    fits = dict(epoch=3, fragment=1, steps=2, own=own)
     assert torch.allclose(update.check_fits(**fits), torch.full((8,), 0.5), atol=0.01)
     for wrong, message in (({"epoch": 4}, "epoch 3"), ({"fragment": 0}, "fragment 1"),
-                           ({"outer_steps": 1}, "2 outer steps"), ({"own_delta": torch.ones(9)}, "8 values"),
-                           ({"own_delta": own * 0.5 / (UPDATE_NORM_BOUND + 1)}, "norm")):
+                           ({"steps": 1}, "2 steps"), ({"own": torch.ones(9)}, "8 values"),
+                           ({"own": own * 0.5 / (UPDATE_NORM_BOUND + 1)}, "norm")):
         with pytest.raises(ValueError, match=message):
             update.check_fits(**{**fits, **wrong})
 
@@ -187,21 +187,21 @@ def test_check_fits_names_what_is_wrong():
                                  {"payloads": [torch.zeros(4)]}, {"payloads": "bytes"}, {"phase": [1]},
                                  {"phase": [1, -2]}, {"phase": "late"}])
 def test_a_strangers_update_is_refused_unless_every_field_has_its_type(bad):
-    state = OuterUpdate.encode(torch.ones(8), epoch=0, fragment=0, outer_steps=0, compression="int4").to_state()
+    state = RoundUpdate.encode(torch.ones(8), epoch=0, fragment=0, steps=0, compression="int4").to_state()
     with pytest.raises(ValueError):
-        OuterUpdate.from_state({**state, **bad})
+        RoundUpdate.from_state({**state, **bad})
 
 
 def test_a_corrupt_payload_is_refused_when_decoded():
-    update = OuterUpdate.encode(torch.ones(8), epoch=0, fragment=0, outer_steps=0, compression="none")
-    broken = OuterUpdate(**{**update.__dict__, "payloads": [torch.full((32,), 255, dtype=torch.uint8)]})  # NaNs
+    update = RoundUpdate.encode(torch.ones(8), epoch=0, fragment=0, steps=0, compression="none")
+    broken = RoundUpdate(**{**update.__dict__, "payloads": [torch.full((32,), 255, dtype=torch.uint8)]})  # NaNs
     with pytest.raises(ValueError, match="does not decode"):
         broken.decode()
 
 
 def test_a_donor_serves_its_kept_update_signed_as_an_update():
     identity = Identity.generate()
-    data = serialize_state(OuterUpdate.encode(torch.arange(8.0), epoch=3, fragment=0, outer_steps=1,
+    data = serialize_state(RoundUpdate.encode(torch.arange(8.0), epoch=3, fragment=0, steps=1,
                                               compression="none").to_state())
     server = StateServer(lambda: (9, b"state"), run_id="upd", identity=identity,
                          handlers={UPDATE_OP: update_handler(lambda epoch: data if epoch == 3 else None)})
@@ -209,7 +209,7 @@ def test_a_donor_serves_its_kept_update_signed_as_an_update():
         offer = StateOffer(identity.peer_id, server.host, server.port, 4)
         epoch, got, _ = fetch_state_from(offer, "upd", timeout=10.0, op=UPDATE_OP, fields={"epoch": 3},
                                          kind=UPDATE_KIND)
-        assert epoch == 3 and torch.equal(OuterUpdate.from_state(deserialize_state(got)).decode(), torch.arange(8.0))
+        assert epoch == 3 and torch.equal(RoundUpdate.from_state(deserialize_state(got)).decode(), torch.arange(8.0))
         with pytest.raises(ProtocolError, match="bad state header"):  # no update of that round: {"ok": false}
             fetch_state_from(offer, "upd", timeout=10.0, op=UPDATE_OP, fields={"epoch": 2}, kind=UPDATE_KIND)
         with pytest.raises(ProtocolError, match="signature"):  # an update's header does not pass for a state's
@@ -225,24 +225,24 @@ def test_a_sparse_update_travels_as_its_non_zero_blocks():
     delta = torch.zeros(numel)
     delta[3 * 256:4 * 256] = torch.linspace(-1, 1, 256)
     delta[-50:] = 0.25  # in the partial last block
-    update = OuterUpdate.encode(delta, epoch=1, fragment=0, outer_steps=0, compression="topk-int2:0.0156")
+    update = RoundUpdate.encode(delta, epoch=1, fragment=0, steps=0, compression="topk-int2:0.0156")
     state = update.to_state()
     assert state["format"] == 2 and state["blocks"].tolist() == [3, 64]
     assert update.nbytes < 2 * 256 + 64 + 8  # two blocks of int8 and their two indices, not numel bytes
-    decoded = OuterUpdate.from_state(deserialize_state(serialize_state(state))).decode()
+    decoded = RoundUpdate.from_state(deserialize_state(serialize_state(state))).decode()
     outside = torch.ones(numel, dtype=torch.bool)
     outside[3 * 256:4 * 256] = outside[64 * 256:] = False
     assert decoded.numel() == numel and not decoded[outside].any()  # zero outside the blocks, exactly
     assert torch.allclose(decoded, delta, atol=0.01)
     # A dense Δ̄ stays in the dense format (format 1: what peers of earlier versions read).
-    assert OuterUpdate.encode(torch.ones(numel), epoch=1, fragment=0, outer_steps=0,
+    assert RoundUpdate.encode(torch.ones(numel), epoch=1, fragment=0, steps=0,
                               compression="int8").to_state()["format"] == 1
     for bad in (torch.tensor([64, 3], dtype=torch.int32), torch.tensor([3, 65], dtype=torch.int32),
                 torch.tensor([-1, 3], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)):
         with pytest.raises(ValueError, match="blocks"):
-            OuterUpdate.from_state({**state, "blocks": bad}).decode()
+            RoundUpdate.from_state({**state, "blocks": bad}).decode()
     for bad in (torch.tensor([3, 64]), [3, 64], None):  # not int32, not a tensor, missing
         with pytest.raises(ValueError, match="blocks"):
-            OuterUpdate.from_state({**state, "blocks": bad})
+            RoundUpdate.from_state({**state, "blocks": bad})
     with pytest.raises(ValueError, match="chunk"):  # blocks that the payloads do not hold
-        OuterUpdate.from_state({**state, "blocks": torch.tensor([3], dtype=torch.int32)}).decode()
+        RoundUpdate.from_state({**state, "blocks": torch.tensor([3], dtype=torch.int32)}).decode()

@@ -1,0 +1,142 @@
+"""A gradients-mode peer whose round failed while its group averaged takes the group's step (`rejoins_by_update`)
+instead of a lone one that would leave its parameters apart until the next parameters round: the members keep
+the averaged gradient they stepped on until they plan their next round, the late peer fetches it, checks it,
+steps on it and carries its own gradient into its next contribution. Nobody downloads a whole state for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moshpeer.averaging.report import RoundResult
+from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
+from moshpeer.peer.strategies.gradients import GradientsStrategy
+from moshpeer.peer.strategies.round_update import RoundUpdate
+from peer_fakes import FakeHost
+
+SHARE = 32  # two trainers, a target batch of 64: each ends its epoch at 32 samples
+
+
+def member_and_latecomer(compression: str = "none") -> tuple:
+    """Two peers from the same start: the member's round averages (the group's gradient = half its own: a mate
+    whose gradient was zero), the latecomer's finds no group while the swarm moved on."""
+    member, late = (FakeHost(GradientsStrategy(average_parameters=False), compression=compression, lr=0.1)
+                    for _ in range(2))
+    member.averager.average = lambda tensors: tensors[0].mul_(0.5)
+    member.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.swarm.moved_on = True
+    return member, late
+
+
+def params(host: FakeHost) -> list:
+    return [p.detach().clone() for p in host.params]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_latecomer_takes_the_groups_step_and_keeps_the_groups_parameters(compression):
+    member, late = member_and_latecomer(compression)
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    update = member.strategy.kept_update(0)
+    assert update is not None and member.strategy.kept_update(1) is None
+    late.updates = [update]
+    late.backward(3.0)
+    record = late.epochs.account(SHARE)
+    assert record.error == MISSED_ROUND_UPDATE and not record.ok and record.carried_samples == SHARE
+    assert late.update_requests == [0] and late.downloads == [] and late.counters.epoch == 1
+    for ours, theirs in zip(late.params, member.params):
+        if compression == "none":
+            assert torch.equal(ours, theirs)  # the group's step, bit for bit
+        else:  # re-encoded once: within the codec's error of one step (lr 0.1 x gradient 0.5)
+            assert (ours - theirs).abs().max() <= 0.05 * 0.01
+
+
+def test_a_latecomer_stepping_alone_would_have_stayed_apart():
+    # What the update prevents: the same miss without a donor leaves the latecomer on its own step.
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.backward(3.0)
+    record = late.epochs.account(SHARE)
+    assert record.error == "no group" and record.carried_samples == 0 and late.downloads == []
+    assert late.update_requests == [0]  # it asked; nobody had the update: a lone step, no state download
+    for ours, theirs in zip(late.params, member.params):
+        assert torch.allclose(ours, theirs - 0.1 * (3.0 - 0.5))
+
+
+def test_the_next_round_sends_both_epochs_gradients_weighed_by_their_samples():
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    late.epochs.account(SHARE)
+    sent = []
+    late.averager.average = lambda tensors: sent.append(tensors[0].clone())
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    late.backward(1.0)
+    record = late.epochs.account(SHARE)
+    assert record.ok and record.samples_carried_in == SHARE and late.averager.calls[-1]["weight"] == 2.0 * SHARE
+    assert torch.allclose(sent[0], torch.full_like(sent[0], (3.0 + 1.0) / 2))  # the mean over both epochs
+    assert late.strategy.carried_sums is None and late.counters.carried == {}  # it went into that round
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    late.backward(1.0)
+    assert late.epochs.account(SHARE).ok and late.averager.calls[-1]["weight"] == float(SHARE)
+
+
+def test_a_lone_step_after_a_missed_round_takes_the_carried_gradient_too():
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    late.epochs.account(SHARE)
+    late.updates, before = [], params(late)
+    late.swarm.moved_on = False
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.backward(1.0)
+    assert late.epochs.account(SHARE).error == "no group"
+    for p, q in zip(late.params, before):
+        assert torch.allclose(p, q - 0.1 * 2.0)  # lr x the mean of 3 and 1, equal samples
+    assert late.strategy.carried_sums is None
+
+
+def test_the_kept_gradient_is_gone_once_the_member_plans_its_next_round():
+    member, _ = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    assert member.strategy.kept_update(0) is not None
+    member.backward(1.0)
+    member.epochs.account(SHARE)  # its next round (abandoned) overwrote the buffer
+    assert member.strategy.kept_update(0) is None and member.strategy.kept_update(1) is None
+
+
+@pytest.mark.parametrize("wrong, why", [({"epoch": 1}, "epoch"), ({"numel": 3}, "values"),
+                                        ({"scale": 30.0}, "norm")])
+def test_an_update_that_does_not_fit_is_refused_and_the_latecomer_steps_alone(wrong, why, caplog):
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    kept = RoundUpdate.from_state(member.strategy.kept_update(0))
+    numel = wrong.get("numel", kept.numel)
+    late.updates = [RoundUpdate.encode(torch.full((numel,), 0.5 * wrong.get("scale", 1.0)),
+                                       epoch=wrong.get("epoch", 0), fragment=0, steps=0, compression="none").to_state()]
+    late.backward(3.0)
+    before = params(late)
+    record = late.epochs.account(SHARE)
+    assert record.error == "no group" and late.downloads == [] and why in caplog.text
+    for p, q in zip(late.params, before):
+        assert torch.allclose(p, q - 0.1 * 3.0)
+
+
+def test_a_downloaded_state_drops_the_carried_gradient():
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    late.epochs.account(SHARE)
+    assert late.strategy.carried_samples == SHARE
+    late.strategy.load_state_dict({})  # what adopting a donor's state or a checkpoint does
+    assert late.strategy.carried_sums is None and late.strategy.carried_samples == 0
