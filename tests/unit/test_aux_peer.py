@@ -38,7 +38,7 @@ class FakeAuxHost:
         return 3
 
     def plan_round(self, snapshot) -> RoundPlan:
-        return RoundPlan(tensors=(), averages=("gradients",))
+        return RoundPlan(tensors=(), averages=("gradients",), epoch=0)
 
     def start_round(self, plan, weight: float, target: int, window: float) -> Any:
         self.started.append((weight, target, window))

@@ -140,3 +140,44 @@ def test_a_downloaded_state_drops_the_carried_gradient():
     assert late.strategy.carried_samples == SHARE
     late.strategy.load_state_dict({})  # what adopting a donor's state or a checkpoint does
     assert late.strategy.carried_sums is None and late.strategy.carried_samples == 0
+
+
+def test_the_latecomer_starts_its_next_epoch_as_far_in_as_its_donor_was():
+    # Late by more than the matchmaking window, a peer that computed its whole share of the next epoch would be as
+    # late for the next round, and every one after: it counts the donor's samples into that epoch as done.
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    member.backward(1.0)
+    assert member.epochs.account(8) is None  # 8 samples into the next epoch when it serves
+    update = member.strategy.kept_update(0)
+    assert update["phase"] == [1, 8]
+    late.updates = [update]
+    late.backward(3.0)
+    assert late.epochs.account(SHARE).error == MISSED_ROUND_UPDATE and late.strategy.head_start() == 8
+    late.backward(1.0)
+    assert late.epochs.account(SHARE - 16) is None
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    record = late.epochs.account(8)  # the share less the head start: the epoch is over
+    assert record.ok and record.samples == SHARE - 8 and late.averager.calls[-1]["weight"] == SHARE - 8 + SHARE
+    assert late.strategy.head_start() == 0  # one epoch only
+
+
+def test_the_update_is_the_missed_epochs_and_no_other():
+    member, late = member_and_latecomer()
+    late.averager.outcomes.clear()
+    for host in (member, late):  # both average epoch 0 together
+        host.averager.average = lambda tensors: None
+        host.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+        host.backward(1.0)
+        assert host.epochs.account(SHARE).ok
+    member.averager.average = lambda tensors: tensors[0].mul_(0.5)
+    member.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    assert member.strategy.kept_update(0) is None and member.strategy.kept_update(1)["epoch"] == 1
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.updates = [member.strategy.kept_update(1)]
+    late.backward(3.0)
+    assert late.epochs.account(SHARE).error == MISSED_ROUND_UPDATE and late.update_requests == [1]
+    assert all(torch.equal(p, q) for p, q in zip(late.params, member.params))

@@ -182,7 +182,7 @@ class EpochLoop:
         if counted is not None:  # the strategy's own count says not yet; its quorum may end the epoch early
             return self._quorum_eta_s() == 0.0
         snapshot = self.host.swarm.progress.snapshot()
-        return snapshot.ready or self.counters.samples >= self.share(snapshot)
+        return snapshot.ready or self.counters.samples + self.host.strategy.head_start() >= self.share(snapshot)
 
     def share(self, snapshot: Optional[ProgressSnapshot] = None) -> int:
         """This peer's share of the target batch: target / live trainers whose samples count, rounded up."""

@@ -22,6 +22,8 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
     apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
     kept_update(epoch)      (strategies that `rejoin_by_update`) the update a successful round of `epoch`
                             applied, kept for peers that missed that round (any thread); None if not kept
+    head_start()            samples of the epoch's share counted as done (a peer that took an update starts the
+                            next epoch as far in as its donor was); 0 unless a strategy says otherwise
     fit_update(plan, u)     this peer's round of `plan` failed while others averaged it: check a kept update
                             fetched from one of them (ValueError if it does not fit); apply_update(plan, fitted)
                             then takes the group's step with it instead of apply_alone
@@ -79,8 +81,8 @@ class RoundPlan:
 
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
+    epoch: int  # the collaborative epoch of the round (a kept update is found by it: no default to forget)
     fragment: int = 0
-    epoch: int = 0  # the collaborative epoch of the round
 
 
 class AveragingStrategy(abc.ABC):
@@ -122,6 +124,12 @@ class AveragingStrategy(abc.ABC):
         """Whether the epoch is over by this strategy's own count (e.g. DiLoCo's H inner steps); None: the
         optimizer decides (this peer's share of the target batch, the swarm's progress)."""
         return None
+
+    def head_start(self) -> int:
+        """Samples of this epoch's share of the target batch that count as done without this peer computing them
+        (when the optimizer decides the epoch's end): a peer that took its group's update after missing a round
+        starts the next epoch as far in as its donor was, so that it meets that epoch's round. 0: none."""
+        return 0
 
     def steps_to_epoch_end(self) -> Optional[int]:
         """Micro-batches left until `epoch_is_over` says True by this strategy's own count; None when the

@@ -7,13 +7,15 @@ and every member applies the same averaged gradient with the inner optimizer.
 Members of a full group apply the same average and stay identical. A peer whose round failed while the
 others averaged it takes their step instead of one of its own (`rejoins_by_update`): it fetches the averaged
 gradient a member kept (round_update.py; one round's bytes, served only while that member has not planned its
-next round) and steps on it, and its own gradient of the missed epoch is carried into its next contribution,
-weighed by its samples. Peers still drift apart: a peer that stepped alone (no group that epoch, or no member
-served the update), or groups that received different averages (a swarm larger than one group). So every `params_every` epochs the round also averages the parameters and every
-member adopts their average (Moshpit SGD's recipe to pull groups back together); `param_spread` reports
-how far this peer was from its group's mean before that. The other rounds send gradients only: half
-the bytes. The choice depends on the epoch only, so the members of one round agree on it (peers group
-only with peers whose round averages the same tensors).
+next round) and steps on it; its own gradient of the missed epoch is carried into its next contribution, weighed
+by its samples, and it starts the next epoch as far in as the member was (`head_start`), so that it meets that
+epoch's round instead of arriving as late again. Peers still drift apart: a peer that stepped alone (no group
+that epoch, or no member served the update), or groups that received different averages (a swarm larger than
+one group). So every `params_every` epochs the round also averages the parameters and every member adopts their
+average (Moshpit SGD's recipe to pull groups back together); `param_spread` reports how far this peer was from
+its group's mean before that. The other rounds send gradients only: half the bytes. The choice depends on the
+epoch only, so the members of one round agree on it (peers group only with peers whose round averages the same
+tensors).
 
 Buffer: [mean gradients..., parameters...] (gradients only with error feedback: EF21M's estimate is
 meaningful for gradients only, so parameters are never averaged then).
@@ -21,7 +23,7 @@ meaningful for gradients only, so parameters are never averaged then).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -75,6 +77,7 @@ class GradientsStrategy(AveragingStrategy):
         # they go into the next contribution, or the next lone step.
         self.carried_sums: Optional[List[torch.Tensor]] = None
         self.carried_samples = 0
+        self.head = 0  # head_start() of this epoch: its donor's samples into it, when it began with an update
 
     def _params_round(self, epoch: int) -> bool:
         """Do the parameters travel in this epoch's round? The epoch alone decides, so that all members of
@@ -87,16 +90,16 @@ class GradientsStrategy(AveragingStrategy):
         return True
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
-        self.kept_epoch = None  # the buffer is about to hold this epoch's own gradient
+        self.kept_epoch, self.head = None, 0  # the buffer is about to hold this epoch's own gradient
         for buf, mean in zip(self.grads, self._own_mean_gradient()):
             buf.copy_(mean)
         self.adopt_params = False
         if not self._params_round(epoch):
-            return RoundPlan(tensors=(self.grad_part,), averages=("gradients",))
+            return RoundPlan(tensors=(self.grad_part,), averages=("gradients",), epoch=epoch)
         for buf, p in zip(self.param_copies, self.host.params):
             buf.copy_(p.detach())
         self.adopt_params = self._adopt_params(swarm)
-        return RoundPlan(tensors=(self.buffer,), averages=("gradients", "parameters"))
+        return RoundPlan(tensors=(self.buffer,), averages=("gradients", "parameters"), epoch=epoch)
 
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
@@ -121,25 +124,31 @@ class GradientsStrategy(AveragingStrategy):
 
     def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
         """The averaged gradient this peer stepped on in its successful round of `epoch`, while its buffer still
-        holds it (until it plans its next round), encoded with the run's gather codec. The caller holds the
-        optimizer's lock (the training thread plans under it)."""
+        holds it (until it plans its next round), encoded with the run's gather codec, with this peer's phase now:
+        (the next epoch, its samples so far). The caller holds the optimizer's lock (the training thread plans
+        under it)."""
         if self.kept_epoch != epoch:
             return None
-        return RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0,
-                                  compression=self.host.compression).to_state()
+        update = RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0, compression=self.host.compression)
+        return update.to_state(phase=(epoch + 1, self.host.samples_accumulated))
 
     @torch.no_grad()
-    def fit_update(self, plan: RoundPlan, update: Any) -> torch.Tensor:
-        """The group's averaged gradient of `plan`'s round from another member's `kept_update`, checked against this
-        peer's own mean gradient of the round (round_update.py says what fits; no step count: the epoch places a
-        gradients round); ValueError otherwise."""
+    def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
+        """(the group's averaged gradient of `plan`'s round, the next epoch's head start) from another member's
+        `kept_update`, checked against this peer's own mean gradient of the round (round_update.py says what fits;
+        no step count: the epoch places a gradients round); ValueError otherwise. The head start is the donor's
+        samples into the next epoch when it served: a peer late by more than the matchmaking window would be as
+        late for the next round, and every one after, were it to compute its whole share."""
+        update = RoundUpdate.from_state(update)
         own = torch.cat([g.reshape(-1) for g in self._own_mean_gradient()])
-        return RoundUpdate.from_state(update).check_fits(epoch=plan.epoch, fragment=0, steps=0, own=own)
+        grad = update.check_fits(epoch=plan.epoch, fragment=0, steps=0, own=own)
+        return grad, update.phase[1] if update.phase is not None and update.phase[0] == plan.epoch + 1 else 0
 
     @torch.no_grad()
-    def apply_update(self, plan: RoundPlan, fitted: torch.Tensor) -> None:
+    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:
         """The group's step on its averaged gradient (`fit_update`'s); this peer's own gradient sums of the round
-        are carried into its next contribution."""
+        are carried into its next contribution, and its next epoch starts as far in as its donor was."""
+        fitted, self.head = fitted
         grads, offset = [], 0
         for p in self.host.params:
             grads.append(fitted[offset:offset + p.numel()].view_as(p))
@@ -154,6 +163,10 @@ class GradientsStrategy(AveragingStrategy):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._drop_carried()  # an adopted state replaces the carried work (the epoch loop counts it dropped)
+        self.head = 0
+
+    def head_start(self) -> int:
+        return self.head
 
     def _own_mean_gradient(self) -> List[torch.Tensor]:
         """This peer's sample-weighted mean gradient of the epoch, with the work carried from missed rounds."""

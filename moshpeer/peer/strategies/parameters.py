@@ -49,7 +49,7 @@ class ParametersStrategy(AveragingStrategy):
         for buf, p in zip(self.stat_copies, self.host.params):
             stat = stats.get(p)
             buf.copy_(stat) if stat is not None else buf.zero_()
-        return RoundPlan(tensors=(self.buffer,), averages=("parameters", "optimizer_state"))
+        return RoundPlan(tensors=(self.buffer,), averages=("parameters", "optimizer_state"), epoch=epoch)
 
     @torch.no_grad()
     def apply_averaged(self, plan: RoundPlan) -> Optional[float]:

@@ -1,15 +1,21 @@
-"""A DiLoCo peer that misses a round rejoins with the group's Δ̄, not a state download (issue 27): three `moshpeer
+"""A peer that misses a round rejoins with the group's update, not a state download nor a lone step: three `moshpeer
 join` peers, one of which stalls once, longer than the matchmaking window. The other two average without it; it
-fetches their update over its state client, takes their outer step (keeping its own Δ of that epoch for its next
-round), starts its next epoch as far in as they are, and averages with them again. With codec `none` all three end
-on the same parameters, bit for bit.
+fetches their update over its state client and takes their step, keeping its own work of that epoch for its next
+round, and averages with them again. With codec `none` all three end on the same parameters, bit for bit.
 
-The first round is a warm-up that the test does not judge beyond "averaged, or missed and took the update": peers
-that passed --min-peers together still start apart, and one whose first micro-batch is slow on a loaded host (the
-signature of this test's one CI failure) has no rate in its record when the others end their epoch, so nobody holds
-that round for it (round_timing.stragglers_eta_s: a record without a rate is not waited for). It then misses the
-round and rejoins by the group's update, the mechanism under test, which also lines the peers' epochs up again. The
-stall comes in the epoch after, from lined-up peers."""
+DiLoCo (issue 27): the update is the group's Δ̄; the late peer starts its next epoch as far in as they are.
+
+The first round is a warm-up that the DiLoCo test does not judge beyond "averaged, or missed and took the update":
+peers that passed --min-peers together still start apart, and one whose first micro-batch is slow on a loaded host
+(the signature of this test's one CI failure) has no rate in its record when the others end their epoch, so nobody
+holds that round for it (round_timing.stragglers_eta_s: a record without a rate is not waited for). It then misses
+the round and rejoins by the group's update, the mechanism under test, which also lines the peers' epochs up again.
+The stall comes in the epoch after, from lined-up peers.
+
+Gradients mode: the update is the group's averaged gradient, which a member keeps until it plans its next round (a
+whole epoch of compute); a lone step instead would leave the late peer's parameters apart until the next
+parameters round (--params-every, past the end of this run), so equal final parameters show that every round it
+missed was made up by the group's step."""
 
 from __future__ import annotations
 
@@ -68,4 +74,36 @@ def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_ag
     assert 0 < after["samples"] <= H * MICRO_BATCH, described
     assert all(e["ok"] and e["group_size"] == 3 for e in stalled[STALLED_EPOCH + 1:]), described
     # The same outer steps on the same Δ̄: the three end on the same parameters, bit for bit.
+    assert len({summary["params_digest"] for summary in done}) == 1, described
+
+
+def test_a_gradients_peer_that_stalls_once_takes_the_groups_averaged_gradient(swarm):
+    run = "gradients-missed"
+    boot = swarm.bootstrap(run, "--heartbeat", "1")
+    # Each peer's share of the target batch is H micro-batches: epochs as long as the DiLoCo test's.
+    flags = ("--group-size", "3", "--min-peers", "3", "--averaging", "gradients", "--target-batch-size",
+             str(3 * H * MICRO_BATCH), "--batch-size", str(MICRO_BATCH), "--max-epochs", str(EPOCHS), "--eval-every",
+             "100", "--matchmaking-time", str(WINDOW_S))
+    peers = [start_trainers(swarm, 1, run, boot.maddrs, *flags, "--seed", str(i),
+                            "--straggler", STALL if i == 2 else PACE)[0] for i in range(3)]
+    done = [wait_event(peer, "done", timeout=200) for peer in peers]
+    for peer in peers:
+        assert peer.wait_exit(30) == 0, peer.describe()
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    rounds = [events(peer, "epoch") for peer in peers]
+    described = "\n".join(str([(e["epoch"], e["ok"], e["error"], e["group_size"], e["samples"], round(e["wait_s"], 2),
+                                  round(e["stragglers_eta_s"], 2), round(e["matchmaking_window_s"], 2)) for e in eps])
+                           for eps in rounds)
+    missed = [e for e in rounds[2] if e["error"] == MISSED_ROUND_UPDATE]
+    assert missed, described  # the stall made it miss a round
+    assert "fetched the update" in peers[2].stderr
+    for eps in rounds:  # every epoch averaged, or made up for with the group's step: none stepped alone
+        assert all(e["ok"] or e["error"] == MISSED_ROUND_UPDATE for e in eps), described
+        assert not any(e["error"] == "missed round; caught up" for e in eps), described  # no state download
+    # Its own work of a missed epoch is carried into its next round, which weighs it.
+    for e in missed:
+        assert e["carried_samples"] > 0 and e["dropped_samples"] == 0, described
+        after = next(n for n in rounds[2] if n["epoch"] == e["epoch"] + 1)
+        assert after["samples_carried_in"] == e["carried_samples"], described
+    # The same averaged gradients, in the same order, through the same optimizer: the same parameters, bit for bit.
     assert len({summary["params_digest"] for summary in done}) == 1, described
