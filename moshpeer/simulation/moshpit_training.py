@@ -17,16 +17,16 @@
    times and speeds), and its contribution weighs the samples it holds. A peer whose failure time falls inside
    fails there: the work since its last completed round is lost, it is down for Exp(rejoin_s) (or for good,
    with probability `never_return`), and it takes no part in the round.
-2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys),
-   then the matchmaking window (`matchmaking_window.form_groups`): a group keeps its largest set of members
-   ready within its window of each other: `matchmaking_window_s`, longer when production's straggler hold
-   (`RoundTiming.straggler_hold`) keeps it open for the swarm's last trainer still computing, by the records.
-   An earlier member waited the window in vain and steps alone; a later one
-   found the group gone: in DiLoCo it takes the group's update as production does (`rejoins_by_update`: the
-   group's Δ̄ from a member after the round, its own Δ carried into its next round), in the other modes it steps
-   alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer
-   takes part in each round it is up for, so a fast peer waits for its group's slowest member (H steps unless a
-   quorum ends the epoch; DropCompute's budget is not modelled).
+2. grouping: the key rule as the averaging level models it (`grid.assemble_groups` on the peers' group keys), then
+   the matchmaking window (`matchmaking_window.form_groups`): a group keeps its largest set of members ready within
+   its window of each other: `matchmaking_window_s`, longer when production's straggler hold
+   (`RoundTiming.straggler_hold`) keeps it open for the swarm's last trainer still computing, by the records. An
+   earlier member waited the window in vain and steps alone; a later one found the group gone: in DiLoCo and
+   gradients mode it takes the group's update as production does (`rejoins_by_update`: the group's Δ̄ or averaged
+   gradient from a member after the round, its own work carried into its next round), in parameters mode it steps
+   alone. A group smaller than `min_group_size` does not assemble. Rounds are numbered swarm-wide: every peer takes
+   part in each round it is up for, so a fast peer waits for its group's slowest member (H steps unless a quorum ends
+   the epoch; DropCompute's budget is not modelled).
 3. the group round starts when its last member is ready, after matchmaking ((2 + log2 N) round trips of the
    slowest member's RTT: DHT lookup, join request, leader's reply). Its data-plane time is the bandwidth model
    of `group_round_seconds` over the production part sizes (`partition.bandwidth_part_sizes`) of a vector of
@@ -44,9 +44,9 @@
    rule on the live peers' epochs (rejoin.py): it resumes from its checkpoint (`resume_fraction` of failures keep
    one) while the swarm is at most `max_staleness` epochs ahead, else downloads the state of a random live honest
    peer (state bytes / its downlink); either way it resumes at the swarm's median clock. A peer that was
-   ready only after its group had formed takes the group's update as production DiLoCo does (`rejoins_by_update`,
-   `OuterState.apply_keeping_progress`): a member's Δ̄ after the round (Δ's bytes / its downlink), the outer step
-   on it, and its own Δ of the round carried into its next one (its compute is not lost; that round weighs its
+   ready only after its group had formed takes the group's update as production does (`rejoins_by_update`,
+   `_take_update`): a member's Δ̄ or averaged gradient after the round (its bytes / its downlink), the group's step
+   on it, and its own work of the round carried into its next one (its compute is not lost; that round weighs its
    samples too).
 
 **The control plane** (`control_plane.py`, unless `progress_budget_bps` is 0): every peer up reads and publishes
@@ -74,6 +74,7 @@ from moshpeer.averaging import grid
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
 from moshpeer.averaging.suspects import SuspectTracker
+from moshpeer.peer.strategies import strategy_class
 from moshpeer.peer.strategies.diloco import carries_outer_params
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
@@ -126,6 +127,8 @@ class MoshpitTraining:
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
         self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
+        self.carried_grad = torch.zeros_like(self.x)  # gradients mode: a late peer's carried mean gradient
+        self.rejoins_by_update = strategy_class(config.mode).rejoins_by_update  # production's rule for late peers
         self.epoch = np.zeros(n, dtype=np.int64)  # rounds each peer applied: the epoch its record shows
         self.checkpointed = np.zeros(n, dtype=bool)  # away with a checkpoint of its epoch (rejoin.py)
         # Production's round timing (no compute budget): the straggler hold of `_window`.
@@ -220,8 +223,7 @@ class MoshpitTraining:
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
         grouping, late, late_group, window_of = self._window(grouping, ready_of, float(full.max()))
-        if c.mode != "diloco" and late.size:
-            # Only DiLoCoStrategy catches up after a missed round; the other strategies step alone (apply_alone).
+        if not self.rejoins_by_update and late.size:  # the strategy steps alone (apply_alone)
             grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
                                      np.r_[grouping.alone, late].astype(np.int64))
             late = late_group = np.zeros(0, dtype=np.int64)
@@ -259,7 +261,7 @@ class MoshpitTraining:
         if catch_up.size:
             self.useful[catch_up] += compute[row_of[catch_up]]  # carried into the next round, not lost
             self.catch_ups += int(catch_up.size)
-            self._take_update(catch_up, averaged[torch.from_numpy(row_of[catch_donor])])
+            self._take_update(catch_up, averaged[torch.from_numpy(row_of[catch_donor])], honest[row_of[catch_up]])
             resume = catch_end + c.model_params * c.bytes_per_value / s.downlink[catch_up]
             self.wait[catch_up] += resume - ready_of[catch_up]
             self.clock[catch_up] = resume
@@ -309,8 +311,9 @@ class MoshpitTraining:
             contribution = self.outer.anchor[0][rows] - local  # Δ = θ_outer - θ_local
             if carries_outer_params(self.round, 1, c.outer_params_every):
                 contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
-        elif c.mode == "gradients":
-            contribution = problem.gradients(x, peers)
+        elif c.mode == "gradients":  # a late peer's carried gradient goes in, weighed by its samples (production)
+            carried = torch.from_numpy(self.carried[peers] / samples).to(x.dtype).unsqueeze(1)
+            contribution = problem.gradients(x, peers) * (1 - carried) + self.carried_grad[rows] * carried
             if self.round % DEFAULT_PARAMS_EVERY == 0:  # GradientsStrategy's parameter rounds
                 contribution = torch.cat([contribution, x], dim=1)
         else:
@@ -427,16 +430,21 @@ class MoshpitTraining:
         else:
             self.x[rows] = got
 
-    def _take_update(self, peers: np.ndarray, donors_averaged: torch.Tensor) -> None:
-        """Late `peers` take the outer step on their group's Δ̄ (their donors' rows of the round's result: its Δ
-        part, never θ_outer) and keep their own progress since θ_outer: production's
-        `OuterState.apply_keeping_progress`, batched as `_outer_step` is."""
-        rows = torch.from_numpy(peers)
+    def _take_update(self, peers: np.ndarray, donors_averaged: torch.Tensor, own: torch.Tensor) -> None:
+        """Late `peers` take their group's step on its update (their donors' rows of the round's result), as
+        production's `apply_update` does. DiLoCo: the outer step on Δ̄ (never θ_outer), keeping their own progress
+        since θ_outer (`OuterState.apply_keeping_progress`, batched as `_outer_step` is). Gradients: the step on the
+        averaged gradient, with their `own` contribution's gradient carried into their next one."""
+        rows, dim = torch.from_numpy(peers), self.swarm.problem.dim
+        if self.config.mode == "gradients":
+            self.x[rows] -= self.config.workload.lr * donors_averaged[:, :dim]
+            self.carried_grad[rows] = own[:, :dim]
+            return
         delta = torch.zeros_like(self.x)
-        delta[rows] = donors_averaged[:, :self.swarm.problem.dim]
-        own = self.x[rows] - self.outer.anchor[0][rows]
+        delta[rows] = donors_averaged[:, :dim]
+        own_progress = self.x[rows] - self.outer.anchor[0][rows]
         self._outer_step(rows, delta)
-        self.x[rows] += own
+        self.x[rows] += own_progress
 
     def _outer_step(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
         """The production outer step (`OuterState.apply`) on all rows at once; rows of peers that took no outer

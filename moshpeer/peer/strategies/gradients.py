@@ -73,6 +73,7 @@ class GradientsStrategy(AveragingStrategy):
         self.grads, self.param_copies = views[:n], views[n:]
         self.grad_part = self.buffer[:sum(p.numel() for p in host.params)]  # a gradients-only round averages this
         self.kept_epoch: Optional[int] = None  # the epoch whose group average `grads` still hold (kept_update)
+        self.kept_encoded: Optional[RoundUpdate] = None  # encoded at the first request, for every later one
         # Own gradient sums (x samples) of rounds missed and made up for with the group's update (apply_update):
         # they go into the next contribution, or the next lone step.
         self.carried_sums: Optional[List[torch.Tensor]] = None
@@ -90,7 +91,7 @@ class GradientsStrategy(AveragingStrategy):
         return True
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
-        self.kept_epoch, self.head = None, 0  # the buffer is about to hold this epoch's own gradient
+        self.kept_epoch, self.kept_encoded, self.head = None, None, 0  # the buffer is about to hold our gradient
         for buf, mean in zip(self.grads, self._own_mean_gradient()):
             buf.copy_(mean)
         self.adopt_params = False
@@ -129,8 +130,10 @@ class GradientsStrategy(AveragingStrategy):
         under it)."""
         if self.kept_epoch != epoch:
             return None
-        update = RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0, compression=self.host.compression)
-        return update.to_state(phase=(epoch + 1, self.host.samples_accumulated))
+        if self.kept_encoded is None:
+            self.kept_encoded = RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0,
+                                                   compression=self.host.compression)
+        return self.kept_encoded.to_state(phase=(epoch + 1, self.host.samples_accumulated))
 
     @torch.no_grad()
     def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
