@@ -45,7 +45,7 @@
    one) while the swarm is at most `max_staleness` epochs ahead, else downloads the state of a random live honest
    peer (state bytes / its downlink); either way it resumes at the swarm's median clock. A peer that was
    ready only after its group had formed takes the group's update as production does (`rejoins_by_update`,
-   `_take_update`): a member's Δ̄ or averaged gradient after the round (its bytes / its downlink), the group's step
+   `StrategySteps.take_update`): a member's Δ̄ or averaged gradient after the round (its bytes / its downlink), the group's step
    on it, and its own work of the round carried into its next one (its compute is not lost; that round weighs its
    samples too).
 
@@ -74,7 +74,6 @@ from moshpeer.averaging import grid
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.partition import Partition, bandwidth_part_sizes
 from moshpeer.averaging.suspects import SuspectTracker
-from moshpeer.peer.strategies import strategy_class
 from moshpeer.peer.strategies.diloco import carries_outer_params
 from moshpeer.peer.strategies.diloco_outer import OuterState, parse_outer_optimizer
 from moshpeer.peer.strategies.gradients import DEFAULT_PARAMS_EVERY
@@ -85,6 +84,7 @@ from moshpeer.simulation.group_aggregation import aggregate_group
 from moshpeer.simulation.matchmaking_window import form_groups
 from moshpeer.simulation.rejoin import adopt_state, downloads_on_rejoin, kept_checkpoints, state_nbytes
 from moshpeer.simulation.round_losses import lossy_round_seconds
+from moshpeer.simulation.strategy_steps import StrategySteps
 from moshpeer.simulation.swarm import Swarm
 from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
 from moshpeer.simulation.training_config import TrainingConfig, config_dict
@@ -127,8 +127,7 @@ class MoshpitTraining:
         self.suspects: Optional[Dict[int, SuspectTracker]] = {} if config.aggregation == "clipped" else None
         self.replays: Dict[int, Deque[torch.Tensor]] = {}  # hostile_replay: a hostile peer's recent contributions
         self.carried = np.zeros(n)  # samples of a late peer's Δ kept in its parameters, weighed into its next round
-        self.carried_grad = torch.zeros_like(self.x)  # gradients mode: a late peer's carried mean gradient
-        self.rejoins_by_update = strategy_class(config.mode).rejoins_by_update  # production's rule for late peers
+        self.steps = StrategySteps(config, s.problem.dim, self.x, self.outer)
         self.epoch = np.zeros(n, dtype=np.int64)  # rounds each peer applied: the epoch its record shows
         self.checkpointed = np.zeros(n, dtype=bool)  # away with a checkpoint of its epoch (rejoin.py)
         # Production's round timing (no compute budget): the straggler hold of `_window`.
@@ -223,7 +222,7 @@ class MoshpitTraining:
         grouping = grid.assemble_groups(survivors, self.keys[survivors], c.group_size, c.min_group_size,
                                         s.group_rng)
         grouping, late, late_group, window_of = self._window(grouping, ready_of, float(full.max()))
-        if not self.rejoins_by_update and late.size:  # the strategy steps alone (apply_alone)
+        if not self.steps.rejoins_by_update and late.size:  # the strategy steps alone (apply_alone)
             grouping = grid.Grouping(grouping.members, grouping.starts, grouping.sizes,
                                      np.r_[grouping.alone, late].astype(np.int64))
             late = late_group = np.zeros(0, dtype=np.int64)
@@ -252,7 +251,7 @@ class MoshpitTraining:
         self.wait[alone] += window_of[alone]
         self.clock[alone] = ready_of[alone] + window_of[alone]
         self.useful[survivors[done]] += compute[done]
-        self._apply(survivors, done, averaged)
+        self.steps.apply(survivors, done, averaged)
         self.epoch[survivors] += 1  # averaged, stepped alone, or (below) took the group's update
         # Merging by tokens: a late peer's Δ, kept in its parameters, is weighed into its next round (the epoch
         # loop's `EpochCounters.carried`); everybody else's work went into this round's step.
@@ -261,7 +260,7 @@ class MoshpitTraining:
         if catch_up.size:
             self.useful[catch_up] += compute[row_of[catch_up]]  # carried into the next round, not lost
             self.catch_ups += int(catch_up.size)
-            self._take_update(catch_up, averaged[torch.from_numpy(row_of[catch_donor])], honest[row_of[catch_up]])
+            self.steps.take_update(catch_up, averaged[torch.from_numpy(row_of[catch_donor])], honest[row_of[catch_up]])
             resume = catch_end + c.model_params * c.bytes_per_value / s.downlink[catch_up]
             self.wait[catch_up] += resume - ready_of[catch_up]
             self.clock[catch_up] = resume
@@ -313,7 +312,7 @@ class MoshpitTraining:
                 contribution = torch.cat([contribution, self.outer.anchor[0][rows]], dim=1)
         elif c.mode == "gradients":  # a late peer's carried gradient goes in, weighed by its samples (production)
             carried = torch.from_numpy(self.carried[peers] / samples).to(x.dtype).unsqueeze(1)
-            contribution = problem.gradients(x, peers) * (1 - carried) + self.carried_grad[rows] * carried
+            contribution = problem.gradients(x, peers) * (1 - carried) + self.steps.carried_grad[rows] * carried
             if self.round % DEFAULT_PARAMS_EVERY == 0:  # GradientsStrategy's parameter rounds
                 contribution = torch.cat([contribution, x], dim=1)
         else:
@@ -406,63 +405,6 @@ class MoshpitTraining:
             self._fail(died, self.fail_at[died])
         aggregate_group(self.config, self.swarm.loss_rng, rows, contributions, weights, dying, averaged, self.suspects)
         return ~dying, end
-
-    def _apply(self, peers: np.ndarray, done: np.ndarray, averaged: torch.Tensor) -> None:
-        """Each peer that finished the round (in a group or alone) applies what it got, as its strategy does."""
-        c = self.config
-        ok = peers[done]
-        if ok.size == 0:
-            return
-        rows = torch.from_numpy(ok)
-        got = averaged[torch.from_numpy(np.flatnonzero(done))]
-        if c.mode == "diloco":
-            dim = self.swarm.problem.dim
-            delta = torch.zeros_like(self.x)
-            delta[rows] = got[:, :dim]
-            if got.shape[1] > dim:  # outer_params_every: adopt the group's θ_outer, then step from it
-                self.outer.anchor[0][rows] = got[:, dim:]
-            self._outer_step(rows, delta)
-        elif c.mode == "gradients":
-            dim = self.swarm.problem.dim
-            self.x[rows] = self.x[rows] - c.workload.lr * got[:, :dim]
-            if got.shape[1] > dim:
-                self.x[rows] = got[:, dim:] - c.workload.lr * got[:, :dim]
-        else:
-            self.x[rows] = got
-
-    def _take_update(self, peers: np.ndarray, donors_averaged: torch.Tensor, own: torch.Tensor) -> None:
-        """Late `peers` take their group's step on its update (their donors' rows of the round's result), as
-        production's `apply_update` does. DiLoCo: the outer step on Δ̄ (never θ_outer), keeping their own progress
-        since θ_outer (`OuterState.apply_keeping_progress`, batched as `_outer_step` is). Gradients: the step on the
-        averaged gradient, with their `own` contribution's gradient carried into their next one."""
-        rows, dim = torch.from_numpy(peers), self.swarm.problem.dim
-        if self.config.mode == "gradients":
-            self.x[rows] -= self.config.workload.lr * donors_averaged[:, :dim]
-            self.carried_grad[rows] = own[:, :dim]
-            return
-        delta = torch.zeros_like(self.x)
-        delta[rows] = donors_averaged[:, :dim]
-        own_progress = self.x[rows] - self.outer.anchor[0][rows]
-        self._outer_step(rows, delta)
-        self.x[rows] += own_progress
-
-    def _outer_step(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
-        """The production outer step (`OuterState.apply`) on all rows at once; rows of peers that took no outer
-        step this round (away, or failed) are put back: their θ_outer and momentum do not move."""
-        anchor = self.outer.anchor[0]
-        skip = torch.ones(anchor.shape[0], dtype=torch.bool)
-        skip[rows] = False
-        saved_anchor, saved_x = anchor[skip].clone(), self.x[skip].clone()
-        momentum = self.outer.optimizer.state.get(anchor, {}).get("momentum_buffer")
-        saved_momentum = momentum[skip].clone() if momentum is not None else None
-        self.outer.apply([delta], [self.x])
-        anchor[skip] = saved_anchor
-        self.x[skip] = saved_x
-        momentum = self.outer.optimizer.state[anchor]["momentum_buffer"]
-        if saved_momentum is not None:
-            momentum[skip] = saved_momentum
-        else:
-            momentum[skip] = 0.0
 
     # -- a run --
 
