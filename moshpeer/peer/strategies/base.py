@@ -20,8 +20,9 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
                             make the model and the inner optimizer use it; returns the parameter spread
                             (||params - group mean|| / ||group mean|| before adopting) or None
     apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
-    kept_update(epoch)      (strategies that `rejoin_by_update`) the update a successful round of `epoch`
-                            applied, kept for peers that missed that round (any thread); None if not kept
+    kept_update(epoch)      (strategies that `rejoins_by_update`) the update a successful round of `epoch`
+                            applied, kept for peers that missed that round (the state server's thread, under
+                            the optimizer's lock); None if not kept
     head_start()            samples of the epoch's share counted as done (a peer that took an update starts the
                             next epoch as far in as its donor was); 0 unless a strategy says otherwise
     fit_update(plan, u)     this peer's round of `plan` failed while others averaged it: check a kept update
@@ -106,8 +107,9 @@ class AveragingStrategy(abc.ABC):
     # A peer whose round failed while the others averaged downloads their state instead of stepping alone:
     # for strategies whose state would otherwise differ from the swarm's for good (DiLoCo's θ_outer).
     catches_up_after_missed_round: ClassVar[bool] = False
-    # Before downloading, such a peer asks one of them for the update the group applied (kept_update): one
-    # round's bytes instead of a whole state (DiLoCo's Δ̄).
+    # Such a peer first asks one of them for the update the group applied (kept_update): one round's bytes
+    # instead of a whole state (DiLoCo's Δ̄). A strategy may rejoin by update without catching up: when no update
+    # fits, it steps alone (gradients mode, whose lone step only leaves it apart until a parameters round).
     rejoins_by_update: ClassVar[bool] = False
 
     host: StrategyHost
