@@ -39,18 +39,25 @@ PACE = "constant:mean_s=0.5"
 STALL = f"{PACE},spike_s=3.5,spike_at={(STALLED_EPOCH + 1) * H - 1}"
 
 
+def run_with_one_stall(swarm, run: str, maddrs, flags: tuple) -> tuple:
+    """Three peers of `flags`, the third stalling once (STALL); waits for all to end cleanly -> (peers, their
+    "done" events)."""
+    peers = [start_trainers(swarm, 1, run, maddrs, *flags, "--seed", str(i),
+                            "--straggler", STALL if i == 2 else PACE)[0] for i in range(3)]
+    done = [wait_event(peer, "done", timeout=200) for peer in peers]
+    for peer in peers:
+        assert peer.wait_exit(30) == 0, peer.describe()
+        assert "Traceback" not in peer.stderr, peer.describe(40)
+    return peers, done
+
+
 def test_a_peer_that_stalls_once_takes_the_groups_update_and_averages_with_it_again(swarm):
     run = "diloco-missed"
     boot = swarm.bootstrap(run, "--heartbeat", "1")
     flags = ("--group-size", "3", "--min-peers", "3", "--averaging", "diloco", "--inner-steps", str(H),
              "--outer-optimizer", "sgd:lr=1,momentum=0", "--batch-size", str(MICRO_BATCH), "--max-epochs",
              str(EPOCHS), "--eval-every", "100", "--matchmaking-time", str(WINDOW_S))
-    peers = [start_trainers(swarm, 1, run, boot.maddrs, *flags, "--seed", str(i),
-                            "--straggler", STALL if i == 2 else PACE)[0] for i in range(3)]
-    done = [wait_event(peer, "done", timeout=200) for peer in peers]
-    for peer in peers:
-        assert peer.wait_exit(30) == 0, peer.describe()
-        assert "Traceback" not in peer.stderr, peer.describe(40)
+    peers, done = run_with_one_stall(swarm, run, boot.maddrs, flags)
     *steady, stalled = [events(peer, "epoch") for peer in peers]
     described = "\n".join(str([(e["ok"], e["error"], e["group_size"], e["samples"], round(e["wait_s"], 2),
                                  round(e["stragglers_eta_s"], 2)) for e in eps]) for eps in (*steady, stalled))
@@ -84,12 +91,7 @@ def test_a_gradients_peer_that_stalls_once_takes_the_groups_averaged_gradient(sw
     flags = ("--group-size", "3", "--min-peers", "3", "--averaging", "gradients", "--target-batch-size",
              str(3 * H * MICRO_BATCH), "--batch-size", str(MICRO_BATCH), "--max-epochs", str(EPOCHS), "--eval-every",
              "100", "--matchmaking-time", str(WINDOW_S))
-    peers = [start_trainers(swarm, 1, run, boot.maddrs, *flags, "--seed", str(i),
-                            "--straggler", STALL if i == 2 else PACE)[0] for i in range(3)]
-    done = [wait_event(peer, "done", timeout=200) for peer in peers]
-    for peer in peers:
-        assert peer.wait_exit(30) == 0, peer.describe()
-        assert "Traceback" not in peer.stderr, peer.describe(40)
+    peers, done = run_with_one_stall(swarm, run, boot.maddrs, flags)
     rounds = [events(peer, "epoch") for peer in peers]
     described = "\n".join(str([(e["epoch"], e["ok"], e["error"], e["group_size"], e["samples"], round(e["wait_s"], 2),
                                   round(e["stragglers_eta_s"], 2), round(e["matchmaking_window_s"], 2)) for e in eps])

@@ -32,6 +32,18 @@ def member_and_latecomer(compression: str = "none") -> tuple:
     return member, late
 
 
+def latecomer_that_took_the_update() -> tuple:
+    """(member, latecomer) after the member averaged epoch 0 (gradient 1, halved by its mate) and the latecomer
+    (gradient 3) missed that round and took the member's update."""
+    member, late = member_and_latecomer()
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    assert late.epochs.account(SHARE).error == MISSED_ROUND_UPDATE
+    return member, late
+
+
 def params(host: FakeHost) -> list:
     return [p.detach().clone() for p in host.params]
 
@@ -69,12 +81,7 @@ def test_a_latecomer_stepping_alone_would_have_stayed_apart():
 
 
 def test_the_next_round_sends_both_epochs_gradients_weighed_by_their_samples():
-    member, late = member_and_latecomer()
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    late.updates = [member.strategy.kept_update(0)]
-    late.backward(3.0)
-    late.epochs.account(SHARE)
+    _, late = latecomer_that_took_the_update()
     sent = []
     late.averager.average = lambda tensors: sent.append(tensors[0].clone())
     late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
@@ -89,12 +96,7 @@ def test_the_next_round_sends_both_epochs_gradients_weighed_by_their_samples():
 
 
 def test_a_lone_step_after_a_missed_round_takes_the_carried_gradient_too():
-    member, late = member_and_latecomer()
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    late.updates = [member.strategy.kept_update(0)]
-    late.backward(3.0)
-    late.epochs.account(SHARE)
+    _, late = latecomer_that_took_the_update()
     late.updates, before = [], params(late)
     late.swarm.moved_on = False
     late.averager.queue(RoundResult(ok=False, error="no group"))
@@ -134,12 +136,7 @@ def test_an_update_that_does_not_fit_is_refused_and_the_latecomer_steps_alone(wr
 
 
 def test_a_downloaded_state_drops_the_carried_gradient():
-    member, late = member_and_latecomer()
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    late.updates = [member.strategy.kept_update(0)]
-    late.backward(3.0)
-    late.epochs.account(SHARE)
+    _, late = latecomer_that_took_the_update()
     assert late.strategy.carried_samples == SHARE
     late.strategy.load_state_dict({})  # what adopting a donor's state or a checkpoint does
     assert late.strategy.carried_sums is None and late.strategy.carried_samples == 0
