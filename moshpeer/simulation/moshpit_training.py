@@ -45,9 +45,9 @@
    one) while the swarm is at most `max_staleness` epochs ahead, else downloads the state of a random live honest
    peer (state bytes / its downlink); either way it resumes at the swarm's median clock. A peer that was
    ready only after its group had formed takes the group's update as production does (`rejoins_by_update`,
-   `StrategySteps.take_update`): a member's Δ̄ or averaged gradient after the round (its bytes / its downlink), the group's step
-   on it, and its own work of the round carried into its next one (its compute is not lost; that round weighs its
-   samples too).
+   `StrategySteps.take_update`): a member's Δ̄ or averaged gradient after the round (its bytes / its downlink),
+   the group's step on it, and its own work of the round carried into its next one (its compute is not lost; that
+   round weighs its samples too).
 
 **The control plane** (`control_plane.py`, unless `progress_budget_bps` is 0): every peer up reads and publishes
 swarm progress in the DHT at the production cadence, over its epoch's compute and at the cadence's floor while it
