@@ -386,5 +386,5 @@ class MatchmakingAdapter:
         remember(self._schema_refusals, asker, refusals, limit=MAX_REFUSED_ASKERS)
         if refusals == SCHEMA_REFUSALS_TO_NAME:
             logger.warning(f"peer {asker} averages other tensors than this peer (another model or --task-arg, "
-                           "--compression, --chunk-bytes or moshpeer version), or in gradients mode is at another "
-                           f"epoch: the two do not average together ({refusals} of its requests refused in a row)")
+                           "--compression, --chunk-bytes or moshpeer version): the two never average together "
+                           f"({refusals} of its requests refused in a row)")

@@ -129,4 +129,4 @@ def test_a_leader_names_an_asker_refused_for_another_schema_round_after_round(ca
             asyncio.run(ask(other))
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and str(context.remote_id) in warnings[0], warnings
-    assert "do not average together" in warnings[0] and f"{refusals} of its requests refused in a row" in warnings[0]
+    assert "never average together" in warnings[0] and f"{refusals} of its requests refused in a row" in warnings[0]

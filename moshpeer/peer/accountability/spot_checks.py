@@ -16,9 +16,8 @@ relative error, which `TOLERANCE` leaves room for (docs/security.md has the meas
 
 A check is skipped, not failed, when the checker cannot do it fairly: the member declared another epoch than the
 checker's (this peer holds only its own epoch's parameters), or the part holds no gradients (a parameters round's
-second half). An honest member is not an epoch off its group (gradients rounds group only peers of one epoch: the
-epoch loop's round key), so the MAX_OTHER_EPOCH_SKIPS-th such skip of one member in a row fails: declaring another
-epoch is no way around the checks either. A member that declares no work in
+second half). An honest member is rarely an epoch off its group, so the MAX_OTHER_EPOCH_SKIPS-th such skip of one
+member in a row fails: declaring another epoch is no way around the checks either. A member that declares no work in
 a run with spot checks, a weight that is not its samples, or values that differ fails; so does one that claims more
 than MAX_WORK_FACTOR times the checker's own samples: a claim nobody can afford to recompute would otherwise be a
 way never to be checked (robust aggregation credits no member with more than the group's median weight anyway). The
