@@ -318,7 +318,7 @@ class MoshpitAverager(ServicerBase):
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
              upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[Tuple[int, int]] = None,
-             round_key: str = "", wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
         wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
@@ -346,7 +346,6 @@ class MoshpitAverager(ServicerBase):
             for members known to be still computing), even where the learned window is shorter
         :param work: (epoch, micro-batch size) of the data assignment this round's contribution was computed on,
             told to the group so that an owner can spot-check it (moshpeer/peer/accountability/); None: none
-        :param round_key: this round only: peers group only with peers of the same key (e.g. the epoch), as of a schema
         """
         check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
                          target_group_size=target_group_size, matchmaking_time=matchmaking_time)
@@ -359,7 +358,7 @@ class MoshpitAverager(ServicerBase):
                                                      window_cap=matchmaking_time, spread_s=upload_spread_s,
                                                      hold_s=hold_s)
         future = RoundFuture(deadline)
-        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work, round_key)
+        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work)
         try:
             self._rounds.submit(self._run_round, future, *round_args)
         except RuntimeError:  # the executor is shut down
@@ -370,15 +369,15 @@ class MoshpitAverager(ServicerBase):
         if not future.set_running_or_notify_cancel():
             return  # cancelled before it started
         try:
-            result, target, tensors = self._round(*round_args), round_args[3], round_args[4]
+            result = self._round(*round_args)
+            _, _, _, target, tensors, _, _ = round_args
             self.deadlines.observe_result(result, target=target, payload_bytes=payload_bytes(tensors))
             future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
-               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]],
-               round_key: str) -> RoundResult:
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
         started, (host, port) = time.monotonic(), self.data_address
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
@@ -387,7 +386,7 @@ class MoshpitAverager(ServicerBase):
                                     relay=self._nat.relay, group_size=self.target_group_size, work=work,
                                     answer_wait_s=self._matchmaking.answer_wait(window))
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
-                                        schema_hash(tensors, self.compression_spec, self.chunk_numel, round_key))
+                                        schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
             group, error = self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)

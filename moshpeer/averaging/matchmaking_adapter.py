@@ -89,13 +89,10 @@ MAX_REFUSED_ASKERS = 1024
 SCHEMA_REFUSALS_TO_NAME = 5
 
 
-def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int, round_key: str = "") -> bytes:
-    """Peers only group with peers that average the same shapes with the same codec and chunking, and the same
-    `round_key` (`MoshpitAverager.step`'s; "" adds nothing)."""
+def schema_hash(tensors: Sequence[torch.Tensor], compression: str, chunk_numel: int) -> bytes:
+    """Peers only group with peers that average the same shapes with the same codec and chunking."""
     h = hashlib.blake2b(digest_size=20, person=b"moshpeer-schema")
     h.update(f"v{PROTOCOL_VERSION}|{compression}|{chunk_numel}".encode())
-    if round_key:
-        h.update(f"|key:{round_key}".encode())
     for t in tensors:
         h.update(f"|{tuple(t.shape)}:{t.dtype}".encode())
     return h.digest()

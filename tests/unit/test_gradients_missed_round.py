@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from moshpeer.averaging.matchmaking_adapter import schema_hash
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
 from moshpeer.peer.strategies.gradients import GradientsStrategy
@@ -225,18 +224,3 @@ def test_a_latecomer_without_an_update_steps_alone_while_the_swarm_is_within_the
     late.donor_state = object()
     late.backward(3.0)
     assert late.epochs.account(SHARE).error == "no group" and late.downloads == []
-
-
-def test_gradients_rounds_group_only_peers_of_the_same_epoch():
-    # A peer an epoch behind would otherwise join the others' next round, step on their average from other
-    # parameters and stay an epoch behind for good (the free-rider swarm test under load: its spot checks then
-    # skipped it for another epoch, three in a row). The epoch keys the round as its tensors' schema does.
-    member, _ = member_and_latecomer()
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    assert [call["round_key"] for call in member.averager.calls] == ["epoch 0", "epoch 1"]
-    tensors = [torch.zeros(4)]
-    assert schema_hash(tensors, "none", 8, "epoch 0") != schema_hash(tensors, "none", 8, "epoch 1")
-    assert schema_hash(tensors, "none", 8, "") == schema_hash(tensors, "none", 8)  # no key: the schema alone

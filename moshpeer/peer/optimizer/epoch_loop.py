@@ -347,14 +347,14 @@ class EpochLoop:
 
     def start_round(self, plan: RoundPlan, weight: float, target: int, window: float, hold_s: float = 0.0,
                     work: Optional[Tuple[int, int]] = None) -> Any:
-        """Start one averaging round in the averager's round thread; its `RoundFuture`. The group waits up to `window`
-        to fill, at least `hold_s` (members on their way), and keys it by the plan's epoch if the strategy says so."""
-        timing, strategy = self.host.timing, self.host.strategy
-        spread, key = timing.upload_spread() if strategy.paces_uploads else 0.0, f"epoch {plan.epoch}"
+        """Start one averaging round in the averager's round thread; its `RoundFuture`. The group waits up to
+        `window` to fill, and at least `hold_s` (members known to be on their way)."""
+        timing = self.host.timing
+        spread = timing.upload_spread() if self.host.strategy.paces_uploads else 0.0
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
                                        averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, work=work,
-                                       round_key=key if strategy.groups_by_epoch else "", wait=False)
+                                       wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:

@@ -111,10 +111,6 @@ class AveragingStrategy(abc.ABC):
     # instead of a whole state (DiLoCo's Δ̄). A strategy may rejoin by update without catching up: when no update
     # fits, it steps alone (gradients mode, whose lone step only leaves it apart until a parameters round).
     rejoins_by_update: ClassVar[bool] = False
-    # A round groups only peers planning the same epoch (`MoshpitAverager.step(round_key=...)`): a peer an epoch
-    # behind would otherwise join the others' next round, apply their step to other parameters, and stay an epoch
-    # behind for good (its spot checks skipped as "another epoch"); it misses the round and rejoins by update.
-    groups_by_epoch: ClassVar[bool] = False
 
     host: StrategyHost
     buffer: torch.Tensor

@@ -56,7 +56,6 @@ class GradientsStrategy(AveragingStrategy):
     # parameters round (and spot checks of its work, or its checks of others', would then compare gradients at
     # different parameters); the group's averaged gradient keeps them together.
     rejoins_by_update = True
-    groups_by_epoch = True  # the others' next round is for parameters one step on (base.py)
 
     def __init__(self, average_parameters: Union[bool, str] = "auto", params_every: int = DEFAULT_PARAMS_EVERY):
         if average_parameters not in ("auto", True, False):
