@@ -5,8 +5,6 @@ steps on it and carries its own gradient into its next contribution. Nobody down
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -200,27 +198,3 @@ def test_with_spot_checks_the_missed_work_is_dropped_so_the_next_contribution_st
     late.backward(1.0)
     assert late.epochs.account(SHARE).ok
     assert late.averager.calls[-1]["weight"] == float(SHARE) and late.averager.calls[-1]["work"] == (1, 8)
-
-
-def test_a_latecomer_the_swarm_left_an_epoch_further_behind_meanwhile_downloads_the_state():
-    # No update (the members already planned their next round) and the swarm two epochs on: a lone step would leave
-    # it an epoch behind for good, grouping with the others' next epoch every round (the free-rider swarm test under
-    # load: its spot checks then skipped it for another epoch, three in a row). It catches up as at an epoch's start.
-    _, late = member_and_latecomer()
-
-    def two_epochs_on(epoch, within, should_stop) -> bool:  # while its round failed, the swarm went on
-        late.swarm.progress.view = dataclasses.replace(late.swarm.progress.view, global_epoch=2)
-        return True
-
-    late.swarm.moved_past, late.donor_state = two_epochs_on, object()
-    late.backward(3.0)
-    record = late.epochs.account(SHARE)
-    assert record.error == "missed round; caught up" and late.downloads == [1] and record.dropped_samples == SHARE
-
-
-def test_a_latecomer_without_an_update_steps_alone_while_the_swarm_is_within_the_lag():
-    _, late = member_and_latecomer()
-    late.swarm.progress.view = dataclasses.replace(late.swarm.progress.view, global_epoch=1)
-    late.donor_state = object()
-    late.backward(3.0)
-    assert late.epochs.account(SHARE).error == "no group" and late.downloads == []

@@ -261,10 +261,8 @@ class EpochLoop:
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
                                          wait_s=time.monotonic() - started, **facts)
-            # Failing that, DiLoCo downloads a state; so does a peer left behind meanwhile (a lone step keeps it there)
-            behind = self.snapshot().global_epoch > epoch + self.max_epoch_lag
             missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts) \
-                if host.strategy.catches_up_after_missed_round or behind else None
+                if host.strategy.catches_up_after_missed_round else None
             if missed is not None:
                 return missed
         return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
@@ -301,7 +299,8 @@ class EpochLoop:
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
         """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period: their
-        round may be finishing when ours gives up), for a strategy that follows them (by their update or state)."""
+        round may still be finishing when ours gives up), for a strategy that then follows them (by their update,
+        or their state). A round that failed for everybody costs that grace."""
         host, strategy = self.host, self.host.strategy
         follows = strategy.catches_up_after_missed_round or strategy.rejoins_by_update
         return not (result is not None and result.ok) and follows \
@@ -456,7 +455,8 @@ class EpochLoop:
 
     def _remember(self, record: CollaborativeRound) -> None:
         self.rounds.append(record)
-        self.rounds_total, self.rounds_ok = self.rounds_total + 1, self.rounds_ok + record.ok
+        self.rounds_total += 1
+        self.rounds_ok += record.ok
 
     # ---- presence -----------------------------------------------------------------------------
 
