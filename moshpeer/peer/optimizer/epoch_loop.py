@@ -298,13 +298,15 @@ class EpochLoop:
         return steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf
 
     def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
-        """Whether this peer's round of `epoch` failed while the others averaged it (within a grace period: their
-        round may still be finishing when ours gives up), for a strategy that then follows them (by their update,
-        or their state). A round that failed for everybody costs that grace."""
+        """Whether this peer's round of `epoch` failed while the others averaged it, for a strategy that then
+        follows them. One whose state must follow theirs watches the swarm for a grace period (their round may be
+        finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
         host, strategy = self.host, self.host.strategy
-        follows = strategy.catches_up_after_missed_round or strategy.rejoins_by_update
-        return not (result is not None and result.ok) and follows \
-            and host.swarm.moved_past(epoch, host.timing.missed_round_grace(), host.should_stop)
+        must_follow = strategy.catches_up_after_missed_round
+        if result is not None and result.ok or not (must_follow or strategy.rejoins_by_update):
+            return False
+        grace = host.timing.missed_round_grace() if must_follow else 0.0
+        return host.swarm.moved_past(epoch, grace, host.should_stop)
 
     def _fetch_update(self, plan: RoundPlan) -> Optional[Any]:
         """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer

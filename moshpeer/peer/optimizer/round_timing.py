@@ -48,9 +48,8 @@ AUX_WINDOW_FACTOR = 10
 # waits for the trainers still computing its epoch, as long as their records say they need, plus one window for
 # the last of them to find the group: at most this many windows (a group still assembles the moment it is full).
 STRAGGLER_WAIT_WINDOWS = 4
-# A strategy that takes the others' update rather than step alone (DiLoCo, gradients) watches this long, at most,
-# for the swarm's records to show that the others finished the round it missed. One look, without a wait, missed
-# the others' round still finishing when ours gave up (a gradients peer stepped alone and stayed out of phase).
+# A strategy that must not step alone while others averaged (DiLoCo) watches this long, at most, for the
+# swarm's records to show that the others finished the round it missed.
 MISSED_ROUND_GRACE_S = 5.0
 # A paced round (pacing.py) spreads its upload over this share of the epoch that just computed: the next epoch,
 # which the round overlaps, should take as long, and the rest is margin for the round to end before it does.
