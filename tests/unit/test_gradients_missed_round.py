@@ -178,3 +178,23 @@ def test_the_update_is_the_missed_epochs_and_no_other():
     late.backward(3.0)
     assert late.epochs.account(SHARE).error == MISSED_ROUND_UPDATE and late.update_requests == [1]
     assert all(torch.equal(p, q) for p, q in zip(late.params, member.params))
+
+
+def test_with_spot_checks_the_missed_work_is_dropped_so_the_next_contribution_stays_checkable():
+    # A spot check recomputes a contribution from the member's declared epoch and data; one holding a carried
+    # gradient of another epoch's parameters cannot be recomputed (it declared no work, and failed the check).
+    member, late = member_and_latecomer()
+    late.epochs.declares_work, late.epochs.batch_size_per_step = True, 8
+    member.backward(1.0)
+    member.epochs.account(SHARE)
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    missed = late.epochs.account(SHARE)
+    assert missed.error == MISSED_ROUND_UPDATE and missed.dropped_samples == SHARE and missed.carried_samples == 0
+    assert late.counters.dropped_samples == SHARE and late.counters.carried == {}
+    assert late.strategy.carried_sums is None
+    assert all(torch.equal(p, q) for p, q in zip(late.params, member.params))  # the group's step all the same
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    late.backward(1.0)
+    assert late.epochs.account(SHARE).ok
+    assert late.averager.calls[-1]["weight"] == float(SHARE) and late.averager.calls[-1]["work"] == (1, 8)

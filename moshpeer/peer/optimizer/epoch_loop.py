@@ -15,14 +15,14 @@ Life of an epoch (all from the training thread):
     settle()            an overlapping strategy's round runs while the peer computes the next epoch; it is
                         resolved at the next epoch end (or by this call after the last one)
 
-Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with
-the peer's own step and a record whose `error` says why ("alone", "abandoned", the round's error): training
-never stops for lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when
-the others averaged its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`,
-one round's bytes; its own work of the epoch is carried into its next contribution, `carried_samples`, and that
-round weighs it with its own samples, `samples_carried_in`); failing that, one whose state must follow the swarm's
-(DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no
-donor leaves the epoch to end as usual. Nothing here raises for network trouble.
+Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with the peer's
+own step and a record whose `error` says why ("alone", "abandoned", the round's error): training never stops for
+lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when the others averaged
+its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`, one round's bytes; its
+own work of the epoch is carried into its next contribution, `carried_samples`, which weighs it with its own
+samples, `samples_carried_in`; dropped with spot checks, which cannot recompute it); failing that, one whose state
+must follow the swarm's (DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A
+catch-up that finds no donor leaves the epoch to end as usual. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -373,23 +373,25 @@ class EpochLoop:
     def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                  update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
         """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their
-        round: its own work is carried into its next contribution), or this peer's own step (caller holds the
-        lock)."""
-        strategy = self.host.strategy
-        ok = result is not None and result.ok
+        round: its own work is carried into its next contribution, or dropped when contributions must stay
+        checkable), or this peer's own step (caller holds the lock)."""
+        strategy, ok = self.host.strategy, result is not None and result.ok
+        carry = update is not None and not self.declares_work  # spot checks cannot recompute carried work
         if ok:
             self.host.swarm.progress.note_round(facts["epoch"], result.contributors)
             if self.host.averager.error_feedback is not None:
                 self.host.averager.error_feedback.commit()
             spread = strategy.apply_averaged(plan)
         elif update is not None:
-            spread = strategy.apply_update(plan, update)
-            carried = facts["samples"] + facts.get("samples_carried_in", 0)
-            self.counters.carried[plan.fragment] = carried
-            facts.update(carried_samples=carried, samples=0)
+            spread = strategy.apply_update(plan, update, carry=carry)
+            own = facts["samples"] + facts.get("samples_carried_in", 0)
+            self.counters.dropped_samples += 0 if carry else own
+            facts.update(samples=0, **{"carried_samples" if carry else "dropped_samples": own})
         else:
             spread = strategy.apply_alone(plan)
-        if update is None:  # averaged, or stepped alone: the carried work went into that step
+        if carry:
+            self.counters.carried[plan.fragment] = facts["carried_samples"]
+        else:  # averaged or stepped alone (the carried work went into that step), or dropped with this epoch's
             self.counters.carried.pop(plan.fragment, None)
         if not ok:
             error = error or (result.error if result is not None else "abandoned")

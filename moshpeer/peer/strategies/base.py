@@ -159,9 +159,11 @@ class AveragingStrategy(abc.ABC):
         saying why not otherwise (then nothing changed)."""
         raise ValueError(f"the {self.name} strategy does not rejoin by update")
 
-    def apply_update(self, plan: RoundPlan, fitted: Any) -> None:
+    def apply_update(self, plan: RoundPlan, fitted: Any, carry: bool = True) -> None:
         """Take the group's step of `plan`'s round with a `fit_update` result, as `apply_averaged` would have; this
-        peer's own work of the round, which the group's average lacks, is kept for its next contribution."""
+        peer's own work of the round, which the group's average lacks, is kept for its next contribution (`carry`),
+        or dropped (a run whose contributions must stay recomputable by spot checks; ValueError from a strategy
+        that cannot drop it)."""
         raise NotImplementedError
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:

@@ -264,10 +264,13 @@ class DiLoCoStrategy(AveragingStrategy):
         return self.steps_per_epoch - 1 if donor_epoch > plan.epoch + 1 else 0
 
     @torch.no_grad()
-    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:
+    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int], carry: bool = True) -> None:
         """The outer step of `plan`'s fragment on the group's Δ̄ (`fit_update`'s), keeping this peer's own Δ of the
         round for its next one (`OuterState.apply_keeping_progress`: late work is carried, not dropped), and the
-        next epoch starts as far in as the donor was."""
+        next epoch starts as far in as the donor was. ValueError unless `carry`: spot checks, the one reason to drop
+        it, need gradients mode (wiring.py refuses them with DiLoCo)."""
+        if not carry:
+            raise ValueError("DiLoCo carries a missed round's Δ into its next round")
         flat, steps = fitted
         part = self.parts[plan.fragment]
         delta, offset = [], 0

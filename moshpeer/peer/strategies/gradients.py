@@ -148,19 +148,22 @@ class GradientsStrategy(AveragingStrategy):
         return grad, update.phase[1] if update.phase is not None and update.phase[0] == plan.epoch + 1 else 0
 
     @torch.no_grad()
-    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int]) -> None:
+    def apply_update(self, plan: RoundPlan, fitted: Tuple[torch.Tensor, int], carry: bool = True) -> None:
         """The group's step on its averaged gradient (`fit_update`'s); this peer's own gradient sums of the round
-        are carried into its next contribution, and its next epoch starts as far in as its donor was."""
+        are carried into its next contribution (else dropped), and its next epoch starts as far in as its donor
+        was."""
         fitted, self.head = fitted
         grads, offset = [], 0
         for p in self.host.params:
             grads.append(fitted[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        sums = [acc.clone() for acc in self.host.grad_sums]
-        if self.carried_sums is not None:
-            for total, carried in zip(sums, self.carried_sums):
+        if carry:
+            sums = [acc.clone() for acc in self.host.grad_sums]
+            for total, carried in zip(sums, self.carried_sums or ()):
                 total.add_(carried)
-        self.carried_sums, self.carried_samples = sums, self.carried_samples + self.host.samples_accumulated
+            self.carried_sums, self.carried_samples = sums, self.carried_samples + self.host.samples_accumulated
+        else:
+            self._drop_carried()
         self._step_on(grads)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
