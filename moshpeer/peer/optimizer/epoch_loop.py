@@ -372,9 +372,8 @@ class EpochLoop:
     @torch.no_grad()
     def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                  update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
-        """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their
-        round: its own work is carried into its next contribution, or dropped when contributions must stay
-        checkable), or this peer's own step (caller holds the lock)."""
+        """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their round: its
+        own work is carried into its next contribution, or dropped with spot checks), or its own step (lock held)."""
         strategy, ok = self.host.strategy, result is not None and result.ok
         carry = update is not None and not self.declares_work  # spot checks cannot recompute carried work
         if ok:
@@ -457,8 +456,7 @@ class EpochLoop:
 
     def _remember(self, record: CollaborativeRound) -> None:
         self.rounds.append(record)
-        self.rounds_total += 1
-        self.rounds_ok += record.ok
+        self.rounds_total, self.rounds_ok = self.rounds_total + 1, self.rounds_ok + record.ok
 
     # ---- presence -----------------------------------------------------------------------------
 
