@@ -303,7 +303,7 @@ class EpochLoop:
         finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
         host, strategy = self.host, self.host.strategy
         must_follow = strategy.catches_up_after_missed_round
-        if result is not None and result.ok or not (must_follow or strategy.rejoins_by_update):
+        if (result is not None and result.ok) or not (must_follow or strategy.rejoins_by_update):
             return False
         grace = host.timing.missed_round_grace() if must_follow else 0.0
         return host.swarm.moved_past(epoch, grace, host.should_stop)

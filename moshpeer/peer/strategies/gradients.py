@@ -92,8 +92,7 @@ class GradientsStrategy(AveragingStrategy):
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
         self.kept_epoch, self.kept_encoded, self.head = None, None, 0  # the buffer is about to hold our gradient
-        for buf, mean in zip(self.grads, self._own_mean_gradient()):
-            buf.copy_(mean)
+        self._own_mean_gradient(out=self.grads)
         self.adopt_params = False
         if not self._params_round(epoch):
             return RoundPlan(tensors=(self.grad_part,), averages=("gradients",), epoch=epoch)
@@ -118,7 +117,7 @@ class GradientsStrategy(AveragingStrategy):
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:
         # Recomputed, not read from the buffer: an abandoned round may still be writing to it.
         if self.host.samples_accumulated + self.carried_samples > 0:
-            self._step_on(self._own_mean_gradient())
+            self._step_on(self._own_mean_gradient(), fresh=True)
         else:
             self.host.inner.zero_grad(set_to_none=True)  # the next epoch accumulates from scratch
         self._drop_carried()
@@ -153,10 +152,8 @@ class GradientsStrategy(AveragingStrategy):
         are carried into its next contribution (else dropped), and its next epoch starts as far in as its donor
         was."""
         fitted, self.head = fitted
-        grads, offset = [], 0
-        for p in self.host.params:
-            grads.append(fitted[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        params = self.host.params
+        grads = [g.view_as(p) for g, p in zip(fitted.split([p.numel() for p in params]), params)]
         if carry:
             sums = [acc.clone() for acc in self.host.grad_sums]
             for total, carried in zip(sums, self.carried_sums or ()):
@@ -164,7 +161,7 @@ class GradientsStrategy(AveragingStrategy):
             self.carried_sums, self.carried_samples = sums, self.carried_samples + self.host.samples_accumulated
         else:
             self._drop_carried()
-        self._step_on(grads)
+        self._step_on(grads, fresh=True)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -174,17 +171,23 @@ class GradientsStrategy(AveragingStrategy):
     def head_start(self) -> int:
         return self.head
 
-    def _own_mean_gradient(self) -> List[torch.Tensor]:
-        """This peer's sample-weighted mean gradient of the epoch, with the work carried from missed rounds."""
-        samples = self.host.samples_accumulated + self.carried_samples
-        scale = 1.0 / max(samples, 1)
-        carried = self.carried_sums or [None] * len(self.host.grad_sums)
-        return [(acc if extra is None else acc + extra) * scale for acc, extra in zip(self.host.grad_sums, carried)]
+    def _own_mean_gradient(self, out: Optional[Sequence[torch.Tensor]] = None) -> Sequence[torch.Tensor]:
+        """This peer's sample-weighted mean gradient of the epoch, with the work carried from missed rounds: written
+        into `out` (the round's buffer, every epoch: no new tensors), else into new tensors."""
+        scale = 1.0 / max(self.host.samples_accumulated + self.carried_samples, 1)
+        out = out if out is not None else [torch.empty_like(acc) for acc in self.host.grad_sums]
+        for buf, acc, extra in zip(out, self.host.grad_sums, self.carried_sums or [None] * len(out)):
+            buf.copy_(acc)
+            if extra is not None:
+                buf.add_(extra)
+            buf.mul_(scale)
+        return out
 
-    def _step_on(self, grads: Sequence[torch.Tensor]) -> None:
-        """One inner optimizer step on `grads` (one per parameter); the next epoch accumulates from scratch."""
+    def _step_on(self, grads: Sequence[torch.Tensor], fresh: bool = False) -> None:
+        """One inner optimizer step on `grads` (one per parameter; `fresh`: tensors nobody else holds, used as they
+        are where device and dtype fit, else copied); the next epoch accumulates from scratch."""
         for p, grad in zip(self.host.params, grads):
-            p.grad = grad.to(device=p.device, dtype=p.dtype).clone()
+            p.grad = grad.to(device=p.device, dtype=p.dtype, copy=not fresh)
         self.host.inner_step()
         self.host.inner.zero_grad(set_to_none=True)
 
