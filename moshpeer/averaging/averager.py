@@ -318,14 +318,13 @@ class MoshpitAverager(ServicerBase):
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
              upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[Tuple[int, int]] = None,
-             wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             epoch: Optional[int] = None, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
-        wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return
-        at once a `RoundFuture` of it, resolved by its `deadline`. Rounds run one at a time, in the order
-        they were asked for, in the averager's round thread. The round's deadlines are computed here, once
-        (`RoundDeadline`). Bad arguments raise UserError here; an error inside the round becomes the
-        future's exception (raised by wait=True). A round that finds no group is a result with ok=False.
+        wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return at once
+        a `RoundFuture` of it, resolved by its `deadline`. Rounds run one at a time, in order, in the averager's round
+        thread; their deadlines are computed here, once (`RoundDeadline`). Bad arguments raise UserError here; an error
+        in the round is the future's exception (raised by wait=True); no group found is a result with ok=False.
 
         :param weight: this peer's weight (e.g. samples contributed); >= 0
         :param timeout: how long to look for a group (default: 5 x matchmaking_time); a peer that a leader has
@@ -344,8 +343,9 @@ class MoshpitAverager(ServicerBase):
             a round nobody waits for; the group paces by its smallest spread, within the deadline); 0: unpaced
         :param hold_s: this round only: keep the group open at least this long, up to `matchmaking_time` (e.g.
             for members known to be still computing), even where the learned window is shorter
-        :param work: (epoch, micro-batch size) of the data assignment this round's contribution was computed on,
-            told to the group so that an owner can spot-check it (moshpeer/peer/accountability/); None: none
+        :param epoch, work: told to the group: the training epoch this round's contribution belongs to (the result's
+            `member_epochs`), and the (epoch, micro-batch size) of the data assignment it was computed on, for
+            spot checks (moshpeer/peer/accountability/); None: not told
         """
         check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
                          target_group_size=target_group_size, matchmaking_time=matchmaking_time)
@@ -358,7 +358,7 @@ class MoshpitAverager(ServicerBase):
                                                      window_cap=matchmaking_time, spread_s=upload_spread_s,
                                                      hold_s=hold_s)
         future = RoundFuture(deadline)
-        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work)
+        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work, epoch)
         try:
             self._rounds.submit(self._run_round, future, *round_args)
         except RuntimeError:  # the executor is shut down
@@ -370,21 +370,22 @@ class MoshpitAverager(ServicerBase):
             return  # cancelled before it started
         try:
             result = self._round(*round_args)
-            _, _, _, target, tensors, _, _ = round_args
+            _, _, _, target, tensors, *_ = round_args
             self.deadlines.observe_result(result, target=target, payload_bytes=payload_bytes(tensors))
             future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
 
     def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
-               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]]) -> RoundResult:
+               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]],
+               epoch: Optional[int]) -> RoundResult:
         started, (host, port) = time.monotonic(), self.data_address
         gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
                                     relay=self._nat.relay, group_size=self.target_group_size, work=work,
-                                    answer_wait_s=self._matchmaking.answer_wait(window))
+                                    answer_wait_s=self._matchmaking.answer_wait(window), epoch=epoch)
         request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
                                         schema_hash(tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits

@@ -170,9 +170,9 @@ def member_to_sample(my_index: int, group_size: int, aggregation: str) -> Option
 def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequence[MemberInfo], my_index: int,
                 sampled: Optional[int]) -> Tuple[DataPlaneStats, Dict[str, Any]]:
     """What a round's data plane tells about its members, as `RoundResult` fields: `flagged` (peer id -> chunks of
-    our part robust aggregation clipped or trimmed), `contributors` (members whose contribution reached our part)
-    and `sample` (member `sampled`'s contribution, for a spot check); -> (the stats without the sample's values,
-    the fields)."""
+    our part robust aggregation clipped or trimmed), `contributors` (members whose contribution reached our part),
+    `sample` (member `sampled`'s contribution, for a spot check) and `member_epochs` (the epochs members declared);
+    -> (the stats without the sample's values, the fields)."""
     evidence = stats.evidence_by_index
     sample = None
     if stats.member_sample is not None and sampled is not None:
@@ -181,7 +181,8 @@ def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequenc
                                     stats.member_sample.cpu())
     return replace(stats, member_sample=None), dict(
         flagged={peer_ids[i]: e.flagged for i, e in enumerate(evidence) if e.flagged},
-        contributors=[peer_ids[i] for i, e in enumerate(evidence) if e.contributed and i != my_index], sample=sample)
+        contributors=[peer_ids[i] for i, e in enumerate(evidence) if e.contributed and i != my_index], sample=sample,
+        member_epochs=[m.epoch for m in members if m.epoch is not None])
 
 
 def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str) -> None:

@@ -2,9 +2,9 @@
 
 Each member's `data_for_gather` (msgpack: protocol version, data-plane address, weight, random nonce, loss
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
-holding its slot when it is behind NAT, its configured group size, the work its contribution claims to hold
-for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/, and how long it waits for a
-leader's first answer in matchmaking) travels inside matchmaking over
+holding its slot when it is behind NAT, its configured group size, the training epoch its contribution belongs
+to, the work it claims to hold for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/,
+and how long it waits for a leader's first answer in matchmaking) travels inside matchmaking over
 libp2p's encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -55,13 +55,15 @@ class MemberInfo:
     # Seconds it waits for a leader's first answer to its join request this round (its request timeout); a leader
     # withdraws an acceptance it could only give late in that wait (matchmaking_adapter.py). 0: not said.
     answer_wait_s: float = 0.0
+    # The training epoch its contribution belongs to (a collaborative peer's count; epoch_agreement.py); None: not said.
+    epoch: Optional[int] = None
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
                       tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
-                      group_size: int = 0, work: Optional[Tuple[int, int]] = None, answer_wait_s: float = 0.0
-                      ) -> bytes:
+                      group_size: int = 0, work: Optional[Tuple[int, int]] = None, answer_wait_s: float = 0.0,
+                      epoch: Optional[int] = None) -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -80,6 +82,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["work"] = [int(work[0]), int(work[1])]
     if answer_wait_s > 0:
         info["wait"] = float(answer_wait_s)
+    if epoch is not None:
+        info["epoch"] = int(epoch)
     return msgpack.packb(info)
 
 
@@ -136,5 +140,8 @@ def parse_member_info(data: bytes) -> MemberInfo:
     answer_wait = info.get("wait", 0.0)
     if not isinstance(answer_wait, (int, float)) or not 0 <= answer_wait <= MAX_ANSWER_WAIT_S:
         raise ProtocolError("bad answer wait")
+    epoch = info.get("epoch")
+    if epoch is not None and not (type(epoch) is int and 0 <= epoch < MAX_EPOCH):
+        raise ProtocolError("bad epoch")
     return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay,
-                      group_size, work, float(answer_wait))
+                      group_size, work, float(answer_wait), epoch)

@@ -173,6 +173,9 @@ class RoundResult:
     distrusted: List[str] = field(default_factory=list)
     # Peer ids (not ours) whose contributions to our part reached us: the members we saw average (witnesses.py).
     contributors: List[str] = field(default_factory=list)
+    # The training epochs the members declared in matchmaking, ours included (those that declared one), in group
+    # order: a member that joined a later epoch's round learns so (moshpeer/peer/optimizer/epoch_agreement.py).
+    member_epochs: List[int] = field(default_factory=list)
     # A robust owner's copy of one member's contribution to our part, for a spot check; not in `to_dict()`.
     sample: Optional["ContributionSample"] = field(default=None, repr=False)
 

@@ -18,11 +18,13 @@ Life of an epoch (all from the training thread):
 Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with the peer's
 own step and a record whose `error` says why ("alone", "abandoned", the round's error): training never stops for
 lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when the others averaged
-its round without it: it takes their update, fetched from one of them (`MISSED_ROUND_UPDATE`, one round's bytes; its
-own work of the epoch is carried into its next contribution, `carried_samples`, which weighs it with its own
-samples, `samples_carried_in`; dropped with spot checks, which cannot recompute it); failing that, one whose state
-must follow the swarm's (DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A
-catch-up that finds no donor leaves the epoch to end as usual. Nothing here raises for network trouble.
+its round without it: it takes their update, fetched from one of them (missed_round.py; its own work of the epoch is
+carried into its next contribution, `carried_samples`, which weighs it with its own samples, `samples_carried_in`;
+dropped with spot checks, which cannot recompute it); failing that, one whose state must follow the swarm's
+(DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no
+donor leaves the epoch to end as usual. A peer whose group averaged a later epoch than its own (it ended its epoch
+just after its mates' group closed) takes the group's count (`joined_epoch`, epoch_agreement.py). Nothing here
+raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -44,7 +46,9 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.counters import EpochCounters
+from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
+from moshpeer.peer.optimizer.missed_round import MISSED_ROUND_UPDATE, MissedRound
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_eta_s, stragglers_eta_s
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
@@ -55,9 +59,7 @@ from moshpeer.peer.optimizer.swarm_link import SwarmLink
 
 logger = logging.getLogger(__name__)
 
-# The error of a round this peer missed and made up for with the others' update (`_fetch_update`).
-MISSED_ROUND_UPDATE = "missed round; took the group's update"
-# ... and of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
+# The error of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
 NO_FRESH_VIEW = "no fresh view of the swarm"
 # How an epoch that took a donor's state says so: behind the swarm, or back from an outage ahead of it.
 CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
@@ -139,6 +141,7 @@ class EpochLoop:
         self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
         self.apart = TrainedApart()  # epochs trained cut off from the swarm (an outage)
         self._apart_published: Optional[int] = None  # what our record's `apart_since` says
+        self.missed_round = MissedRound(host)
         # Overlapping strategies: (round future or None if alone, plan, facts, error) of the round to settle.
         self._in_flight: Optional[tuple] = None
 
@@ -256,8 +259,8 @@ class EpochLoop:
                                                   settings=host.strategy.settings())
         started = time.monotonic()
         result = host.timing.await_result(future, host.should_stop)
-        if self._missed(result, epoch):
-            update = self._fetch_update(plan)
+        if self.missed_round.missed(result, epoch):
+            update = self.missed_round.fetch_update(plan)
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
                                          wait_s=time.monotonic() - started, **facts)
@@ -297,32 +300,6 @@ class EpochLoop:
         rate = self.speed.rate()
         return steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf
 
-    def _missed(self, result: Optional[RoundResult], epoch: int) -> bool:
-        """Whether this peer's round of `epoch` failed while the others averaged it, for a strategy that then
-        follows them. One whose state must follow theirs watches the swarm for a grace period (their round may be
-        finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
-        host, strategy = self.host, self.host.strategy
-        must_follow = strategy.catches_up_after_missed_round
-        if (result is not None and result.ok) or not (must_follow or strategy.rejoins_by_update):
-            return False
-        grace = host.timing.missed_round_grace() if must_follow else 0.0
-        return host.swarm.moved_past(epoch, grace, host.should_stop)
-
-    def _fetch_update(self, plan: RoundPlan) -> Optional[Any]:
-        """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer
-        (`AveragingStrategy.fit_update`); None (logged) when the strategy does not rejoin that way or no peer
-        delivered one that fits."""
-        strategy = self.host.strategy
-        if not strategy.rejoins_by_update:
-            return None
-        for update in self.host.fetch_updates(plan.epoch):
-            try:
-                with self.host.lock:
-                    return strategy.fit_update(plan, update)
-            except ValueError as e:
-                logger.warning(f"an update of the round of epoch {plan.epoch} does not fit: {e}")
-        return None
-
     def settle(self) -> Optional[CollaborativeRound]:
         """Resolve the round still running in the background (overlapping strategies): wait for it within its
         deadline, apply its outcome, record it and return it; None if none runs. The training loop calls it once
@@ -332,7 +309,8 @@ class EpochLoop:
         (future, plan, facts, error), self._in_flight = self._in_flight, None
         waited = time.monotonic()
         result = self.host.timing.await_result(future, self.host.should_stop) if future is not None else None
-        update = self._fetch_update(plan) if future is not None and self._missed(result, plan.epoch) else None
+        missed = future is not None and self.missed_round.missed(result, plan.epoch)
+        update = self.missed_round.fetch_update(plan) if missed else None
         if update is not None:
             error = MISSED_ROUND_UPDATE
         with self.host.lock:
@@ -355,7 +333,7 @@ class EpochLoop:
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
                                        averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, work=work,
-                                       wait=False)
+                                       epoch=plan.epoch, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
@@ -381,6 +359,9 @@ class EpochLoop:
             if self.host.averager.error_feedback is not None:
                 self.host.averager.error_feedback.commit()
             spread = strategy.apply_averaged(plan)
+            joined = agreed_epoch(plan.epoch, result.member_epochs)  # the group's round was of a later epoch
+            self.counters.epoch += (joined or plan.epoch) - plan.epoch  # take its count (epoch_agreement.py)
+            facts["joined_epoch"] = joined
         elif update is not None:
             spread = strategy.apply_update(plan, update, carry=carry)
             own = facts["samples"] + facts.get("samples_carried_in", 0)

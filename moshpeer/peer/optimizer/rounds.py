@@ -27,6 +27,9 @@ class CollaborativeRound:
     dropped_samples: int = 0  # computed, but the swarm averaged without them (this peer was late)
     carried_samples: int = 0  # computed, missed their round, and carried into this peer's next contribution
     samples_carried_in: int = 0  # of earlier missed rounds, held by this round's contribution and weighed with it
+    # The group's round was of this later epoch (this peer ended its epoch after its mates' group closed and met
+    # their next round): this peer took that count and is at joined_epoch + 1 afterwards (epoch_agreement.py).
+    joined_epoch: Optional[int] = None
     group_target: int = 0  # the group size this round aimed for (live peers, capped at group_size)
     # How long the round waited for its group to fill, and how much of that was for trainers still computing
     # this epoch, by their records (round_timing.stragglers_eta_s).

@@ -1,0 +1,56 @@
+"""A round the group averaged without this peer: `MissedRound` tells whether that happened and fetches its update.
+
+A peer whose round failed (no group, or too late for it) while the others averaged that epoch would otherwise step
+alone and drift from them. A strategy that `rejoins_by_update` (DiLoCo, gradients) takes their update instead,
+fetched from one of them (one round's bytes); the epoch loop applies it (`MISSED_ROUND_UPDATE`) and carries or drops
+the peer's own work of that epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from moshpeer.averaging.report import RoundResult
+from moshpeer.peer.strategies.base import RoundPlan
+
+if TYPE_CHECKING:
+    from moshpeer.peer.optimizer.epoch_loop import EpochHost
+
+logger = logging.getLogger(__name__)
+
+# The error of a round this peer missed and made up for with the others' update (`MissedRound.fetch_update`).
+MISSED_ROUND_UPDATE = "missed round; took the group's update"
+
+
+class MissedRound:
+    """Reads the swarm and the strategy of `host` (the trainer's `EpochHost`); holds no state of its own."""
+
+    def __init__(self, host: "EpochHost"):
+        self.host = host
+
+    def missed(self, result: Optional[RoundResult], epoch: int) -> bool:
+        """Whether this peer's round of `epoch` failed while the others averaged it, for a strategy that then
+        follows them. One whose state must follow theirs watches the swarm for a grace period (their round may be
+        finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
+        host, strategy = self.host, self.host.strategy
+        must_follow = strategy.catches_up_after_missed_round
+        if (result is not None and result.ok) or not (must_follow or strategy.rejoins_by_update):
+            return False
+        grace = host.timing.missed_round_grace() if must_follow else 0.0
+        return host.swarm.moved_past(epoch, grace, host.should_stop)
+
+    def fetch_update(self, plan: RoundPlan) -> Optional[Any]:
+        """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer
+        (`AveragingStrategy.fit_update`); None (logged) when the strategy does not rejoin that way or no peer
+        delivered one that fits."""
+        strategy = self.host.strategy
+        if not strategy.rejoins_by_update:
+            return None
+        for update in self.host.fetch_updates(plan.epoch):
+            try:
+                with self.host.lock:
+                    return strategy.fit_update(plan, update)
+            except ValueError as e:
+                logger.warning(f"an update of the round of epoch {plan.epoch} does not fit: {e}")
+        return None
