@@ -56,6 +56,8 @@ def test_a_gradients_peer_in_its_groups_round_of_a_later_epoch_takes_that_count(
     assert host.averager.calls[0]["epoch"] == 0  # it told its group its own epoch
     assert record.ok and record.epoch == 0 and record.joined_epoch == 1 and host.counters.epoch == 2
     assert host.swarm.progress.reports[-1]["epoch"] == 2  # and the swarm sees the count it took
+    # It serves the group's averaged gradient as that epoch's update, to a peer that missed the same round.
+    assert host.strategy.kept_update(0) is None and host.strategy.kept_update(1) is not None
     host.averager.queue(RoundResult(ok=True, group_size=4, averaged=("gradients",), member_epochs=[2, 2, 2, 2]))
     host.backward(1.0)
     record = host.epochs.account(SHARE)

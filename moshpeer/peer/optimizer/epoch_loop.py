@@ -33,6 +33,7 @@ it the averager, the swarm link, the strategy, the round timing and the state ca
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import threading
@@ -358,10 +359,11 @@ class EpochLoop:
             self.host.swarm.progress.note_round(facts["epoch"], result.contributors)
             if self.host.averager.error_feedback is not None:
                 self.host.averager.error_feedback.commit()
+            joined = facts["joined_epoch"] = agreed_epoch(plan.epoch, result.member_epochs)
+            if joined is not None:  # the group's round was of a later epoch: take its count (epoch_agreement.py),
+                self.counters.epoch += joined - plan.epoch
+                plan = dataclasses.replace(plan, epoch=joined)  # and keep its update under that epoch
             spread = strategy.apply_averaged(plan)
-            joined = agreed_epoch(plan.epoch, result.member_epochs)  # the group's round was of a later epoch
-            self.counters.epoch += (joined or plan.epoch) - plan.epoch  # take its count (epoch_agreement.py)
-            facts["joined_epoch"] = joined
         elif update is not None:
             spread = strategy.apply_update(plan, update, carry=carry)
             own = facts["samples"] + facts.get("samples_carried_in", 0)
