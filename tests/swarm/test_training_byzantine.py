@@ -96,8 +96,8 @@ def test_a_free_rider_fails_its_spot_checks_and_honest_peers_pass_theirs(swarm):
     of_rider = [c for peer_checks in checks for c in peer_checks if c["peer"] == rider_id]
     wrong = [(c["peer"][-6:], c["epoch"], c["outcome"], c["reason"], c["relative_error"])
              for c in of_honest if c["outcome"] not in ("passed", "skipped")]
-    rounds = [[(e["previous_epoch"], e.get("ok"), e.get("error"), e.get("group_size")) for e in events(peer, "epoch")]
-              for peer in honest]
+    rounds = [[(e["previous_epoch"], e.get("ok"), e.get("error"), e.get("group_size"), e.get("joined_epoch"))
+               for e in events(peer, "epoch")] for peer in honest]
     assert of_honest and not wrong, f"honest peers failed: {wrong}; each honest peer's rounds: {rounds}"
     # Skipped: a check the owner cannot do fairly (e.g. a part of epoch 0's parameters round; spot_checks.py).
     assert any(c["outcome"] == "failed" for c in of_rider), of_rider

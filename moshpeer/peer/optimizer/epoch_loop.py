@@ -361,6 +361,8 @@ class EpochLoop:
                 self.host.averager.error_feedback.commit()
             joined = facts["joined_epoch"] = agreed_epoch(plan.epoch, result.member_epochs)
             if joined is not None:  # the group's round was of a later epoch: take its count (epoch_agreement.py),
+                logger.info(f"the group of this peer's round of epoch {plan.epoch} averaged epoch {joined}: "
+                            f"taking that count")
                 self.counters.epoch += joined - plan.epoch
                 plan = dataclasses.replace(plan, epoch=joined)  # and keep its update under that epoch
             spread = strategy.apply_averaged(plan)
