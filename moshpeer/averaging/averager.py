@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -68,6 +69,20 @@ from moshpeer.dht.node import DHT_CALL_TIMEOUT
 from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundAsked:
+    """What one `step()` asked for, checked, with the deadlines computed there: its round reads it in the round thread."""
+
+    deadline: RoundDeadline
+    weight: float
+    window: float  # the matchmaking window
+    target: int  # the group size
+    tensors: List[torch.Tensor]
+    averaged: Tuple[str, ...]
+    work: Optional[Tuple[int, int]]
+    epoch: Optional[int]
 
 
 class MoshpitAverager(ServicerBase):
@@ -358,44 +373,42 @@ class MoshpitAverager(ServicerBase):
                                                      window_cap=matchmaking_time, spread_s=upload_spread_s,
                                                      hold_s=hold_s)
         future = RoundFuture(deadline)
-        round_args = (deadline, float(weight), window, target, tensors, tuple(averaged), work, epoch)
+        asked = RoundAsked(deadline, float(weight), window, target, tensors, tuple(averaged), work, epoch)
         try:
-            self._rounds.submit(self._run_round, future, *round_args)
+            self._rounds.submit(self._run_round, future, asked)
         except RuntimeError:  # the executor is shut down
             raise UserError("averager is shut down") from None
         return future.result() if wait else future
 
-    def _run_round(self, future: "RoundFuture", *round_args) -> None:
+    def _run_round(self, future: "RoundFuture", asked: RoundAsked) -> None:
         if not future.set_running_or_notify_cancel():
             return  # cancelled before it started
         try:
-            result = self._round(*round_args)
-            _, _, _, target, tensors, *_ = round_args
-            self.deadlines.observe_result(result, target=target, payload_bytes=payload_bytes(tensors))
+            result = self._round(asked)
+            self.deadlines.observe_result(result, target=asked.target, payload_bytes=payload_bytes(asked.tensors))
             future.set_result(result)
         except BaseException as e:
             future.set_exception(e)
 
-    def _round(self, deadline: "RoundDeadline", weight: float, window: float, target_group_size: int,
-               tensors: List[torch.Tensor], averaged: Tuple[str, ...], work: Optional[Tuple[int, int]],
-               epoch: Optional[int]) -> RoundResult:
-        started, (host, port) = time.monotonic(), self.data_address
-        gathered = pack_member_info(host, port, self.links.declared_weight(weight), os.urandom(NONCE_BYTES),
+    def _round(self, asked: RoundAsked) -> RoundResult:
+        started, (host, port), deadline = time.monotonic(), self.data_address, asked.deadline
+        gathered = pack_member_info(host, port, self.links.declared_weight(asked.weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
-                                    relay=self._nat.relay, group_size=self.target_group_size, work=work,
-                                    answer_wait_s=self._matchmaking.answer_wait(window), epoch=epoch)
-        request = StepRequest.for_round(deadline, gathered, weight, window, target_group_size,
-                                        schema_hash(tensors, self.compression_spec, self.chunk_numel))
+                                    relay=self._nat.relay, group_size=self.target_group_size, work=asked.work,
+                                    answer_wait_s=self._matchmaking.answer_wait(asked.window), epoch=asked.epoch)
+        request = StepRequest.for_round(deadline, gathered, asked.weight, asked.window, asked.target,
+                                        schema_hash(asked.tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
             group, error = self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
-        common = dict(averaged=averaged, weight=weight, matchmaking_s=time.monotonic() - started, matchmaking_window_s=window,
-                      compression=self.compression_spec, round_deadline_s=deadline.budget_s)
+        common = dict(averaged=asked.averaged, weight=asked.weight, matchmaking_s=time.monotonic() - started,
+                      matchmaking_window_s=asked.window, compression=self.compression_spec,
+                      round_deadline_s=deadline.budget_s)
         if group is None:
             if error is not None:
                 logger.warning(f"matchmaking: {error}")
@@ -403,7 +416,7 @@ class MoshpitAverager(ServicerBase):
             return RoundResult(ok=False, error="; ".join(filter(None, (error or "no group found", clock))),
                                group_bits=bits_before, coordinates=self.coordinates, **common)
         try:
-            return self._round_with_group(group, tensors, deadline, bits_before, common)
+            return self._round_with_group(group, asked.tensors, deadline, bits_before, common)
         finally:
             self._plane.close_group(group_prefix)
 

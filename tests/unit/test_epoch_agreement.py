@@ -6,10 +6,14 @@ epoch in matchmaking and a member behind the epoch its group agreed on takes tha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from moshpeer.averaging.member_info import pack_member_info, parse_member_info
 from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.records import PeerRecord
 from moshpeer.errors import ProtocolError
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
@@ -81,3 +85,66 @@ def test_an_overlapping_diloco_peer_takes_the_count_when_its_round_settles():
     host.backward(1.0)
     settled = host.epochs.account(8)
     assert settled.ok and settled.epoch == 0 and settled.joined_epoch == 1 and host.counters.epoch == 3
+
+
+# ---- the step it missed: a member keeps its update one epoch longer while a straggler is in view ------------------
+
+def straggler_record(epoch: int) -> PeerRecord:
+    return PeerRecord(peer_id="Qm" + "s" * 44, role="trainer", epoch=epoch, version="test", protocol=2,
+                      started_at=0.0, updated_at=0.0)
+
+
+def member_after_two_rounds(straggler_in_view: bool) -> FakeHost:
+    """A member that averaged epoch 0 (the group's gradient: half its own 1.0) and epoch 1 (0.25), with or without
+    a trainer's record at epoch 0 in view when it planned epoch 1."""
+    member = FakeHost(GradientsStrategy(average_parameters=False), lr=0.1)
+    member.averager.average = lambda tensors: tensors[0].mul_(0.5)
+    member.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[0, 0, 0]))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    if straggler_in_view:
+        member.swarm.progress.view = replace(member.swarm.progress.view, peers=(straggler_record(0),))
+    member.averager.average = lambda tensors: tensors[0].fill_(0.25)
+    member.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[1, 1, 0]))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    return member
+
+
+def straggler_in_the_next_round(member: FakeHost) -> tuple:
+    """A peer from the same start that ended epoch 0 after the member's group closed and met its round of epoch 1:
+    -> (the straggler, its record of that round)."""
+    late = FakeHost(GradientsStrategy(average_parameters=False), lr=0.1)
+    late.updates = [u for u in [member.strategy.kept_update(0)] if u is not None]
+    late.averager.average = lambda tensors: tensors[0].fill_(0.25)
+    late.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[0, 1, 1]))
+    late.backward(3.0)
+    return late, late.epochs.account(SHARE)
+
+
+def test_a_peer_that_met_its_mates_next_round_takes_their_step_before_it_and_keeps_their_parameters():
+    member = member_after_two_rounds(straggler_in_view=True)
+    assert member.strategy.kept_update(0) is not None and member.strategy.kept_update(1) is not None
+    late, record = straggler_in_the_next_round(member)
+    assert record.ok and record.joined_epoch == 1 and late.counters.epoch == 2 and late.update_requests == [0]
+    for ours, theirs in zip(late.params, member.params):
+        assert torch.equal(ours, theirs)  # the same two steps in the same order, bit for bit
+    assert late.downloads == []
+
+
+def test_without_a_straggler_in_view_nothing_is_kept_and_the_peer_stays_a_step_apart(caplog):
+    member = member_after_two_rounds(straggler_in_view=False)
+    assert member.strategy.kept_update(0) is None  # no encode, no memory, for a straggler nobody saw
+    late, record = straggler_in_the_next_round(member)
+    assert record.ok and record.joined_epoch == 1 and late.counters.epoch == 2
+    assert "one step apart" in caplog.text
+    for ours, theirs in zip(late.params, member.params):
+        assert torch.allclose(ours, theirs + 0.1 * 0.5)  # the step of epoch 0 it missed
+
+
+def test_the_kept_update_of_the_round_before_lasts_one_more_epoch():
+    member = member_after_two_rounds(straggler_in_view=True)
+    member.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[2, 2, 2]))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok  # planned epoch 2 with the straggler at epoch 0: too far behind for it
+    assert member.strategy.kept_update(0) is None and member.strategy.kept_update(1) is None

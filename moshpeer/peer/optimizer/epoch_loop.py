@@ -269,7 +269,8 @@ class EpochLoop:
                 if host.strategy.catches_up_after_missed_round else None
             if missed is not None:
                 return missed
-        return self.finish_round(plan, result, None, wait_s=time.monotonic() - started, **facts)
+        return self.finish_round(plan, result, None, step_before=self.missed_round.step_before(plan, result),
+                                 wait_s=time.monotonic() - started, **facts)
 
     def _stragglers(self, snapshot: ProgressSnapshot) -> float:
         """How long the trainers still computing this epoch need, by their records (round_timing.stragglers_eta_s):
@@ -337,11 +338,13 @@ class EpochLoop:
                                        epoch=plan.epoch, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
-                     update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
+                     update: Optional[Any] = None, step_before: Optional[Any] = None, **facts: Any
+                     ) -> CollaborativeRound:
         """Apply the round's outcome (`result` None or failed: the fitted `update` of the others' round if one
-        came, else the peer's own step), record the epoch and start the next one."""
+        came, else the peer's own step; `step_before`: a fitted update to apply before the group's average, see
+        `MissedRound.step_before`), record the epoch and start the next one."""
         with self.host.lock:
-            record = self._resolve(plan, result, error, update=update, **facts)
+            record = self._resolve(plan, result, error, update=update, step_before=step_before, **facts)
             self._next_epoch()
         if record.ok:
             self.apart.synced(self.counters.epoch, self.counters.total_samples)
@@ -350,7 +353,7 @@ class EpochLoop:
 
     @torch.no_grad()
     def _resolve(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
-                 update: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
+                 update: Optional[Any] = None, step_before: Optional[Any] = None, **facts: Any) -> CollaborativeRound:
         """Apply a round's outcome: the group's average, the others' fitted `update` (this peer missed their round: its
         own work is carried into its next contribution, or dropped with spot checks), or its own step (lock held)."""
         strategy, ok = self.host.strategy, result is not None and result.ok
@@ -361,8 +364,10 @@ class EpochLoop:
                 self.host.averager.error_feedback.commit()
             joined = facts["joined_epoch"] = agreed_epoch(plan.epoch, result.member_epochs)
             if joined is not None:  # the group's round was of a later epoch: take its count (epoch_agreement.py),
-                logger.info(f"the group of this peer's round of epoch {plan.epoch} averaged epoch {joined}: "
-                            f"taking that count")
+                logger.info(f"the group of this peer's round of epoch {plan.epoch} averaged epoch {joined}: taking "
+                            f"that count{' and the step of epoch %d before it' % plan.epoch if step_before else ''}")
+                if step_before is not None:  # the others' step of our epoch first, as they took it
+                    strategy.apply_update(plan, step_before, carry=False)
                 self.counters.epoch += joined - plan.epoch
                 plan = dataclasses.replace(plan, epoch=joined)  # and keep its update under that epoch
             spread = strategy.apply_averaged(plan)

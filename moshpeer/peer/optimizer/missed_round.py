@@ -4,6 +4,11 @@ A peer whose round failed (no group, or too late for it) while the others averag
 alone and drift from them. A strategy that `rejoins_by_update` (DiLoCo, gradients) takes their update instead,
 fetched from one of them (one round's bytes); the epoch loop applies it (`MISSED_ROUND_UPDATE`) and carries or drops
 the peer's own work of that epoch.
+
+A peer can also miss its mates' round and meet their next one in matchmaking (rounds are not keyed by epoch; with
+epochs shorter than a matchmaking window that is common): its round then succeeds, as the group's round of the next
+epoch (epoch_agreement.py). It takes the group's count, and (`step_before`) the step of its own epoch that the
+others took before it, so that it applies the same steps in the same order and stays on their parameters.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from moshpeer.averaging.report import RoundResult
+from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
 from moshpeer.peer.strategies.base import RoundPlan
 
 if TYPE_CHECKING:
@@ -54,3 +60,20 @@ class MissedRound:
             except ValueError as e:
                 logger.warning(f"an update of the round of epoch {plan.epoch} does not fit: {e}")
         return None
+
+    def step_before(self, plan: RoundPlan, result: Optional[RoundResult]) -> Optional[Any]:
+        """When `result` is a round of the epoch after `plan`'s (this peer met its mates' next round), the update of
+        `plan`'s round, which they applied before that one, fetched and fitted (`fetch_update`); None otherwise, or
+        (logged) when no member served one that fits: this peer then stays a step apart from them until the next
+        parameters round. Not for a strategy that catches up after a missed round (DiLoCo carries its own Δ into
+        the next round and never drops it; its count is taken all the same)."""
+        strategy = self.host.strategy
+        if result is None or not result.ok or strategy.catches_up_after_missed_round:
+            return None
+        if agreed_epoch(plan.epoch, result.member_epochs) != plan.epoch + 1:
+            return None
+        update = self.fetch_update(plan)
+        if update is None:
+            logger.warning(f"this peer's round of epoch {plan.epoch} was its group's of epoch {plan.epoch + 1}, and no "
+                           f"member served the step of epoch {plan.epoch}: one step apart from them")
+        return update

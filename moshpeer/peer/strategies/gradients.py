@@ -74,6 +74,9 @@ class GradientsStrategy(AveragingStrategy):
         self.grad_part = self.buffer[:sum(p.numel() for p in host.params)]  # a gradients-only round averages this
         self.kept_epoch: Optional[int] = None  # the epoch whose group average `grads` still hold (kept_update)
         self.kept_encoded: Optional[RoundUpdate] = None  # encoded at the first request, for every later one
+        # The update of the round before, kept past our plan while a trainer's record still showed its epoch: that
+        # peer may meet our next round in matchmaking and then asks for the step it missed (`_keep_for_stragglers`).
+        self.previous: Optional[RoundUpdate] = None
         # Own gradient sums (x samples) of rounds missed and made up for with the group's update (apply_update):
         # they go into the next contribution, or the next lone step.
         self.carried_sums: Optional[List[torch.Tensor]] = None
@@ -91,6 +94,7 @@ class GradientsStrategy(AveragingStrategy):
         return True
 
     def plan_round(self, epoch: int, swarm: ProgressSnapshot) -> RoundPlan:
+        self.previous = self._keep_for_stragglers(swarm)
         self.kept_epoch, self.kept_encoded, self.head = None, None, 0  # the buffer is about to hold our gradient
         self._own_mean_gradient(out=self.grads)
         self.adopt_params = False
@@ -125,14 +129,29 @@ class GradientsStrategy(AveragingStrategy):
     def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
         """The averaged gradient this peer stepped on in its successful round of `epoch`, while its buffer still
         holds it (until it plans its next round), encoded with the run's gather codec, with this peer's phase now:
-        (the next epoch, its samples so far). The caller holds the optimizer's lock (the training thread plans
-        under it)."""
+        (the next epoch, its samples so far); or the round's before, kept for a straggler (no phase: this peer is
+        an epoch further). The caller holds the optimizer's lock (the training thread plans under it)."""
+        if self.previous is not None and self.previous.epoch == epoch:
+            return self.previous.to_state()
         if self.kept_epoch != epoch:
             return None
+        return self._encode_kept().to_state(phase=(epoch + 1, self.host.samples_accumulated))
+
+    def _encode_kept(self) -> RoundUpdate:
         if self.kept_encoded is None:
-            self.kept_encoded = RoundUpdate.encode(self.grad_part, epoch=epoch, fragment=0, steps=0,
+            self.kept_encoded = RoundUpdate.encode(self.grad_part, epoch=self.kept_epoch, fragment=0, steps=0,
                                                    compression=self.host.compression)
-        return self.kept_encoded.to_state(phase=(epoch + 1, self.host.samples_accumulated))
+        return self.kept_encoded
+
+    def _keep_for_stragglers(self, swarm: ProgressSnapshot) -> Optional[RoundUpdate]:
+        """Before the buffer takes the next gradient: the update of the round just averaged, encoded, if another
+        trainer's record still shows that epoch (it has not averaged it; with epochs shorter than a matchmaking
+        window it may meet our next round, and then fetches the step it missed: epoch_loop.py); else None. An encode
+        of the gradient only when such a straggler is in view; nothing is kept longer than one more epoch."""
+        if self.kept_epoch is None or not any(r.role == "trainer" and r.epoch == self.kept_epoch and not r.leaving
+                                              for r in swarm.peers):
+            return None
+        return self._encode_kept()
 
     @torch.no_grad()
     def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
@@ -166,7 +185,7 @@ class GradientsStrategy(AveragingStrategy):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._drop_carried()  # an adopted state replaces the carried work (the epoch loop counts it dropped)
-        self.head = 0
+        self.head, self.previous = 0, None
 
     def head_start(self) -> int:
         return self.head
