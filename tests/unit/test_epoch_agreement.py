@@ -16,6 +16,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
 from moshpeer.errors import ProtocolError
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
+from moshpeer.peer.optimizer.epoch_loop import MET_A_LATER_ROUND
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost
@@ -129,17 +130,30 @@ def test_a_peer_that_met_its_mates_next_round_takes_their_step_before_it_and_kee
     assert record.ok and record.joined_epoch == 1 and late.counters.epoch == 2 and late.update_requests == [0]
     for ours, theirs in zip(late.params, member.params):
         assert torch.equal(ours, theirs)  # the same two steps in the same order, bit for bit
-    assert late.downloads == []
+    assert late.downloads == []  # nothing to download: it is on their parameters
 
 
-def test_without_a_straggler_in_view_nothing_is_kept_and_the_peer_stays_a_step_apart(caplog):
+def test_without_a_straggler_in_view_nothing_is_kept_and_the_peer_takes_the_groups_state(caplog):
     member = member_after_two_rounds(straggler_in_view=False)
     assert member.strategy.kept_update(0) is None  # no encode, no memory, for a straggler nobody saw
     late, record = straggler_in_the_next_round(member)
-    assert record.ok and record.joined_epoch == 1 and late.counters.epoch == 2
-    assert "one step apart" in caplog.text
+    assert record.ok and record.joined_epoch == 1 and "one step apart" in caplog.text
+    assert late.downloads == [2]  # a state of the group's next epoch: it holds the step it missed
+    # No donor here: nothing more is recorded, and it trains on one step apart (the step of epoch 0 it missed).
+    assert late.epochs.rounds[-1] is record
+    assert late.counters.epoch == 2
     for ours, theirs in zip(late.params, member.params):
-        assert torch.allclose(ours, theirs + 0.1 * 0.5)  # the step of epoch 0 it missed
+        assert torch.allclose(ours, theirs + 0.1 * 0.5)
+
+
+def test_a_round_two_epochs_on_means_the_groups_state_even_with_the_step_before():
+    late = FakeHost(GradientsStrategy(average_parameters=False), lr=0.1)
+    late.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[0, 2, 2]))
+    late.donor_state = object()
+    late.backward(1.0)
+    record = late.epochs.account(SHARE)
+    assert record.ok and record.joined_epoch == 2 and late.update_requests == [] and late.downloads == [3]
+    assert late.epochs.rounds[-1].error == MET_A_LATER_ROUND and late.epochs.rounds[-2] is record
 
 
 def test_the_kept_update_of_the_round_before_lasts_one_more_epoch():

@@ -62,8 +62,10 @@ logger = logging.getLogger(__name__)
 
 # The error of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
 NO_FRESH_VIEW = "no fresh view of the swarm"
-# How an epoch that took a donor's state says so: behind the swarm, or back from an outage ahead of it.
+# How an epoch that took a donor's state says so: behind the swarm, or back from an outage ahead of it, or after
+# meeting a later epoch's round with parameters still apart from the group's (MissedRound.steps_apart).
 CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
+MET_A_LATER_ROUND = "met a later epoch's round; took the group's state"
 
 # A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at
 # its next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's
@@ -269,8 +271,14 @@ class EpochLoop:
                 if host.strategy.catches_up_after_missed_round else None
             if missed is not None:
                 return missed
-        return self.finish_round(plan, result, None, step_before=self.missed_round.step_before(plan, result),
-                                 wait_s=time.monotonic() - started, **facts)
+        step_before = self.missed_round.step_before(plan, result)
+        record = self.finish_round(plan, result, None, step_before=step_before, wait_s=time.monotonic() - started,
+                                   **facts)
+        if self.missed_round.steps_apart(plan, record.joined_epoch, step_before is not None):
+            # Its parameters lack steps the group took (it met a round two or more epochs on, or nobody served the
+            # step it missed): the group's state instead; the round's record stands (its work went into the average).
+            self._catch_up_instead(record.joined_epoch + 1, MET_A_LATER_ROUND, dict(facts, samples=0))
+        return record
 
     def _stragglers(self, snapshot: ProgressSnapshot) -> float:
         """How long the trainers still computing this epoch need, by their records (round_timing.stragglers_eta_s):

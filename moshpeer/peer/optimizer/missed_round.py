@@ -8,7 +8,9 @@ the peer's own work of that epoch.
 A peer can also miss its mates' round and meet their next one in matchmaking (rounds are not keyed by epoch; with
 epochs shorter than a matchmaking window that is common): its round then succeeds, as the group's round of the next
 epoch (epoch_agreement.py). It takes the group's count, and (`step_before`) the step of its own epoch that the
-others took before it, so that it applies the same steps in the same order and stays on their parameters.
+others took before it, so that it applies the same steps in the same order and stays on their parameters. Where
+that is not enough (`steps_apart`: a round two or more epochs on, or no member served the step), it takes the
+group's state instead.
 """
 
 from __future__ import annotations
@@ -77,3 +79,12 @@ class MissedRound:
             logger.warning(f"this peer's round of epoch {plan.epoch} was its group's of epoch {plan.epoch + 1}, and no "
                            f"member served the step of epoch {plan.epoch}: one step apart from them")
         return update
+
+    def steps_apart(self, plan: RoundPlan, joined: Optional[int], took_step: bool) -> int:
+        """How many of the group's steps this peer's parameters lack after its round of `plan`, which was the group's
+        round of `joined` (None: of its own epoch), having taken (`took_step`) or not the step before it. 0 for a
+        strategy whose every round averages the parameters or that follows the swarm's state on its own (DiLoCo)."""
+        strategy = self.host.strategy
+        if joined is None or not strategy.rejoins_by_update or strategy.catches_up_after_missed_round:
+            return 0
+        return joined - plan.epoch - int(took_step)
