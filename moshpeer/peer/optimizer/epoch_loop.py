@@ -23,8 +23,8 @@ carried into its next contribution, `carried_samples`, which weighs it with its 
 dropped with spot checks, which cannot recompute it); failing that, one whose state must follow the swarm's
 (DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no
 donor leaves the epoch to end as usual. A peer whose group averaged a later epoch than its own (it ended its epoch
-just after its mates' group closed) takes the group's count (`joined_epoch`, epoch_agreement.py). Nothing here
-raises for network trouble.
+just after its mates' group closed) takes the group's count (`joined_epoch`, epoch_agreement.py) and the step it
+missed before that round, or else the group's state (missed_round.py). Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
