@@ -372,8 +372,9 @@ class EpochLoop:
                 self.host.averager.error_feedback.commit()
             joined = facts["joined_epoch"] = agreed_epoch(plan.epoch, result.member_epochs)
             if joined is not None:  # the group's round was of a later epoch: take its count (epoch_agreement.py),
+                step = f" and the step of epoch {plan.epoch} before it" if step_before is not None else ""
                 logger.info(f"the group of this peer's round of epoch {plan.epoch} averaged epoch {joined}: taking "
-                            f"that count{' and the step of epoch %d before it' % plan.epoch if step_before else ''}")
+                            f"that count{step}")
                 if step_before is not None:  # the others' step of our epoch first, as they took it
                     strategy.apply_update(plan, step_before, carry=False)
                 self.counters.epoch += joined - plan.epoch
