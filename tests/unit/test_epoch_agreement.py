@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgpack
 import pytest
 import torch
 
@@ -45,8 +46,6 @@ def test_the_epoch_travels_in_matchmaking_and_a_bad_one_is_refused():
     for bad in (-1, 1 << 62):
         with pytest.raises(ProtocolError, match="bad epoch"):
             parse_member_info(pack_member_info("127.0.0.1", 4000, 64.0, bytes(16), epoch=bad))
-    import msgpack
-
     for bad in ("3", 1.5, True):
         packed = msgpack.unpackb(pack_member_info("127.0.0.1", 4000, 64.0, bytes(16)))
         with pytest.raises(ProtocolError, match="bad epoch"):
@@ -116,7 +115,8 @@ def straggler_in_the_next_round(member: FakeHost) -> tuple:
     """A peer from the same start that ended epoch 0 after the member's group closed and met its round of epoch 1:
     -> (the straggler, its record of that round)."""
     late = FakeHost(GradientsStrategy(average_parameters=False), lr=0.1)
-    late.updates = [u for u in [member.strategy.kept_update(0)] if u is not None]
+    kept = member.strategy.kept_update(0)
+    late.updates = [kept] if kept is not None else []
     late.averager.average = lambda tensors: tensors[0].fill_(0.25)
     late.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[0, 1, 1]))
     late.backward(3.0)

@@ -29,16 +29,20 @@ def member_and_latecomer(compression: str = "none") -> tuple:
     return member, late
 
 
-def latecomer_that_took_the_update() -> tuple:
-    """(member, latecomer) after the member averaged epoch 0 (gradient 1, halved by its mate) and the latecomer
-    (gradient 3) missed that round and took the member's update."""
+def latecomer_that_took_the_update(declares_work: bool = False) -> tuple:
+    """(member, latecomer, the latecomer's record of epoch 0) after the member averaged epoch 0 (gradient 1, halved
+    by its mate) and the latecomer (gradient 3; with spot checks if `declares_work`) missed that round and took the
+    member's update."""
     member, late = member_and_latecomer()
+    if declares_work:
+        late.epochs.declares_work, late.epochs.batch_size_per_step = True, 8
     member.backward(1.0)
     member.epochs.account(SHARE)
     late.updates = [member.strategy.kept_update(0)]
     late.backward(3.0)
-    assert late.epochs.account(SHARE).error == MISSED_ROUND_UPDATE
-    return member, late
+    missed = late.epochs.account(SHARE)
+    assert missed.error == MISSED_ROUND_UPDATE
+    return member, late, missed
 
 
 def params(host: FakeHost) -> list:
@@ -78,7 +82,7 @@ def test_a_latecomer_stepping_alone_would_have_stayed_apart():
 
 
 def test_the_next_round_sends_both_epochs_gradients_weighed_by_their_samples():
-    _, late = latecomer_that_took_the_update()
+    _, late, _ = latecomer_that_took_the_update()
     sent = []
     late.averager.average = lambda tensors: sent.append(tensors[0].clone())
     late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
@@ -93,7 +97,7 @@ def test_the_next_round_sends_both_epochs_gradients_weighed_by_their_samples():
 
 
 def test_a_lone_step_after_a_missed_round_takes_the_carried_gradient_too():
-    _, late = latecomer_that_took_the_update()
+    _, late, _ = latecomer_that_took_the_update()
     late.updates, before = [], params(late)
     late.swarm.moved_on = False
     late.averager.queue(RoundResult(ok=False, error="no group"))
@@ -133,7 +137,7 @@ def test_an_update_that_does_not_fit_is_refused_and_the_latecomer_steps_alone(wr
 
 
 def test_a_downloaded_state_drops_the_carried_gradient():
-    _, late = latecomer_that_took_the_update()
+    _, late, _ = latecomer_that_took_the_update()
     assert late.strategy.carried_samples == SHARE
     late.strategy.load_state_dict({})  # what adopting a donor's state or a checkpoint does
     assert late.strategy.carried_sums is None and late.strategy.carried_samples == 0
@@ -183,14 +187,8 @@ def test_the_update_is_the_missed_epochs_and_no_other():
 def test_with_spot_checks_the_missed_work_is_dropped_so_the_next_contribution_stays_checkable():
     # A spot check recomputes a contribution from the member's declared epoch and data; one holding a carried
     # gradient of another epoch's parameters cannot be recomputed (it declared no work, and failed the check).
-    member, late = member_and_latecomer()
-    late.epochs.declares_work, late.epochs.batch_size_per_step = True, 8
-    member.backward(1.0)
-    member.epochs.account(SHARE)
-    late.updates = [member.strategy.kept_update(0)]
-    late.backward(3.0)
-    missed = late.epochs.account(SHARE)
-    assert missed.error == MISSED_ROUND_UPDATE and missed.dropped_samples == SHARE and missed.carried_samples == 0
+    member, late, missed = latecomer_that_took_the_update(declares_work=True)
+    assert missed.dropped_samples == SHARE and missed.carried_samples == 0
     assert late.counters.dropped_samples == SHARE and late.counters.carried == {}
     assert late.strategy.carried_sums is None
     assert all(torch.equal(p, q) for p, q in zip(late.params, member.params))  # the group's step all the same
