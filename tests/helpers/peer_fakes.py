@@ -16,6 +16,7 @@ import torch
 
 from moshpeer.averaging.loss_budget import parse_loss_budget
 from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.records import PeerRecord
 from moshpeer.errors import SwarmLost
 from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.epoch_loop import EpochLoop
@@ -38,10 +39,18 @@ class FakeClock:
 
 
 def swarm_view(trainers: int = 2, aux: int = 0, epoch: int = 0, samples: int = 0, target: int = 64,
-               others_epoch: Optional[int] = None) -> ProgressSnapshot:
+               others_epoch: Optional[int] = None, peers: tuple = ()) -> ProgressSnapshot:
     return ProgressSnapshot(global_epoch=epoch, samples_accumulated=samples, target_batch_size=target,
                             num_trainers=trainers, num_aux=aux, samples_per_second=0.0, fetched_at=0.0,
-                            others_epoch=others_epoch)
+                            others_epoch=others_epoch, peers=peers)
+
+
+def peer_record(k: int, epoch: int = 3, samples: int = 100, rate: float = 50.0, updated_at: float = 0.0,
+                **fields: Any) -> PeerRecord:
+    """Peer k's record in the run (k < 8): a trainer unless `role` says otherwise."""
+    return PeerRecord(peer_id="Qm" + "abcdefgh"[k] * 44, role=fields.pop("role", "trainer"), epoch=epoch,
+                      samples_accumulated=samples, samples_per_second=rate, version="test", protocol=2,
+                      started_at=0.0, updated_at=updated_at, **fields)
 
 
 class _Deadline:

@@ -10,9 +10,10 @@ import torch
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
+from moshpeer.peer.optimizer.missed_round import ROUND_OVER, nobody_left_in
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from moshpeer.peer.strategies.round_update import RoundUpdate
-from peer_fakes import FakeHost
+from peer_fakes import FakeHost, peer_record, swarm_view
 
 SHARE = 32  # two trainers, a target batch of 64: each ends its epoch at 32 samples
 
@@ -196,3 +197,52 @@ def test_with_spot_checks_the_missed_work_is_dropped_so_the_next_contribution_st
     late.backward(1.0)
     assert late.epochs.account(SHARE).ok
     assert late.averager.calls[-1]["weight"] == float(SHARE) and late.averager.calls[-1]["work"] == (1, 8)
+
+
+# ---- a peer that ends its epoch when nobody else is left in it ------------------------------------------------
+
+def latecomer_among(epochs: list) -> tuple:
+    """(member, latecomer): the member averaged epoch 0; the latecomer ends epoch 0 with other trainers' records at
+    `epochs` (and an aux peer's and a leaving trainer's at 0, which never count), the member's update on offer."""
+    member, late = member_and_latecomer()
+    late.averager.outcomes.clear()  # a search would find the round pending until its deadline: abandoned
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    others = [peer_record(k + 1, epoch=e) for k, e in enumerate(epochs)]
+    others += [peer_record(6, epoch=0, role="aux"), peer_record(7, epoch=0, leaving=True)]
+    late.swarm.progress.view = swarm_view(trainers=len(epochs) + 1, epoch=max(epochs), peers=tuple(others))
+    late.updates = [member.strategy.kept_update(0)]
+    late.backward(3.0)
+    return member, late
+
+
+def test_a_peer_whose_mates_are_all_past_its_epoch_takes_their_step_without_searching():
+    member, late = latecomer_among([1, 2])
+    record = late.epochs.account(SHARE)
+    assert record.error == MISSED_ROUND_UPDATE and late.update_requests == [0]
+    assert late.averager.calls == []  # no search for a group that could not form
+    assert all(torch.equal(p, q) for p, q in zip(late.params, member.params))
+    assert record.carried_samples == SHARE
+
+
+def test_a_peer_with_a_mate_still_in_its_epoch_searches_for_a_group_as_usual():
+    _, late = latecomer_among([1, 0])
+    late.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients",)))
+    record = late.epochs.account(SHARE)
+    assert record.ok and len(late.averager.calls) == 1 and late.update_requests == []
+
+
+def test_a_peer_left_alone_in_its_epoch_without_an_update_on_offer_steps_alone_and_says_why():
+    _, late = latecomer_among([1])
+    late.updates = []
+    record = late.epochs.account(SHARE)
+    assert record.error == ROUND_OVER and late.averager.calls == [] and late.update_requests == [0]
+
+
+def test_nobody_is_left_in_an_epoch_only_when_every_other_live_trainer_is_past_it():
+    me = peer_record(0, epoch=0)
+    assert nobody_left_in([me, peer_record(1, epoch=1), peer_record(2, epoch=5)], 0, me.peer_id)
+    assert not nobody_left_in([me, peer_record(1, epoch=1), peer_record(2, epoch=0)], 0, me.peer_id)
+    assert not nobody_left_in([me], 0, me.peer_id)  # alone is not "the others moved on"
+    assert nobody_left_in([me, peer_record(1, epoch=1), peer_record(2, epoch=0, role="aux"),
+                           peer_record(3, epoch=0, leaving=True)], 0, me.peer_id)

@@ -8,11 +8,10 @@ import pytest
 
 from moshpeer.averaging.adaptive_deadlines import DeadlineLearner
 from moshpeer.averaging.report import RoundResult
-from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FACTOR, MIN_BUDGET_WINDOW_S,
                                                   MISSED_ROUND_GRACE_S, STRAGGLER_WAIT_WINDOWS, RoundTiming,
                                                   quorum_eta_s, stragglers_eta_s)
-from peer_fakes import FakeClock, FakeFuture
+from peer_fakes import FakeClock, FakeFuture, peer_record as record
 
 
 def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0):
@@ -103,12 +102,6 @@ def test_missed_round_grace_is_bounded_by_the_round_timeout():
 
 # ---- rounds of strategies that count their own epochs wait for the trainers still computing -------------------
 
-def record(k: int, epoch: int = 3, samples: int = 100, rate: float = 50.0, updated_at: float = 0.0, **fields):
-    return PeerRecord(peer_id="Qm" + "abcdefgh"[k] * 44, role=fields.pop("role", "trainer"), epoch=epoch,
-                      samples_accumulated=samples, samples_per_second=rate, version="test", protocol=2,
-                      started_at=0.0, updated_at=updated_at, **fields)
-
-
 def test_the_slowest_trainer_still_in_the_epoch_sets_the_wait():
     me = record(0, samples=200)
     peers = [me, record(1, samples=100, rate=50.0), record(2, samples=150, rate=10.0),  # 2 s and 5 s to go
@@ -195,8 +188,9 @@ def test_the_quorum_is_in_when_trainers_holding_that_share_of_the_swarms_rate_ar
 
 
 def test_a_diloco_peer_with_a_quorum_ends_its_epoch_early_once_the_others_are_done():
-    """Three trainers have moved past the epoch: with a quorum of 0.75 this peer ends it after its first inner
-    step (not before: its round needs a Δ), and without one after its H inner steps."""
+    """Three trainers are done with the epoch (their records count all of its samples: they wait for a group): with
+    a quorum of 0.75 this peer ends it after its first inner step (not before: its round needs a Δ), and without
+    one after its H inner steps. (Trainers past the epoch would have averaged it already: missed_round.py.)"""
     from moshpeer.averaging.report import RoundResult as Result
     from moshpeer.peer.strategies.diloco import DiLoCoStrategy
     from peer_fakes import FakeHost, swarm_view
@@ -209,7 +203,7 @@ def test_a_diloco_peer_with_a_quorum_ends_its_epoch_early_once_the_others_are_do
         host = FakeHost(DiLoCoStrategy(inner_steps=4, quorum=quorum), matchmaking_time=2.0)
         view = swarm_view(trainers=4, samples=32)
         host.swarm.progress.view = type(view)(**{**view.__dict__, "peers": tuple(
-            record(k, epoch=1, samples=0, rate=8.0, updated_at=time.time()) for k in (1, 2, 3))})  # moved on
+            record(k, epoch=0, samples=32, rate=8.0, updated_at=time.time()) for k in (1, 2, 3))})  # H x 8 samples
         host.averager.queue(Result(ok=True, group_size=4))
         host.backward(1.0)
         host.epochs.account(8)  # one inner step of four

@@ -18,13 +18,13 @@ Life of an epoch (all from the training thread):
 Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with the peer's
 own step and a record whose `error` says why ("alone", "abandoned", the round's error): training never stops for
 lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when the others averaged
-its round without it: it takes their update, fetched from one of them (missed_round.py; its own work of the epoch is
-carried into its next contribution, `carried_samples`, which weighs it with its own samples, `samples_carried_in`;
-dropped with spot checks, which cannot recompute it); failing that, one whose state must follow the swarm's
-(DiLoCo) takes their whole state (a catch-up, which drops that work: `dropped_samples`). A catch-up that finds no
-donor leaves the epoch to end as usual. A peer whose group averaged a later epoch than its own (it ended its epoch
-just after its mates' group closed) takes the group's count (`joined_epoch`, epoch_agreement.py) and the step it
-missed before that round, or else the group's state (missed_round.py). Nothing here raises for network trouble.
+its round without it: it takes their update, fetched from one of them, without a search when every other trainer
+is past its epoch (missed_round.py); its own work is carried into its next contribution (`carried_samples`, weighed
+there: `samples_carried_in`; dropped with spot checks, which cannot recompute it). Failing that, DiLoCo takes their
+whole state (a catch-up, which drops that work: `dropped_samples`); a catch-up that finds no donor leaves the epoch
+to end as usual. A peer whose group averaged a later epoch than its own (it ended its epoch just after its mates'
+group closed) takes the group's count (`joined_epoch`, epoch_agreement.py) and the step it missed before that round,
+or else the group's state. Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -49,7 +49,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
-from moshpeer.peer.optimizer.missed_round import MISSED_ROUND_UPDATE, MissedRound
+from moshpeer.peer.optimizer.missed_round import MISSED_ROUND_UPDATE, ROUND_OVER, MissedRound
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
 from moshpeer.peer.optimizer.round_timing import RoundTiming, quorum_eta_s, stragglers_eta_s
 from moshpeer.peer.optimizer.rounds import CollaborativeRound
@@ -72,8 +72,7 @@ MET_A_LATER_ROUND = "met a later epoch's round; took the group's state"
 # whole timeout (60 s) stopped training that long at every epoch end (measured in netlab).
 OFFER_WAIT_S = 5.0
 
-# Records kept in `EpochLoop.rounds` (the trainer's round health reads the last 20): a long run must not
-# grow a list per epoch. `rounds_total` and `rounds_ok` count them all.
+# Records kept in `EpochLoop.rounds`, bounded for long runs (round health reads the last 20; `rounds_total` counts all).
 ROUND_HISTORY = 256
 
 
@@ -250,8 +249,10 @@ class EpochLoop:
         # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
         # Work carried in from an earlier epoch was computed on other data and parameters: not checkable.
         work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
-        future = None if alone else self.start_round(plan, float(self.counters.samples + carried_in), target,
-                                                     window, hold_s=host.timing.straggler_hold(stragglers), work=work)
+        over = not alone and self.missed_round.round_over(epoch, snapshot.peers)  # it stalled through the others' round
+        future = None if alone or over else self.start_round(plan, float(self.counters.samples + carried_in), target,
+                                                             window, hold_s=host.timing.straggler_hold(stragglers),
+                                                             work=work)
         if host.strategy.overlaps:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
@@ -261,7 +262,7 @@ class EpochLoop:
             return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",
                                                   settings=host.strategy.settings())
         started = time.monotonic()
-        result = host.timing.await_result(future, host.should_stop)
+        result = RoundResult(ok=False, error=ROUND_OVER) if over else host.timing.await_result(future, host.should_stop)
         if self.missed_round.missed(result, epoch):
             update = self.missed_round.fetch_update(plan)
             if update is not None:

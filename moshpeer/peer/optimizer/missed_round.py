@@ -3,7 +3,9 @@
 A peer whose round failed (no group, or too late for it) while the others averaged that epoch would otherwise step
 alone and drift from them. A strategy that `rejoins_by_update` (DiLoCo, gradients) takes their update instead,
 fetched from one of them (one round's bytes); the epoch loop applies it (`MISSED_ROUND_UPDATE`) and carries or drops
-the peer's own work of that epoch.
+the peer's own work of that epoch. A peer that ends its epoch when every other trainer's record is past it already
+(`nobody_left_in`: it stalled through their round) takes their update at once (`round_over`) instead of searching
+two windows for a group that cannot form, and meeting their next round at the end of that search.
 
 A peer can also miss its mates' round and meet their next one in matchmaking (rounds are not keyed by epoch; with
 epochs shorter than a matchmaking window that is common): its round then succeeds, as the group's round of the next
@@ -16,9 +18,10 @@ group's state instead.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from moshpeer.averaging.report import RoundResult
+from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
 from moshpeer.peer.strategies.base import RoundPlan
 
@@ -29,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 # The error of a round this peer missed and made up for with the others' update (`MissedRound.fetch_update`).
 MISSED_ROUND_UPDATE = "missed round; took the group's update"
+# The error of a round that was over before this peer ended its epoch (`MissedRound.round_over`), where no update came.
+ROUND_OVER = "the others averaged this epoch already"
+
+
+def nobody_left_in(peers: Iterable[PeerRecord], epoch: int, own_peer_id: str) -> bool:
+    """Whether every other live trainer's record shows an epoch past `epoch`, and there is one: nobody is left to
+    average `epoch` with. A trainer still at `epoch` (computing, or waiting in matchmaking) keeps it False, so one
+    record claiming a far epoch moves nothing while an honest mate is still there."""
+    others = [r.epoch for r in peers if r.peer_id != own_peer_id and r.role == "trainer" and not r.leaving]
+    return bool(others) and min(others) > epoch
 
 
 class MissedRound:
@@ -62,6 +75,18 @@ class MissedRound:
             except ValueError as e:
                 logger.warning(f"an update of the round of epoch {plan.epoch} does not fit: {e}")
         return None
+
+    def round_over(self, epoch: int, peers: Iterable[PeerRecord]) -> bool:
+        """Whether this peer's round of `epoch` is over before it starts: nobody is left in that epoch
+        (`nobody_left_in`, by the records `peers`), and its strategy takes the others' update after a missed round
+        (and does not overlap rounds). The epoch loop then skips the search and treats the round as missed
+        (`ROUND_OVER`)."""
+        strategy = self.host.strategy
+        if strategy.overlaps or not strategy.rejoins_by_update or not nobody_left_in(peers, epoch,
+                                                                                      self.host.swarm.peer_id):
+            return False
+        logger.info(f"every other trainer is past epoch {epoch}: taking their round's update without a search")
+        return True
 
     def step_before(self, plan: RoundPlan, result: Optional[RoundResult]) -> Optional[Any]:
         """When `result` is a round of the epoch after `plan`'s (this peer met its mates' next round), the update of
