@@ -133,7 +133,10 @@ class Proc:
         """Where this process's `stream` is copied, line by line, when SWARM_LOG_DIR names a folder (to read a
         failed run's whole logs: a failure message shows only their tails)."""
         folder = os.environ.get(SWARM_LOG_DIR)
-        return Path(folder) / f"{self.tag}.{stream}.log" if folder else None
+        if not folder:
+            return None
+        Path(folder).mkdir(parents=True, exist_ok=True)  # a folder that is not there failed every reader, silently
+        return Path(folder) / f"{self.tag}.{stream}.log"
 
     def _read(self, stream, lines: List[str], times: Optional[List[float]], copy_to: Optional[Path]) -> None:
         copy = copy_to.open("w", buffering=1) if copy_to else None
