@@ -263,7 +263,7 @@ class EpochLoop:
                                                   settings=host.strategy.settings())
         started = time.monotonic()
         result = RoundResult(ok=False, error=ROUND_OVER) if over else host.timing.await_result(future, host.should_stop)
-        if self.missed_round.missed(result, epoch):
+        if over or self.missed_round.missed(result, epoch):  # (over: the records said so already)
             update = self.missed_round.fetch_update(plan)
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,

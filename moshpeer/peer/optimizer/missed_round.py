@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
+from moshpeer.peer.optimizer.round_timing import other_trainers
 from moshpeer.peer.strategies.base import RoundPlan
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def nobody_left_in(peers: Iterable[PeerRecord], epoch: int, own_peer_id: str) ->
     """Whether every other live trainer's record shows an epoch past `epoch`, and there is one: nobody is left to
     average `epoch` with. A trainer still at `epoch` (computing, or waiting in matchmaking) keeps it False, so one
     record claiming a far epoch moves nothing while an honest mate is still there."""
-    others = [r.epoch for r in peers if r.peer_id != own_peer_id and r.role == "trainer" and not r.leaving]
+    others = [r.epoch for r in other_trainers(peers, own_peer_id)]
     return bool(others) and min(others) > epoch
 
 

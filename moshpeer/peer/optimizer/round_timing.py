@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.dht.records import PeerRecord
@@ -186,12 +186,15 @@ def stragglers_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int
     epoch (its share of the target batch, or a strategy's own count)."""
     now = time.time() if now is None else now
     eta = 0.0
-    for record in peers:
-        if record.peer_id == own_peer_id or record.role != "trainer" or record.epoch != epoch or record.leaving:
-            continue
-        if record.samples_per_second > 0:
+    for record in other_trainers(peers, own_peer_id):
+        if record.epoch == epoch and record.samples_per_second > 0:
             eta = max(eta, _seconds_to_go(record, epoch_samples, now))
     return eta
+
+
+def other_trainers(peers: Iterable[PeerRecord], own_peer_id: str) -> Iterator[PeerRecord]:
+    """The records of the live trainers other than this peer (not aux peers, not ones withdrawing)."""
+    return (r for r in peers if r.peer_id != own_peer_id and r.role == "trainer" and not r.leaving)
 
 
 def _seconds_to_go(record: PeerRecord, epoch_samples: int, now: float) -> float:
@@ -213,9 +216,7 @@ def quorum_eta_s(peers: Iterable[PeerRecord], epoch: int, epoch_samples: int, ow
     it never will be by these records. Rates weigh the trainers: a quorum of compute (tokens), not of heads."""
     now = time.time() if now is None else now
     entries = [(max(own_eta_s, 0.0), max(own_rate, 0.0))]
-    for record in peers:
-        if record.peer_id == own_peer_id or record.role != "trainer" or record.leaving:
-            continue
+    for record in other_trainers(peers, own_peer_id):
         rate = max(record.samples_per_second, 0.0)
         if record.epoch > epoch:
             entries.append((0.0, rate))
