@@ -13,11 +13,17 @@ published after its own last publication, so a twin's record shows up at the fir
 heartbeat for its first EAGER_TWIN_CHECK_S, then every few: the newer twin stops at its second heartbeat and leaves
 its last record standing only until the older one next publishes, so an older peer that read only every few beats
 would miss a twin launched beside it (CI saw it: the newer stopped, the older never warned).
+The newer's stop is certain: the older publishes at every beat, so the newer's next check reads it. The older's warning
+is not: a record publication and a read are not one atomic step, and a twin's publication that lands between the
+older's read and its own publication (which expires later, so it replaces the twin's) is overwritten unseen; if the
+twin stops at its next check, the older never reads its record. Beside busy loops, where a publication takes tens of
+milliseconds, the older missed its warning in the fast lane once (session 45); the newer's error is what an operator
+acts on.
 A record under this peer's id that started at another time and was published after this peer started is a twin's
 (a previous run of this machine stopped publishing before this one could start: the identity file is locked). Of
-the two, the one that started later stops with an error; the earlier one logs a warning and goes on. Both compare
-the same two `started_at` (floats of the owners' clocks: they do not tie by chance), so they agree on which is
-which.
+the two, the one that started later stops with an error; the earlier one goes on, with a warning if it read the
+twin's record (above). Both compare the same two `started_at` (floats of the owners' clocks: they do not tie by
+chance), so they agree on which is which.
 
 What a record says decides nothing here but this peer's own exit: only a holder of this peer's key can sign a
 record under it.

@@ -131,7 +131,8 @@ def test_sigkill_record_expires_and_orphans_clean_up(swarm, dht_node):
 def test_two_machines_with_copies_of_one_identity_file_the_newer_stops(swarm, tmp_path):
     """A copied --identity file (one disk image launched twice): both start together, and the swarm would see them
     as one peer. Within a few heartbeats the newer stops with one line and exit code 2 (hivemind's start check
-    may instead stop one at start, also with one line); the other goes on, and says so when it saw its twin."""
+    may instead stop one at start, also with one line); the other goes on. (It warns when it read its twin's record,
+    a race it can lose: twins.py.)"""
     run = "twins"
     boot = swarm.bootstrap(run)
     key = Identity.generate().to_file_bytes()
@@ -149,7 +150,5 @@ def test_two_machines_with_copies_of_one_identity_file_the_newer_stops(swarm, tm
     errors = [line for line in stopped.stderr.splitlines() if "error:" in line]
     assert stopped.returncode == 2 and len(errors) == 1 and "identity" in errors[0], stopped.describe()
     assert "Traceback" not in stopped.stderr
-    if "another machine runs with this peer's identity" in errors[0]:  # found while both ran (not at start)
-        survivor.wait_for_line(lambda line: "The newer one stops itself" in line, timeout=30, stream="stderr")
     assert survivor.returncode is None, survivor.describe()
     assert survivor.terminate() == 0

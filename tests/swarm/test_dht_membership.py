@@ -262,36 +262,48 @@ def test_a_request_the_dht_process_drops_fails_as_an_exception(dht_node, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_of_two_daemons_with_one_identity_the_newer_stops_and_the_older_warns(dht_node, caplog):
-    """The same key on two machines, both past hivemind's start check (as two instances launched together from one
-    image): within a few heartbeats the newer peer's `run` raises UserError and leaves the twin's entry alone; the
-    older one warns and goes on (twins.py)."""
-    boot = dht_node(run_ids=[RUN])
-    key = Identity.generate()
-    older = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], identity=key, heartbeat=0.5)
+def _run_newer_twin(boot, key: Identity) -> object:
+    """What `run` of a second daemon with `key` returns, or the UserError it raises (it is shut down either way)."""
     newer = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], identity=key, heartbeat=0.5)
     outcome = []
 
-    def run_newer() -> None:
+    def run() -> None:
         try:
             outcome.append(newer.run())
         except UserError as e:
             outcome.append(e)
 
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        thread.join(timeout=40)
+    finally:
+        newer.shutdown()
+    return outcome[0] if outcome else "still running after 40 s"
+
+
+def test_of_two_daemons_with_one_identity_the_newer_stops_and_the_older_goes_on(dht_node):
+    """The same key on two machines, both past hivemind's start check (as two instances launched together from one
+    image): within a few heartbeats the newer peer's `run` raises UserError and leaves the twin's entry alone; the
+    older one goes on, listed. hivemind's start check can stop the newer first, when the initial peer's dial back
+    reaches the older (one in eight runs beside three busy loops): that is not the case under test, so another newer
+    starts, up to three times. Whether the older also warns is a race it can lose (twins.py); the warning's rule is
+    tests/unit/test_twins.py's."""
+    boot = dht_node(run_ids=[RUN])
+    key = Identity.generate()
+    older = PeerDaemon(RUN, initial_peers=maddrs(boot), host_maddrs=[LOOPBACK], identity=key, heartbeat=0.5)
     older.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="moshpeer.dht.twins"):
-            thread = threading.Thread(target=run_newer)
-            thread.start()
-            thread.join(timeout=40)
-            assert outcome and isinstance(outcome[0], UserError), f"the newer twin ran on: {outcome}"
-            assert "another machine runs with this peer's identity" in str(outcome[0])
-            assert "before this one" in str(outcome[0])
-            wait_for(lambda: any("The newer one stops itself" in r.getMessage() for r in caplog.records), timeout=10)
+        for _ in range(3):
+            outcome = _run_newer_twin(boot, key)
+            if not (isinstance(outcome, UserError) and "cannot connect back" in str(outcome)):
+                break
+        assert isinstance(outcome, UserError), f"the newer twin ran on: {outcome}"
+        assert "another machine runs with this peer's identity" in str(outcome)
+        assert "before this one" in str(outcome)
         assert not older.stop_requested
         # The newer one did not withdraw the entry under the shared key: the older one stays listed, not leaving.
         listed = wait_for(lambda: [r for r in list_peers(boot, RUN) if r.peer_id == key.peer_id], timeout=5)
         assert listed[0].started_at == older.record.started_at
     finally:
         older.shutdown()
-        newer.shutdown()
