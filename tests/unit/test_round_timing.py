@@ -201,9 +201,8 @@ def test_a_diloco_peer_with_a_quorum_ends_its_epoch_early_once_the_others_are_do
             DiLoCoStrategy(quorum=bad)
     for quorum, rounds_after_one_step in ((0.0, 0), (0.75, 1)):
         host = FakeHost(DiLoCoStrategy(inner_steps=4, quorum=quorum), matchmaking_time=2.0)
-        view = swarm_view(trainers=4, samples=32)
-        host.swarm.progress.view = type(view)(**{**view.__dict__, "peers": tuple(
-            record(k, epoch=0, samples=32, rate=8.0, updated_at=time.time()) for k in (1, 2, 3))})  # H x 8 samples
+        host.swarm.progress.view = swarm_view(trainers=4, samples=32, peers=tuple(
+            record(k, epoch=0, samples=32, rate=8.0, updated_at=time.time()) for k in (1, 2, 3)))  # H x 8 samples
         host.averager.queue(Result(ok=True, group_size=4))
         host.backward(1.0)
         host.epochs.account(8)  # one inner step of four

@@ -83,8 +83,9 @@ class MissedRound:
         (and does not overlap rounds). The epoch loop then skips the search and treats the round as missed
         (`ROUND_OVER`)."""
         strategy = self.host.strategy
-        if strategy.overlaps or not strategy.rejoins_by_update or not nobody_left_in(peers, epoch,
-                                                                                      self.host.swarm.peer_id):
+        if strategy.overlaps or not strategy.rejoins_by_update:
+            return False
+        if not nobody_left_in(peers, epoch, self.host.swarm.peer_id):
             return False
         logger.info(f"every other trainer is past epoch {epoch}: taking their round's update without a search")
         return True
