@@ -143,15 +143,16 @@ def test_forged_states_fail_validation(dht_node):
 
 @contextlib.contextmanager
 def _donors(dht_node, states):
-    """A bootstrap node, and a StateServer per (epoch, model), each on its own DHT node, advertised for the run:
-    -> (bootstrap maddrs, [(server, its dht)]); the servers shut down on exit."""
+    """A bootstrap node, and a StateServer per (epoch, model[, more of the state]), each on its own DHT node,
+    advertised for the run: -> (bootstrap maddrs, [(server, its dht)]); the servers shut down on exit."""
     boot = dht_node(run_ids=[RUN])
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     servers = []
     try:
-        for epoch, model in states:
+        for epoch, model, *more in states:
             dht = dht_node(initial_peers=maddrs, run_ids=[RUN])
-            data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch})
+            data = serialize_state({"model": {k: v.clone() for k, v in model.items()}, "epoch": epoch,
+                                    **(more[0] if more else {})})
             server = StateServer(lambda data=data, epoch=epoch: (epoch, data), run_id=RUN, identity=dht.identity)
             servers.append((server, dht))
             assert server.advertise(dht, epoch, expiration=300)
@@ -193,6 +194,27 @@ def test_a_disagreeing_pair_is_set_aside_and_the_download_fails_at_once(dht_node
         with pytest.raises(state_sync.StateDownloadFailed, match="disagree"):
             download_state(newcomer, RUN, timeout=60, show_progress=False)
         assert time.monotonic() - started < 20.0  # not the 60 s timeout
+
+
+def test_the_cross_check_compares_what_the_caller_says_honest_donors_hold_alike(dht_node):
+    """Two DiLoCo-like donors: one θ_outer ("anchor"), parameters far apart (each one's own inner steps since the
+    last outer step). Compared on their parameters they are set aside; on what `agreed` names, they confirm each
+    other; and a forged anchor is still caught."""
+    anchor = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    apart = [anchor + torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)) for seed in (2, 3)]
+    donors = [(5, {"w": w}, {"anchor": {"w": anchor}}) for w in apart]
+    with _donors(dht_node, donors) as (maddrs, _):
+        newcomer = _newcomer_seeing(dht_node, maddrs, 2)
+        with pytest.raises(state_sync.StateDownloadFailed, match="disagree"):
+            download_state(newcomer, RUN, timeout=60, show_progress=False)
+        downloaded = download_state(newcomer, RUN, timeout=60, show_progress=False,
+                                    agreed=lambda state: state["anchor"])
+        assert downloaded.confirmation == "cross-checked" and torch.equal(downloaded.state["anchor"]["w"], anchor)
+    donors[1] = (5, {"w": apart[1]}, {"anchor": {"w": -3 * anchor}})
+    with _donors(dht_node, donors) as (maddrs, _):
+        newcomer = _newcomer_seeing(dht_node, maddrs, 2)
+        with pytest.raises(state_sync.StateDownloadFailed, match="disagree"):
+            download_state(newcomer, RUN, timeout=60, show_progress=False, agreed=lambda state: state["anchor"])
 
 
 def test_two_donors_signing_one_forgery_do_not_outvote_an_honest_one(dht_node):

@@ -17,6 +17,7 @@ from moshpeer.errors import UserError
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.diloco_fragments import split_fragments
 from moshpeer.peer.strategies.diloco_outer import OuterState
+from moshpeer.peer.state.validation import disagreeing_tensors
 from peer_fakes import FakeHost, tiny_model
 
 # 6 parameters of sizes 12, 4, 16, 4, 8, 2 (46 values)
@@ -217,3 +218,25 @@ def test_a_bad_fragment_state_is_refused_before_any_fragment_changes():
     with pytest.raises(ValueError, match="param group does not match"):
         fresh.strategy.load_state_dict(state)
     assert fresh.strategy.parts[0].outer.outer_steps == 0  # the first one, which fits, was not taken either
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_donors_agree_on_theta_outer_while_their_own_inner_steps_set_their_parameters_apart(overlap):
+    """A download's cross-check compares what honest donors hold alike (state/sync.py): for DiLoCo, θ_outer of
+    every fragment. Two donors of one group hold the same θ_outer, and parameters as far apart as their own inner
+    steps took them since (early in training, further than the cross-check's tolerance: measured in a swarm)."""
+    settings = dict(inner_steps=6, fragments=3, overlap=overlap)
+    donor = host_of(DiLoCoStrategy(**settings))
+    micro_batches(donor, 7)
+    other = resumed(donor, DiLoCoStrategy(**settings))
+    with torch.no_grad():
+        for p in other.params:
+            p.add_(torch.randn_like(p))  # its own inner steps since the last outer step
+    models = [{str(i): p.detach().clone() for i, p in enumerate(host.params)} for host in (donor, other)]
+    assert disagreeing_tensors(*models)
+    agreed = [host.strategy.agreed_tensors(host.strategy.state_dict()) for host in (donor, other)]
+    assert len(agreed[0]) == len(SIZES) and disagreeing_tensors(*agreed) == []
+    forged = other.strategy.state_dict()
+    forged["outer"][1]["anchor"] = [-3 * anchor for anchor in forged["outer"][1]["anchor"]]
+    forged_names = [f"outer1.{i}" for i in range(len(forged["outer"][1]["anchor"]))]
+    assert disagreeing_tensors(agreed[0], donor.strategy.agreed_tensors(forged)) == forged_names

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
@@ -196,7 +196,8 @@ class StateExchange:
                                         timeout=self.download_timeout, show_progress=self.show_progress,
                                         offer_wait_s=offer_wait_s,
                                         # A donor may move on one epoch between its offer and its manifest.
-                                        validate=lambda state: self.check_state_fits(state, max_epoch=max_epoch + 1))
+                                        validate=lambda state: self.check_state_fits(state, max_epoch=max_epoch + 1),
+                                        agreed=self._agreed_tensors)
         except StateDownloadFailed as e:
             new = self._misfits.note(e.misfits, time.monotonic())
             if new:
@@ -211,6 +212,11 @@ class StateExchange:
         logger.info(f"caught up: epoch {downloaded.epoch} from {downloaded.donor[-8:]} "
                     f"({downloaded.nbytes} bytes in {downloaded.seconds:.2f} s, {downloaded.confirmation})")
         return downloaded
+
+    def _agreed_tensors(self, state: Dict[str, Any]) -> Mapping[str, torch.Tensor]:
+        """What the download's cross-check compares of a (checked) state: the strategy's say, else the parameters."""
+        agreed = self.host.strategy.agreed_tensors(state.get("strategy") or {})
+        return state["model"] if agreed is None else agreed
 
     def fetch_updates(self, epoch: int) -> Iterator[Dict[str, Any]]:
         """Other peers' kept updates of the round of `epoch` (updates.py's `fetch_updates`), within

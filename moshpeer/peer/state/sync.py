@@ -6,8 +6,9 @@ needs state lists the offers, tries the most advanced donor first, and falls bac
 if a donor is unreachable, cannot prove its identity, dies mid-transfer, sends more than it
 announced or more than `max_bytes`, misses the deadline, or sends bytes whose SHA-256 does not match
 its signed header, or a state that fails validation. Where a second donor is available, the
-download is cross-checked: two donors' states must agree on a sample of parameters
-(`validation.disagreeing_tensors`), else both are set aside and the next donors are tried.
+download is cross-checked: two donors' states must agree on a sample of the tensors honest donors hold alike
+(`validation.disagreeing_tensors`; the parameters, or what the caller's `agreed` names), else both are set aside and
+the next donors are tried.
 
 Wire protocol (version 3), every message framed as a 4-byte big-endian length + body:
   client -> server  msgpack {"op": "get_state", "protocol": 3, "run_id": str, "challenge": 32 random bytes,
@@ -41,7 +42,7 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Tuple
 
 import msgpack
 from hivemind.utils import get_dht_time
@@ -363,6 +364,7 @@ def download_state(
     validate: Optional[Callable[[Dict[str, Any]], None]] = None,
     prefer: Optional[Collection[str]] = None,
     offer_wait_s: Optional[float] = None,
+    agreed: Callable[[Dict[str, Any]], Mapping[str, Any]] = lambda state: state.get("model", {}),
 ) -> DownloadedState:
     """Download a verified state from the most advanced donor, trying the next one on failure.
 
@@ -381,6 +383,9 @@ def download_state(
     :param prefer: peers with evidence that they average (witnesses.py): while one offers a state in range, no other
         donor is asked, so Sybil donors that never average cannot contradict or outvote them
     :param offer_wait_s: how long to wait for a donor in range to be on offer (default: `timeout`)
+    :param agreed: the tensors of a decoded (and validated) state that two honest donors hold alike, which the
+        cross-check compares; default: its parameters (`state["model"]`). DiLoCo's donors differ there by their own
+        inner steps since the last outer step and agree on θ_outer (`AveragingStrategy.agreed_tensors`)
     :raises StateDownloadFailed: no donor delivered before `timeout`, or every donor on offer failed or was set
         aside, or every donor on offer is past `max_epoch` (at once), or none was in range for `offer_wait_s`; its
         `misfits` name the donors whose state `validate` refused, and why
@@ -472,7 +477,7 @@ def download_state(
         if candidate is None:
             candidate = downloaded
             continue
-        disagree = disagreeing_tensors(candidate.state.get("model", {}), state.get("model", {}))
+        disagree = disagreeing_tensors(agreed(candidate.state), agreed(state))
         if not disagree:
             best = candidate if candidate.epoch >= downloaded.epoch else downloaded
             return replace(best, seconds=time.monotonic() - started, confirmation="cross-checked")

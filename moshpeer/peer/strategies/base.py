@@ -35,6 +35,9 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
                             inner optimizer (e.g. DiLoCo's anchor parameters and outer optimizer);
                             load_state_dict raises ValueError when the state does not fit, and then
                             changes nothing; check_state_dict only checks
+    agreed_tensors(state)   what two honest donors' states hold alike, compared before a download is adopted
+                            (None: the parameters; DiLoCo: θ_outer, since each donor's parameters also hold its
+                            own inner steps since the last outer step)
 
 The host (`StrategyHost`, in practice the `CollaborativeOptimizer`) offers: `params`, `inner` (the wrapped
 torch optimizer), `grad_sums` (per parameter, gradients x samples summed over this epoch),
@@ -182,6 +185,11 @@ class AveragingStrategy(abc.ABC):
         """ValueError unless `state` is a `state_dict()` this strategy can adopt (a donor's, a checkpoint's)."""
         if state:
             raise ValueError(f"{self.name} strategy keeps no state, got {sorted(state)}")
+
+    def agreed_tensors(self, state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+        """The tensors of a donor's `state_dict()` (checked) that honest donors hold alike, for the cross-check of a
+        download between two donors; None (default): their parameters are what they hold alike."""
+        return None
 
     def settings(self) -> Dict[str, Any]:
         """This strategy's settings as the join event line and every round result show them."""

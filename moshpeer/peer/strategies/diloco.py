@@ -332,6 +332,14 @@ class DiLoCoStrategy(AveragingStrategy):
             part.outer.adopt(s, optimizer)
         self.steps_this_epoch = state["steps_this_epoch"]
 
+    def agreed_tensors(self, state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        """θ_outer of every fragment: members of one group hold the same after each outer step (bit for bit with codec
+        none), whereas each one's parameters also hold its own inner steps since then (with overlap, two epochs' worth:
+        early in training, honest donors' parameters differed by more than the cross-check's tolerance, measured)."""
+        outer = self._outer_states(state)
+        return {f"outer{f}.{i}": anchor for f, fragment in enumerate(outer)
+                for i, anchor in enumerate(fragment["anchor"])}
+
     def _outer_states(self, state: Any) -> List[Dict[str, Any]]:
         """The outer state of each fragment in `state`, checked; ValueError unless the whole state fits."""
         if not isinstance(state, dict):
