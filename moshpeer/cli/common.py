@@ -186,7 +186,7 @@ def add_metrics_argument(parser: argparse.ArgumentParser, *, demo: bool = False)
     extra = " (the bootstrap node; training peer k gets N+k)" if demo else ""
     parser.add_argument("--metrics-port", type=int, metavar="N",
                         help=f"serve Prometheus metrics at http://0.0.0.0:N/metrics{extra}; 0: any free port, "
-                        "announced in the ready line (see docs/metrics.md)")
+                        "announced in the ready line (see docs/operations.md, 'Prometheus metrics')")
 
 
 def metrics_from_args(args: argparse.Namespace, command: str):

@@ -59,9 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--behind-nat",
         action="store_true",
-        help="nobody can connect to this machine (NAT, firewall): be reachable through a relay among the initial "
-        "peers, about 3 minutes after start, so that peers behind other NATs can average with it "
-        "(needs --initial-peers)",
+        help="nobody can connect to this machine (NAT, firewall): within seconds, take a slot on the relay a public "
+        "peer serves on its data-plane port, so that groups reach this peer through it (docs/operations.md; needs "
+        "--initial-peers)",
     )
     add_network_arguments(parser)
     add_membership_arguments(parser)

@@ -5,7 +5,7 @@ embeds several peers, or a test, keeps them apart) and serves it at `http://HOST
 metrics are fed from what the code already produces: `observe_round` is the one adapter from a
 collaborative round (its averaging round result included) to metric updates; the training loop adds
 loss and metric, state downloads and checkpoint writes. Names follow Prometheus conventions; see
-docs/metrics.md for the list and docs/grafana/moshpeer.json for a dashboard over them.
+docs/operations.md ("Prometheus metrics") for the list and docs/grafana/moshpeer.json for a dashboard over them.
 """
 
 from __future__ import annotations
