@@ -17,14 +17,14 @@ Life of an epoch (all from the training thread):
 
 Failure: a round that fails, is abandoned (deadline, stop request) or finds no group ends the epoch with the peer's
 own step and a record whose `error` says why ("alone", "abandoned", the round's error): training never stops for
-lack of peers. A strategy that rejoins by update (DiLoCo, gradients) does not step alone when the others averaged
-its round without it: it takes their update, fetched from one of them, without a search when every other trainer
-is past its epoch (missed_round.py); its own work is carried into its next contribution (`carried_samples`, weighed
-there: `samples_carried_in`; dropped with spot checks, which cannot recompute it). Failing that, DiLoCo takes their
-whole state (a catch-up, which drops that work: `dropped_samples`); a catch-up that finds no donor leaves the epoch
-to end as usual. A peer whose group averaged a later epoch than its own (it ended its epoch just after its mates'
-group closed) takes the group's count (`joined_epoch`, epoch_agreement.py) and the step it missed before that round,
-or else the group's state. Nothing here raises for network trouble.
+lack of peers. A strategy that rejoins by update (DiLoCo, gradients) takes the others' update instead when they
+averaged its round without it, fetched from one of them, without a search when every other trainer is past its
+epoch (missed_round.py); its own work is carried into its next contribution (`carried_samples`, weighed there:
+`samples_carried_in`; dropped with spot checks, which cannot recompute it). Failing that, DiLoCo takes their whole
+state (a catch-up, which drops that work: `dropped_samples`); without a donor the epoch ends as usual. A peer whose
+group averaged a later epoch than its own takes the group's count (`joined_epoch`, epoch_agreement.py) and the step
+it missed before that round, or else the group's state; an overlapped Δ that came pending with an adopted state is
+stepped on alone, then again on the group's update (lone_step_fetch.py). Nothing here raises for network trouble.
 
 The loop keeps no socket of its own: the host (`EpochHost`, in practice the `CollaborativeOptimizer`) gives
 it the averager, the swarm link, the strategy, the round timing and the state catch-up.
@@ -48,6 +48,7 @@ from moshpeer.compression.feedback import ErrorFeedback
 from moshpeer.errors import UserError
 from moshpeer.peer.optimizer.counters import EpochCounters
 from moshpeer.peer.optimizer.epoch_agreement import agreed_epoch
+from moshpeer.peer.optimizer.lone_step_fetch import LoneStepFetch
 from moshpeer.peer.optimizer.loss_phase import LossPhaseTracker, epoch_gradient
 from moshpeer.peer.optimizer.missed_round import MISSED_ROUND_UPDATE, ROUND_OVER, MissedRound
 from moshpeer.peer.optimizer.progress import ProgressSnapshot
@@ -67,9 +68,9 @@ NO_FRESH_VIEW = "no fresh view of the swarm"
 CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
 MET_A_LATER_ROUND = "met a later epoch's round; took the group's state"
 
-# A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at
-# its next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's
-# whole timeout (60 s) stopped training that long at every epoch end (measured in netlab).
+# A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at its
+# next epoch end: the most advanced peer may offer nothing (behind a NAT), and waiting out the download's whole
+# timeout (60 s) stopped training that long at every epoch end (measured in netlab).
 OFFER_WAIT_S = 5.0
 
 # Records kept in `EpochLoop.rounds`, bounded for long runs (round health reads the last 20; `rounds_total` counts all).
@@ -143,7 +144,7 @@ class EpochLoop:
         self.speed, self._loss_phase = SpeedMeter(), LossPhaseTracker()
         self.apart = TrainedApart()  # epochs trained cut off from the swarm (an outage)
         self._apart_published: Optional[int] = None  # what our record's `apart_since` says
-        self.missed_round = MissedRound(host)
+        self.missed_round, self.lone_step = MissedRound(host), LoneStepFetch(host)
         # Overlapping strategies: (round future or None if alone, plan, facts, error) of the round to settle.
         self._in_flight: Optional[tuple] = None
 
@@ -241,6 +242,7 @@ class EpochLoop:
         stragglers = self._stragglers(snapshot)
         window = host.timing.matchmaking_window(target, stragglers)
         plan = self.plan_round(snapshot)
+        self.lone_step.start()  # the plan took a step alone on a Δ pending in an adopted state: find the group's
         carried_in = self.counters.carried.get(plan.fragment, 0)
         facts.update(epoch=epoch, samples=self.counters.samples, samples_carried_in=carried_in, group_target=target,
                      matchmaking_window_s=window, stragglers_eta_s=stragglers)
@@ -304,17 +306,13 @@ class EpochLoop:
             return math.inf
         epoch_samples = self.counters.samples + round(steps_left * self.speed.mean_batch())
         return quorum_eta_s(self.snapshot().peers, self.counters.epoch, epoch_samples, self.host.swarm.peer_id,
-                            self._own_eta_s(steps_left), self.speed.rate(), strategy.quorum)
-
-    def _own_eta_s(self, steps_left: int) -> float:
-        """Seconds until this peer's `steps_left` micro-batches are computed at its recent rate (inf: unknown)."""
-        rate = self.speed.rate()
-        return steps_left * self.speed.mean_batch() / rate if rate > 0 else math.inf
+                            self.speed.seconds_for(steps_left), self.speed.rate(), strategy.quorum)
 
     def settle(self) -> Optional[CollaborativeRound]:
         """Resolve the round still running in the background (overlapping strategies): wait for it within its
         deadline, apply its outcome, record it and return it; None if none runs. The training loop calls it once
         more after its last epoch, so that the last outer step is applied."""
+        self.lone_step.settle()  # first: the round in flight was sent from where that step left θ_outer
         if self._in_flight is None:
             return None
         (future, plan, facts, error), self._in_flight = self._in_flight, None
@@ -464,7 +462,7 @@ class EpochLoop:
         """Publish this peer's epoch, samples and speed (throttled unless `force`), and whom its averaging flagged."""
         host = self.host
         rate, steps_left = self.speed.rate(), host.strategy.steps_to_epoch_end()
-        epoch_eta_s = None if steps_left is None else min(self._own_eta_s(steps_left), self._quorum_eta_s())
+        epoch_eta_s = None if steps_left is None else min(self.speed.seconds_for(steps_left), self._quorum_eta_s())
         host.swarm.progress.report(epoch=self.counters.epoch, samples_accumulated=self.counters.samples,
                                    samples_per_second=rate, step=self.counters.steps, force=force,
                                    upload_bps=host.averager.upload_bandwidth or 0.0, epoch_eta_s=epoch_eta_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import List
 
@@ -29,3 +30,8 @@ class SpeedMeter:
     def mean_batch(self) -> float:
         """Mean samples per micro-batch over the window (0 before the first)."""
         return sum(s for _, s in self._events) / len(self._events) if self._events else 0.0
+
+    def seconds_for(self, micro_batches: int) -> float:
+        """Seconds until `micro_batches` more are computed at the recent rate (inf: no rate yet)."""
+        rate = self.rate()
+        return micro_batches * self.mean_batch() / rate if rate > 0 else math.inf

@@ -28,6 +28,10 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
     fit_update(plan, u)     this peer's round of `plan` failed while others averaged it: check a kept update
                             fetched from one of them (ValueError if it does not fit); apply_update(plan, fitted)
                             then takes the group's step with it instead of apply_alone
+    lone_step()             (overlapping strategies) the round of a contribution that came pending with an adopted
+                            state and was stepped on alone at the last plan; the epoch loop fetches the group's
+                            update of it in the background (lone_step_fetch.py), fitted by `fit_update`, and
+    retake_lone_step(p, u)  takes that step again with it before the next round is resolved
     averaged_gradient(plan) the gradient of this epoch after a successful round, if the strategy averages
                             one (the DBLP phase signal uses it; else the local mean gradient is used)
     state_dict() / load_state_dict(state) / check_state_dict(state)
@@ -168,6 +172,17 @@ class AveragingStrategy(abc.ABC):
         or dropped (a run whose contributions must stay recomputable by spot checks; ValueError from a strategy
         that cannot drop it)."""
         raise NotImplementedError
+
+    def lone_step(self) -> Optional[RoundPlan]:
+        """The round whose step this peer took alone at its last plan because its adopted state (a donor's, a
+        checkpoint's) came with its contribution to that round pending, while the group's update of that round may
+        still replace it (`retake_lone_step`); None (default): none."""
+        return None
+
+    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Any]) -> bool:
+        """Take `lone_step()`'s step again with the group's update of `plan`'s round (a `fit_update` result; None:
+        the lone step stands), keeping what was computed since; forget it either way. -> whether it was retaken."""
+        return False
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:
         """This epoch's averaged gradient after a successful round, if the round averaged one."""

@@ -21,7 +21,9 @@ the outer step on its own Δ.
 overlap=True (one-outer-step delay): the round of Δ_t runs in the background while the peer computes
 the next H inner steps; the outer step on Δ̄_t is taken at the next epoch end, keeping the local
 progress made meanwhile (OuterState.apply_delayed). The optimizer runs such a strategy's rounds with
-`MoshpitAverager.step(wait=False)` and resolves them one epoch later.
+`MoshpitAverager.step(wait=False)` and resolves them one epoch later. A Δ that comes pending with an adopted state
+(a donor always has one) is stepped on alone at the next plan, then again on the group's Δ̄ of its round once the
+optimizer fetched it (`lone_step`, `retake_lone_step`; peer/optimizer/lone_step_fetch.py).
 
 quorum=Q (0 < Q <= 1; Decoupled DiLoCo's minimum quorum, inside the swarm): a peer ends its epoch early, with
 the inner steps it has taken (at least one), once trainers holding Q of the swarm's compute rate have ended theirs
@@ -51,6 +53,7 @@ fragment count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -72,6 +75,20 @@ DEFAULT_OUTER_PARAMS_EVERY = 4
 # The outer optimizer under error feedback unless one is given: plain SGD, lr 1 (SparseLoCo's; the residual's decay
 # plays the outer momentum's part).
 SPARSE_OUTER_OPTIMIZER = OuterOptimizer("sgd", lr=1.0, momentum=0.0)
+
+
+@dataclass(frozen=True)
+class LoneStep:
+    """An outer step taken on a Δ that came pending with an adopted state (no round of this process averaged it):
+    the round it belongs to, the fragment's outer state before it (`OuterState.before_step`) and the flat Δ."""
+
+    plan: RoundPlan
+    before: Dict[str, Any]
+    delta: torch.Tensor
+
+    def of(self, plan: RoundPlan) -> bool:
+        """Is `plan` the round of this step (its epoch and fragment)?"""
+        return (plan.epoch, plan.fragment) == (self.plan.epoch, self.plan.fragment)
 
 
 def carries_outer_params(epoch: int, fragments: int, every: int) -> bool:
@@ -140,6 +157,7 @@ class DiLoCoStrategy(AveragingStrategy):
         self.planned = 0  # the fragment of the last plan: apply_alone(None) steps it
         self.planned_epoch = -1  # the epoch of the last plan
         self.kept: Dict[int, RoundUpdate] = {}  # fragment -> the Δ̄ of its last averaged round (kept_update)
+        self._lone: Optional[LoneStep] = None  # the step taken alone on a Δ pending in an adopted state
 
     def bind(self, host: StrategyHost) -> None:
         super().bind(host)
@@ -174,10 +192,13 @@ class DiLoCoStrategy(AveragingStrategy):
         part = self.parts[self.planned]
         if self.overlap:
             # The epoch loop resolves a round before it plans the next, so a Δ still pending here was sent by no
-            # round of this process (a checkpoint's or a donor's state): no average will come, and its outer
-            # step is taken on this peer's own Δ, as after a failed round.
-            for orphan in self.parts:
-                self._step_alone(orphan)
+            # round of this process (a checkpoint's or a donor's state): no average will come in this round, and its
+            # outer step is taken on that Δ alone, as after a failed round, until the group's Δ̄ of it, fetched in
+            # the background, replaces it (`lone_step`, `retake_lone_step`).
+            for index, orphan in enumerate(self.parts):
+                if orphan.outer.pending:
+                    self._remember_lone_step(index, epoch - 1)
+                    self._step_alone(orphan)
             part.outer.send(part.params, part.delta)
         else:
             part.outer.pseudo_gradient(part.params, part.delta)
@@ -242,13 +263,52 @@ class DiLoCoStrategy(AveragingStrategy):
     @torch.no_grad()
     def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
         """(the decoded Δ̄, inner steps to start the next epoch with) of another member's `kept_update` for
-        `plan`'s round, checked against this peer's own Δ of the round (round_update.py says what fits);
-        ValueError otherwise."""
+        `plan`'s round, checked against this peer's own Δ of the round (round_update.py says what fits), or for
+        `lone_step()`'s round against the Δ that step was taken on; ValueError otherwise."""
         part = self.parts[plan.fragment]
         update = RoundUpdate.from_state(update)
-        delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, steps=part.outer.outer_steps,
-                                  own=torch.cat([d.reshape(-1) for d in self._own_delta(part)]))
+        lone = self._lone if self._lone is not None and self._lone.of(plan) else None
+        steps = lone.before["outer_steps"] if lone is not None else part.outer.outer_steps
+        own = lone.delta if lone is not None else torch.cat([d.reshape(-1) for d in self._own_delta(part)])
+        delta = update.check_fits(epoch=plan.epoch, fragment=plan.fragment, steps=steps, own=own)
         return delta, self._steps_to_skip(plan, update.phase)
+
+    def lone_step(self) -> Optional[RoundPlan]:
+        """With overlap: the round of the Δ that came pending with this peer's state and whose outer step it took
+        alone at its last plan (see plan_round), until `retake_lone_step`."""
+        return None if self._lone is None else self._lone.plan
+
+    def _remember_lone_step(self, fragment: int, epoch: int) -> None:
+        """Before the lone step on `fragment`'s pending Δ, sent at the end of `epoch` (this peer's state was its
+        donor's or checkpoint's then): what `retake_lone_step` needs to take it again on the group's Δ̄."""
+        outer = self.parts[fragment].outer
+        if epoch < 0 or epoch % self.fragments != fragment:
+            self._lone = None  # not the schedule's round: no update of it could fit
+            return
+        plan = RoundPlan(tensors=(self.parts[fragment].buffer,), averages=("pseudo_gradient",), fragment=fragment,
+                         epoch=epoch)
+        self._lone = LoneStep(plan, outer.before_step(), torch.cat([d.reshape(-1) for d in outer.pending_delta()]))
+
+    @torch.no_grad()
+    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Tuple[torch.Tensor, int]]) -> bool:
+        """Take `lone_step()`'s outer step again on the group's Δ̄ (a `fit_update` result for `plan`), from where
+        it was taken: θ_outer becomes the group's, and the parameters and the pending Δ keep what was computed since.
+        None: the lone step stands. Forgets the lone step either way; -> whether it was taken again."""
+        lone, self._lone = self._lone, None
+        if lone is None or fitted is None or not lone.of(plan):
+            return False
+        part = self.parts[plan.fragment]
+        part.outer.retake(lone.before, self._unflatten(fitted[0], part), part.params)
+        return True
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, part: Fragment) -> List[torch.Tensor]:
+        """A flat fp32 Δ of `part`, one view per parameter, on each parameter's device."""
+        views, offset = [], 0
+        for d in part.delta:
+            views.append(flat[offset:offset + d.numel()].view_as(d).to(d.device))
+            offset += d.numel()
+        return views
 
     def _steps_to_skip(self, plan: RoundPlan, phase: Optional[Tuple[int, int]]) -> int:
         """Inner steps into the epoch after `plan`'s at which a peer that took a donor's update starts it (without
@@ -273,11 +333,7 @@ class DiLoCoStrategy(AveragingStrategy):
             raise ValueError("DiLoCo carries a missed round's Δ into its next round")
         flat, steps = fitted
         part = self.parts[plan.fragment]
-        delta, offset = [], 0
-        for d in part.delta:
-            delta.append(flat[offset:offset + d.numel()].view_as(d).to(d.device))
-            offset += d.numel()
-        part.outer.apply_keeping_progress(delta, part.params)
+        part.outer.apply_keeping_progress(self._unflatten(flat, part), part.params)
         self.steps_this_epoch = max(self.steps_this_epoch, steps)
 
     def _outer_step(self, part: Fragment, delta: List[torch.Tensor]) -> None:
@@ -325,6 +381,7 @@ class DiLoCoStrategy(AveragingStrategy):
         self._outer_states(state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._lone = None  # a step taken on the state being replaced
         outer = self._outer_states(state)
         # Every fragment's state is checked, and its optimizer built, before any fragment changes.
         optimizers = [part.outer.fitted_optimizer(s) for part, s in zip(self.parts, outer)]

@@ -189,6 +189,28 @@ class OuterState:
             p.add_((anchor - old).to(dtype=p.dtype))
         self.sent = None
 
+    def before_step(self) -> Dict[str, Any]:
+        """Copies of θ_outer, the outer optimizer's state and the outer step count: what `retake` starts from."""
+        return {"anchor": [a.detach().clone() for a in self.anchor],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "outer_steps": self.outer_steps}
+
+    @torch.no_grad()
+    def retake(self, before: Dict[str, Any], delta: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """Take the last outer step again, from `before` (`before_step()` just ahead of it) on `delta` instead, and
+        move the parameters, and θ_sent if a Δ is pending, by what that changes of θ_outer: the inner steps taken
+        since, and the pending Δ (θ_outer − θ_sent), stay as they were."""
+        taken = [anchor.clone() for anchor in self.anchor]
+        for anchor, value in zip(self.anchor, before["anchor"]):
+            anchor.copy_(value)
+        self.optimizer.load_state_dict(copy.deepcopy(before["optimizer"]))
+        self.outer_steps = before["outer_steps"]
+        self.outer_step(delta)
+        for i, (p, anchor, old) in enumerate(zip(params, self.anchor, taken)):
+            shift = anchor - old
+            p.add_(shift.to(dtype=p.dtype))
+            if self.sent is not None:
+                self.sent[i].add_(shift)
+
     # ---- state ----------------------------------------------------------------------------------
 
     @torch.no_grad()
