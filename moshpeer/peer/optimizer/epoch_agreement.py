@@ -18,11 +18,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 
+def group_epoch(declared: Sequence[int]) -> Optional[int]:
+    """The epoch of a round whose members declared these epochs: their lower median (None: nobody declared one)."""
+    return sorted(declared)[(len(declared) - 1) // 2] if declared else None
+
+
 def agreed_epoch(own: int, declared: Sequence[int]) -> Optional[int]:
     """The epoch a peer at `own` takes after a round whose members (itself included) `declared` these epochs: the
     group's lower median when it is past `own`, else None (stay). Never backwards: a peer ahead of its group keeps
     its count, and its mates, behind it, take nothing from it alone."""
-    if not declared:
-        return None
-    median = sorted(declared)[(len(declared) - 1) // 2]
-    return median if median > own else None
+    median = group_epoch(declared)
+    return median if median is not None and median > own else None

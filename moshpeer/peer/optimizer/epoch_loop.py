@@ -242,7 +242,6 @@ class EpochLoop:
         stragglers = self._stragglers(snapshot)
         window = host.timing.matchmaking_window(target, stragglers)
         plan = self.plan_round(snapshot)
-        self.lone_step.start()  # the plan took a step alone on a Δ pending in an adopted state: find the group's
         carried_in = self.counters.carried.get(plan.fragment, 0)
         facts.update(epoch=epoch, samples=self.counters.samples, samples_carried_in=carried_in, group_target=target,
                      matchmaking_window_s=window, stragglers_eta_s=stragglers)
@@ -259,6 +258,7 @@ class EpochLoop:
             # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
             # waits there too, so that every epoch end resolves exactly one round and reports it.
             self._in_flight = (future, plan, facts, lone_why if alone else None)
+            self.lone_step.start(future)  # the plan stepped alone on a Δ pending in an adopted state: find the group's
             with host.lock:
                 self._next_epoch()
             return resolved or CollaborativeRound(epoch=epoch, samples=0, error="round in flight",
@@ -312,12 +312,13 @@ class EpochLoop:
         """Resolve the round still running in the background (overlapping strategies): wait for it within its
         deadline, apply its outcome, record it and return it; None if none runs. The training loop calls it once
         more after its last epoch, so that the last outer step is applied."""
-        self.lone_step.settle()  # first: the round in flight was sent from where that step left θ_outer
         if self._in_flight is None:
+            self.lone_step.settle()
             return None
         (future, plan, facts, error), self._in_flight = self._in_flight, None
         waited = time.monotonic()
         result = self.host.timing.await_result(future, self.host.should_stop) if future is not None else None
+        self.lone_step.settle(result)  # before the round's outcome: it was sent from where that step left θ_outer
         missed = future is not None and self.missed_round.missed(result, plan.epoch)
         update = self.missed_round.fetch_update(plan) if missed else None
         if update is not None:

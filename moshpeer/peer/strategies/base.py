@@ -179,9 +179,10 @@ class AveragingStrategy(abc.ABC):
         still replace it (`retake_lone_step`); None (default): none."""
         return None
 
-    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Any]) -> bool:
+    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Any], undo: bool = False) -> bool:
         """Take `lone_step()`'s step again with the group's update of `plan`'s round (a `fit_update` result; None:
-        the lone step stands), keeping what was computed since; forget it either way. -> whether it was retaken."""
+        the lone step stands; `undo`: undo it, the round being resolved is the group's round of `plan`'s epoch),
+        keeping what was computed since; forget it either way. -> whether it was retaken or undone."""
         return False
 
     def averaged_gradient(self, plan: RoundPlan) -> Optional[Sequence[torch.Tensor]]:

@@ -290,15 +290,17 @@ class DiLoCoStrategy(AveragingStrategy):
         self._lone = LoneStep(plan, outer.before_step(), torch.cat([d.reshape(-1) for d in outer.pending_delta()]))
 
     @torch.no_grad()
-    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Tuple[torch.Tensor, int]]) -> bool:
+    def retake_lone_step(self, plan: RoundPlan, fitted: Optional[Tuple[torch.Tensor, int]], undo: bool = False
+                         ) -> bool:
         """Take `lone_step()`'s outer step again on the group's Δ̄ (a `fit_update` result for `plan`), from where
         it was taken: θ_outer becomes the group's, and the parameters and the pending Δ keep what was computed since.
-        None: the lone step stands. Forgets the lone step either way; -> whether it was taken again."""
+        None: the lone step stands; `undo`: it is undone (the round being resolved is the group's round of `plan`'s
+        epoch, whose Δ̄ takes that step). Forgets the lone step either way; -> whether it was retaken or undone."""
         lone, self._lone = self._lone, None
-        if lone is None or fitted is None or not lone.of(plan):
+        if lone is None or (fitted is None and not undo) or not lone.of(plan):
             return False
         part = self.parts[plan.fragment]
-        part.outer.retake(lone.before, self._unflatten(fitted[0], part), part.params)
+        part.outer.retake(lone.before, None if undo else self._unflatten(fitted[0], part), part.params)
         return True
 
     @staticmethod

@@ -195,16 +195,18 @@ class OuterState:
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "outer_steps": self.outer_steps}
 
     @torch.no_grad()
-    def retake(self, before: Dict[str, Any], delta: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
-        """Take the last outer step again, from `before` (`before_step()` just ahead of it) on `delta` instead, and
-        move the parameters, and θ_sent if a Δ is pending, by what that changes of θ_outer: the inner steps taken
-        since, and the pending Δ (θ_outer − θ_sent), stay as they were."""
+    def retake(self, before: Dict[str, Any], delta: Optional[Sequence[torch.Tensor]],
+               params: Sequence[torch.Tensor]) -> None:
+        """Take the last outer step again, from `before` (`before_step()` just ahead of it) on `delta` instead (None:
+        undo it), and move the parameters, and θ_sent if a Δ is pending, by what that changes of θ_outer: the inner
+        steps taken since, and the pending Δ (θ_outer − θ_sent), stay as they were."""
         taken = [anchor.clone() for anchor in self.anchor]
         for anchor, value in zip(self.anchor, before["anchor"]):
             anchor.copy_(value)
         self.optimizer.load_state_dict(copy.deepcopy(before["optimizer"]))
         self.outer_steps = before["outer_steps"]
-        self.outer_step(delta)
+        if delta is not None:
+            self.outer_step(delta)
         for i, (p, anchor, old) in enumerate(zip(params, self.anchor, taken)):
             shift = anchor - old
             p.add_(shift.to(dtype=p.dtype))
