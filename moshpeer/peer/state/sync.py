@@ -2,7 +2,8 @@
 
 Donors run a small TCP `StateServer` and advertise it in the DHT under `state_offers_key(run_id)`:
 one signed entry per donor (subkey = its owner marker) holding its address and epoch. A peer that
-needs state lists the offers, tries the most advanced donor first, and falls back to the next one
+needs state lists the offers, tries first the most advanced epoch two donors hold (`donors.cross_checkable_first`),
+and falls back to the next one
 if a donor is unreachable, cannot prove its identity, dies mid-transfer, sends more than it
 announced or more than `max_bytes`, misses the deadline, or sends bytes whose SHA-256 does not match
 its signed header, or a state that fails validation. Where a second donor is available, the

@@ -80,7 +80,8 @@ SPARSE_OUTER_OPTIMIZER = OuterOptimizer("sgd", lr=1.0, momentum=0.0)
 @dataclass(frozen=True)
 class LoneStep:
     """An outer step taken on a Δ that came pending with an adopted state (no round of this process averaged it):
-    the round it belongs to, the fragment's outer state before it (`OuterState.before_step`) and the flat Δ."""
+    the round it belongs to, the fragment's outer state before it (`OuterState.before_step`: a copy of θ_outer and of
+    the outer optimizer's state, held for about an epoch) and the flat Δ."""
 
     plan: RoundPlan
     before: Dict[str, Any]
