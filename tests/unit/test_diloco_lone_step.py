@@ -13,7 +13,7 @@ from moshpeer.averaging.report import RoundResult
 from moshpeer.peer.optimizer.lone_step_fetch import LoneStepFetch
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from peer_fakes import FakeHost
-from test_diloco_fragments import micro_batches, model
+from test_diloco_fragments import micro_batches, model, resumed
 
 SETTINGS = dict(inner_steps=4, overlap=True)  # the default outer optimizer: Nesterov momentum, which a retake restores
 
@@ -21,15 +21,10 @@ SETTINGS = dict(inner_steps=4, overlap=True)  # the default outer optimizer: Nes
 def peer(state_of: FakeHost = None, retry_s: float = 0.01, inline: bool = False) -> FakeHost:
     """A peer whose rounds average to half of its own Δ (the group's Δ̄ is not its own); with `state_of`, started
     from that peer's state as a download leaves it (parameters, epoch, steps, strategy state)."""
-    host = FakeHost(DiLoCoStrategy(**SETTINGS), model=model())
+    strategy = DiLoCoStrategy(**SETTINGS)
+    host = resumed(state_of, strategy) if state_of is not None else FakeHost(strategy, model=model())
     host.averager.average = lambda tensors: [t.mul_(0.5) for t in tensors]
     host.epochs.lone_step = LoneStepFetch(host, retry_s=retry_s, start=(lambda work: work()) if inline else None)
-    if state_of is not None:
-        with torch.no_grad():
-            for p, q in zip(host.params, state_of.params):
-                p.copy_(q)
-        host.counters.epoch, host.counters.steps = state_of.counters.epoch, state_of.counters.steps
-        host.strategy.load_state_dict(state_of.strategy.state_dict())
     return host
 
 
@@ -91,10 +86,7 @@ def test_a_first_round_that_was_the_groups_round_of_the_pending_delta_takes_that
     theirs = [a.clone() for a in anchor(donor)]
     newcomer.averager.average = lambda tensors: tensors[0].copy_(group_delta)  # the round the newcomer meets
     newcomer.averager.queue(RoundResult(ok=True, group_size=3, averaged=("pseudo_gradient",), member_epochs=[1, 1, 2]))
-    for _ in range(3):  # the newcomer's epoch 2 ends: a lone step on the donor's Δ, and its round meets the group's
-        for i, p in enumerate(newcomer.params):
-            p.grad = torch.sin(3 * p.detach() + newcomer.counters.steps + i)
-        newcomer.epochs.account(4)
+    micro_batches(newcomer, 3)  # its epoch 2 ends: a lone step on the donor's Δ; its round (queued first) meets theirs
     newcomer.averager.average = None
     micro_batches(newcomer, 4)  # epoch 3 ends: the lone step undone, the round's average applied in its place
     assert newcomer.strategy.lone_step() is None

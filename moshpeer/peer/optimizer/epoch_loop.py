@@ -313,7 +313,6 @@ class EpochLoop:
         deadline, apply its outcome, record it and return it; None if none runs. The training loop calls it once
         more after its last epoch, so that the last outer step is applied."""
         if self._in_flight is None:
-            self.lone_step.settle()
             return None
         (future, plan, facts, error), self._in_flight = self._in_flight, None
         waited = time.monotonic()
