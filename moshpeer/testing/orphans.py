@@ -7,22 +7,29 @@ pipe closes, because the harness called `close()` at its teardown or because it 
 kernel closes its end), the watchdog SIGTERMs every live process carrying the tag and each one's process
 group, waits up to `grace` seconds, SIGKILLs what is left, and exits.
 
+Killed processes leave files behind: hivemind shares its futures' state through torch's `file_system` strategy,
+whose segments (/dev/shm/torch_<creator pid>_...) torch_shm_manager removes about 2 s after its last client is gone,
+unless it is killed first. `kill_tagged` removes the segments of every process it saw once those are dead
+(`remove_torch_segments`), and so does the swarm harness for the processes it stopped itself.
+
 `python -m moshpeer.testing.orphans KEY VALUE [GRACE]` is the watchdog itself (what `Reaper` runs).
 Linux only (/proc); elsewhere `tagged_processes` finds nothing.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import List
+from typing import Iterable, List, Set
 
 from moshpeer.processes import ProcInfo, all_pids, read_proc_info
 
 DEFAULT_GRACE_S = 3.0
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 def _environ_has(pid: int, key: str, value: str) -> bool:
@@ -45,6 +52,11 @@ def tagged_processes(key: str, value: str, *, include_zombies: bool = False) -> 
     return found
 
 
+def tagged_pids(key: str, value: str) -> Set[int]:
+    """The pids of the live processes tagged `key=value`."""
+    return {info.pid for info in tagged_processes(key, value)}
+
+
 def _signal_all(infos: List[ProcInfo], sig: int) -> None:
     """`sig` to each process, and to each process group whose leader is among them (a tagged child started
     in a session of its own); never to a group led by an untagged process (e.g. the harness's own)."""
@@ -65,15 +77,35 @@ def _wait_gone(key: str, value: str, deadline: float) -> List[ProcInfo]:
         time.sleep(0.05)
 
 
+def remove_torch_segments(pids: Iterable[int]) -> int:
+    """Remove the torch shared-memory segments that the processes `pids` created, of those no longer alive (a live
+    one may still use its own); -> how many were removed. Never raises for a file already gone."""
+    removed = 0
+    for pid in pids:
+        info = read_proc_info(pid)
+        if info is not None and info.alive:
+            continue
+        for path in glob.glob(os.path.join(SHARED_MEMORY_DIR, f"torch_{pid}_*")):
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def kill_tagged(key: str, value: str, grace: float = DEFAULT_GRACE_S) -> List[ProcInfo]:
     """SIGTERM every live process tagged `key=value` (and the process groups they lead), SIGKILL what is
-    left after `grace` seconds; returns what still lives `grace` seconds after that (normally [])."""
+    left after `grace` seconds, and remove the torch segments of those that died; returns what still lives `grace`
+    seconds after that (normally [])."""
     survivors = tagged_processes(key, value)
+    seen = {info.pid for info in survivors}  # kept: the processes are gone when their segments are removed
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not survivors:
             break
         _signal_all(survivors, sig)
         survivors = _wait_gone(key, value, time.monotonic() + grace)
+    remove_torch_segments(seen)
     return survivors
 
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence
 
 from swarm import SWARM_TAG, watch_stderr
 
-from moshpeer.testing.orphans import Reaper, kill_tagged
+from moshpeer.testing.orphans import Reaper, kill_tagged, remove_torch_segments, tagged_pids
 
 WORKER = Path(__file__).with_name("averaging_worker.py")
 READY_TIMEOUT = 90.0
@@ -136,6 +136,7 @@ class AveragingSwarm:
         return [worker.read_event(event, max(0.1, deadline - time.monotonic())) for worker in workers]
 
     def close(self) -> None:
+        family = tagged_pids(SWARM_TAG, self.tag) | {worker.popen.pid for worker in self.workers}
         for worker in self.workers:
             if worker.popen.poll() is None:
                 try:
@@ -151,3 +152,4 @@ class AveragingSwarm:
                 worker.popen.wait()
         kill_tagged(SWARM_TAG, self.tag, grace=1.0)  # what the workers spawned and left (DHT processes, p2pd)
         self._reaper.close()
+        remove_torch_segments(family)  # torch_shm_manager was killed before it could

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from moshpeer.processes import ProcInfo, all_processes  # noqa: F401 (re-exported)
-from moshpeer.testing.orphans import Reaper, tagged_processes  # noqa: F401 (re-exported)
+from moshpeer.testing.orphans import (Reaper, remove_torch_segments, tagged_pids,  # noqa: F401 (re-exported)
+                                      tagged_processes)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
@@ -363,7 +364,9 @@ class Swarm:
         return tagged_processes(SWARM_TAG, self.tag)
 
     def cleanup(self, grace: float = 5.0) -> List[ProcInfo]:
-        """SIGTERM what still runs, wait up to `grace`, SIGKILL the rest; returns survivors (should be [])."""
+        """SIGTERM what still runs, wait up to `grace`, SIGKILL the rest, remove the torch segments of what this
+        swarm ran (`orphans.remove_torch_segments`); returns survivors (should be [])."""
+        family = tagged_pids(SWARM_TAG, self.tag) | {proc.pid for proc in self.procs}
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -385,6 +388,7 @@ class Swarm:
             for reader in proc._readers:  # pipes reach EOF once every holder is gone
                 reader.join(timeout=1.0)
         self._reaper.close()
+        remove_torch_segments(family)
         return survivors
 
     def _wait_until_gone(self, deadline: float) -> List[ProcInfo]:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from swarm import SWARM_TAG, watch_stderr
 
-from moshpeer.testing.orphans import Reaper
+from moshpeer.testing.orphans import Reaper, remove_torch_segments, tagged_pids
 
 TRAINER = Path(__file__).resolve().parent / "preemption_trainer.py"
 REPO = TRAINER.parents[2]
@@ -29,12 +29,13 @@ class TrainerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = log_dir / f"trainer-{time.monotonic_ns()}.stderr"
         self._stderr = open(self.stderr_path, "wb")
-        tag = uuid.uuid4().hex
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), SWARM_TAG: tag}
-        self._reaper = Reaper(SWARM_TAG, tag)  # the trainer and its DHT / p2pd die with the test process
+        self._tag = uuid.uuid4().hex
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), SWARM_TAG: self._tag}
+        self._reaper = Reaper(SWARM_TAG, self._tag)  # the trainer and its DHT / p2pd die with the test process
         self.proc = subprocess.Popen(
             [sys.executable, str(TRAINER), *args], stdout=subprocess.PIPE, stderr=self._stderr, env=env, cwd=REPO
         )
+        self._family = {self.proc.pid}  # and, seen while alive, what it spawned: their torch segments go at the end
         watch_stderr(f"trainer {TRAINER.name}", lambda: self.stderr_path.read_text(errors="replace"))
         self.events: List[Dict[str, Any]] = []
         self._queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
@@ -69,6 +70,7 @@ class TrainerProcess:
     def signal(self, signum: int = signal.SIGTERM) -> float:
         """Send a signal; returns the time.monotonic() at which it was sent."""
         sent = time.monotonic()
+        self._family |= tagged_pids(SWARM_TAG, self._tag)
         self.proc.send_signal(signum)
         return sent
 
@@ -90,6 +92,7 @@ class TrainerProcess:
             self.events.append(event)
         self._stderr.close()
         self._reaper.close()  # whatever the trainer left running (it should have left nothing)
+        remove_torch_segments(self._family)
         return code
 
     def last(self, name: str) -> Dict[str, Any]:
@@ -104,7 +107,9 @@ class TrainerProcess:
         return f"events so far: {self.events[-5:]}, stderr tail:\n{tail}"
 
     def kill(self) -> None:
+        self._family |= tagged_pids(SWARM_TAG, self._tag)
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         self._reaper.close()
+        remove_torch_segments(self._family)

@@ -1,8 +1,10 @@
 """A killed test run leaves no processes behind: the swarm harnesses start a `moshpeer.testing.orphans.Reaper`
-that kills every process carrying the swarm's tag once the harness is gone, SIGKILL included."""
+that kills every process carrying the swarm's tag once the harness is gone, SIGKILL included, and removes the
+torch shared-memory segments of the processes it killed."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import selectors
@@ -17,7 +19,8 @@ from pathlib import Path
 import pytest
 from swarm import SWARM_TAG
 
-from moshpeer.testing.orphans import Reaper, kill_tagged, tagged_processes
+from moshpeer.testing import orphans
+from moshpeer.testing.orphans import Reaper, kill_tagged, remove_torch_segments, tagged_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +47,10 @@ def _first_line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline()
 
 
+def _torch_segments(processes) -> list:
+    return [path for info in processes for path in glob.glob(f"{orphans.SHARED_MEMORY_DIR}/torch_{info.pid}_*")]
+
+
 def _wait_gone(tag: str, timeout: float) -> list:
     deadline = time.monotonic() + timeout
     while True:
@@ -62,12 +69,19 @@ def test_killing_the_harness_kills_its_moshpeer_processes(sig):
     try:
         started = json.loads(_first_line(harness, 90.0))
         tag = started["tag"]
-        names = {info.name for info in tagged_processes(SWARM_TAG, tag)}
+        family = tagged_processes(SWARM_TAG, tag)
+        names = {info.name for info in family}
         assert "p2pd" in names and len(names) >= 2, names  # `moshpeer dht`, its DHT process and p2pd are up
+        assert _torch_segments(family), "hivemind's futures share their state through /dev/shm"
         harness.send_signal(sig)  # no cleanup code of the harness runs
         harness.wait(10)
         survivors = _wait_gone(tag, 20.0)
         assert not survivors, survivors
+        # torch_shm_manager was killed too: the reaper removes the segments once every process is gone.
+        deadline = time.monotonic() + 10.0
+        while _torch_segments(family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _torch_segments(family)
     finally:
         if harness.poll() is None:
             harness.kill()
@@ -90,3 +104,15 @@ def test_closing_the_reaper_kills_tagged_processes_and_only_those():
         for proc in (tagged, bystander):
             proc.kill()
             proc.wait()
+
+
+def test_only_the_segments_of_processes_that_are_gone_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(orphans, "SHARED_MEMORY_DIR", str(tmp_path))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    for pid in (ended.pid, os.getpid()):
+        (tmp_path / f"torch_{pid}_123_0").write_bytes(b"x")
+    (tmp_path / f"torch_{ended.pid}1_123_0").write_bytes(b"x")  # another pid that starts with the same digits
+    assert remove_torch_segments([ended.pid, os.getpid()]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"torch_{ended.pid}1_123_0",
+                                                                 f"torch_{os.getpid()}_123_0"])
