@@ -7,13 +7,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from moshpeer.averaging.member_info import MAX_DIGEST_BYTES
 from moshpeer.dht.keys import validate_run_id
 from moshpeer.errors import UserError
 
 
 def check_round_args(min_group_size: int, *, target_group_size: Optional[int], matchmaking_time: Optional[float],
-                     **non_negative: float) -> None:
+                     digest: bytes = b"", **non_negative: float) -> None:
     """`MoshpitAverager.step`'s arguments: UserError naming the first bad one."""
+    if not isinstance(digest, bytes) or len(digest) > MAX_DIGEST_BYTES:
+        raise UserError(f"digest must be at most {MAX_DIGEST_BYTES} bytes, got {digest!r:.80}")
     for name, value in non_negative.items():
         if not (math.isfinite(value) and value >= 0):
             raise UserError(f"{name} must be finite and >= 0, got {value}")

@@ -83,6 +83,7 @@ class RoundAsked:
     averaged: Tuple[str, ...]
     work: Optional[Tuple[int, int]]
     epoch: Optional[int]
+    digest: bytes
 
 
 class MoshpitAverager(ServicerBase):
@@ -333,7 +334,7 @@ class MoshpitAverager(ServicerBase):
              target_group_size: Optional[int] = None, matchmaking_time: Optional[float] = None,
              tensors: Optional[Sequence[torch.Tensor]] = None, averaged: Sequence[str] = (),
              upload_spread_s: float = 0.0, hold_s: float = 0.0, work: Optional[Tuple[int, int]] = None,
-             epoch: Optional[int] = None, wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
+             epoch: Optional[int] = None, digest: bytes = b"", wait: bool = True) -> Union[RoundResult, "RoundFuture"]:
         """Find a group and average `self.tensors` (or this round's `tensors`) with it in place.
 
         wait=True (default): block until the round is over and return its `RoundResult`. wait=False: return at once
@@ -361,9 +362,10 @@ class MoshpitAverager(ServicerBase):
         :param epoch, work: told to the group: the training epoch this round's contribution belongs to (the result's
             `member_epochs`), and the (epoch, micro-batch size) of the data assignment it was computed on, for
             spot checks (moshpeer/peer/accountability/); None: not told
+        :param digest: told to the group: <= 32 bytes digesting values all members should hold (`members_diverged`)
         """
         check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
-                         target_group_size=target_group_size, matchmaking_time=matchmaking_time)
+                         target_group_size=target_group_size, matchmaking_time=matchmaking_time, digest=digest)
         if not self._loop_thread.running:
             raise UserError("averager is not started")
         tensors = round_tensors(tensors, self.tensors, self._numel if self.error_feedback is not None else None)
@@ -373,7 +375,7 @@ class MoshpitAverager(ServicerBase):
                                                      window_cap=matchmaking_time, spread_s=upload_spread_s,
                                                      hold_s=hold_s)
         future = RoundFuture(deadline)
-        asked = RoundAsked(deadline, float(weight), window, target, tensors, tuple(averaged), work, epoch)
+        asked = RoundAsked(deadline, float(weight), window, target, tensors, tuple(averaged), work, epoch, digest)
         try:
             self._rounds.submit(self._run_round, future, asked)
         except RuntimeError:  # the executor is shut down
@@ -397,7 +399,8 @@ class MoshpitAverager(ServicerBase):
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
                                     relay=self._nat.relay, group_size=self.target_group_size, work=asked.work,
-                                    answer_wait_s=self._matchmaking.answer_wait(asked.window), epoch=asked.epoch)
+                                    answer_wait_s=self._matchmaking.answer_wait(asked.window), epoch=asked.epoch,
+                                    digest=asked.digest)
         request = StepRequest.for_round(deadline, gathered, asked.weight, asked.window, asked.target,
                                         schema_hash(asked.tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
@@ -480,6 +483,6 @@ class MoshpitAverager(ServicerBase):
         self._nat.note_round(len(members) - 1, len(set(result.departed) | set(result.absent)))  # behind NAT: relay ok?
         result, facts = round_facts(result, peer_ids, members, my_index, sampled)
         self.flagged_peers.update(facts["flagged"])  # a Counter: adds
-        log_round(group.group_id.hex()[:8], result, facts["flagged"], self.aggregation)
+        log_round(group.group_id.hex()[:8], result, facts["flagged"], self.aggregation, facts["members_diverged"])
         return loss_budget, loss_phase, result, dict(facts, part_sizes=dataplane.part_sizes(flat.numel()) or [],
                                                      distrusted=[peer_ids[i] for i in distrusted], upload_paced_s=spread)

@@ -171,8 +171,9 @@ def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequenc
                 sampled: Optional[int]) -> Tuple[DataPlaneStats, Dict[str, Any]]:
     """What a round's data plane tells about its members, as `RoundResult` fields: `flagged` (peer id -> chunks of
     our part robust aggregation clipped or trimmed), `contributors` (members whose contribution reached our part),
-    `sample` (member `sampled`'s contribution, for a spot check) and `member_epochs` (the epochs members declared);
-    -> (the stats without the sample's values, the fields)."""
+    `sample` (member `sampled`'s contribution, for a spot check), `member_epochs` (the epochs members declared) and
+    `members_diverged` (those that declared a digest declared different ones); -> (the stats without the sample's
+    values, the fields)."""
     evidence = stats.evidence_by_index
     sample = None
     if stats.member_sample is not None and sampled is not None:
@@ -182,11 +183,16 @@ def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequenc
     return replace(stats, member_sample=None), dict(
         flagged={peer_ids[i]: e.flagged for i, e in enumerate(evidence) if e.flagged},
         contributors=[peer_ids[i] for i, e in enumerate(evidence) if e.contributed and i != my_index], sample=sample,
-        member_epochs=[m.epoch for m in members if m.epoch is not None])
+        member_epochs=[m.epoch for m in members if m.epoch is not None],
+        members_diverged=len({m.digest for m in members if m.digest}) > 1)
 
 
-def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str) -> None:
-    """Warn about what a round lost, refused or flagged (nothing when it went clean)."""
+def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str, diverged: bool = False) -> None:
+    """Warn about what a round lost, refused or flagged, and about members that had drifted apart (`diverged`:
+    RoundResult.members_diverged); nothing when it went clean."""
+    if diverged:
+        logger.warning(f"round {tag}: members held different copies of values they should hold alike (their digests "
+                       f"differ: a missed step, a lost chunk); each adopts the group's mean of them")
     if result.absent:
         logger.warning(
             f"round {tag}: members {result.absent} were not in this round (they refused or failed "

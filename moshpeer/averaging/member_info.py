@@ -4,7 +4,8 @@ Each member's `data_for_gather` (msgpack: protocol version, data-plane address, 
 budget, upload bandwidth, a private run's membership tag, the span it would spread its upload over, the relay
 holding its slot when it is behind NAT, its configured group size, the training epoch its contribution belongs
 to, the work it claims to hold for a spot check: its epoch and micro-batch size, moshpeer/peer/accountability/,
-and how long it waits for a leader's first answer in matchmaking) travels inside matchmaking over
+how long it waits for a leader's first answer in matchmaking, and a digest of the values its group should already
+hold alike) travels inside matchmaking over
 libp2p's encrypted channel. It came from another peer: `parse_member_info` checks every field before anything uses it.
 """
 
@@ -28,6 +29,7 @@ MAX_GROUP_SIZE = 1 << 16
 MAX_EPOCH = 1 << 62
 MAX_BATCH_SIZE = 1 << 24
 MAX_ANSWER_WAIT_S = 3600.0
+MAX_DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,16 @@ class MemberInfo:
     answer_wait_s: float = 0.0
     # The training epoch its contribution belongs to (a collaborative peer's count; epoch_agreement.py); None: not said.
     epoch: Optional[int] = None
+    # A digest of values of this round that the members should already hold alike (a collaborative strategy's
+    # θ_outer or parameters: strategies/base.py, RoundPlan.digest); b"": not said.
+    digest: bytes = b""
 
 
 def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
                       loss_budget: Optional[Tuple[float, str]] = None, bandwidth: float = 0.0,
                       tag: bytes = b"", pace_s: float = 0.0, relay: Optional[Tuple[str, int]] = None,
                       group_size: int = 0, work: Optional[Tuple[int, int]] = None, answer_wait_s: float = 0.0,
-                      epoch: Optional[int] = None) -> bytes:
+                      epoch: Optional[int] = None, digest: bytes = b"") -> bytes:
     """This peer's metadata for matchmaking's gather (msgpack), parsed by every member with `parse_member_info`."""
     info = {"v": PROTOCOL_VERSION, "host": host, "port": port, "weight": weight, "nonce": nonce}
     if loss_budget is not None:
@@ -84,6 +89,8 @@ def pack_member_info(host: str, port: int, weight: float, nonce: bytes,
         info["wait"] = float(answer_wait_s)
     if epoch is not None:
         info["epoch"] = int(epoch)
+    if digest:
+        info["digest"] = bytes(digest)
     return msgpack.packb(info)
 
 
@@ -143,5 +150,8 @@ def parse_member_info(data: bytes) -> MemberInfo:
     epoch = info.get("epoch")
     if epoch is not None and not (type(epoch) is int and 0 <= epoch < MAX_EPOCH):
         raise ProtocolError("bad epoch")
+    digest = info.get("digest", b"")
+    if not isinstance(digest, bytes) or len(digest) > MAX_DIGEST_BYTES:
+        raise ProtocolError("bad digest")
     return MemberInfo(host, port, float(weight), nonce, declared, float(bandwidth), tag, float(pace), relay,
-                      group_size, work, float(answer_wait), epoch)
+                      group_size, work, float(answer_wait), epoch, digest)

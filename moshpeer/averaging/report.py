@@ -176,6 +176,9 @@ class RoundResult:
     # The training epochs the members declared in matchmaking, ours included (those that declared one), in group
     # order: a member that joined a later epoch's round learns so (moshpeer/peer/optimizer/epoch_agreement.py).
     member_epochs: List[int] = field(default_factory=list)
+    # The members declared different digests of values they should already hold alike (RoundPlan.digest in
+    # moshpeer/peer/strategies/base.py): their copies drifted apart, and the strategy adopts the group's mean.
+    members_diverged: bool = False
     # A robust owner's copy of one member's contribution to our part, for a spot check; not in `to_dict()`.
     sample: Optional["ContributionSample"] = field(default=None, repr=False)
 

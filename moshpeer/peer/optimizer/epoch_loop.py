@@ -342,7 +342,7 @@ class EpochLoop:
         return self.host.averager.step(weight=weight, timeout=timing.search_time_for(window),
                                        target_group_size=target, matchmaking_time=window, tensors=plan.tensors,
                                        averaged=plan.averages, upload_spread_s=spread, hold_s=hold_s, work=work,
-                                       epoch=plan.epoch, wait=False)
+                                       epoch=plan.epoch, digest=plan.digest, wait=False)
 
     def finish_round(self, plan: RoundPlan, result: Optional[RoundResult], error: Optional[str],
                      update: Optional[Any] = None, step_before: Optional[Any] = None, **facts: Any
@@ -378,7 +378,7 @@ class EpochLoop:
                     strategy.apply_update(plan, step_before, carry=False)
                 self.counters.epoch += joined - plan.epoch
                 plan = dataclasses.replace(plan, epoch=joined)  # and keep its update under that epoch
-            spread = strategy.apply_averaged(plan)
+            spread = strategy.apply_averaged(plan, result.members_diverged)
         elif update is not None:
             spread = strategy.apply_update(plan, update, carry=carry)
             own = facts["samples"] + facts.get("samples_carried_in", 0)

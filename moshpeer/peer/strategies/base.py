@@ -16,9 +16,13 @@ and `epoch_is_over` under the optimizer's lock; `state_dict` also from the state
                             added to host.grad_sums when `accumulates_gradients` is True)
     epoch_is_over()         True/False: the strategy counts the epoch itself; None: the optimizer does
     plan_round(epoch, swarm) the epoch is over: fill the buffer, say what this round averages
-    apply_averaged(plan)    the round succeeded: the plan's tensors hold the group's (weighted) average;
+    apply_averaged(plan, diverged)
+                            the round succeeded: the plan's tensors hold the group's (weighted) average;
                             make the model and the inner optimizer use it; returns the parameter spread
-                            (||params - group mean|| / ||group mean|| before adopting) or None
+                            (||params - group mean|| / ||group mean|| before adopting) or None. `diverged`: the
+                            members' digests of what they should hold alike differed (RoundPlan.digest); a
+                            strategy that averages those values then adopts the group's mean of them, even where
+                            it would not otherwise (a lossy codec's noise in a swarm that one group holds)
     apply_alone(plan)       no group (alone, timed out, failed): take this epoch's step from local data
     kept_update(epoch)      (strategies that `rejoins_by_update`) the update a successful round of `epoch`
                             applied, kept for peers that missed that round (the state server's thread, under
@@ -85,12 +89,16 @@ class RoundPlan:
     """What one round averages: `tensors` (views of the strategy's buffer, filled) and what they hold,
     e.g. ("gradients",) or ("gradients", "parameters"); the round result reports `averages`. `fragment`: which
     part of the model the round covers, for strategies that average one part per round (DiLoCo's fragments;
-    the apply methods read it, since an overlapped round is applied after the next plan); 0 for the others."""
+    the apply methods read it, since an overlapped round is applied after the next plan); 0 for the others.
+    `digest`: `values_digest` of values in `tensors` that the members should already hold alike (DiLoCo's θ_outer,
+    gradients mode's parameters), told to the group so that members whose copies drifted apart (a missed step, a lost
+    chunk) are found and brought back together (`apply_averaged(plan, diverged)`); b"": none in this round."""
 
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
     epoch: int  # the collaborative epoch of the round (a kept update is found by it: no default to forget)
     fragment: int = 0
+    digest: bytes = b""
 
 
 class AveragingStrategy(abc.ABC):
@@ -150,8 +158,9 @@ class AveragingStrategy(abc.ABC):
         """Fill the buffer for this epoch's round and say what it averages."""
 
     @abc.abstractmethod
-    def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
-        """Apply a successful round (the plan's tensors hold the average); returns the parameter spread."""
+    def apply_averaged(self, plan: RoundPlan, diverged: bool = False) -> Optional[float]:
+        """Apply a successful round (the plan's tensors hold the average; `diverged`: see the module docstring);
+        returns the parameter spread."""
 
     @abc.abstractmethod
     def apply_alone(self, plan: Optional[RoundPlan]) -> None:

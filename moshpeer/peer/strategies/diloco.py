@@ -43,7 +43,9 @@ a small network in `moshpeer simulate --workload mlp`, far enough that the loss 
 The epoch alone decides which rounds carry θ_outer, so every member of a round averages the same tensors; it costs
 1/K more bytes. average_outer="auto" adopts a lossy codec's θ_outer average only when the swarm has more trainers
 than a group holds (else the codec's noise would go into the weights for nothing), as gradients mode does with
-parameters; error feedback averages Δ only (its residual is of Δ, and every round averages every value).
+parameters, or when the members' θ_outer differed: each tells its group a digest of its copy (RoundPlan.digest), and
+a member that drifted apart (a missed outer step, Δs of two epochs in one group) is thus brought back within K rounds
+instead of staying apart for good; error feedback averages Δ only (its residual is of Δ, and every round averages every value).
 
 Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice), and a θ_outer copy of the same
 layout for the rounds that carry it. State (checkpoints, downloads): per fragment θ_outer, the outer optimizer's
@@ -59,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from moshpeer.errors import UserError
-from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread
+from moshpeer.peer.strategies.averaged_buffers import flat_buffer_views, param_spread, values_digest
 from moshpeer.peer.strategies.diloco_fragments import Fragment, make_fragments
 from moshpeer.peer.strategies.diloco_outer import OuterOptimizer, OuterOptimizerFactory, describe_outer_optimizer
 from moshpeer.peer.strategies.round_update import RoundUpdate
@@ -116,7 +118,8 @@ class DiLoCoStrategy(AveragingStrategy):
     :param outer_params_every: K: every K-th round of a fragment also averages θ_outer (module docstring); 0:
         never. UserError unless a non-negative integer
     :param average_outer: True: adopt the group's θ_outer in those rounds; "auto" (default): the same, except
-        that with a lossy codec only when the swarm has more trainers than `group_size`; False: never average
+        that with a lossy codec only when the swarm has more trainers than `group_size` or the members' θ_outer
+        differed (their digests); False: never average
         θ_outer (as outer_params_every=0). UserError otherwise
     """
 
@@ -213,7 +216,7 @@ class DiLoCoStrategy(AveragingStrategy):
         self.adopt_outer = self.average_outer is True or self.host.compression == "none" or \
             swarm.num_trainers > self.host.group_size
         return RoundPlan(tensors=(part.buffer, copy), averages=("pseudo_gradient", "outer_parameters"),
-                         fragment=self.planned, epoch=epoch)
+                         fragment=self.planned, epoch=epoch, digest=values_digest(copy))
 
     def _outer_round(self, epoch: int) -> bool:
         return self.with_outer and carries_outer_params(epoch, self.fragments, self.outer_params_every)
@@ -241,14 +244,15 @@ class DiLoCoStrategy(AveragingStrategy):
         return spread
 
     @torch.no_grad()
-    def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
+    def apply_averaged(self, plan: RoundPlan, diverged: bool = False) -> Optional[float]:
         part = self.parts[plan.fragment]  # with overlap, the plan of the previous epoch: not `planned`
         self.kept[plan.fragment] = RoundUpdate.encode(part.buffer, epoch=plan.epoch, fragment=plan.fragment,
                                                       steps=part.outer.outer_steps,
                                                       compression=self.host.compression)
         # With overlap the previous epoch's plan: the epoch loop resolves a round before it plans the next, so
-        # adopt_outer is still that plan's.
-        spread = self._adopt_outer(part) if "outer_parameters" in plan.averages and self.adopt_outer else None
+        # adopt_outer is still that plan's. Members whose θ_outer drifted apart adopt the mean whatever the codec.
+        adopt = "outer_parameters" in plan.averages and (self.adopt_outer or diverged)
+        spread = self._adopt_outer(part) if adopt else None
         self._outer_step(part, part.delta)
         return spread  # how far θ_outer was from the group's (rounds that adopt it), else None
 

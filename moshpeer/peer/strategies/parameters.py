@@ -52,7 +52,7 @@ class ParametersStrategy(AveragingStrategy):
         return RoundPlan(tensors=(self.buffer,), averages=("parameters", "optimizer_state"), epoch=epoch)
 
     @torch.no_grad()
-    def apply_averaged(self, plan: RoundPlan) -> Optional[float]:
+    def apply_averaged(self, plan: RoundPlan, diverged: bool = False) -> Optional[float]:
         spread = param_spread(self.host.params, self.param_copies)
         for p, avg in zip(self.host.params, self.param_copies):
             p.copy_(avg)
