@@ -197,7 +197,8 @@ def test_a_peer_that_joins_an_overlapped_swarm_late_adopts_its_state_and_average
     assert done[2]["downloads"] == 1 and all(record["reason"] == "max_epochs" for record in done), done
     # One θ_outer on all three, up to the int8 error of the updates fetched (the late peer's pending Δ's, and a
     # missed round's): measured 0 to 1.4e-3 of θ_outer (relative L2, worst tensor); keeping the step on the donor's
-    # own Δ instead left the late peer 1.25e-1 apart.
+    # own Δ instead left the late peer 1.25e-1 apart. Since the members tell digests of θ_outer, the next round that
+    # carries it finds such copies apart and all three adopt its mean (0.0 apart in a run of session 47).
     anchors = [CheckpointStore(tmp_path / str(seed)).load_latest()[0]["collaborative"]["strategy"]["outer"]["anchor"]
                for seed in (1, 2, 3)]
     for other in anchors[1:]:
