@@ -45,7 +45,8 @@ The epoch alone decides which rounds carry θ_outer, so every member of a round 
 than a group holds (else the codec's noise would go into the weights for nothing), as gradients mode does with
 parameters, or when the members' θ_outer differed: each tells its group a digest of its copy (RoundPlan.digest), and
 a member that drifted apart (a missed outer step, Δs of two epochs in one group) is thus brought back within K rounds
-instead of staying apart for good; error feedback averages Δ only (its residual is of Δ, and every round averages every value).
+instead of staying apart for good; error feedback averages Δ only (its residual is of Δ, and every round averages
+every value).
 
 Buffer: [Δ...] (one value per parameter; a round averages its fragment's slice), and a θ_outer copy of the same
 layout for the rounds that carry it. State (checkpoints, downloads): per fragment θ_outer, the outer optimizer's
