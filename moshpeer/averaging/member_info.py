@@ -60,7 +60,7 @@ class MemberInfo:
     # The training epoch its contribution belongs to (a collaborative peer's count; epoch_agreement.py); None: not said.
     epoch: Optional[int] = None
     # A digest of values of this round that the members should already hold alike (a collaborative strategy's
-    # θ_outer or parameters: strategies/base.py, RoundPlan.digest); b"": not said.
+    # θ_outer: strategies/base.py, RoundPlan.digest); b"": not said.
     digest: bytes = b""
 
 
