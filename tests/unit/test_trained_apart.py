@@ -50,11 +50,20 @@ def test_the_stretch_counts_from_the_last_round_with_a_group_not_from_when_the_o
 
 def test_nothing_is_given_up_within_the_lag_or_when_the_others_are_behind_where_it_left_them():
     within = cut_off_at(100)
-    assert within.rejoin_epoch(141, others_epoch=140, max_epoch_lag=1, cut_off=False) is None
+    assert within.rejoin_epoch(101, others_epoch=140, max_epoch_lag=1, cut_off=False) is None  # one epoch alone
     assert within.since_epoch is None
     restarted = cut_off_at(100)  # the swarm it left restarted (or only newcomers are left): its state is ahead
     assert restarted.rejoin_epoch(600, others_epoch=3, max_epoch_lag=1, cut_off=False) is None
     assert restarted.since_epoch is None
+
+
+def test_lone_epochs_that_kept_pace_with_the_others_are_given_up_too():
+    """Its DHT process stalled for 20 s while it trained on alone (test_pause's p2pd case): back at the others'
+    count, but 40 epochs of its own parameters, which it would otherwise average into theirs."""
+    level = cut_off_at(24)
+    assert level.rejoin_epoch(64, others_epoch=64, max_epoch_lag=1, cut_off=False) == 64
+    behind = cut_off_at(24)  # or slower than them: their state too (the epoch loop asks up to its own or theirs)
+    assert behind.rejoin_epoch(60, others_epoch=64, max_epoch_lag=1, cut_off=False) == 64
 
 
 def test_without_a_donor_the_peer_keeps_its_state_after_a_few_tries():

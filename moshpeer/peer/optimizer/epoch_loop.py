@@ -428,10 +428,10 @@ class EpochLoop:
         back = None
         if target is not None:
             solo = apart.samples_apart(self.counters.total_samples)
-            logger.warning(f"back from an outage {epoch - target} epochs ahead of the other trainers (epoch {epoch}, "
-                           f"theirs {target}): this peer trained alone since epoch {apart.since_epoch}; taking "
-                           f"their state ({solo} samples of its own dropped)")
-            back = self._catch_up_instead(target - self.max_epoch_lag, REJOINED, facts, max_epoch=epoch,
+            logger.warning(f"back from an outage at epoch {epoch}, the other trainers at {target}: this peer trained "
+                           f"alone since epoch {apart.since_epoch}; taking their state ({solo} samples of its own "
+                           f"dropped)")
+            back = self._catch_up_instead(target - self.max_epoch_lag, REJOINED, facts, max_epoch=max(epoch, target),
                                           earlier_dropped=max(0, solo - self.counters.samples))
             if apart.attempted(back is not None) and back is None:
                 logger.warning(f"no donor at the others' epoch after {apart.max_attempts} tries: training on from "

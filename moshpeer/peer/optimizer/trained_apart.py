@@ -12,12 +12,14 @@ The majority's work is worth more than one peer's, so the returning peer gives w
   epoch after its last round with a group, or after the state it last took (`synced`), since the outage is seen
   a heartbeat late and its lone epochs may have raced ahead meanwhile. Its record says so
   (`PeerRecord.apart_since`), so readers do not let its later epochs move the swarm epoch (progress.py);
-- back, once it sees other trainers (`others_epoch`: their robust epoch, this peer left out) and is ahead of them
-  by more than `max_epoch_lag`, it downloads the state of a peer at their epoch (`rejoin_epoch`), dropping its
-  work since `since_epoch` (counted in `dropped_samples` and logged);
+- back, once it sees other trainers (`others_epoch`: their robust epoch, this peer left out) and it trained apart
+  for more than `max_epoch_lag` epochs, it downloads the state of a peer at their epoch (`rejoin_epoch`), dropping
+  its work since `since_epoch` (counted in `dropped_samples` and logged). Ahead of them or not: a peer whose lone
+  epochs happened to keep pace with theirs (its DHT process stalled for 20 s, test_pause) holds the same count but
+  its own parameters, which it would otherwise have averaged into theirs;
 - it keeps its state instead when the others are behind the epoch it left them at (the swarm restarted, or only
   newcomers are left: its state is then the more advanced; a peer that never averaged with a group counts from
-  the epoch the outage was seen at), when it is not ahead by more than the lag (nothing to give up), or after
+  the epoch the outage was seen at), when it trained apart for no more than the lag (nothing to give up), or after
   MAX_REJOIN_ATTEMPTS downloads found no donor (the others then follow it, as before).
 
 Only an outage this peer saw marks its epochs: no DHT neighbour at a check, or no fresh view of the swarm (its DHT
@@ -69,7 +71,7 @@ class TrainedApart:
         when there is nothing to give up or the others are behind where this peer left them."""
         if self.since_epoch is None or cut_off or others_epoch is None:
             return None
-        if epoch - others_epoch <= max_epoch_lag or others_epoch < self.since_epoch - max_epoch_lag:
+        if epoch - self.since_epoch <= max_epoch_lag or others_epoch < self.since_epoch - max_epoch_lag:
             self.since_epoch = None
             return None
         return others_epoch
