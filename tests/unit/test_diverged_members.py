@@ -13,11 +13,11 @@ import msgpack
 import pytest
 import torch
 
+from moshpeer.averaging.arguments import check_round_args
 from moshpeer.averaging.group_dataplane import round_facts
 from moshpeer.averaging.member_info import MemberInfo, pack_member_info, parse_member_info
 from moshpeer.averaging.report import DataPlaneStats, RoundResult
 from moshpeer.errors import ProtocolError, UserError
-from moshpeer.averaging.arguments import check_round_args
 from moshpeer.peer.strategies.averaged_buffers import values_digest
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.diloco_outer import OuterOptimizer
