@@ -188,8 +188,8 @@ def round_facts(stats: DataPlaneStats, peer_ids: Sequence[str], members: Sequenc
 
 
 def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str, diverged: bool = False) -> None:
-    """Warn about what a round lost, refused or flagged, and about members that had drifted apart (`diverged`:
-    RoundResult.members_diverged); nothing when it went clean."""
+    """Warn about what a round lost, refused or flagged, and say (info) when its members had drifted apart
+    (`diverged`: RoundResult.members_diverged); nothing when it went clean."""
     if diverged:  # the strategy brings them back together: worth a line, not a warning
         logger.info(f"round {tag}: members held different copies of values they should hold alike (their digests "
                     f"differ: a missed step, a lost chunk); each adopts the group's mean of them")
