@@ -19,7 +19,8 @@ finalization, so reduce-scatter and all-gather overlap. A receiver that never ge
 chunk keeps its own value for it. Every wait is bounded by the round's absolute deadlines.
 
 Connections (member_connector.py): direct TCP to a member's announced address, else a libp2p stream
-through `relay`; each is authenticated (handshake.py), every frame carries a MAC. One inbound connection
+through `relay`; each is authenticated (handshake.py), every frame carries a MAC. A direct connection that ended
+cleanly is kept for the next all-reduce between the same two peers (kept_links.py). One inbound connection
 per member per all-reduce: a second one is refused. A frame whose MAC fails ends its connection; what it
 would have delivered counts as lost. A member that refuses our hello (it is not in this round: matchmaking
 disagreed) or cannot prove its identity is "absent": nothing is expected from it and the report says so.
@@ -44,6 +45,7 @@ from moshpeer.averaging.aggregation import DEFAULT_MAX_BUFFER_BYTES
 from moshpeer.averaging.dataplane import DataPlane, _close
 from moshpeer.averaging.deadline import reduce_scatter_end
 from moshpeer.averaging.handshake import FrameAuth, RoundCredentials
+from moshpeer.averaging.kept_links import KeptLinks
 from moshpeer.averaging.links import PLAIN_LINKS, Links
 from moshpeer.averaging.member_connector import GroupMember, MemberConnector, RelayConnect
 from moshpeer.averaging.part_receiver import PartReceiver
@@ -61,6 +63,10 @@ from moshpeer.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 __all__ = ["AllReduceResult", "GroupAllReduce", "GroupMember", "RelayConnect"]
+
+# At the end of a round, how long to wait for the end marker of a member whose averaged part all arrived (it follows
+# the last chunk at once; waiting for it lets the connection be kept instead of closed).
+END_MARKER_GRACE_S = 0.1
 
 AllReduceResult = DataPlaneStats  # what `GroupAllReduce.run()` returns (report.py); the older name, kept
 
@@ -94,6 +100,8 @@ class GroupAllReduce:
         None = allocate them for this all-reduce
     :param sampled_member: a robust mode keeps a copy of what this member contributed to our part
         (`DataPlaneStats.member_sample`), for a spot check
+    :param kept: direct connections kept between all-reduces (kept_links.py; the averager keeps one across its
+        rounds): ours are rebound from it and, when they end cleanly, kept in it; None = new ones, closed at the end
     Raises ValueError for bad arguments (flat's type, loss_budget, credentials of another round, force_relay
     without a relay, a robust buffer over `max_buffer_bytes`).
     """
@@ -123,6 +131,7 @@ class GroupAllReduce:
         staging: Optional[HostStaging] = None,
         scratch: Optional[ScratchPool] = None,
         sampled_member: Optional[int] = None,
+        kept: Optional[KeptLinks] = None,
     ):
         if not 0.0 <= loss_budget < 1.0:
             raise ValueError(f"loss_budget must be within [0, 1), got {loss_budget}")
@@ -151,7 +160,7 @@ class GroupAllReduce:
             chunk_seed=chunk_seed, reducer=reducer, cond=cond, take_bytes=self._scratch.take_bytes)
         connector = MemberConnector(self.members, tag=tag, secret=secret, credentials=credentials, deadline=deadline,
                                     relay=relay, force_relay=force_relay, closing=lambda: ctx.closing,
-                                    on_unauthentic=plane.count_rejected)
+                                    on_unauthentic=plane.count_rejected, kept=kept)
         self.sender, self.receiver = PartSender(ctx, connector), PartReceiver(ctx)
 
     # ---- public -------------------------------------------------------------------------------
@@ -223,23 +232,34 @@ class GroupAllReduce:
                 raise ProtocolError(f"second connection from member {i} in this round")
             self.ctx.inbound_admitted[i] = 1
 
-    def serve_inbound(self, i: int, sock: socket.socket, auth: FrameAuth) -> None:
-        """Called by DataPlane (in its connection thread) with an authenticated connection from member i."""
+    def serve_inbound(self, i: int, sock: socket.socket, auth: FrameAuth) -> Optional[FrameAuth]:
+        """Called by DataPlane (in its connection thread) with an authenticated connection from member i; returns
+        when member i's part of the round is over. -> `auth` if the connection ended cleanly and is handed back
+        (DataPlane keeps it for i's next all-reduce with us), else None: this all-reduce closes it."""
         ctx = self.ctx
         with ctx.cond:
             if ctx.closing or ctx.reducer.finished[i] and ctx.gather_finished[i]:
                 _close(sock)
-                return
+                return None
             ctx.sockets.append(sock)
             ctx.threads.append(threading.current_thread())
+        clean = False
         try:
-            self.receiver.receive(i, sock, auth)
+            clean = self.receiver.receive(i, sock, auth)
         except (OSError, ConnectionError) as e:
             logger.debug(f"connection from member {i} ended: {e}")
         except ProtocolError as e:
             ctx.reject(i, str(e))
         finally:
             ctx.give_up_on(i)
+            with ctx.cond:
+                ctx.inbound_ended[i] = 1
+                handed_back = clean and not ctx.closing
+                if handed_back:  # this thread is done with the round: the teardown neither closes nor joins it
+                    ctx.sockets.remove(sock)
+                    ctx.threads.remove(threading.current_thread())
+                ctx.cond.notify_all()
+        return auth if handed_back else None
 
     # ---- waiting and teardown ---------------------------------------------------------------------
 
@@ -259,9 +279,15 @@ class GroupAllReduce:
             ctx.cond.notify_all()
 
     def _teardown(self) -> bool:
-        """Close the round's connections and join its threads (a second at most each); -> is one still alive?"""
+        """Close the round's connections and join its threads (a second at most each); -> is one still alive?
+        A member whose averaged part all arrived gets END_MARKER_GRACE_S for its end marker, right behind it: its
+        connection then ends cleanly and is kept (kept_links.py) instead of closed."""
         ctx = self.ctx
         with ctx.cond:
+            marker_due = [i for i in ctx.others if ctx.inbound_admitted[i] and not ctx.inbound_ended[i]
+                          and ctx.receipts.complete(i)]
+            ctx.wait(lambda: all(ctx.inbound_ended[i] for i in marker_due),
+                     min(ctx.deadline, time.monotonic() + END_MARKER_GRACE_S))
             ctx.closing = True
             sockets = list(ctx.sockets)
             ctx.cond.notify_all()

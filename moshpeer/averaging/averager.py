@@ -54,6 +54,7 @@ from moshpeer.averaging.member_info import MAX_BANDWIDTH, NONCE_BYTES, MemberInf
 from moshpeer.averaging.private import dataplane_check, outsider_in_group
 from moshpeer.averaging.relay import StreamRelay
 from moshpeer.averaging.report import DataPlaneStats, RoundResult
+from moshpeer.averaging.kept_links import KeptLinks
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.pacing import group_links
 from moshpeer.averaging.suspects import SuspectTracker
@@ -211,6 +212,7 @@ class MoshpitAverager(ServicerBase):
         self._nat = RelayRole(dht, run_id, self._plane, behind_nat=self.behind_nat,
                               serve=transport != "libp2p" and not client_mode, admit=dataplane_check(self.admission))
         self._scratch = ScratchPool(keep=2 + 3 * target_group_size)  # a round's buffers, reused (scratch.py)
+        self._kept = KeptLinks()  # our direct connections, kept between rounds (kept_links.py)
         self._relay: Optional[StreamRelay] = None
         self._lock_tensors = threading.RLock()
         # Rounds run here, one at a time (step() queues them; see RoundFuture).
@@ -266,6 +268,7 @@ class MoshpitAverager(ServicerBase):
         self._rounds.shutdown(wait=False, cancel_futures=True)
         self._loop_thread.stop(timeout=5.0)
         self._nat.stop()
+        self._kept.close()
         self._plane.close()
 
     def __enter__(self) -> "MoshpitAverager":
@@ -300,8 +303,7 @@ class MoshpitAverager(ServicerBase):
         return self._upload.current
 
     def wait_for_relay(self, timeout: float = 0.0) -> Optional[Tuple[str, int]]:
-        """Behind NAT: the relay through which group mates reach this peer, waiting up to `timeout` seconds for
-        one to hold a slot for it; None if none does by then (always None for a public peer)."""
+        """Behind NAT: the relay group mates reach this peer through, waiting up to `timeout` s for one (else None)."""
         return self._nat.wait_for_relay(timeout)
 
     def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:
@@ -439,8 +441,7 @@ class MoshpitAverager(ServicerBase):
                                group_bits=bits_before, coordinates=self.coordinates, **ids, **common)
         logger.info(f"round {group_id[:8]}: group of {group.group_size} assembled in {common['matchmaking_s']:.2f} s, "
                     f"my index {ids['my_index']}")
-        # The data plane has the round's data budget from now, never past the round's end.
-        assembled = time.monotonic()
+        assembled = time.monotonic()  # the data plane has the round's data budget from now, never past its end
         data_deadline = deadline.data_plane_end(assembled)
         loss_budget, loss_phase, data, extra = self._average_with_group(group, members, ids["my_index"], tensors,
                                                                           data_deadline)
@@ -472,7 +473,7 @@ class MoshpitAverager(ServicerBase):
             my_index, group.group_id, secret, credentials, self.compression, self.chunk_numel, deadline, links,
             loss_budget or 0.0, [m.bandwidth for m in members], self.aggregation, distrusted, scratch=self._scratch,
             relay=self._relay.connect if self._relay is not None else None, force_relay=self.transport == "libp2p",
-            sampled_member=sampled)
+            sampled_member=sampled, kept=self._kept)
         with self._lock_tensors:
             flat, write_back = flatten(tensors)
             result = dataplane.average(flat, self.error_feedback)

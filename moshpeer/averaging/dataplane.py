@@ -11,6 +11,11 @@ Connections relayed over libp2p streams (see `relay.py`) arrive as local socket 
 Another protocol can share the port (`serve_protocol`: a relay's): a connection that opens with its
 4-byte magic is handed to its handler instead of the handshake.
 
+A connection that ended cleanly is kept for the sender's next all-reduce with this peer (kept_links.py): its
+thread waits up to KEEP_INBOUND_S for a rebind (`handshake.accept_rebind`), which names the next round's session
+the same way; at most MAX_KEPT_INBOUND are kept (past it the longest-waiting one is closed), and while kept they do
+not count against MAX_PER_ADDRESS (peers behind one NAT would fill it).
+
 Resources are bounded: at most MAX_HANDSHAKES connections handshake at once and at most
 MAX_PER_ADDRESS are open from one address. A connection must send its first bytes within
 FIRST_BYTES_TIMEOUT, and each handshake has one deadline for all its reads. At a cap, a new connection
@@ -53,6 +58,9 @@ MAX_PER_ADDRESS = 32
 # Evicted handshakes whose threads have not ended yet (each ends as soon as its socket is closed): past this many,
 # a new connection over a cap is refused instead, so a flood never holds more than MAX_HANDSHAKES + this threads.
 MAX_EVICTING = 16
+# A kept connection's sender rebinds it at most kept_links.SENDER_KEEP_S after its last round: wait longer than that.
+KEEP_INBOUND_S = 90.0
+MAX_KEPT_INBOUND = 64
 
 
 @dataclass(eq=False)
@@ -63,6 +71,7 @@ class _Handshaking:
     address: str
     spoke: bool = False  # its first bytes arrived: no longer evictable
     evicted: bool = False  # closed to make room; its slot was already given back
+    counted: bool = True  # counts at its address (not while kept: MAX_KEPT_INBOUND bounds those)
 
 
 class DataPlane:
@@ -98,6 +107,7 @@ class DataPlane:
         self._pending: Dict[_Handshaking, None] = {}  # connections in their handshake, oldest first
         self._evicting = 0  # evicted handshakes whose threads are still ending
         self._per_address: Dict[str, int] = {}  # open connections (handshaking or serving) per address
+        self._kept: Dict[socket.socket, None] = {}  # kept connections waiting for a rebind, longest-waiting first
         self._closed = False
         self._protocols: Dict[bytes, Callable[[socket.socket, object], None]] = {}
         self._thread = threading.Thread(target=self._accept_loop, name="moshpeer-dataplane-accept", daemon=True)
@@ -222,6 +232,9 @@ class DataPlane:
     def _release(self, entry: _Handshaking) -> None:
         """With _lock held: `entry`'s connection no longer counts at its address, nor as a handshake."""
         self._pending.pop(entry, None)
+        if not entry.counted:
+            return
+        entry.counted = False
         left = self._per_address.get(entry.address, 1) - 1
         if left > 0:
             self._per_address[entry.address] = left
@@ -257,7 +270,7 @@ class DataPlane:
             with self._lock:
                 self._pending.pop(entry, None)  # handshake over: the slot is free, the address still counts
             if other_protocol is None:
-                session.serve_inbound(sender, conn, auth)  # returns when the round is over; the session closes conn
+                self._serve(entry, peer, session, sender, auth)
         finally:
             with self._lock:
                 if entry.evicted:
@@ -266,6 +279,51 @@ class DataPlane:
                     self._release(entry)
         if other_protocol is not None:  # it bounds its own connections (the relay's slots and circuits)
             other_protocol(conn, peer)
+
+    def _serve(self, entry: _Handshaking, peer, session, sender: int, auth: handshake.FrameAuth) -> None:
+        """Serve an authenticated connection for its round, then for each round its sender rebinds it to while it is
+        kept; closed here when a rebind fails or does not come in time, or by the session that held it last."""
+        conn = entry.conn
+        while True:
+            auth = session.serve_inbound(sender, conn, auth)  # returns when its round is over
+            if auth is None:  # the session closes conn
+                return
+            if not self._keep(entry):
+                _close(conn)
+                return
+            try:
+                wire.peek_exactly(conn, len(handshake.REBIND_MAGIC), time.monotonic() + KEEP_INBOUND_S)
+                deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+                session, sender, auth = handshake.accept_rebind(
+                    conn, auth, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
+                session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
+                with self._lock:  # serving again: it counts at its address (a kept one may push it past the cap)
+                    self._per_address[entry.address] = self._per_address.get(entry.address, 0) + 1
+                    entry.counted = True
+            except ProtocolError as e:
+                self.count_rejected(f"rebind of a kept connection: {e}", peer)
+                _close(conn)
+                return
+            except (ConnectionError, socket.timeout, OSError):  # its sender closed it, or kept it no longer
+                _close(conn)
+                return
+            finally:
+                with self._lock:
+                    self._kept.pop(conn, None)
+
+    def _keep(self, entry: _Handshaking) -> bool:
+        """Register `entry`'s connection as kept, no longer counted at its address (False once the plane closed);
+        past MAX_KEPT_INBOUND, close the longest-waiting."""
+        conn = entry.conn
+        with self._lock:
+            if self._closed:
+                return False
+            self._release(entry)
+            self._kept[conn] = None
+            oldest = next(iter(self._kept)) if len(self._kept) > MAX_KEPT_INBOUND else None
+        if oldest is not None:
+            _close(oldest)  # its thread's wait fails and ends it
+        return True
 
     def _wait_for_session(self, tag: bytes, deadline: float):
         with self._cond:
@@ -277,7 +335,11 @@ class DataPlane:
             return self._sessions[tag]
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            kept = list(self._kept)
+        for conn in kept:
+            _close(conn)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:

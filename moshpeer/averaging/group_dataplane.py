@@ -20,6 +20,7 @@ from moshpeer.averaging import wire
 from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember, RelayConnect
 from moshpeer.averaging.dataplane import DataPlane
 from moshpeer.averaging.handshake import RoundCredentials
+from moshpeer.averaging.kept_links import KeptLinks
 from moshpeer.averaging.links import Links
 from moshpeer.averaging.partition import bandwidth_part_sizes
 from moshpeer.averaging.member_info import MemberInfo
@@ -45,6 +46,7 @@ class GroupDataPlane:
     :param sampled_member: a robust owner keeps a copy of this member's contribution to its part
         (`DataPlaneStats.member_sample`); only a dense round's single all-reduce does (a sparse round's are a sketch
         and selected rows)
+    :param kept: direct connections kept between all-reduces (kept_links.py); None: new ones every all-reduce
     """
 
     plane: DataPlane
@@ -65,6 +67,7 @@ class GroupDataPlane:
     relay: Optional[RelayConnect] = None
     force_relay: bool = False
     sampled_member: Optional[int] = None
+    kept: Optional[KeptLinks] = None
     results: List[DataPlaneStats] = field(default_factory=list)
 
     def part_sizes(self, numel: int) -> Optional[List[int]]:
@@ -84,7 +87,7 @@ class GroupDataPlane:
             deadline=self.deadline, links=self.links, loss_budget=self.loss_budget, relay=self.relay,
             force_relay=self.force_relay, part_sizes=self.part_sizes(flat.numel()), aggregation=self.aggregation,
             distrusted=self.distrusted, scratch=self.scratch,
-            sampled_member=self.sampled_member if self.compression.sparsifier is None else None)
+            sampled_member=self.sampled_member if self.compression.sparsifier is None else None, kept=self.kept)
         self.results.append(allreduce.run())
         return flat
 

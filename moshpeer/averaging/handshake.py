@@ -22,6 +22,18 @@ transcript (version, tag, indices, peer ids, both challenges, both X25519 keys);
 - an on-path proxy, even one that knows the group secret, cannot derive the connection key (it would
   have to replace an X25519 key, which the signature covers).
 
+A connection that ended cleanly (both phases' end markers sent and read) may carry the next all-reduce between
+the same two peers (kept_links.py): the sender rebinds it instead of opening a new one, in one round trip,
+with no signature and no key exchange:
+
+    sender   -> receiver REBIND:  "MSHB" | version u8 | tag 8 | sender u16 | receiver u16 | c_s 32 | MAC 16
+    receiver -> sender   ACK:     "MSHA" | version u8 | c_r 32 | MAC_r 16
+
+MAC is the next frame MAC of the old connection (only its sender holds that key); the receiver checks that the
+new round's matchmaking names the same peer as member `sender`, and itself as `receiver`. The new key is BLAKE2b
+keyed with the new group's secret over the old key and the new transcript (tag, indices, peer ids, c_s, c_r);
+MAC_r (label "rebind") proves the receiver derived it. Frames then start over under the new key.
+
 After the handshake every frame (chunk header + payload, end markers) carries a 16-byte tag:
 AES-256-GCM under the connection key with the frame's sequence number as nonce, the header as the
 (encrypted, then discarded) message and the payload as associated data, i.e. a GMAC over both. A
@@ -40,6 +52,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -55,7 +68,10 @@ from moshpeer.version import PROTOCOL_VERSION
 HELLO = struct.Struct("!4sB8sHH32s32sHH")
 REPLY = struct.Struct("!4sB32s32sHH")
 CONFIRM = struct.Struct("!4sB16s")
+REBIND = struct.Struct("!4sB8sHH32s")  # then the MAC of the old connection's next frame over these bytes
+REBIND_ACK = struct.Struct("!4sB32s16s")
 HELLO_MAGIC, REPLY_MAGIC, CONFIRM_MAGIC = b"MSHH", b"MSHR", b"MSHK"
+REBIND_MAGIC, REBIND_ACK_MAGIC = b"MSHB", b"MSHA"
 MAC_BYTES = 16
 # An OpenSSH RSA public key is ~380 bytes at 2048 bits, ~720 at 4096; a signature is base64 (344 / 684):
 # anything larger is not a key we would spend time verifying.
@@ -120,9 +136,12 @@ def _connection_key(group_secret: bytes, own: X25519PrivateKey, their_public: by
         shared = own.exchange(X25519PublicKey.from_public_bytes(their_public))
     except ValueError as e:  # a low-order point: no shared secret
         raise ProtocolError(f"bad X25519 key: {e}") from None
-    h = hashlib.blake2b(key=hashlib.blake2b(group_secret, digest_size=32).digest(), digest_size=32,
-                        person=b"moshpeer-conn")
-    h.update(shared)
+    return _derive(group_secret, b"moshpeer-conn", shared, transcript)
+
+
+def _derive(group_secret: bytes, person: bytes, secret: bytes, transcript: bytes) -> bytes:
+    h = hashlib.blake2b(key=hashlib.blake2b(group_secret, digest_size=32).digest(), digest_size=32, person=person)
+    h.update(secret)
     h.update(transcript)
     return h.digest()
 
@@ -132,9 +151,11 @@ def _label_mac(key: bytes, label: bytes) -> bytes:
 
 
 class FrameAuth:
-    """The MACs of one connection's frames, in order (each side keeps its own counter: TCP keeps order)."""
+    """The MACs of one connection's frames, in order (each side keeps its own counter: TCP keeps order), and who
+    is at its other end (`peer`: its libp2p peer id, `public_key`), which a rebind (`rebind`) carries over."""
 
-    def __init__(self, connection_key: bytes):
+    def __init__(self, connection_key: bytes, peer: bytes = b"", public_key: bytes = b""):
+        self.key, self.peer, self.public_key = connection_key, peer, public_key
         self._aead = AESGCM(hashlib.blake2b(b"frames", key=connection_key, digest_size=32).digest())
         self.sequence = 0  # the next frame's (its nonce)
 
@@ -195,7 +216,7 @@ def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
     _check_magic(magic, version, CONFIRM_MAGIC, "confirmation")
     if not hmac.compare_digest(mac, _label_mac(key, b"confirm")):
         raise ProtocolError(f"member {sender} did not prove its round key (impersonation or a stale hello)")
-    return session, sender, FrameAuth(key)
+    return session, sender, FrameAuth(key, sender_peer, public_key)
 
 
 def pack_hello(credentials: RoundCredentials, tag: bytes, receiver: int, challenge: bytes) -> bytes:
@@ -236,7 +257,59 @@ def connect(sock: socket.socket, deadline: float, *, credentials: RoundCredentia
     if not hmac.compare_digest(mac, _label_mac(key, b"reply")):
         raise PeerNotAuthentic(f"member {receiver} did not prove its round key")
     sock.sendall(CONFIRM.pack(CONFIRM_MAGIC, PROTOCOL_VERSION, _label_mac(key, b"confirm")))
-    return FrameAuth(key)
+    return FrameAuth(key, receiver_peer, public_key)
+
+
+def rebind(sock: socket.socket, old: FrameAuth, deadline: float, *, tag: bytes, sender: int, receiver: int,
+           sender_peer: bytes, group_secret: bytes) -> FrameAuth:
+    """Sender side, on a kept connection whose frames `old` MACs, to the same peer (`old.peer`), now member
+    `receiver` of the all-reduce `tag`: -> the MACs of our frames in it. Raises PeerRefused (the receiver closed
+    it: it timed the connection out, or it is not in this round), PeerNotAuthentic, ProtocolError, socket.timeout
+    or OSError; the caller closes `sock`, and may open a fresh connection instead."""
+    c_s = os.urandom(32)
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))  # the sendall too; the caller sets the round's after
+    message = REBIND.pack(REBIND_MAGIC, PROTOCOL_VERSION, tag, sender, receiver, c_s)
+    try:
+        sock.sendall(message + old.tag(message))
+        magic, version, c_r, mac = REBIND_ACK.unpack(wire.recv_exactly_by(sock, REBIND_ACK.size, deadline))
+    except ConnectionError:
+        raise PeerRefused(f"member {receiver} closed our kept connection") from None
+    _check_magic(magic, version, REBIND_ACK_MAGIC, "rebind acknowledgement")
+    key = _rebound_key(group_secret, old.key, tag, sender, receiver, sender_peer, old.peer, c_s, c_r)
+    if not hmac.compare_digest(mac, _label_mac(key, b"rebind")):
+        raise PeerNotAuthentic(f"member {receiver} did not prove the key of our kept connection")
+    return FrameAuth(key, old.peer, old.public_key)
+
+
+def accept_rebind(sock: socket.socket, old: FrameAuth, deadline: float, find_session: SessionLookup,
+                  admit: Optional[Callable[[bytes], None]] = None) -> Tuple[object, int, FrameAuth]:
+    """Receiver side of `rebind`, on a kept connection from the peer `old.peer` whose frames `old` MACs:
+    -> (session, sender index, the MACs of its frames). Raises as `accept` does; the caller closes `sock`."""
+    message = wire.recv_exactly_by(sock, REBIND.size, deadline)
+    mac = wire.recv_exactly_by(sock, MAC_BYTES, deadline)
+    magic, version, tag, sender, receiver, c_s = REBIND.unpack(message)
+    _check_magic(magic, version, REBIND_MAGIC, "rebind")
+    old.check(message, b"", mac)
+    if admit is not None:
+        admit(old.public_key)  # who may connect can change while a connection is kept
+    session = find_session(tag)
+    if session is None:
+        raise ProtocolError("unknown or finished round (not in this group)")
+    creds: RoundCredentials = session.credentials
+    if receiver != creds.index or not 0 <= sender < session.group_size or sender == receiver:
+        raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
+    if not hmac.compare_digest(session.peer_id_of(sender), old.peer):
+        raise ProtocolError(f"a kept connection's peer is not member {sender} of this round")
+    c_r = os.urandom(32)
+    key = _rebound_key(session.secret, old.key, tag, sender, receiver, old.peer, creds.peer_id, c_s, c_r)
+    sock.sendall(REBIND_ACK.pack(REBIND_ACK_MAGIC, PROTOCOL_VERSION, c_r, _label_mac(key, b"rebind")))
+    return session, sender, FrameAuth(key, old.peer, old.public_key)
+
+
+def _rebound_key(group_secret: bytes, old_key: bytes, tag: bytes, sender: int, receiver: int, sender_peer: bytes,
+                 receiver_peer: bytes, c_s: bytes, c_r: bytes) -> bytes:
+    transcript = _transcript(tag, sender, receiver, sender_peer, receiver_peer, c_s, b"", c_r, b"")
+    return _derive(group_secret, b"moshpeer-rebind", old_key, transcript)
 
 
 def send_frame(sock: socket.socket, auth: FrameAuth, header: bytes, payload=b"") -> None:

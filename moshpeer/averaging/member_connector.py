@@ -15,13 +15,16 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 from moshpeer.averaging import frame_pump, handshake, wire
 from moshpeer.averaging.dataplane import _close
 from moshpeer.averaging.handshake import FrameAuth, PeerNotAuthentic, PeerRefused, RoundCredentials
 from moshpeer.averaging.tcp_relay.reservation import open_circuit
 from moshpeer.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from moshpeer.averaging.kept_links import KeptLinks
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +58,13 @@ RelayConnect = Callable[[bytes, float], socket.socket]
 
 @dataclass
 class OutboundLink:
-    """Our authenticated connection to one member: the socket, the MACs of our frames on it, and the path
-    it took (DIRECT, RELAY or LIBP2P)."""
+    """Our authenticated connection to one member: the socket, the MACs of our frames on it, the path it took
+    (DIRECT, RELAY or LIBP2P), and whether it was kept from an earlier all-reduce."""
 
     sock: socket.socket
     auth: FrameAuth
     path: str = DIRECT
+    rebound: bool = False  # a connection kept from an earlier all-reduce (kept_links.py), not a new one
 
     @property
     def relayed(self) -> bool:
@@ -96,17 +100,29 @@ class MemberConnector:
     :param force_relay: send to every member over `relay`, never directly (ValueError without a relay)
     :param closing: True once the all-reduce is tearing down: stop retrying
     :param on_unauthentic: (why, who) when a member answered but could not prove its identity (`reach`)
+    :param kept: direct connections kept from earlier all-reduces, and where this one's are kept (kept_links.py);
+        None: every connection is new and closed at the end
     """
 
     def __init__(self, members: Sequence[GroupMember], *, tag: bytes, secret: bytes, credentials: RoundCredentials,
                  deadline: float, relay: Optional[RelayConnect] = None, force_relay: bool = False,
                  closing: Callable[[], bool] = lambda: False,
-                 on_unauthentic: Callable[[str, str], None] = lambda why, who: None):
+                 on_unauthentic: Callable[[str, str], None] = lambda why, who: None,
+                 kept: Optional["KeptLinks"] = None):
         if force_relay and relay is None:
             raise ValueError("force_relay needs a relay")
         self.members, self.tag, self.secret, self.credentials = list(members), tag, secret, credentials
         self.deadline, self.relay, self.force_relay, self.closing = deadline, relay, force_relay, closing
-        self.on_unauthentic = on_unauthentic
+        self.on_unauthentic, self.kept = on_unauthentic, kept
+
+    def keep(self, j: int, link: OutboundLink) -> None:
+        """`link` to member j ended cleanly: keep it for our next all-reduce with j if it is direct and connections
+        are kept, else close it."""
+        member = self.members[j]
+        if self.kept is None or link.path != DIRECT:
+            _close(link.sock)
+            return
+        self.kept.put(member.peer_id, (member.host, member.port), link)
 
     def reach(self, j: int) -> Optional[OutboundLink]:
         """`connect(j)`, with its failures logged instead of raised: None = member j is not in this round for
@@ -128,6 +144,9 @@ class MemberConnector:
         member = self.members[j]
         paths = connection_paths(member, has_relay=self.relay is not None, force_relay=self.force_relay)
         if DIRECT in paths:
+            link = self._rebind_kept(j)
+            if link is not None:
+                return link
             link, error, stopped = self._connect_direct(j)
             if link is not None or stopped or len(paths) == 1:
                 return link
@@ -159,6 +178,24 @@ class MemberConnector:
                 if attempt + 1 == RELAY_ATTEMPTS or time.monotonic() >= self.deadline or self.closing():
                     raise
                 logger.info(f"libp2p stream to member {j} closed after our hello; opening another")
+
+    def _rebind_kept(self, j: int) -> Optional[OutboundLink]:
+        """The connection kept for member j's peer at its address, rebound to this all-reduce; None if none is kept
+        or the rebind fails (it is closed: a fresh connection is opened instead)."""
+        member = self.members[j]
+        kept = self.kept.take(member.peer_id, (member.host, member.port)) if self.kept is not None else None
+        if kept is None:
+            return None
+        try:
+            auth = handshake.rebind(kept.sock, kept.auth, self.deadline, tag=self.tag, sender=self.credentials.index,
+                                    receiver=j, sender_peer=self.credentials.peer_id, group_secret=self.secret)
+            wire.block_until(kept.sock, self.deadline)
+            return OutboundLink(kept.sock, auth, DIRECT, rebound=True)
+        except (OSError, ProtocolError) as e:  # incl. PeerRefused: it timed the connection out, or is not in this round
+            _close(kept.sock)
+            log = logger.warning if isinstance(e, ProtocolError) else logger.debug
+            log(f"kept connection to member {j} not rebound ({type(e).__name__}: {e}); opening a new one")
+            return None
 
     def _connect_direct(self, j: int) -> Tuple[Optional[OutboundLink], Optional[BaseException], bool]:
         """-> (the link or None, the last connection error, stopped: the deadline passed or the all-reduce is

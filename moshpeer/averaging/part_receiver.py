@@ -32,10 +32,11 @@ class PartReceiver:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
 
-    def receive(self, i: int, sock: socket.socket, auth: FrameAuth) -> None:
-        """Read member i's frames until its connection ends or the round's deadline: contributions to our part
-        go to the reducer, averaged chunks of its part into the vector. Raises what `FrameReader.read` raises
-        (the caller ends the connection and gives up on i)."""
+    def receive(self, i: int, sock: socket.socket, auth: FrameAuth) -> bool:
+        """Read member i's frames until its END_GATHER marker, its connection's end or the round's deadline:
+        contributions to our part go to the reducer, averaged chunks of its part into the vector. -> True if the
+        marker came (nothing of this round follows on the connection: it may be kept, kept_links.py). Raises what
+        `FrameReader.read` raises (the caller ends the connection and gives up on i)."""
         reduce_codec, gather_codec = self.ctx.compression.reduce_codec, self.ctx.compression.gather_codec
         chunk_numel = self.ctx.partition.chunk_numel
         max_payload = max(reduce_codec.max_encoded_nbytes(chunk_numel), gather_codec.max_encoded_nbytes(chunk_numel))
@@ -61,6 +62,9 @@ class PartReceiver:
                     self._flush(i, inbox, pending)
                 for frame in frames.read_run(pending[-1][0] if pending else 0, IDLE_FLUSH_S):
                     self._take(i, frame, inbox, pending, batched)
+                    if frame.phase == wire.PHASE_END_GATHER:
+                        return True
+            return False
         finally:
             if batched and not self.ctx.closing:
                 self._flush(i, inbox, pending)  # what arrived (MACs checked) before the connection ended

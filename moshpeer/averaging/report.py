@@ -62,6 +62,7 @@ class DataPlaneStats:
     over_libp2p: List[int] = field(default_factory=list)
     missing_chunks: List[Tuple[int, int]] = field(default_factory=list)  # (part, chunk) averages not received
     rejected_connections: int = 0  # strangers / failed authentication during the round
+    connections_kept: int = 0  # our connections to members kept from an earlier all-reduce (kept_links.py), not new
     rejected_messages: int = 0  # malformed headers, bad sizes, non-finite payloads, duplicates
     staged_bytes: int = 0  # encoded bytes copied between a device and pinned host memory (0 on a CPU peer)
     reduce_scatter_s: float = 0.0
@@ -92,6 +93,7 @@ class DataPlaneStats:
             over_libp2p=sorted(set(self.over_libp2p) | set(other.over_libp2p)),
             missing_chunks=self.missing_chunks + other.missing_chunks,
             rejected_connections=self.rejected_connections + other.rejected_connections,
+            connections_kept=self.connections_kept + other.connections_kept,
             rejected_messages=self.rejected_messages + other.rejected_messages,
             staged_bytes=self.staged_bytes + other.staged_bytes,
             reduce_scatter_s=self.reduce_scatter_s + other.reduce_scatter_s,
@@ -115,7 +117,7 @@ class DataPlaneStats:
 # order its keys always had. The per-index counters are left out: a round's readers get `flagged` by peer id.
 _DATA_FIELDS = ("reduce", "gather", "departed", "absent", "relayed", "missing_chunks", "rejected_connections",
                 "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s", "upload_bps")
-_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p")
+_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept")
 
 
 def _data_fact(name: str) -> property:
@@ -198,6 +200,7 @@ class RoundResult:
     nonfinite_averages = _data_fact("nonfinite_averages")  # (a to_dict() key after `contributors`)
     robust_too_few = _data_fact("robust_too_few")  # (likewise)
     over_libp2p = _data_fact("over_libp2p")  # (likewise)
+    connections_kept = _data_fact("connections_kept")  # (likewise)
 
     @property
     def chunks_lost(self) -> int:

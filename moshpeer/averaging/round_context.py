@@ -54,6 +54,7 @@ class RoundContext:
         self.stats = DataPlaneStats()  # what this all-reduce did: counted into while it runs
         self.inbound_admitted = bytearray(self.group_size)  # one authenticated connection per member
         self.gather_finished = bytearray(self.group_size)  # member will send no more GATHER chunks
+        self.inbound_ended = bytearray(self.group_size)  # member's connection to us is no longer read
         self.sent_progress = [0.0] * self.group_size  # how many REDUCE chunks our sender to j is past
         self.senders_done = 0
         self.sockets: List = []  # to close at teardown

@@ -50,6 +50,7 @@ class UplinkMeter:
     def __init__(self, window: float = WINDOW_S, interval: float = SAMPLE_S):
         self.window, self.interval = window, interval
         self._sockets: List[socket.socket] = []
+        self._base: List[int] = []  # each socket's count when added
         self._last: List[int] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,10 +62,13 @@ class UplinkMeter:
         self._thread.start()
 
     def add(self, sock: socket.socket) -> None:
-        if bytes_acked(sock) is None:
+        """Count what `sock` sends from now on (a connection kept from an earlier round has counted bytes already)."""
+        acked = bytes_acked(sock)
+        if acked is None:
             return
         with self._lock:
             self._sockets.append(sock)
+            self._base.append(acked)
             self._last.append(0)
 
     def _sample(self) -> None:
@@ -72,7 +76,7 @@ class UplinkMeter:
             for k, sock in enumerate(self._sockets):
                 acked = bytes_acked(sock)
                 if acked is not None:  # a closed socket keeps its last count
-                    self._last[k] = acked
+                    self._last[k] = acked - self._base[k]
             total = sum(self._last)
         now = time.monotonic()
         self.total_bytes = total

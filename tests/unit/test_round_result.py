@@ -17,7 +17,7 @@ KEYS = ["ok", "averaged", "group_id", "group_size", "my_index", "group_bits", "c
         "data_deadline_s", "upload_paced_s", "reduce", "gather", "departed", "absent", "relayed", "missing_chunks",
         "rejected_connections", "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s",
         "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "contributors", "member_epochs",
-        "members_diverged", "nonfinite_averages", "robust_too_few", "over_libp2p", "chunks_lost",
+        "members_diverged", "nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept", "chunks_lost",
         "lost_fraction", "bytes_sent", "bytes_received"]
 
 
