@@ -65,6 +65,9 @@ class OutboundLink:
     auth: FrameAuth
     path: str = DIRECT
     rebound: bool = False  # a connection kept from an earlier all-reduce (kept_links.py), not a new one
+    # The last frame sent was an END_GATHER marker: nothing of the all-reduce follows, the connection may be kept.
+    # Read off the wire, not from the streams: a wrapper (faults.py) may withhold a marker.
+    ended: bool = False
 
     @property
     def relayed(self) -> bool:
@@ -72,10 +75,13 @@ class OutboundLink:
 
     def send(self, header: bytes, payload=b"") -> None:
         """One frame; raises OSError / ConnectionError if the connection broke."""
+        self.ended = False
         handshake.send_frame(self.sock, self.auth, header, payload)
+        self.ended = wire.header_phase(header) == wire.PHASE_END_GATHER
 
     def send_run(self, headers: Sequence[bytes], data, spans: Sequence[Tuple[int, int]]) -> None:
         """Frames (headers[k], data[offset_k: offset_k + nbytes_k]) in one go (frame_pump.py); raises as `send`."""
+        self.ended = False
         frame_pump.send_run(self.sock, self.auth, headers, data, spans)
 
 

@@ -96,7 +96,7 @@ class PartSender:
                 self.ctx.sockets.append(link.sock)
             self.ctx.uplink.add(link.sock)
             self._send_reduce(link, j)
-            if self._send_gather(link, j):
+            if self._send_gather(link, j) and link.ended:
                 self._keep(j, link)
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")

@@ -79,6 +79,11 @@ def pack_header(phase: int, part: int, chunk: int, payload_len: int, tag: bytes)
     return HEADER.pack(CHUNK_MAGIC, PROTOCOL_VERSION, phase, part, chunk, payload_len, tag)
 
 
+def header_phase(header) -> int:
+    """The phase of a header `pack_header` made (unchecked: for what we send, not what we receive)."""
+    return header[5]  # after the magic (4 bytes) and the version (1)
+
+
 def parse_header(data) -> tuple:
     """-> (phase, part, chunk, payload_len, tag); raises ProtocolError on bad magic/version/phase."""
     magic, version, phase, part, chunk, payload_len, tag = HEADER.unpack(data)
