@@ -256,9 +256,10 @@ class DataPlane:
                     entry.spoke = True
                 other_protocol = self._protocols.get(first)
                 if other_protocol is None:
-                    session, sender, auth = handshake.accept(
-                        conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit)
-                    session.admit_inbound(sender)  # raises ProtocolError on a second connection from the member
+                    # A list that `_serve` empties: no variable here holds the session while the connection is kept.
+                    accepted = list(handshake.accept(
+                        conn, deadline, lambda tag: self._wait_for_session(tag, deadline), admit=self._admit))
+                    accepted[0].admit_inbound(accepted[1])  # raises ProtocolError on a second connection from it
             except (ProtocolError, ConnectionError, socket.timeout, OSError) as e:
                 with self._lock:  # failed on its own, or evicted (closed and counted by the evicting thread)
                     evicted = entry.evicted
@@ -270,7 +271,7 @@ class DataPlane:
             with self._lock:
                 self._pending.pop(entry, None)  # handshake over: the slot is free, the address still counts
             if other_protocol is None:
-                self._serve(entry, peer, session, sender, auth)
+                self._serve(entry, peer, accepted)
         finally:
             with self._lock:
                 if entry.evicted:
@@ -280,12 +281,16 @@ class DataPlane:
         if other_protocol is not None:  # it bounds its own connections (the relay's slots and circuits)
             other_protocol(conn, peer)
 
-    def _serve(self, entry: _Handshaking, peer, session, sender: int, auth: handshake.FrameAuth) -> None:
-        """Serve an authenticated connection for its round, then for each round its sender rebinds it to while it is
-        kept; closed here when a rebind fails or does not come in time, or by the session that held it last."""
+    def _serve(self, entry: _Handshaking, peer, accepted: list) -> None:
+        """Serve an authenticated connection (`accepted`: its session, sender index and MACs, taken out of the list)
+        for its round, then for each round its sender rebinds it to while it is kept; closed here when a rebind
+        fails or does not come in time, or by the session that held it last."""
         conn = entry.conn
+        session, sender, auth = accepted
+        accepted.clear()
         while True:
             auth = session.serve_inbound(sender, conn, auth)  # returns when its round is over
+            session = None  # a kept connection must not hold its last round's buffers (or the caller's tensors)
             if auth is None:  # the session closes conn
                 return
             if not self._keep(entry):

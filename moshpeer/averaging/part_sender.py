@@ -96,7 +96,8 @@ class PartSender:
                 self.ctx.sockets.append(link.sock)
             self.ctx.uplink.add(link.sock)
             self._send_reduce(link, j)
-            if self._send_gather(link, j) and link.ended:
+            self._send_gather(link, j)
+            if link.ended:  # its last frame was END_GATHER
                 self._keep(j, link)
         except (OSError, ConnectionError) as e:
             logger.debug(f"sending to member {j} stopped: {e}")
@@ -240,30 +241,25 @@ class PartSender:
                 self.ctx.sent_progress[j] = c + 1
                 self.ctx.cond.notify_all()
 
-    def _send_gather(self, link: OutboundLink, j: int) -> bool:
-        """Our averaged part to member j as it becomes final, then END_GATHER; -> False if it stopped before the
-        marker (the round's deadline, its teardown, or j's end closed)."""
+    def _send_gather(self, link: OutboundLink, j: int) -> None:
         stream = self._stream(link, j, "gather")
         codec = self.ctx.compression.gather_codec
         finalized = self.ctx.reducer.finalized
         if is_batched(codec):
-            if not self._send_gather_runs(link, stream, j, codec):
-                return False
+            self._send_gather_runs(link, stream, j, codec)
         else:
             outbox = self.ctx.staging.outbox(codec.max_encoded_nbytes(self.ctx.partition.chunk_numel))
             for c in range(self.ctx.num_my_chunks):
                 if not self._wait_finalized_watching(link, j, c):
-                    return False
+                    return
                 # Stage the next chunk early only if it is already averaged (finalized chunks never change).
                 ahead = c + 1 if c + 1 < self.ctx.num_my_chunks and finalized[c + 1] else None
                 self._send_chunk(stream, wire.PHASE_GATHER, self.ctx.my_index, c, codec, outbox, lookahead=ahead)
         stream.end(wire.pack_header(wire.PHASE_END_GATHER, 0, 0, 0, self.ctx.tag))
-        return True
 
-    def _send_gather_runs(self, link: OutboundLink, stream: ChunkStream, j: int, codec) -> bool:
+    def _send_gather_runs(self, link: OutboundLink, stream: ChunkStream, j: int, codec) -> None:
         """Our averaged chunks, a run of final chunks at a time: each run is one stretch of memory (rows of one
-        batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy. -> False if
-        it stopped before the last (see `_wait_finalized_watching`)."""
+        batch that `PartReducer` encoded, or of the vector itself uncompressed), staged with one copy."""
         reducer, n = self.ctx.reducer, self.ctx.num_my_chunks
         cap = len(pipeline_slices(n, self.ctx.partition.chunk_numel)[0]) if n else 1
         stride = 0 if is_raw(codec) else codec.row_stride(self.ctx.partition.chunk_numel)
@@ -271,7 +267,7 @@ class PartSender:
         c = 0
         while c < n:
             if not self._wait_finalized_watching(link, j, c):
-                return False
+                return
             end = c + 1
             if stride:
                 rows = reducer.gather_rows
@@ -293,7 +289,6 @@ class PartSender:
                        for r, (_, nbytes) in enumerate(offsets)]
             send_run(stream, headers, outbox.host_bytes(outbox.prepare(data)), offsets)
             c = end
-        return True
 
     def _vector_run(self, part: int, first: int, end: int):
         """Chunks first..end-1 of `part` as they lie in the vector: (their bytes, (offset, nbytes) of each)."""

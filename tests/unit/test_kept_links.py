@@ -3,10 +3,12 @@ on in-process data planes that rebind their connections, or open new ones when a
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -139,8 +141,9 @@ def test_the_pool_closes_a_link_whose_receiver_hung_up_and_the_least_recently_ke
     assert links[2].sock.fileno() == -1 and len(pool) == 0
 
 
-def run_allreduce(planes, pools, tensors, order):
-    """One all-reduce of `tensors` (in place) by members on `planes`, the group listed in `order` (plane indices)."""
+def run_allreduce(planes, pools, tensors, order, sessions=None):
+    """One all-reduce of `tensors` (in place) by members on `planes`, the group listed in `order` (plane indices);
+    `sessions` (a list) gets a weak reference to each member's `GroupAllReduce`."""
     group = group_members([planes[k].address for k in order])
     group = [m.__class__(m.host, m.port, m.weight, identities(len(planes))[k].peer_id_bytes)
              for m, k in zip(group, order)]
@@ -150,9 +153,12 @@ def run_allreduce(planes, pools, tensors, order):
     def member(index: int) -> None:
         k = order[index]
         creds = handshake.RoundCredentials.create(identities(len(planes))[k], wire.tag_group(tag), index)
-        results[index] = GroupAllReduce(
+        allreduce = GroupAllReduce(
             planes[k], tensors[k], members=group, my_index=index, tag=tag, secret=SECRET, credentials=creds,
-            compression=get_compression("none"), chunk_numel=64, deadline=time.monotonic() + 20, kept=pools[k]).run()
+            compression=get_compression("none"), chunk_numel=64, deadline=time.monotonic() + 20, kept=pools[k])
+        if sessions is not None:
+            sessions.append(weakref.ref(allreduce))
+        results[index] = allreduce.run()
 
     threads = [threading.Thread(target=member, args=(index,)) for index in range(len(order))]
     for thread in threads:
@@ -198,3 +204,12 @@ def test_a_kept_connection_its_receiver_closed_meanwhile_is_replaced_by_a_new_on
         torch.testing.assert_close(t, mean)
     assert [r.connections_kept for r in results] == [0, 0, 0]
     assert all(r.chunks_lost == 0 and not r.absent for r in results)
+
+
+def test_a_kept_connection_holds_nothing_of_its_last_round(three_peers):
+    planes, pools = three_peers
+    sessions = []
+    run_allreduce(planes, pools, [torch.randn(1000) for _ in range(3)], [0, 1, 2], sessions)
+    assert [len(pool) for pool in pools] == [2, 2, 2]  # every connection kept...
+    gc.collect()
+    assert [session() for session in sessions] == [None, None, None]  # ...and no round's buffers or tensors with it
