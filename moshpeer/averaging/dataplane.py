@@ -309,7 +309,7 @@ class DataPlane:
                 self.count_rejected(f"rebind of a kept connection: {e}", peer)
                 _close(conn)
                 return
-            except (ConnectionError, socket.timeout, OSError):  # its sender closed it, or kept it no longer
+            except OSError:  # its sender closed it, or no rebind came in time
                 _close(conn)
                 return
             finally:

@@ -70,6 +70,7 @@ def test_scraped_metrics_cover_rounds_training_state_and_checkpoints(swarm, tmp_
     assert 0 < value(after, "moshpeer_metric", name="accuracy") <= 1
     for name in ("moshpeer_rejected_connections_total", "moshpeer_rejected_messages_total"):
         assert value(after, name) == 0
+    assert value(after, "moshpeer_connections_kept_total") >= value(before, "moshpeer_connections_kept_total")
     assert value(after, "moshpeer_peer_info", run_id=run, peer_id=first.peer_id, role="trainer", command="join") == 1
 
     # Checkpoint writes of the saver.

@@ -54,6 +54,8 @@ class PeerMetrics:
                                    "rejected), by phase.", ("phase",), registry=r)
         self.rejected_connections = Counter("moshpeer_rejected_connections", "Data-plane connections refused "
                                             "(strangers, failed authentication).", registry=r)
+        self.connections_kept = Counter("moshpeer_connections_kept", "Data-plane connections rebound from an earlier "
+                                        "round instead of opened (kept between rounds).", registry=r)
         self.admission_refused = Counter("moshpeer_admission_refused", "Private run: peers refused, by point "
                                          "(records, matchmaking, dataplane, state).", ("point",), registry=r)
         self.rejected_messages = Counter("moshpeer_rejected_messages", "Data-plane messages rejected (malformed, "
@@ -137,6 +139,7 @@ class PeerMetrics:
         self.round_seconds.labels(phase="matchmaking").observe(result.matchmaking_s)
         self.rejected_connections.inc(result.rejected_connections)
         self.rejected_messages.inc(result.rejected_messages)
+        self.connections_kept.inc(result.connections_kept)
         if not result.ok:
             return
         self.round_seconds.labels(phase="reduce_scatter").observe(result.reduce_scatter_s)
