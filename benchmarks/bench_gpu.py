@@ -77,13 +77,15 @@ def averaging_worker(args) -> int:
     from moshpeer.averaging.allreduce import GroupAllReduce, GroupMember
     from moshpeer.averaging.dataplane import DataPlane
     from moshpeer.averaging.handshake import RoundCredentials
+    from moshpeer.averaging.kept_links import KeptLinks
     from moshpeer.compression import get_compression
     from moshpeer.dht.identity import Identity
     from moshpeer.peer.device import resolve_device
 
     device = resolve_device(args.device)
     numel = args.mbytes * (1 << 20) // 4
-    plane, identity = DataPlane(), Identity.generate()
+    # Connections kept between rounds, as a MoshpitAverager keeps them.
+    plane, kept, identity = DataPlane(), KeptLinks(), Identity.generate()
     print(json.dumps({"event": "address", "host": plane.address[0], "port": plane.address[1],
                       "peer_id": identity.peer_id_bytes.hex()}), flush=True)
     members = [GroupMember(host, port, 1.0, bytes.fromhex(peer_id))
@@ -103,7 +105,7 @@ def averaging_worker(args) -> int:
                 plane, flat, members=members, my_index=args.rank, tag=tag, secret=b"bench-gpu-secret".ljust(32, b"."),
                 credentials=RoundCredentials.create(identity, wire.tag_group(tag), args.rank),
                 compression=get_compression(order["codec"]),
-                chunk_numel=CHUNK_BYTES // 4, deadline=time.monotonic() + 120.0)
+                chunk_numel=CHUNK_BYTES // 4, deadline=time.monotonic() + 120.0, kept=kept)
             result = allreduce.run()
             synchronize(device)
             error = float((flat.double().cpu() - exact).norm() / exact.norm())
@@ -114,6 +116,7 @@ def averaging_worker(args) -> int:
                               "chunks_lost": result.reduce.chunks_lost + result.gather.chunks_lost,
                               "rel_err": error}), flush=True)
     finally:
+        kept.close()
         plane.close()
     return 0
 

@@ -117,6 +117,12 @@ class DataPlane:
         """Where peers reach this listener now: `address`, with the host `announce_host` gives when there is one."""
         return (self._announce_host() if self._announce_host else self.address[0]), self.address[1]
 
+    @property
+    def kept_connections(self) -> int:
+        """Inbound connections kept now, waiting for their senders' next rebind (kept_links.py)."""
+        with self._lock:
+            return len(self._kept)
+
     # -- sessions --
 
     def register(self, tag: bytes, session) -> None:
