@@ -11,11 +11,12 @@ decision (`connection_paths`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Tuple
 
 from moshpeer.averaging import frame_pump, handshake, wire
 from moshpeer.averaging.dataplane import _close
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 CONNECT_RETRIES = 3
 RELAY_ATTEMPTS = 2  # libp2p streams tried per member when the first one closes after our hello
 CONNECT_TIMEOUT = 2.0  # per direct connection attempt; an unreachable (NAT'ed) address then falls back to libp2p
+# While a kept connection is rebound: how long its REBIND may stay unacknowledged by the other end's TCP before the
+# kernel gives the connection up (TCP_USER_TIMEOUT). A middlebox that dropped an idle connection's state answers
+# nothing, and the ACK would otherwise be awaited until the round's deadline; a live peer's TCP acknowledges within a
+# round trip, however long its round takes to start.
+REBIND_UNACKED_S = 3.0
 DIRECT, RELAY, LIBP2P = "direct", "relay", "libp2p"
 
 
@@ -193,8 +199,10 @@ class MemberConnector:
         if kept is None:
             return None
         try:
-            auth = handshake.rebind(kept.sock, kept.auth, self.deadline, tag=self.tag, sender=self.credentials.index,
-                                    receiver=j, sender_peer=self.credentials.peer_id, group_secret=self.secret)
+            with unacked_limit(kept.sock, REBIND_UNACKED_S):
+                auth = handshake.rebind(kept.sock, kept.auth, self.deadline, tag=self.tag,
+                                        sender=self.credentials.index, receiver=j,
+                                        sender_peer=self.credentials.peer_id, group_secret=self.secret)
             wire.block_until(kept.sock, self.deadline)
             return OutboundLink(kept.sock, auth, DIRECT, rebound=True)
         except (OSError, ProtocolError) as e:  # incl. PeerRefused: it timed the connection out, or is not in this round
@@ -235,6 +243,23 @@ class MemberConnector:
         except BaseException:
             _close(sock)
             raise
+
+
+@contextlib.contextmanager
+def unacked_limit(sock: socket.socket, seconds: float) -> Iterator[None]:
+    """Within it, the kernel ends `sock` (the next call fails with ETIMEDOUT) once data sent on it stays
+    unacknowledged for `seconds` (TCP_USER_TIMEOUT; not on local socket pairs, nor where the system has no such
+    option); the kernel's default (many minutes) after it."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        yield
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):  # the connection is gone: nothing to restore
+            sock.setsockopt(socket.IPPROTO_TCP, option, 0)
 
 
 def peer_closed(sock: socket.socket) -> bool:
