@@ -188,6 +188,17 @@ def _check_magic(magic: bytes, version: int, expected: bytes, what: str) -> None
 SessionLookup = Callable[[bytes], Optional[object]]
 
 
+def _session_for(find_session: SessionLookup, tag: bytes, sender: int, receiver: int):
+    """The session of the all-reduce `tag` in which we are member `receiver` and `sender` another member; raises
+    ProtocolError if there is none."""
+    session = find_session(tag)
+    if session is None:
+        raise ProtocolError("unknown or finished round (not in this group)")
+    if receiver != session.credentials.index or not 0 <= sender < session.group_size or sender == receiver:
+        raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
+    return session
+
+
 def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
            admit: Optional[Callable[[bytes], None]] = None) -> Tuple[object, int, FrameAuth]:
     """Receiver side: -> (session, sender index, the MACs of its frames). Raises ProtocolError (bad or
@@ -199,12 +210,8 @@ def accept(sock: socket.socket, deadline: float, find_session: SessionLookup,
     public_key, signature = _read_identity(sock, key_len, sig_len, deadline)
     if admit is not None:
         admit(public_key)  # before any session is looked up: an outsider learns nothing about our rounds
-    session = find_session(tag)
-    if session is None:
-        raise ProtocolError("unknown or finished round (not in this group)")
+    session = _session_for(find_session, tag, sender, receiver)
     creds: RoundCredentials = session.credentials
-    if receiver != creds.index or not 0 <= sender < session.group_size or sender == receiver:
-        raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
     sender_peer = session.peer_id_of(sender)
     _check_certificate(public_key, signature, sender_peer, creds.group_prefix, sender, x_s)
     c_r = os.urandom(32)
@@ -292,12 +299,8 @@ def accept_rebind(sock: socket.socket, old: FrameAuth, deadline: float, find_ses
     old.check(message, b"", mac)
     if admit is not None:
         admit(old.public_key)  # who may connect can change while a connection is kept
-    session = find_session(tag)
-    if session is None:
-        raise ProtocolError("unknown or finished round (not in this group)")
+    session = _session_for(find_session, tag, sender, receiver)
     creds: RoundCredentials = session.credentials
-    if receiver != creds.index or not 0 <= sender < session.group_size or sender == receiver:
-        raise ProtocolError(f"impossible member indices {sender} -> {receiver}")
     if not hmac.compare_digest(session.peer_id_of(sender), old.peer):
         raise ProtocolError(f"a kept connection's peer is not member {sender} of this round")
     c_r = os.urandom(32)
