@@ -303,7 +303,7 @@ class MoshpitAverager(ServicerBase):
         return self._upload.current
 
     def wait_for_relay(self, timeout: float = 0.0) -> Optional[Tuple[str, int]]:
-        """Behind NAT: the relay group mates reach this peer through, waiting up to `timeout` s for one (else None)."""
+        """Behind NAT: the relay group mates reach it through, waiting up to `timeout` s (None: no relay, or public)."""
         return self._nat.wait_for_relay(timeout)
 
     def fastest_assembly_s(self, target_group_size: Optional[int] = None) -> Optional[float]:

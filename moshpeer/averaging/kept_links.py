@@ -6,7 +6,8 @@ before a byte moves, and on a CPU-bound host part of the per-round fixed cost (d
 the same peers again in later rounds (always in a swarm no larger than a group), so a sender keeps a direct
 connection that ended cleanly (both end markers sent) and the receiver keeps serving it; the next all-reduce with
 that peer rebinds it in one round trip (`handshake.rebind`). A kept connection that is gone (its receiver timed it
-out or restarted, or refuses the rebind) costs that round trip: the sender then opens a fresh one, as it would have.
+out or restarted, or refuses the rebind) costs that round trip: the sender then opens a fresh one, as it would have;
+one a middlebox dropped silently, at most `member_connector.REBIND_UNACKED_S`.
 
 Only direct connections are kept: a relay's circuits and libp2p streams are bounded by the round that opened them.
 The receiver keeps a connection longer than the sender (`dataplane.KEEP_INBOUND_S` > SENDER_KEEP_S), so a rebind
