@@ -63,9 +63,10 @@ logger = logging.getLogger(__name__)
 
 # The error of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
 NO_FRESH_VIEW = "no fresh view of the swarm"
-# How an epoch that took a donor's state says so: behind the swarm, or back from an outage ahead of it, or after
-# meeting a later epoch's round with parameters still apart from the group's (MissedRound.steps_apart).
+# How an epoch that took a donor's state says so: behind the swarm, back from an outage ahead of it, after missing its
+# round, or after meeting a later epoch's round with parameters still apart from the group's (MissedRound.steps_apart).
 CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
+MISSED_CAUGHT_UP = "missed round; caught up"
 MET_A_LATER_ROUND = "met a later epoch's round; took the group's state"
 
 # A catch-up while training waits this long for a donor in range to be on offer, then trains on and asks again at its
@@ -234,7 +235,7 @@ class EpochLoop:
         # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
         # would find nobody, or mix gradients of stale parameters into the next epoch.
         if not alone and host.timing.too_late_for_round() and host.swarm.moved_past(epoch, 0.0, host.should_stop):
-            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts)
+            missed = self._catch_up_instead(epoch + 1, MISSED_CAUGHT_UP, facts)
             if missed is not None:
                 return missed
         resolved = self.settle() if host.strategy.overlaps else None
@@ -270,7 +271,7 @@ class EpochLoop:
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
                                          wait_s=time.monotonic() - started, **facts)
-            missed = self._catch_up_instead(epoch + 1, "missed round; caught up", facts) \
+            missed = self._catch_up_instead(epoch + 1, MISSED_CAUGHT_UP, facts) \
                 if host.strategy.catches_up_after_missed_round else None
             if missed is not None:
                 return missed
