@@ -70,6 +70,7 @@ def allreduce(lab: Netlab, planes, pools, tensors):
     results = []
     for thread, box in runs:
         thread.join(ROUND_S + 30)
+        assert not thread.is_alive(), "an all-reduce outlived its deadline"
         if "error" in box:
             raise box["error"]
         results.append(box["value"])
@@ -82,6 +83,7 @@ def test_a_kept_connection_a_middlebox_dropped_is_replaced_within_seconds():
         for node in lab.nodes:  # listeners in the peers' namespaces
             thread, box = in_namespace(node.netns, lambda node=node: DataPlane(node.address))
             thread.join(10)
+            assert "value" in box, box.get("error", "no data plane within 10 s")
             planes.append(box["value"])
         pools = [KeptLinks(), KeptLinks()]
         try:

@@ -75,8 +75,8 @@ def test_a_kept_connection_is_rebound_to_another_round_with_a_new_key():
     _, sender_index, new_receiver = box["accepted"]
     assert sender_index == 0 and new_receiver.key == new_sender.key != sender_auth.key
     handshake.send_frame(a, new_sender, b"header", b"payload")  # frames start over under the new key
-    header, payload, mac = b.recv(6), b.recv(7), b.recv(handshake.MAC_BYTES)
-    new_receiver.check(header, payload, mac)
+    frame = wire.recv_exactly_by(b, 6 + 7 + handshake.MAC_BYTES, time.monotonic() + 10)
+    new_receiver.check(frame[:6], frame[6:13], frame[13:])
 
 
 def test_a_rebind_to_a_round_where_that_index_is_another_peer_is_refused():

@@ -420,9 +420,9 @@ class EpochLoop:
 
     def _rejoin_after_outage(self, snapshot: ProgressSnapshot, facts: dict) -> Optional[CollaborativeRound]:
         """Back from an outage it trained through alone: adopt the other trainers' state instead of pulling them to
-        its lone epochs or averaging its lone parameters into theirs (trained_apart.py); None when that is not the case
-        or no donor delivered. Without a
-        fresh view of the swarm (its DHT stalled) its epochs end alone too: that is an outage as well."""
+        its lone epochs or averaging its lone parameters into theirs (trained_apart.py); None when that is not the
+        case or no donor delivered. Without a fresh view of the swarm (its DHT stalled) its epochs end alone too: that
+        is an outage as well."""
         apart, epoch = self.apart, self.counters.epoch
         out_of_touch = self.host.swarm.cut_off() or snapshot.stale  # no DHT neighbour, or no fresh read of the swarm
         apart.observe(out_of_touch, epoch, self.counters.total_samples - self.counters.samples)

@@ -91,8 +91,9 @@ class RoundPlan:
     part of the model the round covers, for strategies that average one part per round (DiLoCo's fragments;
     the apply methods read it, since an overlapped round is applied after the next plan); 0 for the others.
     `digest`: `values_digest` of values in `tensors` that the members should already hold bit for bit alike (DiLoCo's
-    θ_outer; not gradients mode's parameters, which each member's own inner optimizer moves), told to the group so that members whose copies drifted apart (a missed step, a lost
-    chunk) are found and brought back together (`apply_averaged(plan, diverged)`); b"": none in this round."""
+    θ_outer; not gradients mode's parameters, which each member's own inner optimizer moves), told to the group so
+    that members whose copies drifted apart (a missed step, a lost chunk) are found and brought back together
+    (`apply_averaged(plan, diverged)`); b"": none in this round."""
 
     tensors: Tuple[torch.Tensor, ...]
     averages: Tuple[str, ...]
