@@ -5,6 +5,7 @@ Every test here needs root and iproute2; where namespaces cannot be made they sk
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from averaging_swarm import AveragingSwarm
 from averaging_worker import peer_values
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
 from moshpeer.simulation.time_model import group_round_seconds
-from moshpeer.testing import netlab
+from moshpeer.testing import netlab, orphans
 from moshpeer.testing.netlab import Netlab
 
 pytestmark = [pytest.mark.timeout(240),
@@ -180,6 +181,29 @@ def test_shaped_private_links_and_teardown():
         assert 2.5 * 0.8 < rate < 2.5 * 1.05  # 20 Mbit/s = 2.5 MB/s on the wire, ~96% of it is payload
         assert lab.tx_bytes(0) > 5_000_000
     assert not lab_names(lab.lab_id)
+
+
+# Shares a tensor through torch's file_system strategy (a /dev/shm segment that torch_shm_manager removes once its
+# clients are gone, as hivemind's futures do in a peer) and waits to be killed.
+SHARES_MEMORY = textwrap.dedent("""
+    import sys, torch, torch.multiprocessing
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    shared = torch.zeros(1000).share_memory_()
+    print("shared", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_teardown_leaves_no_shared_memory_behind():
+    """A peer killed by the teardown leaves no torch segment in /dev/shm: its torch_shm_manager, which runs in the
+    lab too, is let remove them instead of being killed first (bench_wan's runs used to leave 8 a run)."""
+    with Netlab([None]) as lab:
+        peer = lab.popen(0, [sys.executable, "-c", SHARES_MEMORY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+        assert peer.stdout.readline().strip() == "shared"
+        segments = glob.glob(f"{orphans.SHARED_MEMORY_DIR}/torch_{peer.pid}_*")
+        assert segments
+    assert not [path for path in segments if os.path.exists(path)]
 
 
 def test_peers_run_the_congestion_control_asked_for_and_the_host_list_is_put_back():

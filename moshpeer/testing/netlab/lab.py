@@ -12,13 +12,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 from moshpeer.testing.netlab import cpu, delay, nat, tcp
 from moshpeer.testing.netlab.commands import COMMAND_TIMEOUT_S, NetlabError, in_netns, run, run_json, sysctl
+from moshpeer.testing.netlab.namespaces import KILL_GRACE_S, delete_namespaces, list_netns
 from moshpeer.testing.netlab.spec import (RateSpec, parse_ms, parse_rate, parse_share, parse_site, per_peer,
                                           site_kind)
 
@@ -42,7 +42,6 @@ MIN_BURST_BYTES = 32 * 1024
 MIN_QUEUE_BYTES = 2 * 1024 * 1024
 QUEUE_SECONDS = 0.1
 TSQ_BYTES = 128 * 1024
-KILL_GRACE_S = 3.0
 
 _NETNS_RE = re.compile(rf"^{PREFIX}-([0-9a-f]{{6}})([0-9a-z])-(\d+|probe|r|s\d+)$")
 _SEQ_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -143,41 +142,6 @@ def _owner_alive(owner: int) -> bool:
     return True
 
 
-def list_netns() -> List[str]:
-    out = run(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _netns_pids(namespaces: Sequence[str]) -> List[int]:
-    pids = []
-    for netns in namespaces:
-        out = run(["ip", "netns", "pids", netns], check=False).stdout
-        pids += [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
-    return pids
-
-
-def _delete_namespaces(namespaces: Sequence[str]) -> None:
-    """SIGTERM every process in `namespaces` (this lab's), SIGKILL what is left after KILL_GRACE_S, delete them
-    (which deletes every link and TUN device inside them)."""
-    deadline, sig = time.monotonic() + KILL_GRACE_S, signal.SIGTERM
-    while True:
-        pids = _netns_pids(namespaces)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() > deadline:
-            if sig == signal.SIGKILL:
-                break
-            sig, deadline = signal.SIGKILL, time.monotonic() + 1.0
-        time.sleep(0.05)
-    for netns in namespaces:
-        run(["ip", "netns", "del", netns], check=False)
-
-
 def cleanup(*, everything: bool = False, persistent: bool = False) -> List[str]:
     """Delete lab namespaces and CPU cgroups whose owning process is gone (`persistent`: also `netlab up` labs;
     `everything`: all of them, running owners included). Returns the names deleted."""
@@ -194,7 +158,7 @@ def cleanup(*, everything: bool = False, persistent: bool = False) -> List[str]:
         return not _owner_alive(owner)
 
     namespaces = [netns for netns in list_netns() if doomed(netns)]
-    _delete_namespaces(namespaces)
+    delete_namespaces(namespaces)
     groups = [group for group in cpu.leftovers(f"{PREFIX}-") if doomed(group.name)]
     for group in groups:
         cpu.remove(group)
@@ -433,7 +397,7 @@ class Netlab:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
-        _delete_namespaces(list(reversed(self._namespaces)))
+        delete_namespaces(list(reversed(self._namespaces)))
         for proc in self._procs:
             try:
                 proc.wait(timeout=KILL_GRACE_S)
