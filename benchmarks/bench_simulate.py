@@ -28,6 +28,9 @@ Parts:
    production cadence for 4 to 10,000 peers (dht_rate_*_bps), and the 1,000-peer DiLoCo swarm on home links
    (20 Mbit/s, 50 ms, equal peers, no failures) with and without it (goodput_1k_diloco_home, goodput_1k_diloco_home_no_dht).
 
+7. link reuse: the fraction of a round's connections whose two peers shared a group within the last 1, 3 or 10
+   rounds (what kept connections can carry), g in {4, 16}, 16 to 1,000 peers (link_reuse_n*_g*_w*).
+
     python benchmarks/bench_simulate.py [--many 100] [--timed 3] [--skip-groups] [--skip-training]
 
 Ends with one JSON line (n512_rounds_to_1e9, n512_rounds_to_1e4, n512_p01_rounds, n512_p01_allreduce_rounds,
@@ -46,10 +49,12 @@ import platform
 import statistics
 import sys
 import time
+from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moshpeer.simulation import AveragingConfig, AveragingSimulation, run_cell  # noqa: E402
+from moshpeer.simulation.link_reuse import LinkReuse  # noqa: E402
 
 PAPER = {  # the notebook's printed table, 32 x 32 grid, 10 restarts: rounds to 1e-9 (1e-4)
     ("moshpit", 512, 0.0): (8.2, 3.6), ("moshpit", 512, 0.01): (8.8, 3.9), ("moshpit", 900, 0.005): (5.9, 3.1),
@@ -153,6 +158,32 @@ def group_sizes() -> dict:
                 cells.append(f"{cell.mean(1e-4):>5.1f} +- {cell.sd(1e-4):.1f}")
                 figures[f"groups_n{peers}_p{p:g}_g{g}_rounds_to_1e4"] = round(cell.mean(1e-4), 2)
             print(f"{peers:>6} {p:>5g} " + " ".join(f"{c:>12}" for c in cells))
+    return figures
+
+
+LINK_REUSE_WINDOWS = (1, 3, 10)  # rounds; a kept connection lives 60 s: 1 round at a minute's period, 6 at 10 s
+
+
+def link_reuse(rounds: int = 60, warmup: int = 10) -> dict:
+    """Part 7: the fraction of a round's links (sender -> receiver) whose two peers shared a group within the last
+    w rounds, the most that kept connections (averaging/kept_links.py) can carry, on the production key rule
+    (mean over rounds after `warmup`)."""
+    figures = {}
+    print(f"{'N':>6} {'g':>3} " + " ".join(f"{f'w={w}':>7}" for w in LINK_REUSE_WINDOWS)
+          + "   (links whose peers met within w rounds)")
+    for peers in (16, 64, 256, 1_000):
+        for g in (4, 16):
+            sim = AveragingSimulation(AveragingConfig(peers=peers, group_size=g, dim=1), seed=0)
+            trackers = [LinkReuse(w) for w in LINK_REUSE_WINDOWS]
+            fractions: List[List[float]] = [[] for _ in trackers]
+            for _ in range(rounds):
+                sim.step()
+                for tracker, kept in zip(trackers, fractions):
+                    kept.append(tracker.observe(sim.round, sim.grouping))
+            means = [statistics.mean(kept[warmup:]) for kept in fractions]
+            for w, mean in zip(LINK_REUSE_WINDOWS, means):
+                figures[f"link_reuse_n{peers}_g{g}_w{w}"] = round(mean, 3)
+            print(f"{peers:>6} {g:>3} " + " ".join(f"{mean:>7.3f}" for mean in means))
     return figures
 
 
@@ -341,7 +372,7 @@ def main() -> int:
     parser.add_argument("--grids", type=int, default=100, help="grid draws for the paper's protocol (default 100)")
     parser.add_argument("--many", type=int, default=100, help="restarts for the expected values (default 100)")
     parser.add_argument("--timed", type=int, default=3, help="timed rounds per 10,000-peer case (default 3)")
-    parser.add_argument("--skip-groups", action="store_true", help="skip the group-size table")
+    parser.add_argument("--skip-groups", action="store_true", help="skip the group-size table and link reuse (parts 4, 7)")
     parser.add_argument("--skip-averaging", action="store_true", help="skip parts 1 to 4 (training level only)")
     parser.add_argument("--skip-training", action="store_true", help="skip the training level (part 5)")
     parser.add_argument("--training-rounds", type=int, default=200, help="rounds of the goodput runs (default 200)")
@@ -358,6 +389,7 @@ def main() -> int:
         figures.update(round_timing(args.timed))
         if not args.skip_groups:
             figures.update(group_sizes())
+            figures.update(link_reuse())
     figures.update(control_plane_rates())
     if not args.skip_training:
         figures.update(training_scenarios(args.training_rounds, args.training_peers, args.hostile_rounds,

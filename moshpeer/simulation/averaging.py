@@ -185,6 +185,7 @@ class AveragingSimulation:
             self._uniform = lambda: fail_rng.random(n)
         self.exact_mean = self.values.mean(axis=0)
         self.round = 0
+        self.grouping: Optional[grid.Grouping] = None  # the last round's groups
         self.key_bits = config.resolved_key_bits()
         if config.initial_keys == "balanced":
             buckets = 1 << self.key_bits
@@ -234,6 +235,7 @@ class AveragingSimulation:
         else:
             grouping = grid.assemble_groups(alive_ids, self.keys[alive_ids], cfg.group_size, cfg.min_group_size,
                                             self.group_rng)
+        self.grouping = grouping
         lost = self._average(grouping)
         if cfg.topology == "keys" and grouping.num_groups:
             blob = self.group_rng.bytes(GROUP_ID_BYTES * grouping.num_groups)
