@@ -3,12 +3,14 @@
     sudo python benchmarks/bench_wan.py [--peers 4] [--size 64] [--hetero-size 16] [--rounds 2]
         [--scenarios 100mbit,1gbit,hetero] [--codecs none,int8,int4-int8,arc-topk:0.01]
         [--systems moshpeer,hivemind,gloo] [--declare-bandwidth] [--tcp-congestion cubic]
+        [--initial-window 64]
 
 Every scenario builds a `moshpeer.testing.netlab` lab: one network namespace per peer behind a router
 namespace, each peer's upload shaped with tbf, with netlab's own delay line for round-trip times and site
 routers for NAT (no loss; the fault injector is not used here). Every peer's TCP runs `--tcp-congestion`: CUBIC,
 stock Linux's default, unless told otherwise (this machine's kernel may default to BBR, which does worse here with
-several flows per uplink: netlab/tcp.py). The workers are bench_allreduce.py's,
+several flows per uplink: netlab/tcp.py), with the kernel's initial window of 10 segments unless
+`--initial-window` says otherwise (docs/operations.md, "Peers far apart"). The workers are bench_allreduce.py's,
 started inside the namespaces, so every system moves its bytes over the same links. Scenarios:
 
 - `100mbit`, `1gbit`: every peer uploads at that rate (`--size` MB of fp32 per peer);
@@ -98,9 +100,10 @@ def bounds(size_bytes: float, uploads_mbit: List[float], numel: int) -> Dict[str
             "equal_split_s": reduce_allgather_seconds(size_bytes, bws, equal)}
 
 
-def congestion(args) -> Optional[str]:
-    """netlab's tcp_congestion for `--tcp-congestion` (None: this kernel's default)."""
-    return None if args.tcp_congestion == "kernel" else args.tcp_congestion
+def tcp_options(args) -> dict:
+    """netlab's TCP settings from `--tcp-congestion` ('kernel': this kernel's default) and `--initial-window`."""
+    return {"tcp_congestion": None if args.tcp_congestion == "kernel" else args.tcp_congestion,
+            "initial_window": args.initial_window}
 
 
 def run_in_lab(system: str, settings, uploads: List[float], codecs: str, **options) -> Dict[str, dict]:
@@ -132,7 +135,7 @@ def nat_scenario(args) -> Dict[str, float]:
                                chunk_bytes=args.chunk_bytes, partition="equal", declare_bandwidth=False,
                                worker_logs=args.worker_logs)
     uploads = uploads_of("nat", peers)
-    options = {**lab_options("nat"), "tcp_congestion": congestion(args)}
+    options = {**lab_options("nat"), **tcp_options(args)}
     auto = run_in_lab("moshpeer", settings, uploads, "none", **options)["none"]
     over_libp2p = SimpleNamespace(**{**vars(settings), "rounds": 3, "transport": "libp2p"})
     forced = run_in_lab("moshpeer", over_libp2p, uploads, "none", **options)["none"]
@@ -177,7 +180,7 @@ def join_scenario(args) -> Dict[str, float]:
     floats = int(args.join_size * 1e6 / 4)
     uploads = [None] + [JOIN_DONOR_MBIT] * JOIN_DONORS
     run = "bench-join"
-    with netlab.Netlab(uploads, rtt=JOIN_RTT_MS, tcp_congestion=congestion(args)) as lab:
+    with netlab.Netlab(uploads, rtt=JOIN_RTT_MS, **tcp_options(args)) as lab:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         newcomer = lab.popen(0, [sys.executable, "-c", NEWCOMER, lab.nodes[0].address, run, str(JOIN_DONORS)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -216,6 +219,9 @@ def main() -> int:
     parser.add_argument("--tcp-congestion", default="cubic",
                         help="the TCP congestion control every peer runs: cubic (default: stock Linux's, what a "
                              "volunteer's machine runs), bbr, ..., or 'kernel' for this kernel's default")
+    parser.add_argument("--initial-window", type=int, default=None,
+                        help="TCP's initial congestion and receive windows on every peer's routes, in segments "
+                             "(ip route's initcwnd / initrwnd; default: the kernel's, 10)")
     parser.add_argument("--declare-bandwidth", action="store_true",
                         help="moshpeer peers declare the lab's upload rates (default: they measure them)")
     args = parser.parse_args()
@@ -238,11 +244,15 @@ def main() -> int:
     except netlab.NetlabError as e:
         print(f"--tcp-congestion: {e} (or 'kernel')", file=sys.stderr)
         return 2
+    if args.initial_window is not None and not 1 <= args.initial_window <= 1024:
+        print(f"--initial-window: 1 to 1024 segments, got {args.initial_window}", file=sys.stderr)
+        return 2
     systems = args.systems.split(",")
 
     rows = []  # (scenario, name, summary, bound)
     figures: Dict[str, Optional[float]] = {"peers": args.peers, "size_mb": args.size, "hetero_size_mb": args.hetero_size,
-                                           "tcp_congestion": args.tcp_congestion, "load_at_start": os.getloadavg()[0]}
+                                           "tcp_congestion": args.tcp_congestion,
+                                           "initial_window": args.initial_window, "load_at_start": os.getloadavg()[0]}
     for scenario in scenarios:
         if scenario == "nat":
             figures.update(nat_scenario(args))
@@ -261,7 +271,7 @@ def main() -> int:
                                    round_timeout=slowest_round, chunk_bytes=args.chunk_bytes,
                                    partition="bandwidth", declare_bandwidth=args.declare_bandwidth,
                                    worker_logs=args.worker_logs)
-        options = {**lab_options(scenario), "tcp_congestion": congestion(args)}
+        options = {**lab_options(scenario), **tcp_options(args)}
         results: Dict[str, dict] = {}
         if scenario in RTT_MS and scenario != "rtt100":  # matchmaking and handshakes at this round-trip time
             summary = run_in_lab("moshpeer", settings, uploads, "none", **options)["none"]

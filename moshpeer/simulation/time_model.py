@@ -13,6 +13,28 @@ from typing import List, Sequence, Tuple
 # timestamps) carries 1448 payload bytes in 1514 on the wire, 4.6% more. Session 14's netlab runs put real rounds
 # at 1.19-1.27x a model without it (docs/simulation.md, "Round times on shaped links").
 WIRE_BYTES_PER_PAYLOAD_BYTE = 1514 / 1448
+# A round opens a fresh connection to every other member (kept connections carry few of a large swarm's rounds:
+# link_reuse.py): a TCP connect and the handshake's HELLO / REPLY before the first frame.
+CONNECTION_SETUP_RTTS = 2
+# Linux's initial congestion window: 10 segments of 1448 payload bytes (RFC 6928).
+INITIAL_WINDOW_BYTES = 10 * 1448
+
+
+def slow_start_seconds(nbytes: float, rate: float, rtt_s: float, initial_window: float = INITIAL_WINDOW_BYTES) -> float:
+    """How much longer a fresh TCP connection takes to move `nbytes` than it would at `rate` from the first byte:
+    slow start sends one window per round trip, doubling it from `initial_window` until it covers the path's
+    bandwidth-delay product (`rate` * `rtt_s`), and only then runs at `rate`. 0 without a round trip.
+
+    On netlab (4 peers, 100 Mbit/s, 4 MB each; docs/simulation.md), `group_round_seconds` with this term puts a
+    round at 0.37 s over the link's bound at 50 ms and 1.80 s at 200 ms; measured with a fresh connection per
+    round: 0.42-0.44 s and 1.72-1.77 s."""
+    if rtt_s <= 0 or nbytes <= 0:
+        return 0.0
+    bdp = rate * rtt_s
+    window, sent, round_trips = float(initial_window), 0.0, 0
+    while window < bdp and sent + window < nbytes:
+        sent, window, round_trips = sent + window, 2 * window, round_trips + 1
+    return max(round_trips * rtt_s - sent / rate, 0.0)
 
 
 def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence[float], downlinks: Sequence[float],
@@ -23,9 +45,11 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
     part to the n - 1 others ((n - 1) s_i, all-gather), and downloads as much. Chunks are pipelined (an owner
     sends a chunk back as soon as it is final), so the round lasts as long as the busiest link:
     max_i max(U_i / up_i, D_i / down_i) in wire bytes (`WIRE_BYTES_PER_PAYLOAD_BYTE`), plus one round trip per
-    phase. With unlimited downlinks this is the production model `partition.reduce_allgather_seconds` (the one
-    `bandwidth_part_sizes` optimizes) times the wire overhead, plus two round trips. The bytes returned are
-    payload bytes.
+    phase, plus fresh connections' cost: CONNECTION_SETUP_RTTS round trips before the first frame and the
+    slowest member's slow start (`slow_start_seconds` of a contribution to one part at a fair share of its
+    link). With unlimited downlinks and no round trip this is the production model
+    `partition.reduce_allgather_seconds` (the one `bandwidth_part_sizes` optimizes) times the wire overhead. The
+    bytes returned are payload bytes.
 
     :raises ValueError: part sizes that do not fit the members, or a non-positive link speed
     """
@@ -36,13 +60,17 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
         raise ValueError("link speeds must be positive")
     if n == 1:
         return 0.0, [0.0]
-    busiest = 0.0
+    busiest = ramp = 0.0
     sent = []
     for s, up, down in zip(part_sizes, uplinks, downlinks):
         volume = (numel - s + (n - 1) * s) * bytes_per_value
         busiest = max(busiest, volume / up, volume / down)
         sent.append(volume)
-    return busiest * WIRE_BYTES_PER_PAYLOAD_BYTE + 2 * rtt_s, sent
+        # Its reduce-scatter connections start cold, each with a fair share of its uplink (the all-gather then
+        # runs on the same, warm, connections).
+        contribution = (numel - s) / (n - 1) * bytes_per_value * WIRE_BYTES_PER_PAYLOAD_BYTE
+        ramp = max(ramp, slow_start_seconds(contribution, min(up, down) / (n - 1), rtt_s))
+    return busiest * WIRE_BYTES_PER_PAYLOAD_BYTE + ramp + (2 + CONNECTION_SETUP_RTTS) * rtt_s, sent
 
 
 def matchmaking_seconds(peers: int, rtt_s: float) -> float:

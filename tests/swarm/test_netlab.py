@@ -206,6 +206,18 @@ def test_teardown_leaves_no_shared_memory_behind():
     assert not [path for path in segments if os.path.exists(path)]
 
 
+@needs_delays
+def test_an_initial_window_is_set_on_every_route_between_peers():
+    """What `ip route change ... initcwnd N initrwnd N` does on a host, on the routes a peer's packets take:
+    through the delay line (rtt) and straight to the router."""
+    with Netlab([None, None], rtt=["50ms", None], initial_window=64) as lab:
+        for k in range(2):
+            route = lab.run(k, ["ip", "route", "get", lab.nodes[1 - k].address], capture_output=True, text=True)
+            assert "initcwnd 64" in route.stdout and "initrwnd 64" in route.stdout, route.stdout
+    with pytest.raises(netlab.NetlabError):
+        Netlab([None], initial_window=0)
+
+
 def test_peers_run_the_congestion_control_asked_for_and_the_host_list_is_put_back():
     """A namespace may only choose an allowed algorithm: the lab allows it while it is up, then puts the host's
     list back."""

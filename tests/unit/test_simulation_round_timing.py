@@ -146,4 +146,6 @@ def test_late_gradients_peers_that_take_the_groups_update_stay_closer_and_train_
 
     (caught_up, spread, loss), (none, lone_spread, lone_loss) = run(True), run(False)
     assert caught_up > 100 and none == 0
-    assert spread < 0.8 * lone_spread and loss < 0.97 * lone_loss  # measured: 0.36 vs 0.50, 1.436 vs 1.522
+    # Measured with fresh connections' setup and slow start in the time model (seed 0): spread 0.40 vs 0.49, loss
+    # 1.467 vs 1.519; seeds 1-3: 0.61-0.72x and 0.94-0.96x (without them: 0.36 vs 0.50, 1.436 vs 1.522).
+    assert spread < 0.85 * lone_spread and loss < 0.98 * lone_loss

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
-from moshpeer.simulation.time_model import WIRE_BYTES_PER_PAYLOAD_BYTE
+from moshpeer.simulation.time_model import (CONNECTION_SETUP_RTTS, INITIAL_WINDOW_BYTES, WIRE_BYTES_PER_PAYLOAD_BYTE,
+                                            slow_start_seconds)
 from moshpeer.simulation.training import (
     MoshpitTraining,
     TrainingConfig,
@@ -40,17 +41,32 @@ def _config(**overrides) -> TrainingConfig:
     return TrainingConfig(**base)
 
 
-def test_round_time_with_unlimited_downlinks_is_the_production_upload_bound_plus_two_round_trips():
+def test_round_time_with_unlimited_downlinks_is_the_production_upload_bound_plus_round_trips():
     ups = [10e6, 20e6, 40e6, 5e6]
     sizes = bandwidth_part_sizes(1_000_000, ups)
-    seconds, sent = group_round_seconds(1_000_000, sizes, ups, [1e15] * 4, rtt_s=0.05, bytes_per_value=4)
-    assert seconds == pytest.approx(WIRE_BYTES_PER_PAYLOAD_BYTE * reduce_allgather_seconds(4e6, ups, sizes) + 0.1,
-                                    rel=1e-9)
+    seconds, sent = group_round_seconds(1_000_000, sizes, ups, [1e15] * 4, rtt_s=0.0, bytes_per_value=4)
+    assert seconds == pytest.approx(WIRE_BYTES_PER_PAYLOAD_BYTE * reduce_allgather_seconds(4e6, ups, sizes), rel=1e-9)
     # Every member uploads numel - s_i + (n - 1) s_i values.
     assert sent == [pytest.approx(4 * (1_000_000 + 2 * s)) for s in sizes]
     # A slow downlink is the limit when it is slower than what the uplinks allow.
-    slow, _ = group_round_seconds(1_000_000, sizes, ups, [1e6] * 4, rtt_s=0.05, bytes_per_value=4)
+    slow, _ = group_round_seconds(1_000_000, sizes, ups, [1e6] * 4, rtt_s=0.0, bytes_per_value=4)
     assert slow > seconds
+    # Round trips: one per phase, the fresh connections' setup, and the slowest member's slow start.
+    far, _ = group_round_seconds(1_000_000, sizes, ups, [1e15] * 4, rtt_s=0.05, bytes_per_value=4)
+    assert far > seconds + (2 + CONNECTION_SETUP_RTTS) * 0.05
+
+
+def test_slow_start_costs_round_trips_until_the_window_covers_the_path():
+    assert slow_start_seconds(1e6, 4e6, 0.0) == 0.0
+    assert slow_start_seconds(10_000, 4e6, 0.2) == 0.0  # fits the initial window: one flight, sent at once
+    # 1 MB at 4 MB/s over 200 ms (an 800 KB path): windows of 14.5, 29, ..., 463 KB take 6 round trips for 912 KB,
+    # which would have taken 0.23 s at the link's rate.
+    sent = INITIAL_WINDOW_BYTES * (2 ** 6 - 1)
+    assert slow_start_seconds(1e6, 4e6, 0.2) == pytest.approx(6 * 0.2 - sent / 4e6)
+    # Past the ramp the connection runs at its rate: a longer transfer costs no more.
+    assert slow_start_seconds(1e9, 4e6, 0.2) == pytest.approx(slow_start_seconds(1e6, 4e6, 0.2))
+    # A wider path takes more doublings to fill.
+    assert slow_start_seconds(1e9, 40e6, 0.2) > slow_start_seconds(1e9, 4e6, 0.2)
 
 
 def test_same_seed_same_run_and_seeds_differ():

@@ -21,7 +21,7 @@ import shutil
 import select
 import subprocess
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 from moshpeer.testing.netlab.commands import COMMAND_TIMEOUT_S, NetlabError, in_netns, run, sysctl
 
@@ -51,9 +51,10 @@ def binary() -> Path:
 
 
 def route_through_delay(netns: str, destinations: List[str], delay_ms: float, jitter_ms: float,
-                        seed: int) -> subprocess.Popen:
+                        seed: int, route_options: Sequence[str] = ()) -> subprocess.Popen:
     """Start `netns`'s delay line (one-way `delay_ms` +- `jitter_ms`) and route its sent packets to
-    `destinations` (CIDRs) through it. Returns the process; NetlabError if it does not come up in time."""
+    `destinations` (CIDRs) through it (routes with `route_options`). Returns the process; NetlabError if it does
+    not come up in time."""
     run(["ip", "-n", netns, "tuntap", "add", "dev", TUN, "mode", "tun"])
     proc = subprocess.Popen(in_netns(netns, [str(binary()), f"{TUN}:{int(delay_ms * 1000)}:"
                                               f"{int(jitter_ms * 1000)}:{seed}"]),
@@ -69,6 +70,6 @@ def route_through_delay(netns: str, destinations: List[str], delay_ms: float, ji
     sysctl(netns, "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", f"net.ipv4.conf.{TUN}.rp_filter=0",
            f"net.ipv4.conf.{TUN}.accept_local=1")
     for destination in destinations:
-        run(["ip", "-n", netns, "route", "add", destination, "dev", TUN, "table", TABLE])
+        run(["ip", "-n", netns, "route", "add", destination, "dev", TUN, "table", TABLE, *route_options])
     run(["ip", "-n", netns, "rule", "add", "iif", "lo", "lookup", TABLE, "pref", "100"])
     return proc

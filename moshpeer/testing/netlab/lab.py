@@ -244,13 +244,16 @@ class Netlab:
     :param cpu_shares: cores each peer's processes may use (e.g. 0.3; None = unlimited)
     :param tcp_congestion: the TCP congestion control every peer runs (e.g. "cubic", stock Linux's; None = this
         kernel's default; see tcp.py)
+    :param initial_window: TCP's initial congestion and receive windows on every peer's routes, in segments (what
+        `ip route change ... initcwnd N initrwnd N` sets on a host; None = the kernel's, 10)
     :param persistent: owned by no process (the `up` command): no atexit teardown, removed by `netlab down`
     :raises NetlabError: a bad value (one line), here or from `up()`
     """
 
     def __init__(self, uploads: Sequence[RateSpec], *, downloads: PerPeer = None, rtt: PerPeer = None,
                  jitter: PerPeer = None, sites: PerPeer = None, cpu_shares: PerPeer = None,
-                 subnet: Optional[str] = None, persistent: bool = False, tcp_congestion: Optional[str] = None):
+                 subnet: Optional[str] = None, persistent: bool = False, tcp_congestion: Optional[str] = None,
+                 initial_window: Optional[int] = None):
         if not 1 <= len(uploads) <= MAX_PEERS:
             raise NetlabError(f"netlab: 1 to {MAX_PEERS} peers, got {len(uploads)}")
         n = len(uploads)
@@ -263,6 +266,11 @@ class Netlab:
         self.subnet_spec = subnet
         self.persistent = persistent
         self.tcp_congestion = tcp_congestion
+        if initial_window is not None and not 1 <= initial_window <= 1024:
+            raise NetlabError(f"netlab: initial_window must be 1 to 1024 segments, got {initial_window}")
+        # A peer's routes to the others: TCP's initial congestion and receive windows, as an operator sets them
+        self._route_options = [] if initial_window is None else ["initcwnd", str(initial_window),
+                                                                 "initrwnd", str(initial_window)]
         self._congestion_allowed = False
         owner = PERSISTENT_OWNER if persistent else os.getpid()
         with _live_lock:
@@ -317,9 +325,10 @@ class Netlab:
         return name
 
     def _wire(self, upper: str, upper_link: str, gateway: str, lower: str, lower_link: str, address: str,
-              reachable: Sequence[str]) -> None:
+              reachable: Sequence[str], route_options: Sequence[str] = ()) -> None:
         """A veth between a router (`upper`) and a namespace below it that has `address`: /32 addresses and
-        on-link routes, so one router address serves every link and no subnet needs splitting."""
+        on-link routes (with `route_options`), so one router address serves every link and no subnet needs
+        splitting."""
         run(["ip", "link", "add", "name", upper_link, "netns", upper, "type", "veth",
              "peer", "name", lower_link, "netns", lower])
         run(["ip", "-n", upper, "addr", "add", f"{gateway}/32", "dev", upper_link])
@@ -328,7 +337,8 @@ class Netlab:
         run(["ip", "-n", lower, "addr", "add", f"{address}/32", "dev", lower_link])
         run(["ip", "-n", lower, "link", "set", lower_link, "up"])
         for destination in reachable:
-            run(["ip", "-n", lower, "route", "add", destination, "via", gateway, "dev", lower_link, "onlink"])
+            run(["ip", "-n", lower, "route", "add", destination, "via", gateway, "dev", lower_link, "onlink",
+                 *route_options])
 
     def _build(self, public, labels: List[str]) -> None:
         hosts = [str(h) for h in public.hosts()]
@@ -367,13 +377,14 @@ class Netlab:
                 site["outside"]
             if str(site["private"]) not in reachable:
                 reachable.append(str(site["private"]))
-        self._wire(upper, f"p{k}", upper_gateway, netns, IFNAME, address, reachable)
+        self._wire(upper, f"p{k}", upper_gateway, netns, IFNAME, address, reachable, self._route_options)
         sysctl(netns, f"net.ipv4.tcp_limit_output_bytes={TSQ_BYTES}",
                *([f"net.ipv4.tcp_congestion_control={self.tcp_congestion}"] if self.tcp_congestion else []))
         upload, download, rtt, jitter = self.uploads[k], self.downloads[k], self.rtts[k], self.jitters[k]
         shaped = IFNAME
         if rtt or jitter:
-            self._procs.append(delay.route_through_delay(netns, reachable, rtt / 2, jitter / 2, seed=k + 1))
+            self._procs.append(delay.route_through_delay(netns, reachable, rtt / 2, jitter / 2, seed=k + 1,
+                                                         route_options=self._route_options))
             shaped = delay.TUN  # ahead of the delay: TCP's backpressure works as on a shaped link
         if upload is not None:
             run(tbf(shaped, upload, netns))
