@@ -307,12 +307,29 @@ def test_three_peers_at_20_mbit_average_8_mb_exactly_near_the_lower_bound(tmp_pa
     assert all(0.8 * upload <= r["upload_bps"] <= 1.2 * upload for r in reports), [r["upload_bps"] for r in reports]
 
 
-def simulated_round_s(numel: int, uploads) -> float:
+def simulated_round_s(numel: int, uploads, rtt_s: float = 0.0) -> float:
     """What `moshpeer.simulation` predicts for an fp32 round with equal parts over these uploads (bytes/s; the
-    lab's downlinks and latency are not limited): its time model, the one the training level runs on."""
+    lab's downlinks are not limited): its time model, the one the training level runs on."""
     n = len(uploads)
     parts = [numel // n + (k < numel % n) for k in range(n)]
-    return group_round_seconds(numel, parts, uploads, [float("inf")] * n, 0.0, 4)[0]
+    return group_round_seconds(numel, parts, uploads, [float("inf")] * n, rtt_s, 4)[0]
+
+
+@pytest.mark.swarm
+@needs_delays
+def test_a_first_round_200_ms_apart_takes_what_the_simulator_says(tmp_path):
+    """The simulator's time model on long round trips: a group's first round opens fresh connections, so it pays
+    their setup and TCP's slow start, which a swarm of hundreds pays nearly every round (docs/simulation.md, "Session
+    49: round trips"). 3 peers at 100 Mbit/s, 200 ms apart, 4 MB each: the model says 2.3 s, of which 0.45 s is the
+    link's bound (without setup and slow start it said 0.85 s)."""
+    numel, upload, rtt_s = 1_000_000, 100e6 / 8, 0.2
+    with Netlab([100] * 3, rtt=f"{rtt_s * 1000:g}ms", tcp_congestion=STOCK_TCP) as lab:
+        reports, err = average_once(lab, numel, tmp_path)
+    real_s, simulated_s = group_round_s(reports), simulated_round_s(numel, [upload] * 3, rtt_s)
+    print(f"first round 200 ms apart: real {real_s:.2f} s, simulated {simulated_s:.2f} s, "
+          f"ratio {real_s / simulated_s:.3f}, kept {[r.get('connections_kept') for r in reports]}")
+    assert err <= 1e-6
+    assert 0.75 * simulated_s <= real_s <= 1.3 * simulated_s, (real_s, simulated_s)
 
 
 @pytest.mark.slow
