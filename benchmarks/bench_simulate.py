@@ -372,7 +372,8 @@ def main() -> int:
     parser.add_argument("--grids", type=int, default=100, help="grid draws for the paper's protocol (default 100)")
     parser.add_argument("--many", type=int, default=100, help="restarts for the expected values (default 100)")
     parser.add_argument("--timed", type=int, default=3, help="timed rounds per 10,000-peer case (default 3)")
-    parser.add_argument("--skip-groups", action="store_true", help="skip the group-size table and link reuse (parts 4, 7)")
+    parser.add_argument("--skip-groups", action="store_true",
+                        help="skip the group-size table and link reuse (parts 4, 7)")
     parser.add_argument("--skip-averaging", action="store_true", help="skip parts 1 to 4 (training level only)")
     parser.add_argument("--skip-training", action="store_true", help="skip the training level (part 5)")
     parser.add_argument("--training-rounds", type=int, default=200, help="rounds of the goodput runs (default 200)")

@@ -27,7 +27,7 @@ def slow_start_seconds(nbytes: float, rate: float, rtt_s: float, initial_window:
 
     On netlab (4 peers, 100 Mbit/s, 4 MB each; docs/simulation.md), `group_round_seconds` with this term puts a
     round at 0.37 s over the link's bound at 50 ms and 1.80 s at 200 ms; measured with a fresh connection per
-    round: 0.42-0.44 s and 1.72-1.77 s."""
+    round: 0.42-0.51 s and 1.72-1.77 s (sessions 48 and 49)."""
     if rtt_s <= 0 or nbytes <= 0:
         return 0.0
     bdp = rate * rtt_s
