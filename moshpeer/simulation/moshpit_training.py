@@ -86,7 +86,7 @@ from moshpeer.simulation.rejoin import adopt_state, downloads_on_rejoin, kept_ch
 from moshpeer.simulation.round_losses import lossy_round_seconds
 from moshpeer.simulation.strategy_steps import StrategySteps
 from moshpeer.simulation.swarm import Swarm
-from moshpeer.simulation.time_model import group_round_seconds, matchmaking_seconds
+from moshpeer.simulation.time_model import SEGMENT_BYTES, group_round_seconds, matchmaking_seconds
 from moshpeer.simulation.training_config import TrainingConfig, config_dict
 from moshpeer.simulation.training_result import TrainingResult
 
@@ -373,7 +373,8 @@ class MoshpitTraining:
         else:
             sizes = Partition(numel, n, c.chunk_numel).part_starts
             sizes = [b - a for a, b in zip(sizes, sizes[1:])]
-        data_s, sent = group_round_seconds(numel, sizes, ups, downs, float(s.rtt[members].max()), c.bytes_per_value)
+        data_s, sent = group_round_seconds(numel, sizes, ups, downs, float(s.rtt[members].max()), c.bytes_per_value,
+                                           c.initial_window * SEGMENT_BYTES)
         start = float(ready.max()) + self.mm_s * float(s.rtt[members].max())
         # Lost chunks: a receiver stops at the loss budget (round_losses.py), or waits for the deadline (inf).
         round_s = lossy_round_seconds(s.loss_rng, numel, sizes, data_s, c.chunk_loss, c.loss_budget)

@@ -16,8 +16,10 @@ WIRE_BYTES_PER_PAYLOAD_BYTE = 1514 / 1448
 # A round opens a fresh connection to every other member (kept connections carry few of a large swarm's rounds:
 # link_reuse.py): a TCP connect and the handshake's HELLO / REPLY before the first frame.
 CONNECTION_SETUP_RTTS = 2
-# Linux's initial congestion window: 10 segments of 1448 payload bytes (RFC 6928).
-INITIAL_WINDOW_BYTES = 10 * 1448
+# Linux's initial congestion window: 10 segments (RFC 6928) of 1448 payload bytes.
+SEGMENT_BYTES = 1448
+INITIAL_WINDOW_SEGMENTS = 10
+INITIAL_WINDOW_BYTES = INITIAL_WINDOW_SEGMENTS * SEGMENT_BYTES
 
 
 def slow_start_seconds(nbytes: float, rate: float, rtt_s: float, initial_window: float = INITIAL_WINDOW_BYTES) -> float:
@@ -38,7 +40,8 @@ def slow_start_seconds(nbytes: float, rate: float, rtt_s: float, initial_window:
 
 
 def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence[float], downlinks: Sequence[float],
-                        rtt_s: float, bytes_per_value: float) -> Tuple[float, List[float]]:
+                        rtt_s: float, bytes_per_value: float,
+                        initial_window: float = INITIAL_WINDOW_BYTES) -> Tuple[float, List[float]]:
     """Data-plane time of one group round and the bytes each member uploads.
 
     Member i uploads its contribution to every other part (numel - s_i values, reduce-scatter) and its averaged
@@ -47,7 +50,7 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
     max_i max(U_i / up_i, D_i / down_i) in wire bytes (`WIRE_BYTES_PER_PAYLOAD_BYTE`), plus one round trip per
     phase, plus fresh connections' cost: CONNECTION_SETUP_RTTS round trips before the first frame and the
     slowest member's slow start (`slow_start_seconds` of a contribution to one part at a fair share of its
-    link). With unlimited downlinks and no round trip this is the production model
+    link, from `initial_window` bytes). With unlimited downlinks and no round trip this is the production model
     `partition.reduce_allgather_seconds` (the one `bandwidth_part_sizes` optimizes) times the wire overhead. The
     bytes returned are payload bytes.
 
@@ -69,7 +72,7 @@ def group_round_seconds(numel: int, part_sizes: Sequence[int], uplinks: Sequence
         # Its reduce-scatter connections start cold, each with a fair share of its uplink (the all-gather then
         # runs on the same, warm, connections).
         contribution = (numel - s) / (n - 1) * bytes_per_value * WIRE_BYTES_PER_PAYLOAD_BYTE
-        ramp = max(ramp, slow_start_seconds(contribution, min(up, down) / (n - 1), rtt_s))
+        ramp = max(ramp, slow_start_seconds(contribution, min(up, down) / (n - 1), rtt_s, initial_window))
     return busiest * WIRE_BYTES_PER_PAYLOAD_BYTE + ramp + (2 + CONNECTION_SETUP_RTTS) * rtt_s, sent
 
 

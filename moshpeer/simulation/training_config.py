@@ -14,6 +14,7 @@ from moshpeer.peer.checkpoint.staleness import DEFAULT_MAX_STALENESS
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.strategies.diloco import DEFAULT_OUTER_PARAMS_EVERY
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
+from moshpeer.simulation.time_model import INITIAL_WINDOW_SEGMENTS
 
 MODES = ("gradients", "parameters", "diloco")
 KINDS = ("quadratic", "mlp")
@@ -87,6 +88,8 @@ class TrainingConfig:
     :param quorum: diloco: Q > 0 ends a peer's epoch early, after the inner step that passes the moment trainers
         holding Q of the swarm's compute rate are done (production `DiLoCoStrategy(quorum=Q)` and its
         `round_timing.quorum_time`); the round weighs each Δ by its samples; 0 = every peer takes H steps
+    :param initial_window: TCP's initial window on every peer's routes, in segments (Linux's 10, or what an operator
+        set with `ip route ... initcwnd`): where a round's fresh connections start their slow start
     :param matchmaking_window_s: how long the first ready member of a group waits for the others
     :param straggler_hold: a group stays open longer for trainers still computing the round's epoch, as
         production's `RoundTiming.straggler_hold` decides from their records; False = the plain window
@@ -123,6 +126,7 @@ class TrainingConfig:
     uplink: float = 125e6
     downlink: float = 125e6
     rtt_s: float = 0.05
+    initial_window: int = INITIAL_WINDOW_SEGMENTS
     link_spread: float = 0.0
     speed: float = 16.0
     speed_spread: float = 0.0
@@ -173,6 +177,7 @@ class TrainingConfig:
             value = getattr(self, name)
             need(0 < value < math.inf, f"{name} must be a positive number, got {value}")
         need(self.min_round_timeout_s <= self.round_timeout_s, "min_round_timeout_s must be <= round_timeout_s")
+        need(1 <= self.initial_window <= 1024, f"initial_window must be 1 to 1024 segments, got {self.initial_window}")
         for name in ("rtt_s", "link_spread", "speed_spread", "failure_rate_per_hour"):
             value = getattr(self, name)
             need(0 <= value < math.inf, f"{name} must be finite and >= 0, got {value}")

@@ -69,6 +69,15 @@ def test_slow_start_costs_round_trips_until_the_window_covers_the_path():
     assert slow_start_seconds(1e9, 40e6, 0.2) > slow_start_seconds(1e9, 4e6, 0.2)
 
 
+def test_a_larger_initial_window_shortens_rounds_far_apart_and_a_bad_one_is_refused():
+    near, far, wide = (_config(peers=32, rounds=10, rtt_s=rtt, initial_window=window)
+                       for rtt, window in ((0.0, 10), (0.2, 10), (0.2, 64)))
+    seconds = [run_training(config, seed=1).sim_seconds for config in (near, far, wide)]
+    assert seconds[0] < seconds[2] < seconds[1]
+    with pytest.raises(ValueError, match="initial_window"):
+        _config(initial_window=0).check()
+
+
 def test_same_seed_same_run_and_seeds_differ():
     config = _config(peers=16, rounds=15, failure_rate_per_hour=20.0, rejoin_s=30.0)
     a, b = run_training(config, seed=3), run_training(config, seed=3)
