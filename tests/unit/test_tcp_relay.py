@@ -169,6 +169,17 @@ def test_relay_watch_moves_after_silent_rounds_in_a_row_only():
     assert watch.note_round(3, 3) is True and watch.silent == 0  # then it starts over on the next relay
 
 
+def holds_within(condition, timeout: float) -> bool:
+    """Whether `condition()` comes true within `timeout` s: for what another thread does after the event a test
+    waited on, where that thread signals nothing."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_peer_behind_nat_leaves_a_relay_that_drops_its_circuits_for_another(monkeypatch):
     """The hostile relay keeps the slot alive, so only the rounds can tell: after SILENT_ROUNDS_TO_MOVE rounds in
     which no member reached us, the peer takes a slot on the other relay, avoids the hostile one although it is
@@ -194,7 +205,10 @@ def test_a_peer_behind_nat_leaves_a_relay_that_drops_its_circuits_for_another(mo
         assert role.relay == hostile_plane.address  # not yet
         role.note_round(others=2, unheard=2)
         assert role.reservation.wait_for_slot(15.0, on=good_plane.address)
-        assert good.reservations == 1 and hostile.reservations == 0
+        assert good.reservations == 1  # counted before it answered "reserved"
+        # The hostile relay frees the slot when its control thread sees the holder hang up, which may come after
+        # the move (asserted at once, this failed in 2 of 3 runs of the unit suite beside three busy loops).
+        assert holds_within(lambda: hostile.reservations == 0, 10.0), hostile.reservations
         with open_circuit(good_plane.address, target, time.monotonic() + 5) as sender:
             sender.sendall(b"through the new relay")
             with delivered.get(timeout=5) as receiver:
