@@ -244,8 +244,9 @@ def main() -> int:
     except netlab.NetlabError as e:
         print(f"--tcp-congestion: {e} (or 'kernel')", file=sys.stderr)
         return 2
-    if args.initial_window is not None and not 1 <= args.initial_window <= 1024:
-        print(f"--initial-window: 1 to 1024 segments, got {args.initial_window}", file=sys.stderr)
+    if args.initial_window is not None and not 1 <= args.initial_window <= netlab.MAX_INITIAL_WINDOW:
+        print(f"--initial-window: 1 to {netlab.MAX_INITIAL_WINDOW} segments, got {args.initial_window}",
+              file=sys.stderr)
         return 2
     systems = args.systems.split(",")
 

@@ -141,6 +141,8 @@ TRAINING_KNOBS = (
     ("--uplink-mbps", "uplink_mbps", _positive_float, 10_000.0, "U", "uplink per peer, Mbit/s"),
     ("--downlink-mbps", "downlink_mbps", _positive_float, 10_000.0, "D", "downlink per peer, Mbit/s"),
     ("--rtt-ms", "rtt_ms", _nonnegative_float, 1.0, "R", "round-trip time per peer, ms"),
+    # time_model's INITIAL_WINDOW_SEGMENTS and MAX_INITIAL_WINDOW_SEGMENTS, as literals like the other defaults here:
+    # the simulator (and torch) is imported only once a simulation runs
     ("--initial-window", "initial_window", int_at_least(1, 1024), 10, "N",
      "TCP's initial window, segments: where each round's fresh connections start (Linux's 10; `ip route ... "
      "initcwnd N`)"),

@@ -19,6 +19,7 @@ CONNECTION_SETUP_RTTS = 2
 # Linux's initial congestion window: 10 segments (RFC 6928) of 1448 payload bytes.
 SEGMENT_BYTES = 1448
 INITIAL_WINDOW_SEGMENTS = 10
+MAX_INITIAL_WINDOW_SEGMENTS = 1024  # the most a config may ask for (what `ip route ... initcwnd` allows is more)
 INITIAL_WINDOW_BYTES = INITIAL_WINDOW_SEGMENTS * SEGMENT_BYTES
 
 

@@ -14,7 +14,7 @@ from moshpeer.peer.checkpoint.staleness import DEFAULT_MAX_STALENESS
 from moshpeer.peer.optimizer.progress_cadence import ProgressCadence
 from moshpeer.peer.strategies.diloco import DEFAULT_OUTER_PARAMS_EVERY
 from moshpeer.peer.strategies.diloco_outer import parse_outer_optimizer
-from moshpeer.simulation.time_model import INITIAL_WINDOW_SEGMENTS
+from moshpeer.simulation.time_model import INITIAL_WINDOW_SEGMENTS, MAX_INITIAL_WINDOW_SEGMENTS
 
 MODES = ("gradients", "parameters", "diloco")
 KINDS = ("quadratic", "mlp")
@@ -177,7 +177,8 @@ class TrainingConfig:
             value = getattr(self, name)
             need(0 < value < math.inf, f"{name} must be a positive number, got {value}")
         need(self.min_round_timeout_s <= self.round_timeout_s, "min_round_timeout_s must be <= round_timeout_s")
-        need(1 <= self.initial_window <= 1024, f"initial_window must be 1 to 1024 segments, got {self.initial_window}")
+        need(1 <= self.initial_window <= MAX_INITIAL_WINDOW_SEGMENTS,
+             f"initial_window must be 1 to {MAX_INITIAL_WINDOW_SEGMENTS} segments, got {self.initial_window}")
         for name in ("rtt_s", "link_spread", "speed_spread", "failure_rate_per_hour"):
             value = getattr(self, name)
             need(0 <= value < math.inf, f"{name} must be finite and >= 0, got {value}")

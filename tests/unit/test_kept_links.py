@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from local_group import credentials, identities, members as group_members
+from waiting import holds_within
 
 from moshpeer.averaging import DataPlane, GroupAllReduce, dataplane, handshake, kept_links, wire
 from moshpeer.averaging.handshake import FrameAuth, PeerRefused
@@ -189,20 +190,17 @@ def test_the_next_allreduce_with_the_same_peers_rebinds_every_connection(three_p
         assert [r.connections_kept for r in results] == ([0, 0, 0] if order == [0, 1, 2] else [2, 2, 2])
         assert all(r.chunks_lost == 0 and r.rejected_connections == 0 for r in results)
         assert [len(pool) for pool in pools] == [2, 2, 2]
-        deadline = time.monotonic() + 10  # the receivers' threads keep theirs once they have read the end markers
-        while [plane.kept_connections for plane in planes] != [2, 2, 2]:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # the receivers' threads keep theirs once they have read the end markers
+        assert holds_within(lambda: [plane.kept_connections for plane in planes] == [2, 2, 2], 10.0)
 
 
 def test_a_kept_connection_its_receiver_closed_meanwhile_is_replaced_by_a_new_one(three_peers, monkeypatch):
     planes, pools = three_peers
     monkeypatch.setattr(dataplane, "KEEP_INBOUND_S", 0.2)  # receivers give kept connections up at once
     run_allreduce(planes, pools, [torch.randn(1000) for _ in range(3)], [0, 1, 2])
-    deadline = time.monotonic() + 10
-    while any(plane.kept_connections for plane in planes):  # each receiver's thread closes them on its own
-        assert time.monotonic() < deadline, "the receivers kept their connections past KEEP_INBOUND_S"
-        time.sleep(0.01)
+    # each receiver's thread closes them on its own
+    assert holds_within(lambda: not any(plane.kept_connections for plane in planes), 10.0), \
+        "the receivers kept their connections past KEEP_INBOUND_S"
     monkeypatch.setattr(kept_links, "peer_closed", lambda sock: False)  # as if the close crossed our rebind
     tensors = [torch.randn(1000) for _ in range(3)]
     mean = torch.stack(tensors).mean(0)

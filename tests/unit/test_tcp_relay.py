@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from local_group import identities, run_group
+from waiting import holds_within
 
 from moshpeer.averaging import DataPlane, wire
 from moshpeer.averaging.tcp_relay import protocol
@@ -167,17 +168,6 @@ def test_relay_watch_moves_after_silent_rounds_in_a_row_only():
     assert [watch.note_round(2, 2), watch.note_round(2, 2), watch.note_round(2, 1)] == [False] * 3  # one got through
     assert [watch.note_round(2, 2), watch.note_round(0, 0), watch.note_round(2, 2)] == [False] * 3  # alone: no news
     assert watch.note_round(3, 3) is True and watch.silent == 0  # then it starts over on the next relay
-
-
-def holds_within(condition, timeout: float) -> bool:
-    """Whether `condition()` comes true within `timeout` s: for what another thread does after the event a test
-    waited on, where that thread signals nothing."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_peer_behind_nat_leaves_a_relay_that_drops_its_circuits_for_another(monkeypatch):

@@ -42,6 +42,7 @@ MIN_BURST_BYTES = 32 * 1024
 MIN_QUEUE_BYTES = 2 * 1024 * 1024
 QUEUE_SECONDS = 0.1
 TSQ_BYTES = 128 * 1024
+MAX_INITIAL_WINDOW = 1024  # segments; what `ip route ... initcwnd` takes is far above any sane first flight
 
 _NETNS_RE = re.compile(rf"^{PREFIX}-([0-9a-f]{{6}})([0-9a-z])-(\d+|probe|r|s\d+)$")
 _SEQ_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -266,8 +267,9 @@ class Netlab:
         self.subnet_spec = subnet
         self.persistent = persistent
         self.tcp_congestion = tcp_congestion
-        if initial_window is not None and not 1 <= initial_window <= 1024:
-            raise NetlabError(f"netlab: initial_window must be 1 to 1024 segments, got {initial_window}")
+        if initial_window is not None and not 1 <= initial_window <= MAX_INITIAL_WINDOW:
+            raise NetlabError(f"netlab: initial_window must be 1 to {MAX_INITIAL_WINDOW} segments, "
+                              f"got {initial_window}")
         # A peer's routes to the others: TCP's initial congestion and receive windows, as an operator sets them
         self._route_options = [] if initial_window is None else ["initcwnd", str(initial_window),
                                                                  "initrwnd", str(initial_window)]
