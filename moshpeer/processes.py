@@ -10,6 +10,13 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+# torch_shm_manager as /proc/PID/stat names it (15 characters). It removes its clients' /dev/shm segments (torch's
+# file_system sharing strategy, which hivemind uses) about 2 s after the last client is gone (torch/lib/libshm);
+# signalled before that, it dies and leaves them. Whoever stops processes that use torch spares it until its clients
+# are gone, then gives it SHM_MANAGER_GRACE_S to finish.
+SHM_MANAGER_NAME = "torch_shm_manag"
+SHM_MANAGER_GRACE_S = 3.0
+
 
 @dataclass(frozen=True)
 class ProcInfo:
@@ -22,6 +29,10 @@ class ProcInfo:
     @property
     def alive(self) -> bool:
         return self.state not in ("Z", "X")
+
+    @property
+    def is_torch_shm_manager(self) -> bool:
+        return self.name == SHM_MANAGER_NAME
 
 
 def proc_available() -> bool:

@@ -9,8 +9,11 @@ group, waits up to `grace` seconds, SIGKILLs what is left, and exits.
 
 Killed processes leave files behind: hivemind shares its futures' state through torch's `file_system` strategy,
 whose segments (/dev/shm/torch_<creator pid>_...) torch_shm_manager removes about 2 s after its last client is gone,
-unless it is killed first. `kill_tagged` removes the segments of every process it saw once those are dead
-(`remove_torch_segments`), and so does the swarm harness for the processes it stopped itself.
+unless it is killed first. So `kill_tagged` stops every other tagged process first and gives the managers
+`SHM_MANAGER_GRACE_S` to end by themselves (they carry the tag too: they inherit their clients' environment), then
+removes the segments of every process it saw once those are dead (`remove_torch_segments`), and so does the swarm
+harness for the processes it stopped itself. (Killing the managers with the rest left the segments of clients that
+had ended before the reaper ran: `moshpeer demo` under the swarm harness left 6 per run.)
 
 `python -m moshpeer.testing.orphans KEY VALUE [GRACE]` is the watchdog itself (what `Reaper` runs).
 Linux only (/proc); elsewhere `tagged_processes` finds nothing.
@@ -26,7 +29,7 @@ import sys
 import time
 from typing import Iterable, List, Set
 
-from moshpeer.processes import ProcInfo, all_pids, read_proc_info
+from moshpeer.processes import SHM_MANAGER_GRACE_S, ProcInfo, all_pids, read_proc_info
 
 DEFAULT_GRACE_S = 3.0
 SHARED_MEMORY_DIR = "/dev/shm"
@@ -69,9 +72,10 @@ def _signal_all(infos: List[ProcInfo], sig: int) -> None:
             pass
 
 
-def _wait_gone(key: str, value: str, deadline: float) -> List[ProcInfo]:
+def _wait_gone(key: str, value: str, deadline: float, managers: bool) -> List[ProcInfo]:
+    """The tagged processes still alive at `deadline` or once none is; torch_shm_managers only if `managers`."""
     while True:
-        survivors = tagged_processes(key, value)
+        survivors = [info for info in tagged_processes(key, value) if managers or not info.is_torch_shm_manager]
         if not survivors or time.monotonic() >= deadline:
             return survivors
         time.sleep(0.05)
@@ -95,16 +99,23 @@ def remove_torch_segments(pids: Iterable[int]) -> int:
 
 
 def kill_tagged(key: str, value: str, grace: float = DEFAULT_GRACE_S) -> List[ProcInfo]:
-    """SIGTERM every live process tagged `key=value` (and the process groups they lead), SIGKILL what is
-    left after `grace` seconds, and remove the torch segments of those that died; returns what still lives `grace`
+    """SIGTERM every live process tagged `key=value` but torch_shm_manager (and the process groups they lead),
+    SIGKILL what is left after `grace` seconds; then wait up to SHM_MANAGER_GRACE_S for the managers to end and
+    SIGKILL those that did not; remove the torch segments of those that died; returns what still lives `grace`
     seconds after that (normally [])."""
-    survivors = tagged_processes(key, value)
-    seen = {info.pid for info in survivors}  # kept: the processes are gone when their segments are removed
+    everyone = tagged_processes(key, value)
+    seen = {info.pid for info in everyone}  # kept: the processes are gone when their segments are removed
+    survivors = [info for info in everyone if not info.is_torch_shm_manager]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not survivors:
             break
         _signal_all(survivors, sig)
-        survivors = _wait_gone(key, value, time.monotonic() + grace)
+        survivors = _wait_gone(key, value, time.monotonic() + grace, managers=False)
+    # The managers, whose clients are gone now: they remove the clients' segments and end by themselves.
+    survivors = _wait_gone(key, value, time.monotonic() + SHM_MANAGER_GRACE_S, managers=True)
+    if survivors:
+        _signal_all(survivors, signal.SIGKILL)
+        survivors = _wait_gone(key, value, time.monotonic() + grace, managers=True)
     remove_torch_segments(seen)
     return survivors
 

@@ -152,4 +152,4 @@ class AveragingSwarm:
                 worker.popen.wait()
         kill_tagged(SWARM_TAG, self.tag, grace=1.0)  # what the workers spawned and left (DHT processes, p2pd)
         self._reaper.close()
-        remove_torch_segments(family)  # torch_shm_manager was killed before it could
+        remove_torch_segments(family)  # of the workers SIGKILLed above (their torch_shm_manager may be gone)

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from moshpeer.processes import ProcInfo, all_processes  # noqa: F401 (re-exported)
-from moshpeer.testing.orphans import (Reaper, remove_torch_segments, tagged_pids,  # noqa: F401 (re-exported)
-                                      tagged_processes)
+from moshpeer.testing.orphans import (Reaper, kill_tagged, remove_torch_segments,  # noqa: F401 (re-exported)
+                                      tagged_pids, tagged_processes)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWARM_TAG = "MOSHPEER_TEST_SWARM"
@@ -381,7 +381,9 @@ class Swarm:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        survivors = self._wait_until_gone(deadline=time.monotonic() + grace)
+        # What the groups held that lives elsewhere (a DHT process re-parented, ...): torch_shm_managers last, once
+        # their clients are gone, so that they remove their segments.
+        survivors = kill_tagged(SWARM_TAG, self.tag, grace=1.0)
         for proc in self.procs:
             if proc.popen.poll() is None:
                 proc.popen.wait()
@@ -390,14 +392,3 @@ class Swarm:
         self._reaper.close()
         remove_torch_segments(family)
         return survivors
-
-    def _wait_until_gone(self, deadline: float) -> List[ProcInfo]:
-        while True:
-            survivors = self.alive_processes()
-            if not survivors or time.monotonic() > deadline:
-                return survivors
-            for info in survivors:
-                _kill_quietly(info.pid, signal.SIGKILL)
-            for proc in self.procs:
-                proc.popen.poll()  # reap our direct children
-            time.sleep(0.05)

@@ -5,7 +5,6 @@ Every test here needs root and iproute2; where namespaces cannot be made they sk
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -16,9 +15,10 @@ import torch
 
 from averaging_swarm import AveragingSwarm
 from averaging_worker import peer_values
+from shared_memory import SHARES_MEMORY, segments_of
 from moshpeer.averaging.partition import bandwidth_part_sizes, reduce_allgather_seconds
 from moshpeer.simulation.time_model import group_round_seconds
-from moshpeer.testing import netlab, orphans
+from moshpeer.testing import netlab
 from moshpeer.testing.netlab import Netlab
 
 pytestmark = [pytest.mark.timeout(240),
@@ -183,17 +183,6 @@ def test_shaped_private_links_and_teardown():
     assert not lab_names(lab.lab_id)
 
 
-# Shares a tensor through torch's file_system strategy (a /dev/shm segment that torch_shm_manager removes once its
-# clients are gone, as hivemind's futures do in a peer) and waits to be killed.
-SHARES_MEMORY = textwrap.dedent("""
-    import sys, torch, torch.multiprocessing
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    shared = torch.zeros(1000).share_memory_()
-    print("shared", flush=True)
-    sys.stdin.read()
-""")
-
-
 def test_teardown_leaves_no_shared_memory_behind():
     """A peer killed by the teardown leaves no torch segment in /dev/shm: its torch_shm_manager, which runs in the
     lab too, is let remove them instead of being killed first (bench_wan's runs used to leave 8 a run)."""
@@ -201,7 +190,7 @@ def test_teardown_leaves_no_shared_memory_behind():
         peer = lab.popen(0, [sys.executable, "-c", SHARES_MEMORY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)
         assert peer.stdout.readline().strip() == "shared"
-        segments = glob.glob(f"{orphans.SHARED_MEMORY_DIR}/torch_{peer.pid}_*")
+        segments = segments_of(peer.pid)
         assert segments
     assert not [path for path in segments if os.path.exists(path)]
 

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from shared_memory import SHARES_MEMORY, segments_of
 from swarm import SWARM_TAG
 
 from moshpeer.testing import orphans
@@ -104,6 +105,29 @@ def test_closing_the_reaper_kills_tagged_processes_and_only_those():
         for proc in (tagged, bystander):
             proc.kill()
             proc.wait()
+
+
+def test_a_peer_that_ended_before_the_reaper_leaves_no_shared_memory_behind():
+    """A tagged process that shared a tensor and ended by itself (a demo's peer, before the harness's teardown)
+    leaves its segments to its torch_shm_manager, which carries the tag too; the reaper lets the manager remove them
+    instead of killing it with the rest (`moshpeer demo` under the swarm harness left 6 segments a run)."""
+    tag = uuid.uuid4().hex
+    peer = subprocess.Popen([sys.executable, "-c", SHARES_MEMORY], env={**os.environ, SWARM_TAG: tag},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert peer.stdout.readline().strip() == "shared"
+        segments = segments_of(peer.pid)
+        assert segments
+        peer.stdin.close()
+        assert peer.wait(30) == 0
+        assert [info.name for info in tagged_processes(SWARM_TAG, tag)] == ["torch_shm_manag"]  # in its 2 s
+        assert kill_tagged(SWARM_TAG, tag) == []
+        assert not [path for path in segments if os.path.exists(path)]
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        kill_tagged(SWARM_TAG, tag)
 
 
 def test_only_the_segments_of_processes_that_are_gone_are_removed(tmp_path, monkeypatch):

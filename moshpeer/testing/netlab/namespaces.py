@@ -7,14 +7,10 @@ import signal
 import time
 from typing import Callable, List, Optional, Sequence
 
-from moshpeer.processes import read_proc_info
+from moshpeer.processes import SHM_MANAGER_GRACE_S, read_proc_info
 from moshpeer.testing.netlab.commands import run
 
 KILL_GRACE_S = 3.0
-# torch_shm_manager as /proc/PID/comm names it (15 characters); it removes its clients' segments 2 s after the last
-# one is gone (torch/lib/libshm), so it gets a little longer than that before it is killed.
-SHM_MANAGER_NAME = "torch_shm_manag"
-SHM_MANAGER_GRACE_S = 3.0
 
 
 def list_netns() -> List[str]:
@@ -32,7 +28,7 @@ def _netns_pids(namespaces: Sequence[str]) -> List[int]:
 
 def _is_shm_manager(pid: int) -> bool:
     info = read_proc_info(pid)
-    return info is not None and info.name == SHM_MANAGER_NAME
+    return info is not None and info.is_torch_shm_manager
 
 
 def _stop(list_pids: Callable[[], List[int]], first: Optional[signal.Signals], grace: float) -> None:
