@@ -19,7 +19,8 @@ and adds a moshpeer run with a DropCompute budget, to compare step times with an
 
 `--netlab RATE` (e.g. 100mbit, or 100,100,100,10 per peer; needs root) runs every peer of both swarms
 in a network namespace of its own whose upload is shaped to RATE (`moshpeer.testing.netlab`; bootstrap
-and aux peers unshaped), instead of all on 127.0.0.1.
+and aux peers unshaped), instead of all on 127.0.0.1; `--netlab-rtt MS [--netlab-jitter MS]` puts every
+process that far from the others.
 
 Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind,
 bytes_per_round, bytes_per_round_before, bytes_vs_before, ...
@@ -145,6 +146,11 @@ def add_netlab_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netlab", metavar="RATE", default=None,
                         help="run every peer in a network namespace with its upload shaped to RATE (100mbit, 1gbit, "
                         "or one rate per peer: 100,100,100,10); needs root")
+    parser.add_argument("--netlab-rtt", metavar="MS", default=None,
+                        help="with --netlab: the round trip every process adds, ms (two peers 200 ms apart: 200; the "
+                        "bootstrap and aux peers too)")
+    parser.add_argument("--netlab-jitter", metavar="MS", default=None,
+                        help="with --netlab-rtt: how much each round trip varies, ms")
 
 
 @contextmanager
@@ -159,8 +165,9 @@ def placement_from_args(args, extra_nodes: int) -> Iterator[Placement]:
     if reason is not None:
         raise SystemExit(reason)
     uploads = netlab.parse_rates(args.netlab, args.peers) + [None] * extra_nodes
-    with netlab.Netlab(uploads) as lab:
-        print(f"netlab: peers' uploads {uploads[:args.peers]} Mbit/s on a private bridge", flush=True)
+    with netlab.Netlab(uploads, rtt=args.netlab_rtt, jitter=args.netlab_jitter) as lab:
+        print(f"netlab: peers' uploads {uploads[:args.peers]} Mbit/s on a private bridge, round trips "
+              f"{args.netlab_rtt or 0} ms (jitter {args.netlab_jitter or 0} ms)", flush=True)
         yield Placement(lab)
 
 
@@ -461,6 +468,7 @@ def run_all(args) -> int:
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
         "group_size": args.group_size or args.peers, "aux": args.aux, "netlab": args.netlab,
+        "netlab_rtt_ms": args.netlab_rtt,
         "bytes_per_round": moshpeer["bytes_per_round"],
     }
     if not args.skip_before:
