@@ -156,9 +156,20 @@ def test_a_round_two_epochs_on_means_the_groups_state_even_with_the_step_before(
     assert late.epochs.rounds[-1].error == MET_A_LATER_ROUND and late.epochs.rounds[-2] is record
 
 
-def test_the_kept_update_of_the_round_before_lasts_one_more_epoch():
+def test_the_kept_update_of_the_round_before_lasts_until_its_straggler_could_no_longer_ask_for_it():
+    """Peers 200 ms apart (docs/training.md, session 50): a straggler that met the member's round of epoch 1 with its
+    epoch 0 asked for the step of epoch 0 only after the member had planned epoch 2; it then downloaded a whole state,
+    and was one epoch late again at every round. So the update of epoch 0 lasts until the member plans epoch 3 (a
+    straggler still at epoch 0 by then meets a round two epochs on, and takes the group's state anyway)."""
     member = member_after_two_rounds(straggler_in_view=True)
     member.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[2, 2, 2]))
     member.backward(1.0)
-    assert member.epochs.account(SHARE).ok  # planned epoch 2 with the straggler at epoch 0: too far behind for it
+    assert member.epochs.account(SHARE).ok  # planned epoch 2 with the straggler still at epoch 0
+    assert member.strategy.kept_update(0) is not None
+    assert member.strategy.kept_update(1) is None  # nobody is at epoch 1: not encoded
+    late, record = straggler_in_the_next_round(member)
+    assert record.ok and record.joined_epoch == 1 and late.update_requests == [0] and late.downloads == []
+    member.averager.queue(RoundResult(ok=True, group_size=3, averaged=("gradients",), member_epochs=[3, 3, 3]))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok  # planned epoch 3: a straggler at epoch 0 is too far behind for it
     assert member.strategy.kept_update(0) is None and member.strategy.kept_update(1) is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moshpeer.averaging.report import RoundResult
-from moshpeer.peer.optimizer.epoch_loop import MISSED_ROUND_UPDATE
+from moshpeer.peer.optimizer.epoch_loop import MISSED_CAUGHT_UP, MISSED_ROUND_UPDATE
 from moshpeer.peer.optimizer.missed_round import ROUND_OVER, nobody_left_in
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from moshpeer.peer.strategies.round_update import RoundUpdate
@@ -246,3 +246,22 @@ def test_nobody_is_left_in_an_epoch_only_when_every_other_live_trainer_is_past_i
     assert not nobody_left_in([me], 0, me.peer_id)  # alone is not "the others moved on"
     assert nobody_left_in([me, peer_record(1, epoch=1), peer_record(2, epoch=0, role="aux"),
                            peer_record(3, epoch=0, leaving=True)], 0, me.peer_id)
+
+
+def test_a_latecomer_that_missed_a_parameters_round_takes_the_groups_state_not_their_gradient():
+    """The members of a round that averages the parameters adopt them (with the default settings: every
+    params_every epochs, the first round included); their kept update is the gradient alone, and a latecomer stepping
+    on it would stay on its own parameters until the next parameters round (200 ms apart, session 50: a peer that
+    missed the first round trained 16 epochs on its own initialization). It takes their state instead."""
+    member, late = (FakeHost(GradientsStrategy(), lr=0.1) for _ in range(2))
+    member.averager.queue(RoundResult(ok=True, group_size=2, averaged=("gradients", "parameters")))
+    member.backward(1.0)
+    assert member.epochs.account(SHARE).ok
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.swarm.moved_on = True
+    late.updates = [member.strategy.kept_update(0)]  # on offer, and not taken
+    late.donor_state = object()
+    late.backward(3.0)
+    record = late.epochs.account(SHARE)
+    assert late.update_requests == [] and late.downloads == [1]
+    assert record.error == MISSED_CAUGHT_UP and late.counters.epoch == 1

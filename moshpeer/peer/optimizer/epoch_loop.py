@@ -272,7 +272,7 @@ class EpochLoop:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
                                          wait_s=time.monotonic() - started, **facts)
             missed = self._catch_up_instead(epoch + 1, MISSED_CAUGHT_UP, facts) \
-                if host.strategy.catches_up_after_missed_round else None
+                if host.strategy.needs_state_after_missing(plan) else None
             if missed is not None:
                 return missed
         step_before = self.missed_round.step_before(plan, result)

@@ -64,10 +64,11 @@ class MissedRound:
 
     def fetch_update(self, plan: RoundPlan) -> Optional[Any]:
         """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer
-        (`AveragingStrategy.fit_update`); None (logged) when the strategy does not rejoin that way or no peer
-        delivered one that fits."""
+        (`AveragingStrategy.fit_update`); None (logged) when the strategy does not rejoin that way, or not after
+        this round (a gradients round that adopted the parameters: their state instead), or no peer delivered one
+        that fits."""
         strategy = self.host.strategy
-        if not strategy.rejoins_by_update:
+        if not strategy.update_restores(plan):
             return None
         for update in self.host.fetch_updates(plan.epoch):
             try:

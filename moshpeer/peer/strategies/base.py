@@ -171,6 +171,16 @@ class AveragingStrategy(abc.ABC):
         """The update a successful round of `epoch` applied, if this strategy keeps it (`rejoins_by_update`)."""
         return None
 
+    def update_restores(self, plan: RoundPlan) -> bool:
+        """Whether another member's kept update of `plan`'s round can stand for that round in a peer that missed it:
+        `rejoins_by_update` by default."""
+        return self.rejoins_by_update
+
+    def needs_state_after_missing(self, plan: RoundPlan) -> bool:
+        """Whether a peer that missed `plan`'s round and took no update must take the group's state rather than a
+        lone step (nothing else would bring it back to the group's): `catches_up_after_missed_round` by default."""
+        return self.catches_up_after_missed_round
+
     def fit_update(self, plan: RoundPlan, update: Any) -> Any:
         """What `apply_update` takes, if another peer's kept update of `plan`'s round fits this peer; ValueError
         saying why not otherwise (then nothing changed)."""

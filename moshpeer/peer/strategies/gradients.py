@@ -6,10 +6,12 @@ and every member applies the same averaged gradient with the inner optimizer.
 
 Members of a full group apply the same average and stay identical. A peer whose round failed while the
 others averaged it takes their step instead of one of its own (`rejoins_by_update`): it fetches the averaged
-gradient a member kept (round_update.py; one round's bytes, served only while that member has not planned its
-next round) and steps on it; its own gradient of the missed epoch is carried into its next contribution, weighed
-by its samples, and it starts the next epoch as far in as the member was (`head_start`), so that it meets that
-epoch's round instead of arriving as late again. Peers still drift apart: a peer that stepped alone (no group
+gradient a member kept (round_update.py; one round's bytes, served until that member plans its next round, or
+two more epochs while a straggler at that epoch is in view) and steps on it; its own gradient of the missed epoch is
+carried into its next contribution, weighed by its samples, and it starts the next epoch as far in as the member
+was (`head_start`), so that it meets that epoch's round instead of arriving as late again. A round whose members
+adopted the averaged parameters cannot be made up for that way: a peer that missed it takes their state. Peers
+still drift apart: a peer that stepped alone (no group
 that epoch, or no member served the update), or groups that received different averages (a swarm larger than
 one group). So every `params_every` epochs the round also averages the parameters and every member adopts their
 average (Moshpit SGD's recipe to pull groups back together); `param_spread` reports how far this peer was from
@@ -74,9 +76,10 @@ class GradientsStrategy(AveragingStrategy):
         self.grad_part = self.buffer[:sum(p.numel() for p in host.params)]  # a gradients-only round averages this
         self.kept_epoch: Optional[int] = None  # the epoch whose group average `grads` still hold (kept_update)
         self.kept_encoded: Optional[RoundUpdate] = None  # encoded at the first request, for every later one
-        # The update of the round before, kept past our plan while a trainer's record still showed its epoch: that
-        # peer may meet our next round in matchmaking and then asks for the step it missed (`_keep_for_stragglers`).
-        self.previous: Optional[RoundUpdate] = None
+        # Updates of the rounds before, kept past our plan while a trainer's record still showed their epoch (epoch ->
+        # update; at most two): that peer may meet a later round of ours and then asks for the step it missed
+        # (`_keep_for_stragglers`).
+        self.previous: Dict[int, RoundUpdate] = {}
         # Own gradient sums (x samples) of rounds missed and made up for with the group's update (apply_update):
         # they go into the next contribution, or the next lone step.
         self.carried_sums: Optional[List[torch.Tensor]] = None
@@ -131,13 +134,23 @@ class GradientsStrategy(AveragingStrategy):
     def kept_update(self, epoch: int) -> Optional[Dict[str, Any]]:
         """The averaged gradient this peer stepped on in its successful round of `epoch`, while its buffer still
         holds it (until it plans its next round), encoded with the run's gather codec, with this peer's phase now:
-        (the next epoch, its samples so far); or the round's before, kept for a straggler (no phase: this peer is
-        an epoch further). The caller holds the optimizer's lock (the training thread plans under it)."""
-        if self.previous is not None and self.previous.epoch == epoch:
-            return self.previous.to_state()
+        (the next epoch, its samples so far); or one of the two rounds' before, kept for a straggler (no phase: this
+        peer is an epoch or two further). The caller holds the optimizer's lock (the training thread plans under it)."""
+        if epoch in self.previous:
+            return self.previous[epoch].to_state()
         if self.kept_epoch != epoch:
             return None
         return self._encode_kept().to_state(phase=(epoch + 1, self.host.samples_accumulated))
+
+    def update_restores(self, plan: RoundPlan) -> bool:
+        """Not after a round whose members adopted the averaged parameters: its kept update is their gradient only,
+        and a step on it would leave a peer that missed the round on its own parameters until the next parameters
+        round (after the first round of a run: on another initialization altogether; seen 200 ms apart in session
+        50). Such a peer takes their state instead (`needs_state_after_missing`)."""
+        return not self.adopt_params
+
+    def needs_state_after_missing(self, plan: RoundPlan) -> bool:
+        return self.adopt_params
 
     def _encode_kept(self) -> RoundUpdate:
         if self.kept_encoded is None:
@@ -145,15 +158,23 @@ class GradientsStrategy(AveragingStrategy):
                                                    compression=self.host.compression)
         return self.kept_encoded
 
-    def _keep_for_stragglers(self, swarm: ProgressSnapshot) -> Optional[RoundUpdate]:
-        """Before the buffer takes the next gradient: the update of the round just averaged, encoded, if another
-        trainer's record still shows that epoch (it has not averaged it; with epochs shorter than a matchmaking
-        window it may meet our next round, and then fetches the step it missed: epoch_loop.py); else None. An encode
-        of the gradient only when such a straggler is in view; nothing is kept longer than one more epoch."""
-        if self.kept_epoch is None or not any(r.role == "trainer" and r.epoch == self.kept_epoch and not r.leaving
-                                              for r in swarm.peers):
-            return None
-        return self._encode_kept()
+    def _keep_for_stragglers(self, swarm: ProgressSnapshot) -> Dict[int, RoundUpdate]:
+        """Before the buffer takes the next gradient: the updates of the last two rounds averaged whose epoch another
+        trainer's record still shows (it has not averaged that round), encoded; else nothing. Such a trainer, with
+        epochs shorter than a matchmaking window, may meet our next round, and then fetches the step it missed
+        (epoch_loop.py). It asks once that shared round is over, which on long round trips comes after this peer
+        planned the epoch after it (200 ms apart, the ask took 0.5-1.3 s and the next plan came first: the
+        straggler downloaded a whole state, 3.5 s, and was one epoch late again at every round, docs/training.md):
+        so the round before the last one is kept one more epoch. An encode only when such a straggler is in view;
+        nothing is kept longer than two more epochs."""
+        if self.kept_epoch is None:
+            return {}
+        behind = {r.epoch for r in swarm.peers if r.role == "trainer" and not r.leaving}
+        kept = {epoch: update for epoch, update in self.previous.items()
+                if epoch == self.kept_epoch - 1 and epoch in behind}
+        if self.kept_epoch in behind:
+            kept[self.kept_epoch] = self._encode_kept()
+        return kept
 
     @torch.no_grad()
     def fit_update(self, plan: RoundPlan, update: Any) -> Tuple[torch.Tensor, int]:
@@ -187,7 +208,7 @@ class GradientsStrategy(AveragingStrategy):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._drop_carried()  # an adopted state replaces the carried work (the epoch loop counts it dropped)
-        self.head, self.previous = 0, None
+        self.head, self.previous = 0, {}
 
     def head_start(self) -> int:
         return self.head
