@@ -151,11 +151,13 @@ class FakeProgress:
 
 
 class FakeSwarm:
-    """A `SwarmLink` without a DHT: `moved_on` says whether the others finished the epoch this peer missed."""
+    """A `SwarmLink` without a DHT: `moved_on` says whether the others finished the epoch this peer missed, or
+    `moved_on_within` how long after the question the records show it (a watch that long or longer sees it)."""
 
     def __init__(self) -> None:
         self.progress = FakeProgress()
         self.moved_on = False
+        self.moved_on_within: Optional[float] = None
         self.flagged: List[Dict[str, int]] = []
         self.peer_id = "self"
         self.is_cut_off = False  # the DHT has no neighbour (an outage)
@@ -176,7 +178,7 @@ class FakeSwarm:
         self.flagged.append(dict(flagged))
 
     def moved_past(self, epoch: int, within: float, should_stop: Any) -> bool:
-        return self.moved_on
+        return self.moved_on or (self.moved_on_within is not None and within >= self.moved_on_within)
 
     def wait_for_trainers(self, min_trainers: int, timeout: float, should_stop: Any) -> int:
         return self.progress.view.num_trainers

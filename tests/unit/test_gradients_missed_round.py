@@ -265,3 +265,20 @@ def test_a_latecomer_that_missed_a_parameters_round_takes_the_groups_state_not_t
     record = late.epochs.account(SHARE)
     assert late.update_requests == [] and late.downloads == [1]
     assert record.error == MISSED_CAUGHT_UP and late.counters.epoch == 1
+
+
+@pytest.mark.parametrize("params_round", [True, False])
+def test_only_a_peer_that_missed_a_parameters_round_watches_the_swarm_for_the_others_round(params_round):
+    """The others' round shows in the records a heartbeat after ours gave up: a peer that missed a parameters round
+    watches for it (a lone step would leave it on its own parameters), one that missed a gradients round looks once
+    and steps alone (it only prefers their update)."""
+    late = FakeHost(GradientsStrategy(average_parameters="auto" if params_round else False), lr=0.1)
+    late.averager.queue(RoundResult(ok=False, error="no group"))
+    late.swarm.moved_on_within = 1.0
+    late.donor_state = object()
+    late.backward(1.0)
+    record = late.epochs.account(SHARE)
+    if params_round:
+        assert record.error == MISSED_CAUGHT_UP and late.downloads == [1]
+    else:
+        assert record.error == "no group" and late.downloads == [] and late.update_requests == []

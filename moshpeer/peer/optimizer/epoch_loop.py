@@ -266,7 +266,7 @@ class EpochLoop:
                                                   settings=host.strategy.settings())
         started = time.monotonic()
         result = RoundResult(ok=False, error=ROUND_OVER) if over else host.timing.await_result(future, host.should_stop)
-        if over or self.missed_round.missed(result, epoch):  # (over: the records said so already)
+        if over or self.missed_round.missed(result, plan):  # (over: the records said so already)
             update = self.missed_round.fetch_update(plan)
             if update is not None:
                 return self.finish_round(plan, result, MISSED_ROUND_UPDATE, update=update,
@@ -319,7 +319,7 @@ class EpochLoop:
         waited = time.monotonic()
         result = self.host.timing.await_result(future, self.host.should_stop) if future is not None else None
         self.lone_step.settle(result)  # before the round's outcome: it was sent from where that step left θ_outer
-        missed = future is not None and self.missed_round.missed(result, plan.epoch)
+        missed = future is not None and self.missed_round.missed(result, plan)
         update = self.missed_round.fetch_update(plan) if missed else None
         if update is not None:
             error = MISSED_ROUND_UPDATE

@@ -51,16 +51,17 @@ class MissedRound:
     def __init__(self, host: "EpochHost"):
         self.host = host
 
-    def missed(self, result: Optional[RoundResult], epoch: int) -> bool:
-        """Whether this peer's round of `epoch` failed while the others averaged it, for a strategy that then
-        follows them. One whose state must follow theirs watches the swarm for a grace period (their round may be
-        finishing when ours gives up); one that only prefers their update to a lone step looks once (no wait)."""
+    def missed(self, result: Optional[RoundResult], plan: RoundPlan) -> bool:
+        """Whether this peer's round of `plan` failed while the others averaged it, for a strategy that then
+        follows them. One whose state must follow theirs after this round (`needs_state_after_missing`) watches the
+        swarm for a grace period (their round may be finishing when ours gives up, and the records show it a heartbeat
+        later); one that only prefers their update to a lone step looks once (no wait)."""
         host, strategy = self.host, self.host.strategy
-        must_follow = strategy.catches_up_after_missed_round
+        must_follow = strategy.needs_state_after_missing(plan)
         if (result is not None and result.ok) or not (must_follow or strategy.rejoins_by_update):
             return False
         grace = host.timing.missed_round_grace() if must_follow else 0.0
-        return host.swarm.moved_past(epoch, grace, host.should_stop)
+        return host.swarm.moved_past(plan.epoch, grace, host.should_stop)
 
     def fetch_update(self, plan: RoundPlan) -> Optional[Any]:
         """The update the others applied in `plan`'s round, fetched from one of them and fitted to this peer
