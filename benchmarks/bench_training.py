@@ -20,7 +20,8 @@ and adds a moshpeer run with a DropCompute budget, to compare step times with an
 `--netlab RATE` (e.g. 100mbit, or 100,100,100,10 per peer; needs root) runs every peer of both swarms
 in a network namespace of its own whose upload is shaped to RATE (`moshpeer.testing.netlab`; bootstrap
 and aux peers unshaped), instead of all on 127.0.0.1; `--netlab-rtt MS [--netlab-jitter MS]` puts every
-process that far from the others.
+process that far from the others (one value, or one per peer: 50,100,200,...), and `--netlab-sites` puts peers
+behind NATs or firewalls (-,-,cone-a,symmetric-b: moshpeer only).
 
 Ends with one JSON line: moshpeer_s, hivemind_s, moshpeer_acc, hivemind_acc, single_acc, speedup_vs_hivemind,
 bytes_per_round, bytes_per_round_before, bytes_vs_before, ...
@@ -39,7 +40,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -57,22 +58,36 @@ HIVEMIND_SETTINGS = dict(
     offload_optimizer=False,
     reuse_grad_buffers=False,
     verbose=False,
-    # hivemind warns that request_timeout (default 3 s) must be below matchmaking_time, or matchmaking
-    # can deadlock; with 1 s matchmaking we saw every round time out at averaging_timeout without it.
-    averager_opts=dict(request_timeout=0.5),
 )
+
+
+def hivemind_settings(matchmaking_time: float) -> dict:
+    """HIVEMIND_SETTINGS with this run's matchmaking time, and request_timeout half of it (moshpeer's default rule).
+    hivemind warns that request_timeout (default 3 s) must be below matchmaking_time, or matchmaking can deadlock;
+    with 1 s matchmaking we saw every round time out at averaging_timeout without it."""
+    return {**HIVEMIND_SETTINGS, "matchmaking_time": matchmaking_time,
+            "averager_opts": dict(request_timeout=matchmaking_time / 2)}
 HIVEMIND_TRACKER = dict(min_refresh_period=0.2, max_refresh_period=1.0, default_refresh_period=0.5)
 
 
 # ---- processes ----------------------------------------------------------------------------------
 
 
+# --logs-out: a folder where every child's stderr is kept (else a temporary file each)
+LOGS: Dict[str, Optional[Path]] = {"dir": None}
+
+
 class Child:
-    """A child process whose stdout JSON lines are collected in a thread; its stderr is kept in a temporary file
-    (`stderr_tail`, for the error of a run that did not finish)."""
+    """A child process whose stdout JSON lines are collected in a thread; its stderr is kept in a temporary file,
+    or in LOGS["dir"] as NN-COMMAND.log (`stderr_tail`, for the error of a run that did not finish)."""
 
     def __init__(self, argv: List[str], env: Dict[str, str]):
-        self.stderr = tempfile.TemporaryFile()
+        if LOGS["dir"] is None:
+            self.stderr = tempfile.TemporaryFile()
+        else:
+            command = next((a for a in argv if a in ("dht", "join", "--hivemind-worker")), "child").lstrip("-")
+            self.stderr = tempfile.NamedTemporaryFile(dir=LOGS["dir"], prefix=f"{command}-", suffix=".log",
+                                                      delete=False)
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(REPO), start_new_session=True)
         self.events: List[dict] = []
@@ -141,16 +156,51 @@ class Placement:
     def argv(self, k: int, argv: List[str]) -> List[str]:
         return argv if self.lab is None else self.lab.command(k, argv)
 
+    def behind_nat(self, k: int) -> bool:
+        """Whether process k sits behind a NAT or firewall site: nobody can connect to it (`--behind-nat`)."""
+        return self.lab is not None and self.lab.nodes[k].site is not None
+
 
 def add_netlab_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--netlab", metavar="RATE", default=None,
                         help="run every peer in a network namespace with its upload shaped to RATE (100mbit, 1gbit, "
                         "or one rate per peer: 100,100,100,10); needs root")
     parser.add_argument("--netlab-rtt", metavar="MS", default=None,
-                        help="with --netlab: the round trip every process adds, ms (two peers 200 ms apart: 200; the "
-                        "bootstrap and aux peers too)")
+                        help="with --netlab: the round trip each process adds, ms: one value (two peers 200 ms apart: "
+                        "200) or one per peer (peers i and j are (rtt_i + rtt_j) / 2 apart); the bootstrap and aux "
+                        "peers take the first")
     parser.add_argument("--netlab-jitter", metavar="MS", default=None,
-                        help="with --netlab-rtt: how much each round trip varies, ms")
+                        help="with --netlab-rtt: how much each round trip varies, ms (one value, or one per peer)")
+    parser.add_argument("--netlab-sites", metavar="LIST", default=None,
+                        help="with --netlab: where each peer sits, comma-separated: - (public), cone-NAME, "
+                        "symmetric-NAME or firewall-NAME (peers with one NAME share a site); moshpeer peers behind "
+                        "one run --behind-nat, and hivemind is skipped (its peers cannot reach them)")
+
+
+def per_process(spec: Optional[str], peers: int, extra_nodes: int) -> Union[None, str, List[str]]:
+    """A --netlab-rtt / --netlab-jitter value for netlab: one for all, or one per peer then the first for the
+    bootstrap and aux processes; SystemExit with one line if the count is wrong."""
+    if spec is None or "," not in spec:
+        return spec
+    entries = spec.split(",")
+    if len(entries) != peers:
+        raise SystemExit(f"{spec!r}: {len(entries)} entries for {peers} peers")
+    return entries + [entries[0]] * extra_nodes
+
+
+def netlab_sites(args) -> List[Optional[str]]:
+    """`--netlab-sites`, one entry per training peer (None: public); SystemExit with one line if it is malformed."""
+    from moshpeer.testing import netlab
+
+    if not getattr(args, "netlab_sites", None):
+        return [None] * args.peers
+    entries = args.netlab_sites.split(",")
+    if len(entries) != args.peers:
+        raise SystemExit(f"--netlab-sites: {len(entries)} entries for {args.peers} peers")
+    try:
+        return [netlab.parse_site(entry) for entry in entries]
+    except netlab.NetlabError as e:
+        raise SystemExit(f"--netlab-sites: {e}") from None
 
 
 @contextmanager
@@ -165,9 +215,12 @@ def placement_from_args(args, extra_nodes: int) -> Iterator[Placement]:
     if reason is not None:
         raise SystemExit(reason)
     uploads = netlab.parse_rates(args.netlab, args.peers) + [None] * extra_nodes
-    with netlab.Netlab(uploads, rtt=args.netlab_rtt, jitter=args.netlab_jitter) as lab:
+    sites = netlab_sites(args)
+    options = {"sites": sites + [None] * extra_nodes, "subnet": netlab.PUBLIC_CORE_SUBNET} if any(sites) else {}
+    rtt, jitter = (per_process(spec, args.peers, extra_nodes) for spec in (args.netlab_rtt, args.netlab_jitter))
+    with netlab.Netlab(uploads, rtt=rtt, jitter=jitter, **options) as lab:
         print(f"netlab: peers' uploads {uploads[:args.peers]} Mbit/s on a private bridge, round trips "
-              f"{args.netlab_rtt or 0} ms (jitter {args.netlab_jitter or 0} ms)", flush=True)
+              f"{args.netlab_rtt or 0} ms (jitter {args.netlab_jitter or 0} ms), sites {sites}", flush=True)
         yield Placement(lab)
 
 
@@ -265,6 +318,10 @@ def run_moshpeer(args, *, straggler: Optional[str], budget: Optional[str], tag: 
                                  "--min-peers", str(args.peers), "--max-epochs", str(args.epochs), "--eval-every", "1",
                                  "--target-batch-size", str(GLOBAL_BATCH), "--batch-size", str(MICRO_BATCH),
                                  "--matchmaking-time", str(args.matchmaking_time), "--seed", str(i))
+            if where.behind_nat(i):
+                argv += ["--behind-nat"]
+            if LOGS["dir"] is not None:
+                argv.insert(argv.index("join"), "-v")  # DEBUG lines too: the logs are for finding what went wrong
             if budget:
                 argv += ["--compute-budget", budget]
             if straggler and i == 0:
@@ -341,7 +398,7 @@ def hivemind_worker(args) -> int:
     task = load_task("digits")
     dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[args.host_maddr], start=True)
     print(json.dumps({"event": "ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
-    settings = {**HIVEMIND_SETTINGS, "matchmaking_time": args.matchmaking_time}
+    settings = hivemind_settings(args.matchmaking_time)
     opt = hivemind.Optimizer(dht=dht, run_id="bench-hivemind", target_batch_size=GLOBAL_BATCH,
                              batch_size_per_step=MICRO_BATCH, params=task.model.parameters(),
                              optimizer=lambda params: task.make_optimizer(params),
@@ -420,6 +477,8 @@ def main() -> int:
     parser.add_argument("--skip-before", action="store_true",
                         help="skip the moshpeer run that averages the parameters every round (bytes_per_round_before)")
     parser.add_argument("--events-out", metavar="PATH", help="write every peer's JSON events here (debugging)")
+    parser.add_argument("--logs-out", metavar="DIR",
+                        help="keep every process's stderr in this folder, moshpeer peers' with -v (debugging)")
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -428,6 +487,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.hivemind_worker:
         return hivemind_worker(args)
+    if args.logs_out:
+        LOGS["dir"] = Path(args.logs_out)
+        LOGS["dir"].mkdir(parents=True, exist_ok=True)
+    if any(netlab_sites(args)) and not args.skip_hivemind:
+        print("--netlab-sites: hivemind skipped (its peers cannot reach peers behind NAT here)", flush=True)
+        args.skip_hivemind = True
     with placement_from_args(args, extra_nodes=1 + args.aux) as args.placement:
         return run_all(args)
 
@@ -437,7 +502,7 @@ def run_all(args) -> int:
     straggler = f"lognormal:mean_s={args.straggler_mean},sigma=1.5,seed=7" if args.straggler else None
     print(f"peers={args.peers} aux={args.aux} group_size={args.group_size or args.peers} epochs={args.epochs} global_batch={GLOBAL_BATCH} micro_batch={MICRO_BATCH} "
           f"target_acc={args.target} straggler={straggler}")
-    print(f"hivemind.Optimizer settings: {HIVEMIND_SETTINGS | {'matchmaking_time': args.matchmaking_time}} "
+    print(f"hivemind.Optimizer settings: {hivemind_settings(args.matchmaking_time)} "
           f"tracker_opts={HIVEMIND_TRACKER}")
     results = {"single": run_single(args)}
     results["moshpeer"] = run_moshpeer(args, straggler=straggler, budget=None, tag="plain")
@@ -468,7 +533,7 @@ def run_all(args) -> int:
         "moshpeer_step_s": moshpeer["mean_step_s"], "hivemind_step_s": hive.get("mean_step_s"),
         "target_acc": args.target, "epochs": args.epochs, "peers": args.peers,
         "group_size": args.group_size or args.peers, "aux": args.aux, "netlab": args.netlab,
-        "netlab_rtt_ms": args.netlab_rtt,
+        "netlab_rtt_ms": args.netlab_rtt, "netlab_sites": args.netlab_sites,
         "bytes_per_round": moshpeer["bytes_per_round"],
     }
     if not args.skip_before:

@@ -64,11 +64,6 @@ SLOW_MBIT, FAST_MBIT = 10.0, 100.0
 # libp2p streams (nat_libp2p_*).
 RTT_MS = {"rtt0": 0.0, "rtt50": 50.0, "rtt100": 100.0, "rtt200": 200.0}
 NAT_SITES = [None, "cone-a", "cone-a", "symmetric-b", "symmetric-b"]
-# The nat lab's core (the public peer and the NATs' outside addresses) takes a range from public address space:
-# libp2p counts RFC 1918 and benchmarking ranges as private, and a relay puts only public addresses in the slots it
-# reserves, so on netlab's usual core no NAT'ed peer could be reached through the public one. The range lives on
-# the lab's own bridges only, with no route out of the machine.
-NAT_CORE_SUBNET = "11.213.0.0/24"
 SCENARIOS = ("100mbit", "1gbit", "hetero", *RTT_MS, "nat", "join")
 MATCHMAKING_MB = 4.0
 
@@ -87,7 +82,7 @@ def lab_options(scenario: str) -> dict:
     if scenario in RTT_MS:
         return {"rtt": RTT_MS[scenario]}
     if scenario == "nat":
-        return {"sites": NAT_SITES, "subnet": NAT_CORE_SUBNET}
+        return {"sites": NAT_SITES, "subnet": netlab.PUBLIC_CORE_SUBNET}  # see there: relays need public addresses
     return {}
 
 

@@ -31,11 +31,11 @@ skip with it and `Netlab.up()` raises `NetlabError` with it.
 """
 
 from moshpeer.testing.netlab.commands import NetlabError
-from moshpeer.testing.netlab.lab import (IFNAME, MAX_INITIAL_WINDOW, MAX_PEERS, SUBNET_CANDIDATES, Netlab, Node, cleanup, cpu_budget,
-                                         pick_subnet, unavailable)
+from moshpeer.testing.netlab.lab import (IFNAME, MAX_INITIAL_WINDOW, MAX_PEERS, PUBLIC_CORE_SUBNET, SUBNET_CANDIDATES,
+                                         Netlab, Node, cleanup, cpu_budget, pick_subnet, unavailable)
 from moshpeer.testing.netlab.outage import outage, readdress
 from moshpeer.testing.netlab.spec import SITE_KINDS, parse_ms, parse_rate, parse_rates, parse_share, parse_site
 
-__all__ = ["IFNAME", "MAX_INITIAL_WINDOW", "MAX_PEERS", "SITE_KINDS", "SUBNET_CANDIDATES", "Netlab", "NetlabError", "Node", "cleanup", "cpu_budget",
-           "outage", "parse_ms", "parse_rate", "parse_rates", "parse_share", "parse_site", "pick_subnet", "readdress",
-           "unavailable"]
+__all__ = ["IFNAME", "MAX_INITIAL_WINDOW", "MAX_PEERS", "PUBLIC_CORE_SUBNET", "SITE_KINDS", "SUBNET_CANDIDATES",
+           "Netlab", "NetlabError", "Node", "cleanup", "cpu_budget", "outage", "parse_ms", "parse_rate", "parse_rates",
+           "parse_share", "parse_site", "pick_subnet", "readdress", "unavailable"]

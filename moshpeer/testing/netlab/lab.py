@@ -29,6 +29,11 @@ MAX_PEERS = 250
 # is skipped. Sites (NAT, firewall) take theirs from SITE_SUBNETS the same way.
 SUBNET_CANDIDATES = ("10.213.0.0/24", "10.214.0.0/24", "10.215.0.0/24", "198.18.213.0/24", "198.19.213.0/24")
 SITE_SUBNETS = tuple(f"172.31.{k}.0/24" for k in range(256))
+# A lab whose peers behind NAT must be reached through a relay takes its public side from public address space (pass
+# it as `subnet`): libp2p counts RFC 1918 and benchmarking ranges as private, and a relay puts only public addresses
+# in the slots it reserves, so on the usual candidates no NAT'ed peer could be reached through a public one. The
+# range lives on the lab's own bridges only, with no route out of the machine.
+PUBLIC_CORE_SUBNET = "11.213.0.0/24"
 PERSISTENT_OWNER = 0  # labs of `netlab up`: no owning process, removed by `netlab down`
 # tbf: the bucket holds at least MIN_BURST_BYTES and 1 ms of the rate (a smaller one costs throughput
 # at high rates); the queue holds QUEUE_SECONDS of the rate, at least MIN_QUEUE_BYTES, like a router's
