@@ -296,8 +296,11 @@ def test_group_target_follows_live_peers_and_budget_bounds_the_window(dht_node):
     try:
         assert [opt.epochs.group_target(swarm(n)) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
         assert opt.epochs.group_target(swarm(2, aux=1)) == 3 and opt.epochs.group_target(swarm(4, aux=1)) == 4
-        # The window ends at the budget deadline of the epoch (0.4 s after it began), never below the floor.
         timing.begin_epoch()  # the epoch begins now
+        assert timing.matchmaking_window() == 1.0  # no full group assembled yet: the whole matchmaking time
+        # Once the averager saw one assemble (0.05 s), the window ends at the budget deadline of the epoch (0.4 s
+        # after it began), never below the floor.
+        timing.fastest_assembly = lambda size: 0.05
         window = timing.matchmaking_window()
         assert MIN_BUDGET_WINDOW_S < window <= 0.4
         timing.epoch_budget._start -= 0.5  # the epoch began 0.5 s earlier: the deadline has passed

@@ -14,9 +14,11 @@ from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FA
 from peer_fakes import FakeClock, FakeFuture, peer_record as record
 
 
-def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0):
+def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0, fastest_assembly: float = 0.05):
+    """A budgeted RoundTiming whose averager saw full groups assemble in `fastest_assembly` seconds (0.05: the floor
+    is MIN_BUDGET_WINDOW_S)."""
     clock = FakeClock()
-    return RoundTiming(matchmaking_time, seconds, 4, clock=clock), clock
+    return RoundTiming(matchmaking_time, seconds, 4, clock=clock, fastest_assembly=lambda size: fastest_assembly), clock
 
 
 def test_without_a_budget_a_round_waits_the_matchmaking_time():
@@ -36,6 +38,18 @@ def test_the_window_ends_at_the_budget_deadline_but_never_below_the_floor():
     timing.fastest_assembly = lambda size: 0.15  # the averager saw complete groups take 0.15 s (a loaded machine)
     assert timing.assembly_floor() == pytest.approx(0.45)
     assert timing.matchmaking_window() == pytest.approx(0.45)
+
+
+def test_before_any_full_group_assembled_a_budgeted_window_is_the_whole_matchmaking_time():
+    """Peers 200 ms apart take 1.1 s to assemble a group; a budget of 0.25 s cut every window to the 0.2 s floor, no
+    group ever formed, so none was measured either (48 of 55 rounds found no group, session 50)."""
+    timing, clock = budgeted(0.25, matchmaking_time=3.0, fastest_assembly=None)
+    clock.advance(0.3)  # past the deadline
+    assert timing.matchmaking_window() == 3.0 and not timing.too_late_for_round()
+    timing.fastest_assembly = lambda size: 1.1  # then one formed in 1.1 s
+    assert timing.matchmaking_window() == pytest.approx(3.0) and timing.assembly_floor() == pytest.approx(3.0)
+    timing.fastest_assembly = lambda size: 0.5
+    assert timing.matchmaking_window() == pytest.approx(1.5)
 
 
 def test_the_budget_stops_compute_after_tau_and_says_so():
@@ -62,7 +76,7 @@ def test_the_assembly_floor_asks_the_averager_for_the_rounds_group_size():
                          fastest_assembly=lambda size: asked.append(size) or {2: 0.1, 4: 0.2}.get(size))
     assert timing.assembly_floor() == pytest.approx(ASSEMBLY_MARGIN * 0.2) and asked == [4]  # default: group_size
     assert timing.assembly_floor(2) == pytest.approx(max(MIN_BUDGET_WINDOW_S, ASSEMBLY_MARGIN * 0.1))
-    assert timing.assembly_floor(3) == MIN_BUDGET_WINDOW_S  # nothing learned for groups of 3 yet
+    assert timing.assembly_floor(3) == 1.0  # nothing learned for groups of 3 yet: the whole matchmaking time
     timing.fastest_assembly = lambda size: 5.0  # never more than the matchmaking time
     assert timing.assembly_floor() == 1.0
 
@@ -70,10 +84,10 @@ def test_the_assembly_floor_asks_the_averager_for_the_rounds_group_size():
 def test_the_floor_follows_what_a_real_averagers_learner_measured():
     learner = DeadlineLearner(matchmaking_floor=0.2, matchmaking_cap=5.0, round_floor=0.1, round_cap=30.0)
     timing = RoundTiming(1.0, 0.4, 4, clock=FakeClock(), fastest_assembly=learner.fastest_assembly_s)
-    assert timing.assembly_floor() == MIN_BUDGET_WINDOW_S  # nothing measured yet
+    assert timing.assembly_floor() == 1.0  # nothing measured yet: the whole matchmaking time
     learner.observe_result(RoundResult(ok=True, group_id="ab", group_size=2, matchmaking_s=0.01), target=4,
                            payload_bytes=400)  # not a complete group: says nothing
-    assert timing.assembly_floor() == MIN_BUDGET_WINDOW_S
+    assert timing.assembly_floor() == 1.0
     learner.observe_result(RoundResult(ok=True, group_id="ab", group_size=4, matchmaking_s=0.15), target=4,
                            payload_bytes=400)
     assert timing.assembly_floor() == pytest.approx(0.45)
