@@ -71,6 +71,9 @@ from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
 
+# A round of a peer behind NAT that no relay holds a slot for (nobody could reach it): no group is looked for.
+NO_RELAY = "behind NAT and no relay holds a slot for this peer yet (a public peer of the run serves one)"
+
 
 @dataclass(frozen=True)
 class RoundAsked:
@@ -396,18 +399,24 @@ class MoshpitAverager(ServicerBase):
 
     def _round(self, asked: RoundAsked) -> RoundResult:
         started, (host, port), deadline = time.monotonic(), self.data_address, asked.deadline
+        # Behind NAT, mates reach this peer only through the relay its metadata names: without one it would join a
+        # group that cannot connect to it (on netlab a peer that took its slot 0.1 s after declaring itself was
+        # absent from its first round, a parameters round whose members then averaged different sets).
+        relay = self._nat.wait_for_relay(max(deadline.search_end - started, 0.0))  # None at once when public
+        unreachable = self.behind_nat and self.transport != "libp2p" and relay is None
         gathered = pack_member_info(host, port, self.links.declared_weight(asked.weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,
                                     self.admission.tag(self.identity.peer_id), pace_s=deadline.paced_s,
-                                    relay=self._nat.relay, group_size=self.target_group_size, work=asked.work,
+                                    relay=relay, group_size=self.target_group_size, work=asked.work,
                                     answer_wait_s=self._matchmaking.answer_wait(asked.window), epoch=asked.epoch,
                                     digest=asked.digest)
         request = StepRequest.for_round(deadline, gathered, asked.weight, asked.window, asked.target,
                                         schema_hash(asked.tensors, self.compression_spec, self.chunk_numel))
         bits_before = self.group_bits
         with self._plane.matchmaking():  # connections for a group we may be about to learn of wait meanwhile
-            group, error = self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)
+            group, error = (None, NO_RELAY) if unreachable else \
+                self._matchmaking.find_group(request, self._loop_thread.loop, deadline.end)
             group_prefix = wire.group_tag_prefix(group.group_id) if group is not None else None
             if group_prefix is not None:
                 self._plane.open_group(group_prefix)  # before leaving matchmaking: no refusal in between
