@@ -58,7 +58,7 @@ from moshpeer.averaging.kept_links import KeptLinks
 from moshpeer.averaging.scratch import ScratchPool
 from moshpeer.averaging.pacing import group_links
 from moshpeer.averaging.suspects import SuspectTracker
-from moshpeer.averaging.tcp_relay.role import RelayRole
+from moshpeer.averaging.tcp_relay.role import NO_RELAY, RelayRole
 from moshpeer.averaging.uplink import UploadEstimate
 from moshpeer.compression.codec import get_compression
 from moshpeer.compression.kernels import load_kernels
@@ -71,8 +71,6 @@ from moshpeer.errors import ProtocolError, UserError
 
 logger = logging.getLogger(__name__)
 
-# A round of a peer behind NAT that no relay holds a slot for (nobody could reach it): no group is looked for.
-NO_RELAY = "behind NAT and no relay holds a slot for this peer yet (a public peer of the run serves one)"
 
 
 @dataclass(frozen=True)
@@ -352,21 +350,19 @@ class MoshpitAverager(ServicerBase):
             accepted by then waits up to request_timeout + ASSEMBLY_GRACE_S longer for that group (see
             matchmaking_adapter.py); the data plane then has the deadline in force from the group's assembly
             (`round_timeout`, or the adaptive one between `min_round_timeout` and it)
-        :param target_group_size: this round only: a group this large assembles at once (e.g. the number of
-            live peers when the swarm is smaller than the configured group); default: the configured one
-        :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. up to a
-            compute-budget deadline); default: the configured one
+        :param target_group_size: this round only: a group this large assembles at once (e.g. the live peers, when
+            fewer than the configured group)
+        :param matchmaking_time: this round only: how long to wait for the group to fill (e.g. to a budget deadline)
         :param tensors: this round only: average these instead of `self.tensors` (e.g. views of a part of
             them: a round that needs less sends less). Peers group only with peers whose round averages the
             same shapes (the schema hash covers them); UserError for non-float tensors
         :param averaged: what the tensors hold, e.g. ("gradients",); the result reports it
-        :param upload_spread_s: this round only: spread its upload over about this many seconds (pacing.py: for
-            a round nobody waits for; the group paces by its smallest spread, within the deadline); 0: unpaced
-        :param hold_s: this round only: keep the group open at least this long, up to `matchmaking_time` (e.g.
-            for members known to be still computing), even where the learned window is shorter
-        :param epoch, work: told to the group: the training epoch this round's contribution belongs to (the result's
-            `member_epochs`), and the (epoch, micro-batch size) of the data assignment it was computed on, for
-            spot checks (moshpeer/peer/accountability/); None: not told
+        :param upload_spread_s: this round only: spread its upload over about this many seconds (pacing.py: a round
+            nobody waits for; the group paces by its smallest spread, within the deadline)
+        :param hold_s: this round only: keep the group open at least this long (up to `matchmaking_time`; e.g. for
+            members still computing), even where the learned window is shorter
+        :param epoch, work: told to the group (None: not): this round's training epoch (`member_epochs`), and the
+            (epoch, micro-batch size) of the data it was computed on, for spot checks (peer/accountability/)
         :param digest: told to the group: <= 32 bytes digesting values all members should hold (`members_diverged`)
         """
         check_round_args(self.min_group_size, weight=weight, upload_spread_s=upload_spread_s, hold_s=hold_s,
@@ -399,11 +395,7 @@ class MoshpitAverager(ServicerBase):
 
     def _round(self, asked: RoundAsked) -> RoundResult:
         started, (host, port), deadline = time.monotonic(), self.data_address, asked.deadline
-        # Behind NAT, mates reach this peer only through the relay its metadata names: without one it would join a
-        # group that cannot connect to it (on netlab a peer that took its slot 0.1 s after declaring itself was
-        # absent from its first round, a parameters round whose members then averaged different sets).
-        relay = self._nat.wait_for_relay(max(deadline.search_end - started, 0.0))  # None at once when public
-        unreachable = self.behind_nat and self.transport != "libp2p" and relay is None
+        relay, unreachable = self._nat.round_relay(max(deadline.search_end - started, 0.0), self.transport)
         gathered = pack_member_info(host, port, self.links.declared_weight(asked.weight), os.urandom(NONCE_BYTES),
                                     (self.loss_budget.budget, self.loss_budget.phase),
                                     (self.upload_bandwidth or 0.0) if self.partition == "bandwidth" else 0.0,

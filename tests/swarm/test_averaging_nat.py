@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moshpeer import MoshpitAverager
-from moshpeer.averaging.averager import NO_RELAY
+from moshpeer.averaging.tcp_relay.role import NO_RELAY
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "nat"

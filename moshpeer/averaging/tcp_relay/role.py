@@ -17,6 +17,9 @@ from moshpeer.averaging.tcp_relay.service import RelayService
 
 # Rounds in a row in which a peer behind NAT heard from none of its group's other members before it leaves its relay.
 SILENT_ROUNDS_TO_MOVE = 3
+# The error of a round of a peer behind NAT that no relay holds a slot for (`RelayRole.round_relay`): no group is
+# looked for, since nobody could connect to it.
+NO_RELAY = "behind NAT and no relay holds a slot for this peer yet (a public peer of the run serves one)"
 
 
 class RelayWatch:
@@ -66,6 +69,15 @@ class RelayRole:
         if self.reservation is None or not self.reservation.wait_for_slot(timeout):
             return None
         return self.reservation.relay
+
+    def round_relay(self, wait_s: float, transport: str) -> Tuple[Optional[Tuple[str, int]], bool]:
+        """(the relay a round's matchmaking metadata names, whether this peer is unreachable without one): behind NAT
+        mates reach it only through that relay (over TCP; a "libp2p" transport reaches it through p2pd), so it
+        waits up to `wait_s` for a slot, and without one looks for no group (NO_RELAY): on netlab a peer that took
+        its slot 0.1 s after declaring itself was absent from its first round, a parameters round whose members then
+        averaged different member sets (session 50). (None, False) at once for a public peer."""
+        relay = self.wait_for_relay(wait_s) if transport != "libp2p" else self.relay
+        return relay, self.reservation is not None and transport != "libp2p" and relay is None
 
     def note_round(self, others: int, unheard: int) -> None:
         """Behind NAT: a round with `others` other members, `unheard` of which delivered nothing to us. Leaves the
