@@ -72,7 +72,6 @@ from moshpeer.errors import ProtocolError, UserError
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class RoundAsked:
     """What one `step()` asked for, checked, with the deadlines computed there: its round reads it in the round thread."""

@@ -4,20 +4,19 @@ Every `step()` adds the micro-batch's gradients, weighted by its samples, to the
 the end of the epoch the round averages this peer's mean gradient with its group, weighted by samples,
 and every member applies the same averaged gradient with the inner optimizer.
 
-Members of a full group apply the same average and stay identical. A peer whose round failed while the
-others averaged it takes their step instead of one of its own (`rejoins_by_update`): it fetches the averaged
-gradient a member kept (round_update.py; one round's bytes, served until that member plans its next round, or
-two more epochs while a straggler at that epoch is in view) and steps on it; its own gradient of the missed epoch is
-carried into its next contribution, weighed by its samples, and it starts the next epoch as far in as the member
-was (`head_start`), so that it meets that epoch's round instead of arriving as late again. A round whose members
-adopted the averaged parameters cannot be made up for that way: a peer that missed it takes their state. Peers
-still drift apart: a peer that stepped alone (no group
-that epoch, or no member served the update), or groups that received different averages (a swarm larger than
-one group). So every `params_every` epochs the round also averages the parameters and every member adopts their
-average (Moshpit SGD's recipe to pull groups back together); `param_spread` reports how far this peer was from
-its group's mean before that. The other rounds send gradients only: half the bytes. The choice depends on the
-epoch only, so the members of one round agree on it (peers group only with peers whose round averages the same
-tensors).
+Members of a full group apply the same average and stay identical. A peer whose round failed while the others
+averaged it takes their step instead of one of its own (`rejoins_by_update`): it fetches the averaged gradient a
+member kept (round_update.py; one round's bytes, served until that member plans its next round, or two more epochs
+while a straggler at that epoch is in view) and steps on it; its own gradient of the missed epoch is carried into
+its next contribution, weighed by its samples, and it starts the next epoch as far in as the member was
+(`head_start`), so that it meets that epoch's round instead of arriving as late again. A round whose members adopted
+the averaged parameters cannot be made up for that way: a peer that missed it takes their state. Peers still drift
+apart: a peer that stepped alone (no group that epoch, or no member served the update), or groups that received
+different averages (a swarm larger than one group). So every `params_every` epochs the round also averages the
+parameters and every member adopts their average (Moshpit SGD's recipe to pull groups back together); `param_spread`
+reports how far this peer was from its group's mean before that. The other rounds send gradients only: half the
+bytes. The choice depends on the epoch only, so the members of one round agree on it (peers group only with peers
+whose round averages the same tensors).
 
 Buffer: [mean gradients..., parameters...] (gradients only with error feedback: EF21M's estimate is
 meaningful for gradients only, so parameters are never averaged then).
