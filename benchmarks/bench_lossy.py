@@ -104,6 +104,8 @@ def run_swarm(args, scenario: str, loss_budget: str) -> dict:
                     "--seed", str(i), "--chunk-bytes", str(args.chunk_bytes), "--loss-budget", loss_budget]
             if faults:
                 argv += ["--faults", faults]
+            if where.behind_nat(i):
+                argv += ["--behind-nat"]
             peers.append(Child(where.argv(i, argv), e))
         children += peers
         for peer in peers:

@@ -79,7 +79,7 @@ LOGS: Dict[str, Optional[Path]] = {"dir": None}
 
 class Child:
     """A child process whose stdout JSON lines are collected in a thread; its stderr is kept in a temporary file,
-    or in LOGS["dir"] as NN-COMMAND.log (`stderr_tail`, for the error of a run that did not finish)."""
+    or in LOGS["dir"] as COMMAND-XXXXXXXX.log (`stderr_tail`, for the error of a run that did not finish)."""
 
     def __init__(self, argv: List[str], env: Dict[str, str]):
         if LOGS["dir"] is None:
