@@ -254,14 +254,19 @@ class DeadlineLearner:
     def observe_result(self, result: "RoundResult", *, target: int, payload_bytes: int) -> None:
         """Learn from a finished round: its assembly time (a full group only; nothing when no group formed:
         the window ran out, which says nothing about how long assembly takes) and its data-plane time (not
-        when a member sent nothing at all: that says when the others gave up, not how long rounds take)."""
+        when a member sent nothing at all: that says when the others gave up, not how long rounds take). A member
+        whose chunk came after we stopped waiting for it (`late`) was alive: the round ran into its deadline, even
+        if that member had been counted departed (on netlab, 200 ms apart, two relayed peers' chunks came late in
+        most rounds, and the deadline never grew, those rounds being taken for a member's death)."""
         if not result.group_id:
             return
         self.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
         if result.ok:
+            late = set(result.late)
             self.observe_round(result.group_size, payload_bytes, result.total_s,
-                               hit_deadline=result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s,
-                               member_died=bool(result.departed or result.absent))
+                               hit_deadline=bool(late) or result.total_s >= DEADLINE_HIT_FRACTION
+                               * result.data_deadline_s,
+                               member_died=bool(set(result.departed) - late or result.absent))
 
     def round_deadline_samples(self, group_size: int, payload_bytes: int) -> List[float]:
         """The round durations measured for this group size and payload class (oldest first)."""

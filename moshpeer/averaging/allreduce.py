@@ -211,7 +211,7 @@ class GroupAllReduce:
         stats.reduce.seconds = stats.reduce_scatter_s = reduce_done - started
         stats.gather.seconds = stats.all_gather_s = finished - reduce_done
         stats.total_s = finished - started
-        stats.departed = sorted(reducer.departed)
+        stats.departed, stats.late = sorted(reducer.departed), sorted(reducer.late)
         stats.absent.sort()
         stats.relayed.sort()
         stats.rejected_connections = self.plane.rejected_connections - rejected_before

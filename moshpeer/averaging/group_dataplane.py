@@ -212,5 +212,5 @@ def log_round(tag: str, result: DataPlaneStats, flagged: dict, aggregation: str,
             f"round {tag}: lost {result.reduce.chunks_lost}/{result.reduce.chunks_expected} "
             f"reduce and {result.gather.chunks_lost}/{result.gather.chunks_expected} gather chunks, "
             f"departed members {result.departed}, rejected {result.rejected_messages} messages and "
-            f"{result.rejected_connections} connections"
+            f"{result.rejected_connections} connections" + (f"; late members {result.late}" if result.late else "")
         )

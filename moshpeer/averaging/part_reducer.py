@@ -118,6 +118,10 @@ class PartReducer:
         self.sent_any = bytearray(self.group_size)  # delivered at least one valid chunk
         self.finished = bytearray(self.group_size)  # will send no more chunks of our part
         self.departed: List[int] = []
+        # Members with a chunk that came after we stopped waiting for it at the deadline (finalized, or they were
+        # counted departed; not with a loss budget, which stops waiting by choice): alive, but slower than the
+        # deadline, which a deadline learner must tell from a member that sent nothing.
+        self.late: List[int] = []
         self._evidence = [MemberEvidence() for _ in range(self.group_size)]  # robust modes: suspects.py's input
         self.nonfinite_averages = 0
         self.robust_too_few = 0  # chunks a robust mode kept our value for: others arrived, fewer than a quorum
@@ -135,6 +139,7 @@ class PartReducer:
         lo, hi = start - self.part_start, end - self.part_start
         with self.chunk_locks[chunk]:
             if self.finalized[chunk]:
+                self._note_late(member)
                 if self.loss_budget > 0:  # a selective resend the budget stopped waiting for: late, not bad
                     return LATE
                 return _refuse(f"reduce chunk {chunk} arrived after its deadline")
@@ -143,6 +148,7 @@ class PartReducer:
             with self._lock:
                 departed = member in self.departed
             if departed:
+                self._note_late(member)
                 return _refuse(f"reduce chunk {chunk} from a member already counted as departed")
             try:
                 if self.contributions is not None:  # robust: keep each member's values apart
@@ -187,10 +193,12 @@ class PartReducer:
                 if verdicts[r] is not None:
                     continue
                 if self.finalized[c]:
+                    self._note_late(member)
                     verdicts[r] = LATE if self.loss_budget > 0 else _refuse(f"reduce chunk {c} arrived after its deadline")
                 elif self.arrived_from[c][member]:
                     verdicts[r] = _refuse(f"duplicate reduce chunk {c}")
                 elif departed:
+                    self._note_late(member)
                     verdicts[r] = _refuse(f"reduce chunk {c} from a member already counted as departed")
                 elif self.contributions is not None:
                     modes[r] = "into"
@@ -251,6 +259,13 @@ class PartReducer:
             done = [c for c in range(self.num_chunks) if not self.finalized[c]]
             self._finalize_many_locked(done)
         return done
+
+    def _note_late(self, member: int) -> None:
+        if self.loss_budget > 0:  # the budget may have chosen to stop waiting: that says nothing of the deadline
+            return
+        with self._lock:
+            if member not in self.late:
+                self.late.append(member)
 
     def _finalize_locked(self, c: int) -> None:
         """With chunk lock c held: write the estimate of chunk c's average into the flat vector."""

@@ -53,6 +53,9 @@ class DataPlaneStats:
     reduce: PhaseStats = field(default_factory=PhaseStats)
     gather: PhaseStats = field(default_factory=PhaseStats)
     departed: List[int] = field(default_factory=list)  # group indices that sent nothing in the round
+    # Group indices with a chunk that reached its owner here after the owner stopped waiting (so, if they had sent
+    # nothing before, also in `departed`): alive, but slower than the round's deadline.
+    late: List[int] = field(default_factory=list)
     # Group indices that were not in the round at all: they refused our authenticated hello (matchmaking
     # disagreed: they never learned of this group), failed to prove the group secret, or were unreachable.
     absent: List[int] = field(default_factory=list)
@@ -88,6 +91,7 @@ class DataPlaneStats:
             reduce=self.reduce + other.reduce,
             gather=self.gather + other.gather,
             departed=sorted(set(self.departed) | set(other.departed)),
+            late=sorted(set(self.late) | set(other.late)),
             absent=sorted(set(self.absent) | set(other.absent)),
             relayed=sorted(set(self.relayed) | set(other.relayed)),
             over_libp2p=sorted(set(self.over_libp2p) | set(other.over_libp2p)),
@@ -117,7 +121,7 @@ class DataPlaneStats:
 # order its keys always had. The per-index counters are left out: a round's readers get `flagged` by peer id.
 _DATA_FIELDS = ("reduce", "gather", "departed", "absent", "relayed", "missing_chunks", "rejected_connections",
                 "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s", "upload_bps")
-_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept")
+_LAST_DATA_FIELDS = ("nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept", "late")
 
 
 def _data_fact(name: str) -> property:
@@ -201,6 +205,7 @@ class RoundResult:
     robust_too_few = _data_fact("robust_too_few")  # (likewise)
     over_libp2p = _data_fact("over_libp2p")  # (likewise)
     connections_kept = _data_fact("connections_kept")  # (likewise)
+    late = _data_fact("late")  # (likewise)
 
     @property
     def chunks_lost(self) -> int:

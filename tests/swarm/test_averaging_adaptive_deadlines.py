@@ -121,6 +121,27 @@ def test_a_member_dying_costs_one_deadline_and_does_not_grow_the_next_one():
     assert deadlines.round_deadline(4, 4096) == pytest.approx(2 * before)
 
 
+def test_a_member_whose_chunk_came_late_was_alive_and_grows_the_next_deadline():
+    """A member counted departed at the owners' deadline whose chunk then came (`RoundResult.late`) was slower than
+    the deadline, not dead: the round ran into its deadline (on netlab 200 ms apart, two relayed peers' chunks came
+    late in most rounds and the deadline never grew, each round taken for a death)."""
+    from moshpeer.averaging.report import DataPlaneStats, RoundResult
+
+    deadlines = _deadlines(growth=2.0)
+    for _ in range(3):
+        deadlines.observe_round(4, 4096, 0.5, hit_deadline=False, member_died=False)
+    before = deadlines.round_deadline(4, 4096)
+
+    def result(departed, late):
+        return RoundResult(ok=True, group_id="ab", group_size=4, matchmaking_s=0.1, data_deadline_s=before,
+                           data=DataPlaneStats(departed=departed, late=late, total_s=0.7 * before))
+
+    deadlines.observe_result(result([2], []), target=4, payload_bytes=4096)  # silent: a death, nothing learned
+    assert deadlines.round_deadline(4, 4096) == pytest.approx(before)
+    deadlines.observe_result(result([2], [2]), target=4, payload_bytes=4096)  # its chunk came: late, not dead
+    assert deadlines.round_deadline(4, 4096) == pytest.approx(2 * before)
+
+
 def test_matchmaking_window_learns_from_full_groups_only():
     deadlines = _deadlines()
     assert deadlines.matchmaking_window(4) == 5.0

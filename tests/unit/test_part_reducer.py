@@ -77,8 +77,10 @@ def test_a_chunk_after_its_finalization_is_refused_without_a_budget_and_late_wit
         verdict = deliver(r, values, 2, 0)
         if expected is None:
             assert verdict is LATE and not verdict.accepted and not verdict.rejected
+            assert r.late == []  # the budget chose to stop waiting: nothing says the deadline was short
         else:
             assert expected in verdict.rejected
+            assert r.late == [2]  # alive, but slower than the deadline (a deadline learner's evidence)
 
 
 def test_a_member_that_finished_without_sending_departs_and_leaves_the_weights():
@@ -100,8 +102,9 @@ def test_a_departed_member_is_refused_in_the_chunks_still_open():
     deliver(r, values, 2, 0)
     r.member_finished(3)
     r.finalize_ready((0,))  # 3 sent nothing so far: departed, once and for the whole round
-    assert r.departed == [3] and not r.finalized[1]
+    assert r.departed == [3] and not r.finalized[1] and r.late == []
     assert "departed" in deliver(r, values, 3, 1).rejected
+    assert r.late == [3]  # it was alive after all: counted departed, and late
 
 
 def test_at_the_deadline_a_missing_chunk_is_estimated_without_bias():

@@ -11,21 +11,21 @@ from moshpeer.averaging.suspects import MemberEvidence
 
 # The keys of `RoundResult.to_dict()` before the data plane's stats were embedded, in their order (plus
 # `robust_too_few`, added after `nonfinite_averages` in session 10, `upload_paced_s`, in session 16, and
-# `contributors`, in session 23).
+# `contributors`, in session 23, and `late`, in session 50).
 KEYS = ["ok", "averaged", "group_id", "group_size", "my_index", "group_bits", "coordinates", "weight", "matchmaking_s",
         "compression", "error", "loss_budget", "loss_phase", "matchmaking_window_s", "round_deadline_s",
         "data_deadline_s", "upload_paced_s", "reduce", "gather", "departed", "absent", "relayed", "missing_chunks",
         "rejected_connections", "rejected_messages", "staged_bytes", "reduce_scatter_s", "all_gather_s", "total_s",
         "upload_bps", "part_sizes", "aggregation", "flagged", "distrusted", "contributors", "member_epochs",
-        "members_diverged", "nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept", "chunks_lost",
-        "lost_fraction", "bytes_sent", "bytes_received"]
+        "members_diverged", "nonfinite_averages", "robust_too_few", "over_libp2p", "connections_kept", "late",
+        "chunks_lost", "lost_fraction", "bytes_sent", "bytes_received"]
 
 
 def stats(k: int) -> DataPlaneStats:
     return DataPlaneStats(
         reduce=PhaseStats(chunks_sent=k, chunks_received=k, chunks_expected=k + 1, chunks_lost=1, bytes_sent=10 * k),
         gather=PhaseStats(chunks_expected=2, chunks_lost=k, bytes_received=5 * k, seconds=0.5),
-        departed=[k], absent=[2], relayed=[k, 3], missing_chunks=[(k, 0)], rejected_connections=k,
+        departed=[k], late=[k], absent=[2], relayed=[k, 3], missing_chunks=[(k, 0)], rejected_connections=k,
         rejected_messages=1, staged_bytes=100, reduce_scatter_s=1.0, all_gather_s=0.5, total_s=1.5,
         upload_bps=None if k == 1 else 1e6 * k, nonfinite_averages=k, robust_too_few=k,
         evidence_by_index=[MemberEvidence(), MemberEvidence(2, k, k - 1), MemberEvidence(2)])
@@ -36,7 +36,7 @@ def test_two_allreduces_add_up():
     assert total.reduce == PhaseStats(chunks_sent=3, chunks_received=3, chunks_expected=5, chunks_lost=2,
                                       bytes_sent=30)
     assert total.gather.chunks_lost == 3 and total.gather.seconds == 1.0
-    assert total.departed == [1, 2] and total.absent == [2] and total.relayed == [1, 2, 3]
+    assert total.departed == [1, 2] and total.late == [1, 2] and total.absent == [2] and total.relayed == [1, 2, 3]
     assert total.missing_chunks == [(1, 0), (2, 0)]
     assert (total.rejected_connections, total.rejected_messages, total.staged_bytes) == (3, 2, 200)
     assert (total.reduce_scatter_s, total.all_gather_s, total.total_s) == (2.0, 1.0, 3.0)
