@@ -80,13 +80,6 @@ def process_group(pgid: int) -> List[ProcInfo]:
     return [info for info in all_processes() if info.pgid == pgid and info.alive]
 
 
-def _kill_quietly(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 # ---- one process --------------------------------------------------------------------------------
 
 
