@@ -263,9 +263,8 @@ class DeadlineLearner:
         self.observe_assembly(target, result.matchmaking_s, full=result.group_size >= target)
         if result.ok:
             late = set(result.late)
-            self.observe_round(result.group_size, payload_bytes, result.total_s,
-                               hit_deadline=bool(late) or result.total_s >= DEADLINE_HIT_FRACTION
-                               * result.data_deadline_s,
+            ran_out = result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s
+            self.observe_round(result.group_size, payload_bytes, result.total_s, hit_deadline=ran_out or bool(late),
                                member_died=bool(set(result.departed) - late or result.absent))
 
     def round_deadline_samples(self, group_size: int, payload_bytes: int) -> List[float]:

@@ -4,7 +4,6 @@ torch shared-memory segments of the processes it killed."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import selectors
@@ -20,6 +19,7 @@ import pytest
 from shared_memory import SHARES_MEMORY, segments_of
 from swarm import SWARM_TAG
 
+from moshpeer.processes import SHM_MANAGER_NAME
 from moshpeer.testing import orphans
 from moshpeer.testing.orphans import Reaper, kill_tagged, remove_torch_segments, tagged_processes
 
@@ -49,7 +49,7 @@ def _first_line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def _torch_segments(processes) -> list:
-    return [path for info in processes for path in glob.glob(f"{orphans.SHARED_MEMORY_DIR}/torch_{info.pid}_*")]
+    return [path for info in processes for path in segments_of(info.pid)]
 
 
 def _wait_gone(tag: str, timeout: float) -> list:
@@ -120,7 +120,7 @@ def test_a_peer_that_ended_before_the_reaper_leaves_no_shared_memory_behind():
         assert segments
         peer.stdin.close()
         assert peer.wait(30) == 0
-        assert [info.name for info in tagged_processes(SWARM_TAG, tag)] == ["torch_shm_manag"]  # in its 2 s
+        assert [info.name for info in tagged_processes(SWARM_TAG, tag)] == [SHM_MANAGER_NAME]  # in its 2 s
         assert kill_tagged(SWARM_TAG, tag) == []
         assert not [path for path in segments if os.path.exists(path)]
     finally:

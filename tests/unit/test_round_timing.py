@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import pytest
 
@@ -14,9 +15,9 @@ from moshpeer.peer.optimizer.round_timing import (ASSEMBLY_MARGIN, AUX_WINDOW_FA
 from peer_fakes import FakeClock, FakeFuture, peer_record as record
 
 
-def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0, fastest_assembly: float = 0.05):
+def budgeted(seconds: float = 0.4, matchmaking_time: float = 1.0, fastest_assembly: Optional[float] = 0.05):
     """A budgeted RoundTiming whose averager saw full groups assemble in `fastest_assembly` seconds (0.05: the floor
-    is MIN_BUDGET_WINDOW_S)."""
+    is MIN_BUDGET_WINDOW_S; None: nothing learned yet)."""
     clock = FakeClock()
     return RoundTiming(matchmaking_time, seconds, 4, clock=clock, fastest_assembly=lambda size: fastest_assembly), clock
 

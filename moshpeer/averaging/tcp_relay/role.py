@@ -76,8 +76,10 @@ class RelayRole:
         waits up to `wait_s` for a slot, and without one looks for no group (NO_RELAY): on netlab a peer that took
         its slot 0.1 s after declaring itself was absent from its first round, a parameters round whose members then
         averaged different member sets (session 50). (None, False) at once for a public peer."""
-        relay = self.wait_for_relay(wait_s) if transport != "libp2p" else self.relay
-        return relay, self.reservation is not None and transport != "libp2p" and relay is None
+        if transport == "libp2p":
+            return self.relay, False
+        relay = self.wait_for_relay(wait_s)
+        return relay, self.reservation is not None and relay is None
 
     def note_round(self, others: int, unheard: int) -> None:
         """Behind NAT: a round with `others` other members, `unheard` of which delivered nothing to us. Leaves the
