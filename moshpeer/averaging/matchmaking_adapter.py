@@ -44,7 +44,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -164,6 +164,8 @@ class MatchmakingAdapter:
         # A broken DHT fails every search at once, round after round: a few lines a minute say so.
         self._failures = RateLimitedLog(logger, interval_s=60.0, per_interval=3)
         self._hide_leaders(self._mm.group_key_manager)
+        self._withdrawals: Set[asyncio.Task] = set()  # un-declarations still on their way to the DHT
+        self._withdraw_in_background(self._mm.group_key_manager)
         self._follower_assemble_group = self._mm.follower_assemble_group
         self._mm.follower_assemble_group = self._assemble_as_follower
         self._mm.leader_assemble_group = self._assemble_as_leader
@@ -229,6 +231,30 @@ class MatchmakingAdapter:
                     if self._avoided.get(str(peer), 0.0) <= now and not excluded_leader(self._admission, str(peer))]
 
         key_manager.get_averagers = leaders_to_ask
+
+    def _withdraw_in_background(self, key_manager) -> None:
+        """Make hivemind's un-declaration (the entry that says this peer no longer looks for a group, stored as its
+        search ends) run beside the round instead of before it: hivemind awaits that DHT store (2 round trips) between
+        assembling the group and returning it, which on peers 200 ms apart was 0.42 of matchmaking's 1.17 s. Nothing
+        needs it first: a leader asked meanwhile refuses (its group is assembled), and the entry's expiration outranks
+        only the declaration it withdraws (the next one is under a new group key, or expires later)."""
+        declare = key_manager.declare_averager
+
+        async def declare_or_withdraw(group_key, peer_id, expiration_time: float, looking_for_group: bool = True
+                                      ) -> bool:
+            if looking_for_group:
+                return await declare(group_key, peer_id, expiration_time, looking_for_group)
+            withdrawal = asyncio.create_task(declare(group_key, peer_id, expiration_time, looking_for_group))
+            self._withdrawals.add(withdrawal)
+            withdrawal.add_done_callback(self._withdrawn)
+            return True
+
+        key_manager.declare_averager = declare_or_withdraw
+
+    def _withdrawn(self, withdrawal: asyncio.Task) -> None:
+        self._withdrawals.discard(withdrawal)
+        if not withdrawal.cancelled() and withdrawal.exception() is not None:  # the entry expires anyway
+            logger.debug(f"withdrawing this peer's group-key entry failed: {withdrawal.exception()!r}")
 
     @property
     def group_bits(self) -> str:
