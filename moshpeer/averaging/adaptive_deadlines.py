@@ -19,6 +19,9 @@ keeps the durations it measured recently and sets the next deadline to
   `--min-matchmaking-time / --matchmaking-time`). With fewer than `min_samples` measurements the
   cap is used, so a new peer starts with the patient setting and tightens as it learns.
 
+A round's duration is the budget it needed (`budget_needed`): its data plane's time, or its reduce-scatter's
+over the share of the budget that phase gets, whichever is longer.
+
 Round durations depend on the group size and the payload, so `DeadlineLearner` keeps one history per
 (group size, payload size class) and falls back to all group sizes of that payload class while a
 group size has too few measurements. Assembly times are kept per target group size; the peer side reads
@@ -34,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple
 
-from moshpeer.averaging.deadline import RoundDeadline
+from moshpeer.averaging.deadline import REDUCE_SCATTER_SHARE, RoundDeadline
 from moshpeer.errors import UserError
 
 if TYPE_CHECKING:
@@ -129,6 +132,16 @@ class AdaptiveDeadline:
     @property
     def streak(self) -> int:
         return self._streak
+
+
+def budget_needed(result: "RoundResult") -> float:
+    """The data-plane budget a round needed: its whole time, or its reduce-scatter over the share of the budget that
+    phase gets (owners stop waiting for contributions at deadline.REDUCE_SCATTER_SHARE of it), whichever is longer.
+    The round's time alone is not enough where the reduce-scatter is nearly all of it: on netlab, a 20 Mbit/s peer
+    200 ms away behind a symmetric NAT reduced its part in 1.8 s of a 1.9 s round, learned a 2.8 s budget, stopped
+    waiting at 1.7 s, and lost the chunks of its slowest members in every other round (the doubled budget of the
+    round after fit, and the next one fell back)."""
+    return max(result.total_s, result.reduce_scatter_s / REDUCE_SCATTER_SHARE)
 
 
 def payload_bytes(tensors: Iterable) -> int:
@@ -264,7 +277,8 @@ class DeadlineLearner:
         if result.ok:
             late = set(result.late)
             ran_out = result.total_s >= DEADLINE_HIT_FRACTION * result.data_deadline_s
-            self.observe_round(result.group_size, payload_bytes, result.total_s, hit_deadline=ran_out or bool(late),
+            self.observe_round(result.group_size, payload_bytes, budget_needed(result),
+                               hit_deadline=ran_out or bool(late),
                                member_died=bool(set(result.departed) - late or result.absent))
 
     def round_deadline_samples(self, group_size: int, payload_bytes: int) -> List[float]:

@@ -142,6 +142,24 @@ def test_a_member_whose_chunk_came_late_was_alive_and_grows_the_next_deadline():
     assert deadlines.round_deadline(4, 4096) == pytest.approx(2 * before)
 
 
+def test_a_round_whose_reduce_scatter_is_nearly_all_of_it_learns_a_budget_that_leaves_that_phase_its_share():
+    """Owners stop waiting for contributions at REDUCE_SCATTER_SHARE of the budget. A budget learned from the rounds'
+    whole times (1.9 s, 1.8 of it reducing: a slow peer far away behind a NAT, on netlab) cut that phase at 0.9x
+    the time it needs: every round whose budget had not just doubled lost its slowest members' chunks."""
+    from moshpeer.averaging.deadline import REDUCE_SCATTER_SHARE
+    from moshpeer.averaging.report import DataPlaneStats, RoundResult
+
+    deadlines = _deadlines(growth=2.0)
+    for _ in range(6):
+        deadlines.observe_result(RoundResult(ok=True, group_id="ab", group_size=4, matchmaking_s=0.1,
+                                             data_deadline_s=10.0,
+                                             data=DataPlaneStats(reduce_scatter_s=1.8, total_s=1.9)),
+                                 target=4, payload_bytes=4096)
+    # With no margin (k=0, ratio 1), the reduce-scatter gets exactly what it took; the default policy adds 1.5x.
+    assert REDUCE_SCATTER_SHARE * deadlines.round_deadline(4, 4096) == pytest.approx(1.8)
+    assert deadlines.round_deadline_samples(4, 4096) == [pytest.approx(1.8 / REDUCE_SCATTER_SHARE)] * 6
+
+
 def test_matchmaking_window_learns_from_full_groups_only():
     deadlines = _deadlines()
     assert deadlines.matchmaking_window(4) == 5.0
