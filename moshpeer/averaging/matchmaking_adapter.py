@@ -30,6 +30,9 @@ refusal; a robust leader does not start one at its timeout either. It then skips
 entries for AVOID_LEADER_S (an honest robust leader never starts such a group): from its next round on it does
 not even ask it, and the hostile peer can only join honest groups as a follower.
 
+Withdrawals. hivemind awaits the DHT store that withdraws a peer's group-key entry between assembling its group and
+returning it; the adapter runs it beside the round instead (`_withdraw_in_background`, docs/averaging.md).
+
 Group id and order. A leader assembles with the id and order that `group_order.canonical_group` derives from the
 group key and the members' metadata, not hivemind's random ones, and a follower leaves (and avoids, as above) a
 leader whose group says anything else: a hostile leader cannot pick who owns which part or steer its followers'
