@@ -9,7 +9,8 @@ import torch
 
 from moshpeer.averaging.report import RoundResult
 from moshpeer.errors import SwarmLost
-from moshpeer.peer.optimizer.epoch_loop import NO_FRESH_VIEW, ROUND_HISTORY
+from moshpeer.peer.optimizer.epoch_loop import NO_DONOR, NO_FRESH_VIEW, ROUND_HISTORY
+from moshpeer.peer.optimizer.trained_apart import MAX_REJOIN_ATTEMPTS
 from moshpeer.peer.strategies.diloco import DiLoCoStrategy
 from moshpeer.peer.strategies.gradients import GradientsStrategy
 from peer_fakes import FakeHost, swarm_view
@@ -126,15 +127,6 @@ def test_a_peer_behind_the_swarm_adopts_a_donors_state_and_drops_its_samples():
     assert host.counters.dropped_samples == 32 and host.averager.calls == []
 
 
-def test_a_peer_behind_the_swarm_without_a_donor_averages_as_usual():
-    host = gradients_host()
-    host.swarm.progress.view = swarm_view(trainers=2, epoch=3)
-    host.averager.queue(RoundResult(ok=True, group_size=2))
-    host.backward()
-    record = host.epochs.account(32)
-    assert host.downloads == [2] and record.ok and host.counters.dropped_samples == 0
-
-
 def test_a_peer_whose_process_was_paused_reads_the_swarm_again_and_catches_up_instead_of_averaging():
     """SIGSTOP for 30 s at epoch 0: the cached view still says the swarm is at epoch 0 (in step), the swarm is at
     90. The epoch end decides on a fresh read (`current`), so the peer takes a donor's state; on the cached view it
@@ -146,6 +138,29 @@ def test_a_peer_whose_process_was_paused_reads_the_swarm_again_and_catches_up_in
     record = host.epochs.account(32)
     assert host.swarm.progress.current_calls == 1
     assert host.downloads == [89] and record.error == "caught up" and host.averager.calls == []
+
+
+def test_behind_the_swarm_with_no_donor_a_peer_steps_alone_before_its_group_takes_it_along():
+    """Its gradients are for parameters the swarm has left: when no donor delivers the state it asks for, it does not
+    average them into the swarm's round (test_pause, under load: it did, once). After MAX_REJOIN_ATTEMPTS epoch ends
+    in a row without a donor it averages again, and its group's round takes it along (epoch_agreement.py)."""
+    host = gradients_host(lr=0.1)
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=90)
+    for attempt in range(1, MAX_REJOIN_ATTEMPTS):
+        host.backward(1.0)
+        record = host.epochs.account(64)
+        assert record.error == NO_DONOR and record.group_size == 1 and host.averager.calls == []
+        assert len(host.downloads) == attempt  # it asked each time
+    host.averager.queue(RoundResult(ok=True, group_size=3, matchmaking_s=0.05, averaged=("gradients",),
+                                    contributors=["QmOther"]))
+    host.backward(1.0)
+    assert host.epochs.account(64).ok and len(host.averager.calls) == 1
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=host.counters.epoch)  # in step again: the count restarts
+    host.backward(1.0)
+    host.epochs.account(64)
+    host.swarm.progress.view = swarm_view(trainers=3, epoch=90)
+    host.backward(1.0)
+    assert host.epochs.account(64).error == NO_DONOR
 
 
 def test_on_a_stale_view_of_the_swarm_a_peer_steps_alone_and_says_why():

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 # The error of an epoch stepped alone because no complete read of the swarm's progress came in (a stale view).
 NO_FRESH_VIEW = "no fresh view of the swarm"
+NO_DONOR = "behind the swarm, and no donor delivered its state"  # stepped alone: TrainedApart.holds_stale_work
 # How an epoch that took a donor's state says so: behind the swarm, back from an outage ahead of it, after missing its
 # round, or after meeting a later epoch's round with parameters still apart from the group's (MissedRound.steps_apart).
 CAUGHT_UP, REJOINED = "caught up", "back from an outage; took the swarm's state"
@@ -224,16 +225,15 @@ class EpochLoop:
         back = self._rejoin_after_outage(snapshot, facts)
         if back is not None:
             return back
-        if snapshot.global_epoch > epoch + self.max_epoch_lag:
-            # Behind: our gradients are for stale parameters. Adopt a donor's state instead.
-            caught = self._catch_up_instead(snapshot.global_epoch - self.max_epoch_lag, CAUGHT_UP, facts)
-            if caught is not None:
-                return caught
+        lag, behind = self.max_epoch_lag, snapshot.global_epoch > epoch + self.max_epoch_lag
+        caught = self._catch_up_instead(snapshot.global_epoch - lag, CAUGHT_UP, facts) if behind else None
+        if caught is not None:  # behind: our gradients were for stale parameters; else noted (trained_apart.py)
+            return caught
+        self.apart.note_behind(behind)
         # On a stale view (progress.py's `current`) this peer may be far behind without knowing it: it averages nothing.
         alone = snapshot.num_trainers + snapshot.num_aux <= 1 or snapshot.stale
         lone_why = NO_FRESH_VIEW if snapshot.stale else "alone"
-        # With a budget, a peer that arrives after every window of its epoch closed while the swarm moved on
-        # would find nobody, or mix gradients of stale parameters into the next epoch.
+        # With a budget, one that came after every window of its epoch closed would find nobody, or mix stale work in.
         if not alone and host.timing.too_late_for_round() and host.swarm.moved_past(epoch, 0.0, host.should_stop):
             missed = self._catch_up_instead(epoch + 1, MISSED_CAUGHT_UP, facts)
             if missed is not None:
@@ -248,16 +248,16 @@ class EpochLoop:
                      matchmaking_window_s=window, stragglers_eta_s=stragglers)
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, lone_why, wait_s=0.0, **facts)
-        # The weight: the samples this round's contribution holds (tokens: a slower peer counts for what it did).
-        # Work carried in from an earlier epoch was computed on other data and parameters: not checkable.
+        # Weight: the samples this contribution holds. Work carried in from an earlier epoch is not checkable.
         work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
         over = not alone and self.missed_round.round_over(epoch, snapshot.peers)  # it stalled through the others' round
+        if self.apart.holds_stale_work and not over and not host.strategy.overlaps:  # work no donor replaced
+            return self.finish_round(plan, None, NO_DONOR, wait_s=0.0, **facts)
         future = None if alone or over else self.start_round(plan, float(self.counters.samples + carried_in), target,
                                                              window, hold_s=host.timing.straggler_hold(stragglers),
                                                              work=work)
         if host.strategy.overlaps:
-            # Resolved at the next epoch end (settle), while the peer computes. A lone peer's step on its own Δ
-            # waits there too, so that every epoch end resolves exactly one round and reports it.
+            # Resolved at the next epoch end (settle), as is a lone peer's step on its own Δ: one round per epoch end.
             self._in_flight = (future, plan, facts, lone_why if alone else None)
             self.lone_step.start(future)  # the plan stepped alone on a Δ pending in an adopted state: find the group's
             with host.lock:

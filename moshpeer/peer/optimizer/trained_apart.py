@@ -27,6 +27,10 @@ process stalled while it kept its neighbours: its epochs end alone the same way,
 that is ahead for any other reason (the others' rounds failed, a swarm of newcomers that did not download) never
 drops its state here.
 
+Work that no donor replaced is not averaged (`holds_stale_work`): a stretch apart whose download failed, or an epoch
+behind the swarm by more than the lag whose catch-up found no donor (for `max_attempts` epoch ends in a row: then
+its group's round takes the peer along, epoch_agreement.py).
+
 This module decides; the epoch loop feeds it and acts (no I/O here).
 """
 
@@ -49,6 +53,7 @@ class TrainedApart:
         self._synced: Optional[Tuple[int, int]] = None  # (epoch, samples computed before it) of the last sync
         self._samples_at_cut = 0
         self._attempts = 0
+        self._behind_without_donor = 0  # epoch ends in a row behind the swarm where no donor delivered
 
     def synced(self, epoch: int, samples_before: int) -> None:
         """This peer starts `epoch` in step with its swarm (a round with a group, or a state taken), having computed
@@ -75,6 +80,21 @@ class TrainedApart:
             self.since_epoch = None
             return None
         return others_epoch
+
+    def note_behind(self, without_donor: bool) -> None:
+        """An epoch end found this peer behind the swarm by more than the lag, and no donor delivered the state it
+        asked for (`without_donor`), or not."""
+        self._behind_without_donor = self._behind_without_donor + 1 if without_donor else 0
+
+    @property
+    def holds_stale_work(self) -> bool:
+        """Whether this epoch's work is on parameters the swarm has left and a download to replace them failed: a
+        stretch apart whose download failed (for `max_attempts`, then the peer keeps its state), or behind the swarm
+        with no donor (`max_attempts` epoch ends in a row, then its group's round takes it along: epoch_agreement.py).
+        Such work is not averaged (test_pause: under load a peer back from a stopped p2pd found no donor on offer in
+        time and averaged its stale gradients into the pair's round)."""
+        return (self.since_epoch is not None and self._attempts > 0) or \
+            0 < self._behind_without_donor < self.max_attempts
 
     def samples_apart(self, total_samples: int) -> int:
         """Samples this peer computed since `since_epoch` began."""
