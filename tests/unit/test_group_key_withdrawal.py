@@ -82,8 +82,7 @@ def test_a_failed_withdrawal_is_forgotten(caplog):
         key_manager.declare_averager = fails
         adapter = adapter_for(key_manager)
         await key_manager.declare_averager("k", None, 1.0, looking_for_group=False)
-        await asyncio.gather(*adapter._withdrawals, return_exceptions=True)
-        await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+        await asyncio.gather(*adapter._withdrawals, return_exceptions=True)  # its done callback ran before gather's
         return adapter
     caplog.set_level("DEBUG", logger="moshpeer.averaging.matchmaking_adapter")
     assert not asyncio.run(run())._withdrawals

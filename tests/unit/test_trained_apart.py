@@ -37,6 +37,25 @@ def test_back_from_an_outage_far_ahead_the_peer_takes_the_others_epoch():
     assert apart.attempted(adopted=True) and apart.since_epoch is None and apart.samples_apart(9500) == 0
 
 
+def test_work_a_failed_download_did_not_replace_is_stale_until_the_peer_gives_up():
+    """A stretch apart whose download failed (`holds_stale_work`: not averaged) until the last attempt, after which
+    the peer keeps its state; behind the swarm without a donor, for MAX_REJOIN_ATTEMPTS epoch ends in a row at most."""
+    apart = cut_off_at(100)
+    assert not apart.holds_stale_work  # apart, but no download tried yet (still cut off: it averages nothing anyway)
+    for _ in range(MAX_REJOIN_ATTEMPTS - 1):
+        assert not apart.attempted(adopted=False) and apart.holds_stale_work
+    assert apart.attempted(adopted=False) and not apart.holds_stale_work  # gave up: it keeps its state
+    behind = TrainedApart()
+    for _ in range(MAX_REJOIN_ATTEMPTS - 1):
+        behind.note_behind(True)
+        assert behind.holds_stale_work
+    behind.note_behind(True)
+    assert not behind.holds_stale_work  # its group's round takes it along now
+    behind.note_behind(False)
+    behind.note_behind(True)
+    assert behind.holds_stale_work  # in step in between: counted from there
+
+
 def test_the_stretch_counts_from_the_last_round_with_a_group_not_from_when_the_outage_was_seen():
     """The outage is seen a heartbeat late: lone epochs may have raced ahead of the others meanwhile. The others'
     epoch 12 is past where this peer last averaged with them (epoch 4), though behind where it saw the outage (20)."""

@@ -225,11 +225,11 @@ class EpochLoop:
         back = self._rejoin_after_outage(snapshot, facts)
         if back is not None:
             return back
-        lag, behind = self.max_epoch_lag, snapshot.global_epoch > epoch + self.max_epoch_lag
-        caught = self._catch_up_instead(snapshot.global_epoch - lag, CAUGHT_UP, facts) if behind else None
-        if caught is not None:  # behind: our gradients were for stale parameters; else noted (trained_apart.py)
+        in_step_from = snapshot.global_epoch - self.max_epoch_lag  # behind it, our gradients are for stale parameters
+        caught = self._catch_up_instead(in_step_from, CAUGHT_UP, facts) if in_step_from > epoch else None
+        if caught is not None:
             return caught
-        self.apart.note_behind(behind)
+        self.apart.note_behind(in_step_from > epoch)  # and no donor delivered (trained_apart.py)
         # On a stale view (progress.py's `current`) this peer may be far behind without knowing it: it averages nothing.
         alone = snapshot.num_trainers + snapshot.num_aux <= 1 or snapshot.stale
         lone_why = NO_FRESH_VIEW if snapshot.stale else "alone"
@@ -246,13 +246,13 @@ class EpochLoop:
         carried_in = self.counters.carried.get(plan.fragment, 0)
         facts.update(epoch=epoch, samples=self.counters.samples, samples_carried_in=carried_in, group_target=target,
                      matchmaking_window_s=window, stragglers_eta_s=stragglers)
+        over = not alone and self.missed_round.round_over(epoch, snapshot.peers)  # it stalled through the others' round
+        if not (alone or over or host.strategy.overlaps) and self.apart.holds_stale_work:  # work no donor replaced
+            alone, lone_why = True, NO_DONOR
         if alone and not host.strategy.overlaps:  # a lone peer does not wait for a group that cannot form
             return self.finish_round(plan, None, lone_why, wait_s=0.0, **facts)
         # Weight: the samples this contribution holds. Work carried in from an earlier epoch is not checkable.
         work = (epoch, self.batch_size_per_step) if self.declares_work and not carried_in else None
-        over = not alone and self.missed_round.round_over(epoch, snapshot.peers)  # it stalled through the others' round
-        if self.apart.holds_stale_work and not over and not host.strategy.overlaps:  # work no donor replaced
-            return self.finish_round(plan, None, NO_DONOR, wait_s=0.0, **facts)
         future = None if alone or over else self.start_round(plan, float(self.counters.samples + carried_in), target,
                                                              window, hold_s=host.timing.straggler_hold(stragglers),
                                                              work=work)
